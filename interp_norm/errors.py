@@ -1,0 +1,66 @@
+"""Typed exceptions: every bad input names the problem and the fix.
+
+All errors derive from :class:`InterpNormError`, so ``except InterpNormError`` catches
+anything this package raises on purpose; each also derives from the built-in type a Python
+user would expect (``ValueError``, ``FileNotFoundError`` ...), so generic handlers keep working.
+The CLI turns any of them into a one-line message and exit code 2.
+"""
+
+from __future__ import annotations
+
+
+class InterpNormError(Exception):
+    """Base class for every error raised on purpose by interp_norm."""
+
+
+class ProblemStringError(InterpNormError, ValueError):
+    """A problem string such as ``"[12+N3="`` is not a valid addition problem."""
+
+
+class ConfigError(InterpNormError, ValueError):
+    """A model, task or training configuration is inconsistent or out of range."""
+
+
+class CheckpointError(InterpNormError, ValueError):
+    """A checkpoint folder is missing, truncated, corrupted, or of an unknown format."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint exists at the given path or under the given pretrained name."""
+
+
+class NoiseSpecError(InterpNormError, ValueError):
+    """A norm-noise specification (level, target, layers, heads, distribution) is invalid."""
+
+
+class PatchingError(InterpNormError, ValueError):
+    """Activation/attribution patching inputs are inconsistent (shapes, hook names, cells)."""
+
+
+class HookNameError(PatchingError, KeyError):
+    """A hook name does not exist on the model."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class TrainingDivergedError(InterpNormError, RuntimeError):
+    """The training loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+class OutputDirError(InterpNormError, OSError):
+    """An output folder cannot be created or written to."""
+
+
+__all__ = [
+    "InterpNormError",
+    "ProblemStringError",
+    "ConfigError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "NoiseSpecError",
+    "PatchingError",
+    "HookNameError",
+    "TrainingDivergedError",
+    "OutputDirError",
+]
