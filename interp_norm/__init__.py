@@ -1,0 +1,20 @@
+"""interp_norm: mechanistic interpretability of normalisation layers (Pre-Norm vs QKV-Norm).
+
+Reproduces and extends Menary, Kaski & Freitas (2024), "Transformer Normalisation Layers and the
+Independence of Semantic Subspaces", on small addition transformers hooked like TransformerLens.
+"""
+
+from interp_norm.errors import InterpNormError
+from interp_norm.model import HookedNormTransformer, ModelConfig
+from interp_norm.task import AdditionTask, Problem, parse_problem
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdditionTask",
+    "HookedNormTransformer",
+    "InterpNormError",
+    "ModelConfig",
+    "Problem",
+    "parse_problem",
+]

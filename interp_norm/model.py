@@ -1,0 +1,615 @@
+"""Hooked decoder-only transformers whose attention normalisation is a choice.
+
+Read top to bottom like nanoGPT's ``model.py``: config, norms, embedding, attention, MLP, block,
+output head, model. Hook names and weight shapes follow TransformerLens's HookedTransformer
+(``blocks.{l}.attn.hook_q``, ``W_Q`` shaped ``[n_heads, d_model, d_head]``), so
+``transformer_lens.patching`` and ``ActivationCache`` work on these models unchanged.
+
+Attention normalisation (``ModelConfig.attn_norm``), after Menary et al. (2024), formulation table:
+
+=========  ===============================================  ==================================
+``pre``    w = N(x)ᵀ W_QK N(y),  v = W_V N(y)               the paper's Pre-Norm baseline
+``qkv``    w = N(W_Q x)ᵀ N(W_K y),  v = N(W_V y)            the paper's QKV-Norm (per head)
+``qk``     w = N(W_Q x)ᵀ N(W_K y),  v = W_V y               QK-Norm (Qwen3, Gemma 3, OLMo 2)
+``none``   w = xᵀ W_QK y,  v = W_V y                        No-Norm
+=========  ===============================================  ==================================
+
+Choices the paper leaves open (digest §5), each a config field:
+
+* ``norm_kind``: N is RMSNorm (``"rms"``, the paper's "VECNORM", default) or LayerNorm (``"ln"``);
+  attention norms carry a learnable gain and no bias (the paper's Eq. 2). The feed-forward blocks
+  and the output head always use a Pre-LayerNorm *with* bias, as in the paper.
+* ``pre_norm_gains``: the paper gives Pre-Norm separate query/key/value gains (``"separate"``,
+  default); ``"shared"`` is the usual single ``ln1``. The scale is shared either way.
+* ``qkv_gain``: QKV-Norm gains per head (``"per_head"``, default; the paper's ``HEAD_VECNORM``)
+  or one gain vector shared by all heads (``"shared"``).
+* ``attn_scale``: scores are divided by it (default √d_head for every variant). The paper instead
+  calibrates a fixed "Checkpoint" factor so that scores have std 0.1 on the first batch; with
+  √d_head, scores start with std ≈ 1 for every variant, which is what makes them comparable here.
+* No biases on q, k, v (the paper's Theorem 12 argument); ``W_O`` has a bias ``b_O``.
+* ``pos_embed``: the paper's sinusoidal encoding with trainable frequencies (periods 3–1000,
+  log-spaced, filling the first 2·n_freq dimensions) and a random position offset in
+  [0, ``max_pos_offset``] per sequence during training (offset 0 in eval), or ``"learned"``
+  (TransformerLens's standard learned positions, no offset).
+* ``head``: the paper's output head, LayerNorm → MLP with ReLU hidden layers → logits (``"mlp"``),
+  or a plain unembedding ``W_U`` (``"unembed"``).
+* The paper's "Checkpoint" calibration layers are not implemented; initialisation is instead
+  scaled so each variant starts at comparable activation sizes (see ``_init_weights``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Sequence
+
+import einops
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor
+from transformer_lens import ActivationCache
+from transformer_lens.config.transformer_lens_config import TransformerLensConfig
+from transformer_lens.hook_points import HookPoint
+from transformer_lens.HookedRootModule import HookedRootModule
+
+from interp_norm import task as T
+from interp_norm.errors import ConfigError, ProblemStringError
+
+ATTN_NORMS = ("pre", "qkv", "qk", "none")
+NORM_KINDS = ("rms", "ln")
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class ModelConfig(TransformerLensConfig):
+    """Everything that defines an architecture. A ``TransformerLensConfig`` so TL tools accept it."""
+
+    d_model: int = 64
+    d_head: int = 16
+    n_layers: int = 2
+    n_ctx: int = 48
+    n_heads: int = 4
+    d_mlp: Optional[int] = 256
+    d_vocab: int = T.D_VOCAB
+    device: Optional[str] = "cpu"
+    attn_norm: str = "pre"
+    norm_kind: str = "rms"
+    pre_norm_gains: str = "separate"
+    qkv_gain: str = "per_head"
+    attn_scale: Optional[float] = None
+    pos_embed: str = "sinusoidal"
+    n_freq: int = 16
+    min_period: float = 3.0
+    max_period: float = 1000.0
+    max_pos_offset: int = 50
+    head: str = "mlp"
+    head_hidden: tuple[int, ...] = (512, 512)
+    init_embed_std: float = 0.5
+    seed: int = 0
+    act_fn: str = "relu"
+    eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        self.validate()
+        super().__post_init__()
+        if self.attn_scale is None:
+            self.attn_scale = math.sqrt(self.d_head)
+        self.head_hidden = tuple(self.head_hidden)
+        # TL fields read by TL tools (ActivationCache.apply_ln_to_stack, utilities).
+        if self.attn_norm == "pre":
+            self.normalization_type = "LN" if self.norm_kind == "ln" else "RMS"
+        else:
+            self.normalization_type = None
+        self.uses_rms_norm = self.norm_kind == "rms"
+        self.positional_embedding_type = "standard" if self.pos_embed == "learned" else "sinusoidal"
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the bad field and the fix."""
+        for name in ("d_model", "d_head", "n_layers", "n_ctx", "n_heads", "d_vocab", "n_freq"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if self.d_mlp is not None and (not isinstance(self.d_mlp, int) or self.d_mlp < 1):
+            raise ConfigError(f"d_mlp must be a positive integer, got {self.d_mlp!r}")
+        if self.attn_norm not in ATTN_NORMS:
+            raise ConfigError(f"unknown attn_norm {self.attn_norm!r}; choose one of {ATTN_NORMS}")
+        if self.norm_kind not in NORM_KINDS:
+            raise ConfigError(f"unknown norm_kind {self.norm_kind!r}; choose one of {NORM_KINDS}")
+        if self.pre_norm_gains not in ("separate", "shared"):
+            raise ConfigError(f"pre_norm_gains must be 'separate' or 'shared', got {self.pre_norm_gains!r}")
+        if self.qkv_gain not in ("per_head", "shared"):
+            raise ConfigError(f"qkv_gain must be 'per_head' or 'shared', got {self.qkv_gain!r}")
+        if self.pos_embed not in ("sinusoidal", "learned"):
+            raise ConfigError(f"pos_embed must be 'sinusoidal' or 'learned', got {self.pos_embed!r}")
+        if self.head not in ("mlp", "unembed"):
+            raise ConfigError(f"head must be 'mlp' or 'unembed', got {self.head!r}")
+        if self.pos_embed == "sinusoidal" and 2 * self.n_freq > self.d_model:
+            raise ConfigError(
+                f"the sinusoidal encoding fills 2*n_freq={2 * self.n_freq} dimensions but d_model is "
+                f"{self.d_model}; lower n_freq to at most {self.d_model // 2} or raise d_model"
+            )
+        if self.norm_kind == "ln" and self.d_head < 2 and self.attn_norm in ("qk", "qkv"):
+            raise ConfigError("a LayerNorm over a 1-dimensional head is constant; use d_head >= 2 or norm_kind='rms'")
+        if self.max_pos_offset < 0:
+            raise ConfigError(f"max_pos_offset must be >= 0, got {self.max_pos_offset}")
+        if any((not isinstance(h, int)) or h < 1 for h in self.head_hidden):
+            raise ConfigError(f"head_hidden must be positive integers, got {self.head_hidden!r}")
+        if self.attn_scale is not None and not (self.attn_scale > 0 and math.isfinite(self.attn_scale)):
+            raise ConfigError(f"attn_scale must be a positive number, got {self.attn_scale!r}")
+        if not (self.eps >= 0):
+            raise ConfigError(f"eps must be >= 0, got {self.eps!r}")
+
+    PRESETS = {
+        # The paper's Baseline (model spec table): 10 layers, d 512, 12 heads of 64, d_ff 512.
+        "paper": dict(d_model=512, d_head=64, n_heads=12, n_layers=10, d_mlp=512, n_freq=32, head_hidden=(512, 512), n_ctx=64, seed=100),
+        # Trains to >95% per-token accuracy on the cpu task preset on 2 cores (see README).
+        "cpu": dict(d_model=64, d_head=16, n_heads=4, n_layers=3, d_mlp=256, n_freq=16, head_hidden=(128,), n_ctx=32),
+        # For tests: builds and runs in milliseconds.
+        "tiny": dict(d_model=32, d_head=8, n_heads=4, n_layers=2, d_mlp=64, n_freq=8, head_hidden=(32,), n_ctx=32),
+    }
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+        if name not in cls.PRESETS:
+            raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(cls.PRESETS)}")
+        return cls(**{**cls.PRESETS[name], **overrides})
+
+    # Our own fields (not TL's); persisted in checkpoints.
+    _OWN_FIELDS = (
+        "d_model", "d_head", "n_layers", "n_ctx", "n_heads", "d_mlp", "d_vocab", "attn_norm", "norm_kind",
+        "pre_norm_gains", "qkv_gain", "attn_scale", "pos_embed", "n_freq", "min_period", "max_period",
+        "max_pos_offset", "head", "head_hidden", "init_embed_std", "seed", "eps", "use_attn_result",
+        "use_split_qkv_input",
+    )
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self._OWN_FIELDS}
+        d["head_hidden"] = list(d["head_hidden"])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":  # type: ignore[override]
+        unknown = sorted(set(d) - set(cls._OWN_FIELDS))
+        if unknown:
+            raise ConfigError(f"unknown model config fields {unknown}; known fields: {list(cls._OWN_FIELDS)}")
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return ModelConfig.from_dict({**self.to_dict(), **changes})
+
+
+# ----------------------------------------------------------------------------- norms
+
+
+class Norm(nn.Module):
+    """RMSNorm or LayerNorm over the last dimension, with hooks like TransformerLens's.
+
+    ``hook_scale`` is the divisor (``sqrt(mean(x²)+eps)`` for RMS, ``sqrt(var+eps)`` for LN) and
+    ``hook_normalized`` the output after gain and bias. ``n_gains > 1`` gives the paper's separate
+    query/key/value gains on one shared normalisation (Pre-Norm); then ``hook_normalized`` is the
+    vector before the gains and :meth:`forward` returns one tensor per gain.
+    """
+
+    def __init__(self, length: int, kind: str, eps: float, bias: bool = False, n_gains: int = 1):
+        super().__init__()
+        self.kind, self.eps, self.n_gains = kind, eps, n_gains
+        self.w = nn.Parameter(torch.ones(n_gains, length) if n_gains > 1 else torch.ones(length))
+        self.b = nn.Parameter(torch.zeros(length)) if bias else None
+        self.hook_scale = HookPoint()  # [..., 1]
+        self.hook_normalized = HookPoint()  # [..., length]
+
+    def forward(self, x: Float[Tensor, "... d"]) -> Any:
+        if self.kind == "ln":
+            x = x - x.mean(-1, keepdim=True)
+        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        x = x / scale
+        if self.n_gains > 1:
+            x = self.hook_normalized(x)
+            return tuple(x * self.w[i] for i in range(self.n_gains))
+        x = x * self.w
+        if self.b is not None:
+            x = x + self.b
+        return self.hook_normalized(x)
+
+
+class HeadNorm(nn.Module):
+    """Per-head normalisation of q, k or v after the projection (QKV-Norm / QK-Norm).
+
+    Hooks ``hook_{name}_scale`` ([batch, pos, head, 1]) and ``hook_{name}_normed`` live on the
+    parent attention module so they read ``blocks.{l}.attn.hook_q_scale`` like the issue asks.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.kind, self.eps = cfg.norm_kind, cfg.eps
+        shape = (cfg.n_heads, cfg.d_head) if cfg.qkv_gain == "per_head" else (cfg.d_head,)
+        self.w = nn.Parameter(torch.ones(shape))
+
+    def forward(self, x: Float[Tensor, "b p h d"], hook_scale: HookPoint, hook_normed: HookPoint) -> Float[Tensor, "b p h d"]:
+        if self.kind == "ln":
+            x = x - x.mean(-1, keepdim=True)
+        scale = hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        return hook_normed(x / scale * self.w)
+
+
+# ----------------------------------------------------------------------------- embeddings
+
+
+class SinusoidalPosEmbed(nn.Module):
+    """Sinusoidal positions with trainable frequencies (the paper's x_pos).
+
+    Periods start log-spaced between ``min_period`` and ``max_period`` tokens; the encoding fills
+    the first 2·n_freq dimensions and the rest are zero, so |x_pos| is constant (√n_freq).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        periods = torch.exp(torch.linspace(math.log(cfg.min_period), math.log(cfg.max_period), cfg.n_freq))
+        self.freqs = nn.Parameter(2 * math.pi / periods)
+        self.d_model = cfg.d_model
+
+    def forward(self, positions: Float[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
+        angles = positions.unsqueeze(-1).float() * self.freqs
+        enc = torch.cat([angles.sin(), angles.cos()], dim=-1)
+        return F.pad(enc, (0, self.d_model - enc.shape[-1]))
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention with the normalisation placement of ``cfg.attn_norm``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, d, dh = cfg.n_heads, cfg.d_model, cfg.d_head
+        self.W_Q = nn.Parameter(torch.empty(h, d, dh))
+        self.W_K = nn.Parameter(torch.empty(h, d, dh))
+        self.W_V = nn.Parameter(torch.empty(h, d, dh))
+        self.W_O = nn.Parameter(torch.empty(h, dh, d))
+        self.b_O = nn.Parameter(torch.zeros(d))
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        if cfg.attn_norm in ("qk", "qkv"):
+            self.q_norm, self.k_norm = HeadNorm(cfg), HeadNorm(cfg)
+            self.hook_q_scale, self.hook_q_normed = HookPoint(), HookPoint()
+            self.hook_k_scale, self.hook_k_normed = HookPoint(), HookPoint()
+        if cfg.attn_norm == "qkv":
+            self.v_norm = HeadNorm(cfg)
+            self.hook_v_scale, self.hook_v_normed = HookPoint(), HookPoint()
+        self.hook_attn_scores = HookPoint()  # [batch, head, query_pos, key_pos]
+        self.hook_pattern = HookPoint()
+        self.hook_z = HookPoint()  # [batch, pos, head, d_head]
+        self.hook_result = HookPoint()  # [batch, pos, head, d_model], only if cfg.use_attn_result
+        self.register_buffer("mask", torch.tril(torch.ones(cfg.n_ctx, cfg.n_ctx, dtype=torch.bool)), persistent=False)
+
+    def _project(self, x: Tensor, W: Tensor) -> Float[Tensor, "b p h dh"]:
+        if x.ndim == 4:  # split per-head input [b, p, h, d] (use_split_qkv_input)
+            return torch.einsum("bphd,hde->bphe", x, W)
+        return torch.einsum("bpd,hde->bphe", x, W)
+
+    def forward(self, x_q: Tensor, x_k: Tensor, x_v: Tensor) -> Float[Tensor, "batch pos d_model"]:
+        cfg = self.cfg
+        q = self.hook_q(self._project(x_q, self.W_Q))
+        k = self.hook_k(self._project(x_k, self.W_K))
+        v = self.hook_v(self._project(x_v, self.W_V))
+        if cfg.attn_norm in ("qk", "qkv"):
+            q = self.q_norm(q, self.hook_q_scale, self.hook_q_normed)
+            k = self.k_norm(k, self.hook_k_scale, self.hook_k_normed)
+        if cfg.attn_norm == "qkv":
+            v = self.v_norm(v, self.hook_v_scale, self.hook_v_normed)
+        n = q.shape[1]
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / cfg.attn_scale
+        scores = self.hook_attn_scores(scores.masked_fill(~self.mask[:n, :n], float("-inf")))
+        pattern = self.hook_pattern(scores.softmax(dim=-1))
+        z = self.hook_z(torch.einsum("bhqk,bkhd->bqhd", pattern, v))
+        if cfg.use_attn_result:
+            result = self.hook_result(torch.einsum("bqhd,hdm->bqhm", z, self.W_O))
+            return result.sum(dim=2) + self.b_O
+        return torch.einsum("bqhd,hdm->bqm", z, self.W_O) + self.b_O
+
+    @property
+    def W_QK(self) -> Tensor:
+        """[n_heads, d_model, d_model]: w = xᵀ W_QK y before any q/k normalisation."""
+        return self.W_Q @ self.W_K.transpose(-1, -2)
+
+    @property
+    def W_OV(self) -> Tensor:
+        """[n_heads, d_model, d_model] in HookedTransformer's row-vector convention (x @ W_OV)."""
+        return self.W_V @ self.W_O
+
+
+# ----------------------------------------------------------------------------- MLP and block
+
+
+class MLP(nn.Module):
+    """The paper's feed-forward block: one ReLU hidden layer with biases."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.W_in = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
+        self.b_in = nn.Parameter(torch.zeros(cfg.d_mlp))
+        self.W_out = nn.Parameter(torch.empty(cfg.d_mlp, cfg.d_model))
+        self.b_out = nn.Parameter(torch.zeros(cfg.d_model))
+        self.hook_pre, self.hook_post = HookPoint(), HookPoint()
+
+    def forward(self, x: Float[Tensor, "b p d"]) -> Float[Tensor, "b p d"]:
+        pre = self.hook_pre(x @ self.W_in + self.b_in)
+        post = self.hook_post(F.relu(pre))
+        return post @ self.W_out + self.b_out
+
+
+class TransformerBlock(nn.Module):
+    """Attention (normalised as configured), then x → x + MLP(LayerNorm(x)) as in the paper."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        if cfg.attn_norm == "pre":
+            n_gains = 3 if cfg.pre_norm_gains == "separate" else 1
+            self.ln1 = Norm(cfg.d_model, cfg.norm_kind, cfg.eps, bias=False, n_gains=n_gains)
+        self.attn = Attention(cfg)
+        self.ln2 = Norm(cfg.d_model, "ln", cfg.eps, bias=True)
+        self.mlp = MLP(cfg)
+        for name in ("resid_pre", "q_input", "k_input", "v_input", "attn_out", "resid_mid", "mlp_out", "resid_post"):
+            setattr(self, f"hook_{name}", HookPoint())
+
+    def _attn_inputs(self, resid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        cfg = self.cfg
+        if cfg.use_split_qkv_input:  # per-head copies so each head's q/k/v input can be patched alone
+            rep = einops.repeat(resid, "b p d -> b p h d", h=cfg.n_heads)
+            xs = (self.hook_q_input(rep), self.hook_k_input(rep), self.hook_v_input(rep))
+        else:
+            xs = (resid, resid, resid)
+        if cfg.attn_norm != "pre":
+            return xs
+        if cfg.pre_norm_gains == "shared" and not cfg.use_split_qkv_input:
+            y = self.ln1(resid)
+            return y, y, y
+        if cfg.use_split_qkv_input:
+            outs = [self.ln1(x) for x in xs]
+            return tuple(o[i] if isinstance(o, tuple) else o for i, o in enumerate(outs))  # type: ignore[return-value]
+        return self.ln1(resid)
+
+    def forward(self, resid: Float[Tensor, "b p d"]) -> Float[Tensor, "b p d"]:
+        resid = self.hook_resid_pre(resid)
+        attn_out = self.hook_attn_out(self.attn(*self._attn_inputs(resid)))
+        resid = self.hook_resid_mid(resid + attn_out)
+        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid)))
+        return self.hook_resid_post(resid + mlp_out)
+
+
+# ----------------------------------------------------------------------------- output head
+
+
+class OutputHead(nn.Module):
+    """The paper's y = MLP(LayerNorm(x)) with ReLU hidden layers, or a plain unembedding ``W_U``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.kind = cfg.head
+        if cfg.head == "unembed":
+            self.W_U = nn.Parameter(torch.empty(cfg.d_model, cfg.d_vocab))
+            self.b_U = nn.Parameter(torch.zeros(cfg.d_vocab))
+            return
+        sizes = (cfg.d_model, *cfg.head_hidden, cfg.d_vocab)
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.hooks = nn.ModuleList(HookPoint() for _ in cfg.head_hidden)  # head.hooks.{i}: post-ReLU
+
+    def forward(self, x: Float[Tensor, "b p d"]) -> Float[Tensor, "b p vocab"]:
+        if self.kind == "unembed":
+            return x @ self.W_U + self.b_U
+        for layer, hook in zip(self.layers[:-1], self.hooks):
+            x = hook(F.relu(layer(x)))
+        return self.layers[-1](x)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class HookedNormTransformer(HookedRootModule):
+    """Decoder-only transformer for the addition task, hooked like TransformerLens's HookedTransformer.
+
+    ``forward(tokens)`` returns logits ``[batch, pos, d_vocab]``; ``return_type="loss"`` gives the
+    paper's masked cross-entropy over answer tokens (see :func:`interp_norm.task.answer_mask`).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if not isinstance(cfg, ModelConfig):
+            raise ConfigError(f"HookedNormTransformer needs a ModelConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.W_E = nn.Parameter(torch.empty(cfg.d_vocab, cfg.d_model))
+        if cfg.pos_embed == "learned":
+            self.W_pos = nn.Parameter(torch.empty(cfg.n_ctx, cfg.d_model))
+        else:
+            self.pos_embed = SinusoidalPosEmbed(cfg)
+        self.hook_embed, self.hook_pos_embed = HookPoint(), HookPoint()
+        self.blocks = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.ln_final = Norm(cfg.d_model, "ln", cfg.eps, bias=True)
+        self.head = OutputHead(cfg)
+        self._init_weights()
+        self.setup()
+
+    # -- init ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        """Seeded init giving every variant comparable activation sizes at step 0.
+
+        Token embeddings have std ``init_embed_std`` (|x_type| ≈ |x_pos| for the defaults);
+        W_Q/W_K/W_V have std 1/√d_model so q entries are O(1) after a norm; W_O and the MLP's
+        W_out are scaled by 1/√(2·n_layers) as in GPT-2 so the residual stream grows slowly.
+        """
+        cfg = self.cfg
+        g = torch.Generator().manual_seed(cfg.seed)
+
+        def normal_(p: Tensor, std: float) -> None:
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+
+        normal_(self.W_E, cfg.init_embed_std)
+        if cfg.pos_embed == "learned":
+            normal_(self.W_pos, cfg.init_embed_std)
+        depth = 1 / math.sqrt(2 * cfg.n_layers)
+        for block in self.blocks:
+            a = block.attn
+            for W in (a.W_Q, a.W_K, a.W_V):
+                normal_(W, 1 / math.sqrt(cfg.d_model))
+            normal_(a.W_O, depth / math.sqrt(cfg.n_heads * cfg.d_head))
+            normal_(block.mlp.W_in, 1 / math.sqrt(cfg.d_model))
+            normal_(block.mlp.W_out, depth / math.sqrt(cfg.d_mlp))
+        if cfg.head == "unembed":
+            normal_(self.head.W_U, 1 / math.sqrt(cfg.d_model))
+        else:
+            for layer in self.head.layers:
+                normal_(layer.weight, 1 / math.sqrt(layer.in_features))
+                layer.bias.zero_()
+
+    # -- forward -------------------------------------------------------------------------------
+    def embed(self, tokens: Int[Tensor, "batch pos"], pos_offset: Optional[Tensor] = None) -> Float[Tensor, "batch pos d_model"]:
+        cfg = self.cfg
+        b, n = tokens.shape
+        if n > cfg.n_ctx:
+            raise ProblemStringError(
+                f"the input has {n} tokens but the model's context is n_ctx={cfg.n_ctx}; "
+                "use shorter problems or a model with a larger n_ctx"
+            )
+        if tokens.dtype not in (torch.long, torch.int32, torch.int64):
+            raise ProblemStringError(f"tokens must be an integer tensor, got {tokens.dtype}; use model.to_tokens(...)")
+        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= cfg.d_vocab):
+            raise ProblemStringError(f"token ids must lie in [0, {cfg.d_vocab}); use model.to_tokens(...)")
+        tok = self.hook_embed(self.W_E[tokens])
+        if cfg.pos_embed == "learned":
+            pos = self.hook_pos_embed(einops.repeat(self.W_pos[:n], "p d -> b p d", b=b))
+        else:
+            positions = torch.arange(n, device=tokens.device).expand(b, n)
+            if pos_offset is not None:
+                positions = positions + pos_offset.view(b, 1).to(tokens.device)
+            pos = self.hook_pos_embed(self.pos_embed(positions))
+        return tok + pos
+
+    def forward(
+        self,
+        tokens: Int[Tensor, "batch pos"] | str | Sequence[str],
+        return_type: Optional[Literal["logits", "loss", "both"]] = "logits",
+        pos_offset: Optional[Int[Tensor, " batch"]] = None,
+    ) -> Any:
+        """Logits; or the masked answer-token loss; or both. ``pos_offset`` shifts positions per row."""
+        if not isinstance(tokens, Tensor):
+            tokens = self.to_tokens(tokens)
+        if tokens.ndim == 1:
+            tokens = tokens.unsqueeze(0)
+        tokens = tokens.to(self.W_E.device)
+        resid = self.embed(tokens, pos_offset)
+        for block in self.blocks:
+            resid = block(resid)
+        logits = self.head(self.ln_final(resid))
+        if return_type in (None, "logits"):
+            return logits if return_type == "logits" else None
+        loss = F.cross_entropy(logits.flatten(0, 1), T.next_token_targets(tokens).flatten(), ignore_index=-100)
+        return loss if return_type == "loss" else (logits, loss)
+
+    def run_with_cache(self, *args: Any, **kwargs: Any) -> tuple[Any, ActivationCache]:
+        """As HookedRootModule's, but the cache is a TransformerLens ``ActivationCache``."""
+        out, cache = super().run_with_cache(*args, **kwargs)
+        if isinstance(cache, ActivationCache):
+            return out, cache
+        return out, ActivationCache(cache, self)
+
+    # -- tokens --------------------------------------------------------------------------------
+    def to_tokens(self, problems: str | Sequence[str], prepend_bos: bool = True, **_: Any) -> Int[Tensor, "batch pos"]:
+        """Problem strings → right-padded token ids. Each string is validated by the task parser."""
+        if isinstance(problems, str):
+            problems = [problems]
+        if len(problems) == 0:
+            raise ProblemStringError("no problems given; pass a string like '[12+N7=' or a list of them")
+        seqs = []
+        for s in problems:
+            p = T.parse_problem(s)
+            text = s.strip()
+            if prepend_bos and not text.startswith(T.BOS):
+                text = T.BOS + text
+            # keep whatever answer part the user wrote (already checked against the arithmetic)
+            seqs.append(T.encode(text if T.EQ in text else p.question))
+        tokens = T.pad_batch(seqs)
+        if tokens.shape[1] > self.cfg.n_ctx:
+            raise ProblemStringError(
+                f"a problem is {tokens.shape[1]} tokens long but the model's context is n_ctx={self.cfg.n_ctx}; "
+                "use fewer terms/digits or a model with a larger n_ctx"
+            )
+        return tokens.to(self.W_E.device)
+
+    def to_string(self, tokens: Int[Tensor, "... pos"]) -> str | list[str]:
+        if tokens.ndim == 1:
+            return T.decode(tokens)
+        return [T.decode(t) for t in tokens]
+
+    def to_str_tokens(self, tokens: Int[Tensor, " pos"] | str) -> list[str]:
+        if isinstance(tokens, str):
+            tokens = self.to_tokens(tokens)[0]
+        if tokens.ndim == 2:
+            tokens = tokens[0]
+        return [T.VOCAB[int(i)] for i in tokens]
+
+    @torch.no_grad()
+    def generate(self, problems: str | Sequence[str] | Int[Tensor, "batch pos"], max_new_tokens: Optional[int] = None) -> list[str]:
+        """Greedy answers: for ``"[12+N7="`` returns ``"5]"``. Stops at ``]`` (kept in the output)."""
+        if isinstance(problems, Tensor):
+            tokens = problems.clone()
+        else:
+            if isinstance(problems, str):
+                problems = [problems]
+            tokens = T.pad_batch([T.encode(T.parse_problem(s).question) for s in problems])
+        tokens = tokens.to(self.W_E.device)
+        lengths = (tokens != T.PAD_ID).sum(-1)
+        budget = max_new_tokens if max_new_tokens is not None else self.cfg.n_ctx - int(lengths.min())
+        width = min(self.cfg.n_ctx, int(lengths.max()) + budget)
+        if width > tokens.shape[1]:
+            tokens = F.pad(tokens, (0, width - tokens.shape[1]), value=T.PAD_ID)
+        start = lengths.clone()
+        done = torch.zeros(len(tokens), dtype=torch.bool, device=tokens.device)
+        rows = torch.arange(len(tokens), device=tokens.device)
+        for _ in range(budget):
+            active = ~done & (lengths < width)
+            if not active.any():
+                break
+            n = int(lengths[active].max())
+            logits = self(tokens[:, :n])
+            nxt = logits[rows, (lengths - 1).clamp(max=n - 1)].argmax(-1)
+            idx = rows[active]
+            tokens[idx, lengths[idx]] = nxt[idx]
+            lengths[idx] += 1
+            done |= active & (nxt == T.EOS_ID)
+        return [T.decode(tokens[i, start[i] : lengths[i]]) for i in range(len(tokens))]
+
+    # -- conveniences ----------------------------------------------------------------------------
+    @property
+    def W_pos_embed(self) -> Tensor:
+        """Positional embeddings of positions 0..n_ctx-1 at offset 0: [n_ctx, d_model]."""
+        if self.cfg.pos_embed == "learned":
+            return self.W_pos
+        return self.pos_embed(torch.arange(self.cfg.n_ctx, device=self.W_E.device).unsqueeze(0))[0]
+
+    @property
+    def W_U(self) -> Tensor:
+        if self.cfg.head != "unembed":
+            raise ConfigError("this model has the paper's MLP output head, not a plain unembedding W_U; build it with head='unembed'")
+        return self.head.W_U
+
+    def _stack(self, name: str) -> Tensor:
+        return torch.stack([getattr(b.attn, name) for b in self.blocks])
+
+    W_Q = property(lambda self: self._stack("W_Q"), doc="[n_layers, n_heads, d_model, d_head]")
+    W_K = property(lambda self: self._stack("W_K"), doc="[n_layers, n_heads, d_model, d_head]")
+    W_V = property(lambda self: self._stack("W_V"), doc="[n_layers, n_heads, d_model, d_head]")
+    W_O = property(lambda self: self._stack("W_O"), doc="[n_layers, n_heads, d_head, d_model]")
+
+    def hook_names(self) -> list[str]:
+        return list(self.hook_dict)
+
+
+__all__ = ["ModelConfig", "HookedNormTransformer", "ATTN_NORMS", "NORM_KINDS", "Norm", "Attention"]
