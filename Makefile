@@ -1,0 +1,29 @@
+# Two entry points (see README): `make reproduce` and `make test`. Both set up .venv first.
+# torch==2.13.0 is installed explicitly first: on CPU-only machines it is the CPU build, and the
+# project's own `torch>=2.6` requirement is then already satisfied (no multi-GB CUDA download).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+OUT ?= report
+
+.PHONY: setup reproduce test browser bench
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+reproduce: setup
+	$(VENV)/bin/interp-norm reproduce --out $(OUT)
+
+# Headless Chromium (Debian's package) for the dashboard's browser check.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+test: setup browser
+	$(PY) -m pytest
+
+bench: setup
+	for f in benchmarks/bench_*.py; do OMP_NUM_THREADS=1 $(PY) $$f || exit 1; done

@@ -1,0 +1,260 @@
+"""The model against independent computations from its weights (issue: foundation)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformer_lens import ActivationCache, patching
+
+from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig
+from interp_norm.errors import ConfigError, ProblemStringError
+from interp_norm.task import PAD_ID
+
+VARIANTS = [
+    dict(attn_norm="pre", norm_kind="rms", pre_norm_gains="separate"),
+    dict(attn_norm="pre", norm_kind="ln", pre_norm_gains="shared"),
+    dict(attn_norm="qkv", norm_kind="rms"),
+    dict(attn_norm="qkv", norm_kind="ln", qkv_gain="shared"),
+    dict(attn_norm="qk", norm_kind="rms"),
+    dict(attn_norm="none"),
+]
+
+
+def _ids(v):
+    return "-".join(str(x) for x in v.values())
+
+
+def make_model(seed: int = 0, **kw) -> HookedNormTransformer:
+    """A tiny model with every gain and bias moved away from its init, so gains are tested too."""
+    model = HookedNormTransformer(ModelConfig.preset("tiny", seed=seed, **kw)).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".w") or name.endswith(".b") or name.endswith("b_O"):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokens() -> torch.Tensor:
+    return AdditionTask.preset("cpu").sample_batch(6, "id", seed=3).tokens
+
+
+def _norm(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
+    """Textbook RMSNorm / LayerNorm without gain, written independently of the model's code."""
+    if kind == "ln":
+        mu = x.mean(-1, keepdim=True)
+        var = ((x - mu) ** 2).mean(-1, keepdim=True)
+        return (x - mu) / torch.sqrt(var + eps)
+    return x / torch.sqrt((x**2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
+def test_attention_matches_formula_from_weights(variant, tokens):
+    model = make_model(**variant)
+    cfg = model.cfg
+    _, cache = model.run_with_cache(tokens)
+    n = tokens.shape[1]
+    causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    for layer, block in enumerate(model.blocks):
+        a = block.attn
+        x = cache[f"blocks.{layer}.hook_resid_pre"]
+        if cfg.attn_norm == "pre":
+            xn = _norm(x, cfg.norm_kind, cfg.eps)
+            w = block.ln1.w
+            gq, gk, gv = (w[0], w[1], w[2]) if w.ndim == 2 else (w, w, w)
+            xq, xk, xv = xn * gq, xn * gk, xn * gv
+        else:
+            xq = xk = xv = x
+        out = torch.zeros_like(x)
+        for h in range(cfg.n_heads):
+            q, k, v = xq @ a.W_Q[h], xk @ a.W_K[h], xv @ a.W_V[h]
+            if cfg.attn_norm in ("qk", "qkv"):
+                gq = a.q_norm.w[h] if a.q_norm.w.ndim == 2 else a.q_norm.w
+                gk = a.k_norm.w[h] if a.k_norm.w.ndim == 2 else a.k_norm.w
+                q, k = _norm(q, cfg.norm_kind, cfg.eps) * gq, _norm(k, cfg.norm_kind, cfg.eps) * gk
+            if cfg.attn_norm == "qkv":
+                gv = a.v_norm.w[h] if a.v_norm.w.ndim == 2 else a.v_norm.w
+                v = _norm(v, cfg.norm_kind, cfg.eps) * gv
+            scores = q @ k.transpose(-1, -2) / math.sqrt(cfg.d_head)
+            pattern = torch.softmax(scores.masked_fill(~causal, -math.inf), dim=-1)
+            torch.testing.assert_close(cache[f"blocks.{layer}.attn.hook_pattern"][:, h], pattern, atol=1e-5, rtol=1e-4)
+            out += pattern @ v @ a.W_O[h]
+        torch.testing.assert_close(cache[f"blocks.{layer}.hook_attn_out"], out + a.b_O, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
+def test_qkv_normed_vectors_have_the_gain_norm(variant, tokens):
+    """For RMS QKV/QK-Norm with unit gain the normalised head vectors have L2 norm sqrt(d_head)."""
+    if variant["attn_norm"] not in ("qk", "qkv"):
+        pytest.skip("no head norms")
+    model = HookedNormTransformer(ModelConfig.preset("tiny", **variant)).eval()
+    _, cache = model.run_with_cache(tokens)
+    names = ["q", "k", "v"] if variant["attn_norm"] == "qkv" else ["q", "k"]
+    for nm in names:
+        normed = cache[f"blocks.0.attn.hook_{nm}_normed"]
+        raw = cache[f"blocks.0.attn.hook_{nm}"]
+        assert cache[f"blocks.0.attn.hook_{nm}_scale"].shape == raw.shape[:-1] + (1,)
+        if variant["norm_kind"] == "rms":
+            expected = math.sqrt(model.cfg.d_head) * raw.norm(dim=-1) / torch.sqrt(raw.pow(2).sum(-1) + model.cfg.d_head * model.cfg.eps)
+            torch.testing.assert_close(normed.norm(dim=-1), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
+def test_causal_and_rows_sum_to_one(variant, tokens):
+    model = make_model(**variant)
+    logits, cache = model.run_with_cache(tokens)
+    for layer in range(model.cfg.n_layers):
+        p = cache[f"blocks.{layer}.attn.hook_pattern"]
+        torch.testing.assert_close(p.sum(-1), torch.ones_like(p.sum(-1)))
+        assert (p.triu(1) == 0).all()
+    changed = tokens.clone()
+    j = 7
+    changed[:, j] = (changed[:, j] + 1) % 10
+    logits2 = model(changed)
+    torch.testing.assert_close(logits2[:, :j], logits[:, :j])
+    assert not torch.allclose(logits2[:, j:], logits[:, j:])
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
+def test_every_hook_is_live(variant, tokens):
+    """Editing any hook must change the logits (TransformerLens once shipped hook_scale edits that did nothing)."""
+    model = make_model(use_attn_result=True, use_split_qkv_input=True, **variant)
+    clean, cache = model.run_with_cache(tokens)
+    names = list(cache.keys())
+    expected = {"hook_embed", "hook_pos_embed", "blocks.0.attn.hook_q", "blocks.0.attn.hook_z", "blocks.1.hook_resid_post",
+                "blocks.0.hook_q_input", "blocks.0.attn.hook_result", "ln_final.hook_scale", "blocks.0.mlp.hook_post"}
+    if variant["attn_norm"] == "pre":
+        expected |= {"blocks.0.ln1.hook_scale", "blocks.0.ln1.hook_normalized"}
+    if variant["attn_norm"] in ("qk", "qkv"):
+        expected |= {"blocks.0.attn.hook_q_scale", "blocks.0.attn.hook_k_normed"}
+    if variant["attn_norm"] == "qkv":
+        expected |= {"blocks.0.attn.hook_v_scale", "blocks.0.attn.hook_v_normed"}
+    assert expected <= set(names), expected - set(names)
+    g = torch.Generator().manual_seed(0)
+    for name in names:
+        def edit(act, hook):
+            return act * 1.7 + 0.1 * torch.randn(act.shape, generator=g)
+        out = model.run_with_hooks(tokens, fwd_hooks=[(name, edit)])
+        assert not torch.allclose(out, clean, atol=1e-6), f"editing {name} did not change the logits"
+    # and hooks were removed afterwards
+    torch.testing.assert_close(model(tokens), clean)
+
+
+def test_split_qkv_and_attn_result_do_not_change_the_function(tokens):
+    for variant in VARIANTS:
+        base = make_model(**variant)
+        split = HookedNormTransformer(base.cfg.replace(use_split_qkv_input=True, use_attn_result=True)).eval()
+        split.load_state_dict(base.state_dict())
+        torch.testing.assert_close(split(tokens), base(tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_run_with_cache_returns_activation_cache_and_tl_tools_work(tokens):
+    model = make_model(attn_norm="qkv", use_attn_result=True)
+    _, cache = model.run_with_cache(tokens)
+    assert isinstance(cache, ActivationCache)
+    stacked = cache.stack_head_results(layer=-1)
+    assert stacked.shape[0] == model.cfg.n_layers * model.cfg.n_heads
+    resid = cache.accumulated_resid()
+    assert resid.shape[0] == model.cfg.n_layers + 1
+
+
+@pytest.mark.parametrize("attn_norm", ["pre", "qkv"])
+def test_transformer_lens_patching_runs_unchanged(attn_norm):
+    """TL 4.3's own patching functions run on our model; one cell is checked by hand."""
+    task = AdditionTask.preset("cpu")
+    clean = task.make_batch(["[12+34=46]"]).tokens
+    corrupt = task.make_batch(["[12+35=47]"]).tokens
+    model = make_model(attn_norm=attn_norm)
+    pos = int((clean[0] == 12).nonzero()[0]) + 1  # predicts the second answer digit: 6 (clean) vs 7
+
+    def metric(logits):
+        return logits[0, pos, 6] - logits[0, pos, 7]
+
+    _, clean_cache = model.run_with_cache(clean)
+    out = patching.get_act_patch_attn_head_out_by_pos(model, corrupt, clean_cache, metric)
+    assert out.shape == (model.cfg.n_layers, clean.shape[1], model.cfg.n_heads)
+    resid = patching.get_act_patch_resid_pre(model, corrupt, clean_cache, metric)
+
+    def z_hook(z, hook):  # independent check of one cell: head 1's z at layer 1, position pos
+        z = z.clone()
+        z[:, pos, 1] = clean_cache["blocks.1.attn.hook_z"][:, pos, 1]
+        return z
+
+    manual = metric(model.run_with_hooks(corrupt, fwd_hooks=[("blocks.1.attn.hook_z", z_hook)]))
+    assert abs(float(out[1, pos, 1]) - float(manual)) < 1e-5
+    # patching resid_pre at layer 0 on the corrupted digit's position restores the clean metric exactly
+    diff_pos = int((clean[0] != corrupt[0]).nonzero()[0])
+    clean_metric = float(metric(model(clean)))
+    assert diff_pos < pos and abs(float(resid[0, diff_pos]) - clean_metric) < 1e-4
+
+
+def test_generate_matches_stepwise_argmax():
+    model = make_model(attn_norm="pre")
+    questions = ["[12+N7=", "[3-45+6="]
+    got = model.generate(questions, max_new_tokens=4)
+    for q, g in zip(questions, got):
+        toks = model.to_tokens(q)[0].tolist()
+        expect = []
+        for _ in range(4):
+            nxt = int(model(torch.tensor([toks]))[0, -1].argmax())
+            toks.append(nxt)
+            expect.append(nxt)
+            if nxt == 15:  # ']'
+                break
+        assert g == "".join(model.to_str_tokens(torch.tensor(expect)))
+
+
+def test_positional_offset_changes_only_positions():
+    model = make_model(attn_norm="pre")
+    toks = model.to_tokens(["[12+34="])
+    _, c0 = model.run_with_cache(toks)
+    _, c1 = model.run_with_cache(toks, pos_offset=torch.tensor([5]))
+    torch.testing.assert_close(c0["hook_embed"], c1["hook_embed"])
+    # offset 5 at position p equals position p+5 at offset 0
+    long = model.to_tokens(["[12+34+56+7="])
+    _, c2 = model.run_with_cache(long)
+    torch.testing.assert_close(c1["hook_pos_embed"][0, :3], c2["hook_pos_embed"][0, 5:8])
+    # and the sinusoidal encoding has constant norm sqrt(n_freq)
+    norms = c2["hook_pos_embed"][0].norm(dim=-1)
+    torch.testing.assert_close(norms, torch.full_like(norms, math.sqrt(model.cfg.n_freq)))
+
+
+def test_weight_shapes_follow_hookedtransformer():
+    model = make_model(attn_norm="qkv", head="unembed")
+    c = model.cfg
+    assert model.blocks[0].attn.W_Q.shape == (c.n_heads, c.d_model, c.d_head)
+    assert model.blocks[0].attn.W_O.shape == (c.n_heads, c.d_head, c.d_model)
+    assert model.W_K.shape == (c.n_layers, c.n_heads, c.d_model, c.d_head)
+    assert model.W_U.shape == (c.d_model, c.d_vocab)
+    assert model.W_E.shape == (c.d_vocab, c.d_model)
+    with pytest.raises(ConfigError, match="unembedding"):
+        _ = make_model(attn_norm="pre").W_U
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(attn_norm="post"), "attn_norm"),
+        (dict(norm_kind="batch"), "norm_kind"),
+        (dict(d_model=0), "d_model"),
+        (dict(n_freq=40), "n_freq"),
+        (dict(pos_embed="rotary"), "pos_embed"),
+        (dict(head="linear"), "head"),
+        (dict(attn_scale=-1.0), "attn_scale"),
+    ],
+)
+def test_bad_config_raises_config_error(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.preset("tiny", **kwargs)
+
+
+def test_too_long_input_raises_typed_error():
+    model = make_model()
+    long = "[" + "+".join(["99"] * 12) + "="
+    with pytest.raises(ProblemStringError, match="n_ctx"):
+        model.to_tokens(long)
+    with pytest.raises(ProblemStringError, match="n_ctx"):
+        model(torch.full((1, model.cfg.n_ctx + 1), PAD_ID))
