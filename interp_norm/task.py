@@ -91,7 +91,7 @@ def parse_int(s: str) -> int:
 
 
 def parse_problem(text: str) -> Problem:
-    """Parse ``"453+16+17-N846"``, ``"[453+16+17-N846="`` or a full ``"[...=1332]"``.
+    """Parse a question ``"[453+16+17-N846="`` (the ``[`` is optional) or a full ``"[...=1332]"``.
 
     The answer part, if present, is checked against the arithmetic. Raises
     :class:`ProblemStringError` naming what is wrong and how to write it instead.
@@ -118,8 +118,8 @@ def parse_problem(text: str) -> Problem:
         if s.count(EQ) > 1:
             raise ProblemStringError(f"problem {text!r} has more than one '='")
         s, answer = s.split(EQ)
-    elif s.endswith(EOS) or EOS in s:
-        raise ProblemStringError(f"problem {text!r} has ']' but no '='; write it as '[12+N7=5]'")
+    else:
+        raise ProblemStringError(f"problem {text!r} lacks '='; end the question with '=', e.g. '[12+N7='")
     if not s:
         raise ProblemStringError(f"problem {text!r} has no terms before '='")
     if re.search(r"[+-]{2}", s):
