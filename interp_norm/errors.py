@@ -52,6 +52,10 @@ class OutputDirError(InterpNormError, OSError):
     """An output folder cannot be created or written to."""
 
 
+class GeometryError(InterpNormError, ValueError):
+    """A geometry analysis got degenerate input (zero norm gains, empty subspaces, no tokens left)."""
+
+
 __all__ = [
     "InterpNormError",
     "ProblemStringError",
@@ -63,4 +67,5 @@ __all__ = [
     "HookNameError",
     "TrainingDivergedError",
     "OutputDirError",
+    "GeometryError",
 ]

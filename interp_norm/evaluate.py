@@ -1,0 +1,131 @@
+"""Accuracy per split: the paper's per-token metric, its variant without ``]``, and exact match.
+
+* ``per_token_acc``: teacher-forced next-token accuracy over the answer tokens including the
+  closing ``]`` (the paper's masked categorical accuracy; mask from :func:`task.answer_mask`).
+* ``per_token_acc_no_eos``: the same without ``]``, which the paper notes "contributes a
+  significant fraction of the metric".
+* ``exact_match``: the greedy answer from :meth:`HookedNormTransformer.generate` equals the
+  true answer string, ``]`` included (the paper reports no sequence-level metric; we add it).
+
+Evaluation always uses position offset 0 (the random offset is a training augmentation).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import pandas as pd
+import torch
+from jaxtyping import Int
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from interp_norm import task as T
+from interp_norm.errors import ConfigError
+from interp_norm.model import HookedNormTransformer
+from interp_norm.task import AdditionTask, Batch
+
+
+def _check_batch_size(batch_size: int) -> None:
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
+
+
+@torch.no_grad()
+def token_correct_counts(
+    model: HookedNormTransformer, tokens: Int[Tensor, "batch pos"], batch_size: int = 512
+) -> dict[str, float]:
+    """Counts over answer tokens: ``correct``/``total`` (with ``]``), ``*_no_eos``, summed ``loss``."""
+    _check_batch_size(batch_size)
+    if not isinstance(tokens, Tensor) or tokens.ndim != 2:
+        raise ConfigError("tokens must be a [batch, pos] integer tensor, e.g. task.test_set('id').tokens")
+    out = dict(correct=0, total=0, correct_no_eos=0, total_no_eos=0, loss=0.0)
+    for i in range(0, len(tokens), batch_size):
+        chunk = tokens[i : i + batch_size]
+        # trim padding columns shared by the whole chunk: they carry no scored position
+        width = int((chunk != T.PAD_ID).sum(-1).max())
+        chunk = chunk[:, :width]
+        logits = model(chunk)
+        chunk = chunk.to(logits.device)
+        targets = T.next_token_targets(chunk)
+        mask = targets != -100
+        right = (logits.argmax(-1) == targets) & mask
+        not_eos = mask & (targets != T.EOS_ID)
+        out["correct"] += int(right.sum())
+        out["total"] += int(mask.sum())
+        out["correct_no_eos"] += int((right & not_eos).sum())
+        out["total_no_eos"] += int(not_eos.sum())
+        out["loss"] += float(torch.nn.functional.cross_entropy(logits[mask], targets[mask], reduction="sum"))
+    return out
+
+
+def per_token_accuracy(
+    model: HookedNormTransformer, tokens: Int[Tensor, "batch pos"] | Batch, include_eos: bool = True, batch_size: int = 512
+) -> float:
+    """Teacher-forced accuracy over answer tokens (``]`` included unless ``include_eos=False``)."""
+    if isinstance(tokens, Batch):
+        tokens = tokens.tokens
+    c = token_correct_counts(model, tokens, batch_size)
+    num, den = (c["correct"], c["total"]) if include_eos else (c["correct_no_eos"], c["total_no_eos"])
+    return num / den if den else float("nan")
+
+
+@torch.no_grad()
+def exact_match_accuracy(model: HookedNormTransformer, problems: Sequence[T.Problem], batch_size: int = 512) -> float:
+    """Fraction of problems whose greedy answer (``]`` included) is exactly right."""
+    _check_batch_size(batch_size)
+    right = 0
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i : i + batch_size]
+        questions = T.pad_batch([T.encode(p.question) for p in chunk])
+        # the longest true answer bounds the tokens needed to decide a match
+        budget = max(len(p.answer) for p in chunk)
+        answers = model.generate(questions, max_new_tokens=budget)
+        right += sum(a == p.answer for a, p in zip(answers, chunk))
+    return right / len(problems)
+
+
+def evaluate(
+    model: HookedNormTransformer,
+    task: AdditionTask,
+    splits: Sequence[str] = ("id", "interp", "extrap"),
+    size: int = 2048,
+    seed: int = 1234,
+    batch_size: int = 512,
+    exact_match: bool = True,
+    progress: bool = False,
+) -> pd.DataFrame:
+    """One row per split: ``split, n, n_tokens, per_token_acc, per_token_acc_no_eos, exact_match, loss``.
+
+    The test sets are :meth:`AdditionTask.test_set` (``size`` problems, ``seed``), so two calls
+    with the same arguments score the same problems. ``exact_match=False`` skips generation.
+    """
+    if isinstance(splits, str):
+        splits = (splits,)
+    if not isinstance(size, int) or size < 1:
+        raise ConfigError(f"size must be a positive integer, got {size!r}")
+    need = max(task.split(s).max_len() for s in splits)
+    if need > model.cfg.n_ctx:
+        raise ConfigError(
+            f"the longest problem in splits {list(splits)} has {need} tokens but the model's n_ctx is "
+            f"{model.cfg.n_ctx}; evaluate on a task whose problems fit the model"
+        )
+    rows = []
+    for name in tqdm(splits, desc="evaluate", disable=not progress):
+        batch = task.test_set(name, size=size, seed=seed)
+        c = token_correct_counts(model, batch.tokens, batch_size)
+        rows.append(
+            dict(
+                split=task.split(name).name,
+                n=len(batch),
+                n_tokens=c["total"],
+                per_token_acc=c["correct"] / c["total"],
+                per_token_acc_no_eos=c["correct_no_eos"] / c["total_no_eos"] if c["total_no_eos"] else float("nan"),
+                exact_match=exact_match_accuracy(model, batch.problems, batch_size) if exact_match else float("nan"),
+                loss=c["loss"] / c["total"],
+            )
+        )
+    return pd.DataFrame(rows)
+
+
+__all__ = ["evaluate", "per_token_accuracy", "exact_match_accuracy", "token_correct_counts"]
