@@ -1,0 +1,92 @@
+"""Retrain the shipped reference checkpoints from their seeds, one command each.
+
+    .venv/bin/python scripts/train_reference.py pre            # one checkpoint
+    .venv/bin/python scripts/train_reference.py --all --jobs 2 # all of them, two at a time
+
+Each run trains the ``cpu`` model preset on the ``cpu`` task preset with the ``cpu`` training
+preset (see README), in ``runs/<name>/`` (resumable: rerun the same command after an interruption),
+then writes a shipping copy without optimiser state to ``data/checkpoints/<name>/`` whose
+``metrics.json`` also records the wall-clock training time and the thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name -> (attn_norm, seed)
+REFERENCE = {
+    "pre": ("pre", 0),
+    "pre-s1": ("pre", 1),
+    "qkv": ("qkv", 0),
+    "qkv-s1": ("qkv", 1),
+    "qk": ("qk", 0),
+    "none": ("none", 0),
+}
+
+
+def train_one(name: str, runs: Path, data: Path, progress: bool = True) -> None:
+    import torch
+
+    from interp_norm import AdditionTask, ModelConfig
+    from interp_norm.checkpoints import load_checkpoint, save_checkpoint
+    from interp_norm.train import TrainConfig, train
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    attn_norm, seed = REFERENCE[name]
+    model_cfg = ModelConfig.preset("cpu", attn_norm=attn_norm, seed=seed)
+    task = AdditionTask.preset("cpu")
+    train_cfg = TrainConfig.preset("cpu", seed=seed)
+    t0 = time.perf_counter()
+    train(model_cfg, task, train_cfg, runs / name, resume=True, progress=progress)
+    seconds = time.perf_counter() - t0
+    model, info = load_checkpoint(runs / name)
+    metrics = dict(info.metrics)
+    metrics.setdefault("train_seconds", round(seconds, 1))  # a resumed finished run keeps the first figure
+    metrics["threads"] = torch.get_num_threads()
+    metrics["name"] = name
+    save_checkpoint(model, data / name, task=info.task, train_cfg=info.train_cfg, metrics=metrics, curve=info.curve, step=info.step)
+    print(f"{name}: {seconds:.0f} s -> {data / name}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", help=f"any of {list(REFERENCE)}")
+    ap.add_argument("--all", action="store_true")
+    ap.add_argument("--jobs", type=int, default=1, help="parallel runs (one thread each)")
+    ap.add_argument("--runs", default=str(ROOT / "runs"))
+    ap.add_argument("--data", default=str(ROOT / "data" / "checkpoints"))
+    args = ap.parse_args()
+    names = list(REFERENCE) if args.all else args.names
+    unknown = [n for n in names if n not in REFERENCE]
+    if unknown or not names:
+        ap.error(f"name one or more of {list(REFERENCE)} (or --all); unknown: {unknown}")
+    if len(names) == 1 or args.jobs == 1:
+        for n in names:
+            train_one(n, Path(args.runs), Path(args.data))
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    pending, running = list(names), []
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            n = pending.pop(0)
+            log = open(Path(args.runs).mkdir(parents=True, exist_ok=True) or Path(args.runs) / f"{n}.log", "w")
+            cmd = [sys.executable, __file__, n, "--runs", args.runs, "--data", args.data]
+            running.append((n, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)))
+        time.sleep(2)
+        for n, p in list(running):
+            if p.poll() is not None:
+                running.remove((n, p))
+                print(f"{n}: exit {p.returncode} (log: {args.runs}/{n}.log)", flush=True)
+                if p.returncode:
+                    sys.exit(p.returncode)
+
+
+if __name__ == "__main__":
+    main()
