@@ -183,6 +183,69 @@ def _evaluate(p: argparse.ArgumentParser) -> Runner:
     return run
 
 
+# ----------------------------------------------------------------------------- noise and collapse
+
+
+def _noise_args(p: argparse.ArgumentParser, default_levels: Sequence[float], default_n: int) -> None:
+    p.add_argument("ckpt", help="checkpoint or run folder, or a pretrained name (see 'interp-norm list')")
+    p.add_argument("--out", required=True, help="folder for the CSV tables")
+    p.add_argument("--levels", type=float, nargs="+", default=list(default_levels), help="noise RMS levels")
+    p.add_argument("--split", default="id", choices=["id", "interp", "extrap"])
+    p.add_argument("--n-examples", type=int, default=default_n)
+    p.add_argument("--placement", default="before_norm", choices=["before_norm", "after_norm"],
+                   help="for QK/QKV-Norm models: noise before the norm (removed by it) or after it")
+    p.add_argument("--distribution", default="uniform", choices=["uniform", "normal"])
+    p.add_argument("--seed", type=int, default=0, help="noise seed")
+
+
+@command("noise", help="per-token accuracy under multiplicative norm noise (the paper's noise-sensitivity sweep)")
+def _noise(p: argparse.ArgumentParser) -> Runner:
+    from interp_norm.noise import DEFAULT_NOISE_LEVELS
+
+    _noise_args(p, DEFAULT_NOISE_LEVELS, 512)
+    p.add_argument("--n-datasets", type=int, default=3, help="independent datasets for the standard error")
+
+    def run(args: argparse.Namespace) -> int:
+        from interp_norm.checkpoints import ensure_writable_dir
+        from interp_norm.noise import run_noise
+
+        out = ensure_writable_dir(args.out)
+        model, info = _load_any(args.ckpt)
+        df = run_noise(model, info.task, args.levels, split=args.split, n_datasets=args.n_datasets,
+                       n_examples=args.n_examples, placement=args.placement, distribution=args.distribution,
+                       seed=args.seed, progress=True)
+        df.to_csv(out / "noise_accuracy.csv", index=False)
+        print(df.to_string(index=False))
+        print(f"wrote {out / 'noise_accuracy.csv'}")
+        return 0
+
+    return run
+
+
+@command("collapse", help="circuit-collapse probability vs noise, measured and predicted by the theory")
+def _collapse(p: argparse.ArgumentParser) -> Runner:
+    from interp_norm.noise import DEFAULT_COLLAPSE_LEVELS
+
+    _noise_args(p, DEFAULT_COLLAPSE_LEVELS, 256)
+
+    def run(args: argparse.Namespace) -> int:
+        from interp_norm.checkpoints import ensure_writable_dir
+        from interp_norm.noise import collapse_thresholds, run_collapse
+
+        out = ensure_writable_dir(args.out)
+        model, info = _load_any(args.ckpt)
+        curves = run_collapse(model, info.task, args.levels, split=args.split, n_examples=args.n_examples,
+                              placement=args.placement, distribution=args.distribution, seed=args.seed, progress=True)
+        thresholds = collapse_thresholds(curves)
+        curves.to_csv(out / "collapse_curves.csv", index=False)
+        thresholds.to_csv(out / "collapse_thresholds.csv", index=False)
+        print(thresholds.to_string(index=False))
+        print(f"wrote {out / 'collapse_curves.csv'} and {out / 'collapse_thresholds.csv'}")
+        return 0
+
+    return run
+
+
 # ----------------------------------------------------------------------------- list
 
 

@@ -1,0 +1,89 @@
+"""Build the README's results table from the shipped checkpoints' metrics.json files.
+
+    .venv/bin/python scripts/results_table.py            # print the markdown table
+    .venv/bin/python scripts/results_table.py --readme   # also rewrite it in README.md between the markers
+
+Numbers are read from ``data/checkpoints/*/metrics.json`` (written at the end of training by
+``interp_norm.train`` on fixed seeded test sets of 2048 problems per split), so the table always
+matches the shipped files. Per variant: mean ± half the range over seeds (± 0 for one seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parent.parent
+START, END = "<!-- RESULTS:start -->", "<!-- RESULTS:end -->"
+PAPER = {"pre": (91.38, 87.46, 66.65), "qkv": (90.99, 82.54, 46.76)}
+LABEL = {"pre": "Pre-Norm", "qkv": "QKV-Norm", "qk": "QK-Norm", "none": "No-Norm"}
+
+
+def collect(data: Path) -> pd.DataFrame:
+    rows = []
+    for metrics_file in sorted(data.glob("*/metrics.json")):
+        metrics = json.loads(metrics_file.read_text())
+        config = json.loads((metrics_file.parent / "config.json").read_text())
+        for rec in metrics["evaluation"]:
+            rows.append(
+                dict(
+                    name=metrics_file.parent.name,
+                    variant=config["model"]["attn_norm"],
+                    seed=config["model"]["seed"],
+                    split=rec["split"],
+                    per_token=100 * rec["per_token_acc"],
+                    per_token_no_eos=100 * rec["per_token_acc_no_eos"],
+                    exact=100 * rec["exact_match"],
+                    train_seconds=metrics.get("train_seconds", float("nan")),
+                )
+            )
+    return pd.DataFrame(rows)
+
+
+def fmt(values: pd.Series) -> str:
+    mean, half = values.mean(), (values.max() - values.min()) / 2
+    return f"{mean:.2f} ± {half:.2f}"
+
+
+def table(df: pd.DataFrame) -> str:
+    lines = [
+        "| variant | seeds | split | per-token % | per-token % without `]` | exact match % | paper per-token % | train time (s, 1 thread) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for variant in [v for v in ("pre", "qkv", "qk", "none") if v in set(df.variant)]:
+        d = df[df.variant == variant]
+        seeds = ",".join(str(s) for s in sorted(d.seed.unique()))
+        times = d.groupby("name").train_seconds.first()
+        for i, split in enumerate(("id", "interp", "extrap")):
+            s = d[d.split == split]
+            paper = f"{PAPER[variant][i]:.2f}" if variant in PAPER else "—"
+            t = f"{times.mean():.0f}" if i == 0 else ""
+            lines.append(
+                f"| {LABEL[variant] if i == 0 else ''} | {seeds if i == 0 else ''} | {split} | {fmt(s.per_token)} | "
+                f"{fmt(s.per_token_no_eos)} | {fmt(s.exact)} | {paper} | {t} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", default=str(ROOT / "data" / "checkpoints"))
+    ap.add_argument("--readme", action="store_true", help="rewrite the table in README.md")
+    args = ap.parse_args()
+    md = table(collect(Path(args.data)))
+    print(md)
+    if args.readme:
+        readme = ROOT / "README.md"
+        text = readme.read_text()
+        if START not in text or END not in text:
+            raise SystemExit(f"README.md lacks the markers {START} ... {END}")
+        head, rest = text.split(START, 1)
+        _, tail = rest.split(END, 1)
+        readme.write_text(head + START + "\n" + md + "\n" + END + tail)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""The shipped reference checkpoints (issue: reference checkpoints) load by name and keep their accuracy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from interp_norm import list_pretrained, load_pretrained
+from interp_norm.checkpoints import pretrained_dir
+from interp_norm.evaluate import per_token_accuracy
+
+EXPECTED = {"pre": "pre", "pre-s1": "pre", "qkv": "qkv", "qkv-s1": "qkv", "qk": "qk", "none": "none"}
+
+
+def test_every_reference_checkpoint_is_listed():
+    listed = list_pretrained()
+    assert set(EXPECTED) <= set(listed["name"]), f"missing: {set(EXPECTED) - set(listed['name'])}"
+    for name, attn_norm in EXPECTED.items():
+        assert listed.set_index("name").loc[name, "attn_norm"] == attn_norm
+
+
+def test_data_dir_stays_small():
+    total = sum(p.stat().st_size for p in pretrained_dir().rglob("*") if p.is_file())
+    assert total < 30 * 2**20, f"data/ holds {total / 2**20:.1f} MiB; the limit is 30 MiB"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_fresh_sample_reproduces_recorded_accuracy(name):
+    """Recompute ID per-token accuracy on a fresh seeded sample (not the recorded test set)."""
+    model, info = load_pretrained(name)
+    recorded = {r["split"]: r for r in info.metrics["evaluation"]}["id"]["per_token_acc"]
+    fresh = info.task.sample_batch(2048, "id", seed=987_654)
+    acc = per_token_accuracy(model, fresh)
+    assert acc >= 0.95, f"{name}: fresh ID per-token accuracy {acc:.4f} < 0.95"
+    assert abs(acc - recorded) <= 0.01, f"{name}: fresh {acc:.4f} vs recorded {recorded:.4f}"
+    files = {p.name for p in info.path.iterdir()}
+    assert {"model.safetensors", "config.json", "training_curve.csv", "metrics.json"} <= files
+    assert json.loads((info.path / "metrics.json").read_text())["final"] is True
