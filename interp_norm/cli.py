@@ -246,6 +246,30 @@ def _collapse(p: argparse.ArgumentParser) -> Runner:
     return run
 
 
+@command("geometry", help="norm spread, orthogonal spheres, subspace angles, interference, sparsity, LayerNorm ellipsoids")
+def _geometry(p: argparse.ArgumentParser) -> Runner:
+    p.add_argument("ckpt", help="checkpoint or run folder, or a pretrained name (see 'interp-norm list')")
+    p.add_argument("--out", required=True, help="folder for the CSV tables")
+    p.add_argument("--n", type=int, default=256, help="problems analysed (default 256)")
+    p.add_argument("--split", default="id", choices=["id", "interp", "extrap"])
+    p.add_argument("--seed", type=int, default=0)
+
+    def run(args: argparse.Namespace) -> int:
+        from interp_norm.checkpoints import ensure_writable_dir
+        from interp_norm.geometry import geometry_summary, run_geometry
+
+        out = ensure_writable_dir(args.out)
+        model, info = _load_any(args.ckpt)
+        results = run_geometry(model, info.task, n=args.n, split=args.split, seed=args.seed, progress=True)
+        for name, df in results.items():
+            df.to_csv(out / f"geometry_{name}.csv", index=False)
+        print(geometry_summary(results, per_layer=False).to_string(index=False))
+        print(f"wrote {len(results)} tables geometry_*.csv to {out}")
+        return 0
+
+    return run
+
+
 # ----------------------------------------------------------------------------- list
 
 
