@@ -291,6 +291,12 @@ def _list(p: argparse.ArgumentParser) -> Runner:
 # ----------------------------------------------------------------------------- main
 
 
+from interp_norm import dashboard as _dashboard, reproduce as _reproduce  # noqa: E402  (register their commands)
+
+_reproduce.register_cli(command)
+_dashboard.register_cli(command)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Pre-Norm vs QKV-Norm addition transformers: train, evaluate, analyse.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)

@@ -1,0 +1,339 @@
+"""reproduce + dashboard: the report folder, the offline HTML, escaping, the CLI, and the figure data.
+
+Tiny models trained for a few steps stand in for the shipped checkpoints (tests never need data/).
+Each figure check compares against an independent computation (the model's own cache, a pivot
+done by hand), never against the code's output.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from interp_norm import cli, plots
+from interp_norm import dashboard as D
+from interp_norm import reproduce as R
+from interp_norm.errors import CheckpointNotFoundError, ConfigError, OutputDirError
+from interp_norm.model import ModelConfig
+from interp_norm.task import AdditionTask, encode
+from interp_norm.train import TrainConfig, train
+
+EASY = AdditionTask(train_terms=(2,), interp_terms=(2,), extrap_terms=(3,), n_digits=(1,))
+HOSTILE = '<img src=x onerror="alert(1)">'
+
+
+def make_checkpoints(root: Path) -> dict[str, Path]:
+    """A Pre-Norm and a QKV-Norm tiny model (the second under a name full of HTML), 12 steps each."""
+    cfg = TrainConfig(lr=3e-3, batch_size=16, steps_per_epoch=6, max_steps=12, log_every=4, eval_every=12,
+                      eval_size=16, final_eval_size=16, checkpoint_every=12, grad_clip=1.0, seed=3)
+    out = {}
+    for name, norm in (("pre", "pre"), (HOSTILE, "qkv")):
+        path = root / name
+        train(ModelConfig.preset("tiny", attn_norm=norm), EASY, cfg, path, progress=False)
+        out[name] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    return make_checkpoints(tmp_path_factory.mktemp("ckpts"))
+
+
+@pytest.fixture(scope="module")
+def run(ckpts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    report = R.reproduce(out, [str(p) for p in ckpts.values()], quick=True, progress=False)
+    return report, out
+
+
+# ----------------------------------------------------------------------------- the report folder
+
+
+def test_report_folder_has_every_table_as_csv_and_one_dashboard(run):
+    report, out = run
+    expected = {"evaluation", "model_card", "training_curves", "noise_accuracy", "collapse", "collapse_thresholds",
+                "geometry_norm_spread", "geometry_sparsity_hist", "geometry_sphere_scores", "geometry_subspace_angles",
+                "geometry_ellipsoid_axes", "circuits_patching", "circuits_circuit", "circuits_faithfulness",
+                "circuits_edges", "attention_patterns"}
+    assert expected <= set(report.tables)
+    for key, df in report.tables.items():
+        back = pd.read_csv(out / f"{key}.csv")
+        assert back.shape == df.shape, key
+        assert list(back.columns) == [str(c) for c in df.columns], key
+    assert (out / "dashboard.html").stat().st_size > 1_000_000  # plotly.js is inside
+    timings = pd.read_csv(out / "timings.csv")
+    assert {"evaluate", "noise", "collapse", "geometry", "circuits", "total"} <= set(timings["stage"])
+    facts = json.loads((out / "run.json").read_text())
+    assert facts["seconds"] > 0 and len(facts["checkpoints"]) == 2
+
+
+def test_both_models_are_analysed_and_labelled(run):
+    report, _ = run
+    T = report.tables
+    labels = set(report.checkpoints["label"])
+    assert labels == {"Pre-Norm", f"QKV-Norm ({HOSTILE})"}
+    assert set(T["noise_accuracy"]["variant"]) == set(report.checkpoints["label"])
+    # QKV-Norm also gets the 'noise after the norm' collapse series; Pre-Norm has one placement
+    qkv = report.checkpoints[report.checkpoints["attn_norm"] == "qkv"]["label"].iloc[0]
+    assert set(T["collapse"]["variant"]) == {*report.checkpoints["label"], f"{qkv}, noise after norm"}
+    assert set(T["collapse"][T["collapse"]["variant"] == qkv]["placement"]) == {"before_norm"}
+
+
+def test_model_card_matches_configs_and_evaluation(run, ckpts):
+    report, _ = run
+    card = report.tables["model_card"].set_index("checkpoint")
+    ev = report.tables["evaluation"]
+    from interp_norm.checkpoints import load_checkpoint
+
+    for name, path in ckpts.items():
+        model, info = load_checkpoint(path)
+        row = card.loc[name]
+        assert row["attn_norm"] == info.model_cfg.attn_norm and row["n_layers"] == info.model_cfg.n_layers
+        assert row["n_params"] == sum(p.numel() for p in model.parameters())
+        assert row["steps"] == 12 and row["examples"] == 12 * 16
+        for split in ("id", "interp", "extrap"):
+            mine = ev[(ev["checkpoint"] == name) & (ev["split"] == split)]["per_token_acc"].iloc[0]
+            assert row[f"{split}_acc"] == pytest.approx(mine)
+            paper = plots.PAPER_PER_TOKEN_ACCURACY[info.model_cfg.attn_norm][split]
+            assert row[f"paper_{split}_acc"] == paper
+
+
+def test_attention_table_equals_the_models_own_cache(ckpts):
+    from interp_norm.checkpoints import load_checkpoint
+
+    model, _ = load_checkpoint(ckpts["pre"])
+    problems = ["[3+N4=", "[7-2=5]"]
+    df = plots.attention_patterns(model, problems, name="pre")
+    for i, text in enumerate(["[3+N4=N1]", "[7-2=5]"]):
+        _, cache = model.run_with_cache(encode(text)[None])
+        g = df[df["problem"] == i]
+        assert g["text"].iloc[0] == text
+        for l in range(model.cfg.n_layers):
+            pat = cache[f"blocks.{l}.attn.hook_pattern"][0]
+            for h in range(model.cfg.n_heads):
+                gg = g[(g["layer"] == l) & (g["head"] == h)]
+                mat = torch.zeros(len(text), len(text), dtype=torch.float64)
+                qi, ki = torch.as_tensor(np.array(gg["query"])), torch.as_tensor(np.array(gg["key"]))
+                mat[qi, ki] = torch.as_tensor(np.array(gg["weight"], dtype=np.float64))
+                torch.testing.assert_close(mat, pat[h].double(), atol=1e-6, rtol=0)
+        assert list(g["q_token"].iloc[:3]) == [text[0], text[1], text[1]]  # tril order: (0,0), (1,0), (1,1)
+
+
+def test_attention_explorer_shows_one_heatmap_per_choice(ckpts):
+    from interp_norm.checkpoints import load_checkpoint
+
+    model, _ = load_checkpoint(ckpts["pre"])
+    df = plots.attention_patterns(model, ["[3+N4=", "[1+1="], name="pre")
+    fig = plots.plot_attention_explorer(df)
+    ex = fig.layout.meta["explorer"]
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    assert len(fig.data) == 2 * L * H == len(ex["index"])
+    assert [t.visible for t in fig.data].count(True) == 1
+    text = "[1+1=2]"
+    _, cache = model.run_with_cache(encode(text)[None])
+    tr = fig.data[ex["index"][f"0,1,{L - 1},{H - 1}"]]
+    z = np.array(tr.z, dtype=float)
+    want = cache[f"blocks.{L - 1}.attn.hook_pattern"][0, H - 1].double().numpy()
+    lower = np.tril(np.ones_like(want, dtype=bool))
+    np.testing.assert_allclose(z[lower], want[lower], atol=1e-4)
+    assert np.isnan(z[~lower]).all()
+    assert list(tr.x) == [f"{c}·{i}" for i, c in enumerate(text)]
+
+
+def test_bad_problem_string_is_a_typed_error(ckpts):
+    from interp_norm.checkpoints import load_checkpoint
+    from interp_norm.errors import ProblemStringError
+
+    model, _ = load_checkpoint(ckpts["pre"])
+    with pytest.raises(ProblemStringError):
+        plots.attention_patterns(model, ["<script>"])
+
+
+# ----------------------------------------------------------------------------- the HTML
+
+
+def _without_plotlyjs(html: str) -> str:
+    from plotly.offline import get_plotlyjs
+
+    js = get_plotlyjs()
+    assert html.count(js) == 1, "plotly.js must be embedded exactly once"
+    return html.replace(js, "")
+
+
+def test_dashboard_is_offline_and_embeds_plotly_once(run):
+    _, out = run
+    html = (out / "dashboard.html").read_text(encoding="utf-8")
+    rest = _without_plotlyjs(html)
+    assert not re.search(r"<script[^>]*\bsrc\s*=", rest, re.I)
+    assert not re.search(r"<link[^>]*\bhref\s*=\s*\"https?:", rest, re.I)
+    assert "cdn.plot.ly" not in rest and "https://" not in rest and "http://" not in rest
+
+
+def test_user_text_is_escaped_everywhere(run):
+    _, out = run
+    rest = _without_plotlyjs((out / "dashboard.html").read_text(encoding="utf-8"))
+    assert "<img" not in rest and 'onerror="' not in rest
+    assert "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in rest  # shown, escaped, in the model card
+    # no figure JSON can close its script block
+    for block in re.findall(r'<script type="application/json" id="[^"]+">(.*?)</script>', rest, re.S):
+        assert "<" not in block and ">" not in block
+
+
+def test_every_figure_has_its_json_and_the_json_has_data(run):
+    _, out = run
+    rest = _without_plotlyjs((out / "dashboard.html").read_text(encoding="utf-8"))
+    divs = re.findall(r'<div class="figure" id="(fig-\d+)" data-fig="(fig-\d+-json)"', rest)
+    blocks = dict(re.findall(r'<script type="application/json" id="(fig-\d+-json)">(.*?)</script>', rest, re.S))
+    assert len(divs) >= 15 and len(divs) == len(blocks)
+    for fid, jid in divs:
+        spec = json.loads(blocks[jid])
+        assert spec["data"], fid
+    # the dashboard's attention explorer drops the notebook dropdown and gets page selectors
+    assert 'data-kind="attention"' in rest and 'class="selectors"' in rest
+
+
+def test_strict_build_raises_instead_of_skipping(run):
+    report, _ = run
+    broken = R.Report(tables={"noise_accuracy": pd.DataFrame({"x": [1]})}, checkpoints=report.checkpoints)
+    sections, problems = D.figure_sections(broken)
+    assert problems and "Accuracy vs noise" in problems[0]
+    with pytest.raises(ConfigError):
+        D.figure_sections(broken, strict=True)
+    sections, problems = D.figure_sections(report, strict=True)  # the real report builds every figure
+    assert not problems
+
+
+# ----------------------------------------------------------------------------- errors and CLI
+
+
+def test_unwritable_out_fails_before_any_work(tmp_path):
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    for bad in (blocker, blocker / "sub"):
+        # the checkpoint does not exist either: the output error must come first
+        with pytest.raises(OutputDirError):
+            R.reproduce(bad, ["no/such/checkpoint"], quick=True, progress=False)
+    with pytest.raises(CheckpointNotFoundError):
+        R.reproduce(tmp_path / "ok", ["no/such/checkpoint"], quick=True, progress=False)
+    with pytest.raises(OutputDirError):
+        D.make_dashboard(["no/such/checkpoint"], tmp_path, quick=True, progress=False)  # a folder, not a file
+
+
+def test_settings_and_selection_errors_are_typed(ckpts):
+    with pytest.raises(ConfigError):
+        R.Settings(eval_size=0)
+    with pytest.raises(ConfigError):
+        R.Settings(analyses=("evaluate", "astrology"))
+    with pytest.raises(ConfigError):
+        R.run_analyses([str(ckpts["pre"])], R.Settings.quick(analyses=("evaluate",)), analyse=["qkv"], progress=False)
+
+
+def test_default_analysed_picks_one_checkpoint_per_architecture():
+    def info(attn, seed):
+        return SimpleNamespace(model_cfg=SimpleNamespace(attn_norm=attn, seed=seed))
+
+    models = {"qkv-s1": (None, info("qkv", 1)), "pre-s1": (None, info("pre", 1)), "pre": (None, info("pre", 0)),
+              "mine": (None, info("qk", 3)), "qkv-s2": (None, info("qkv", 2))}
+    assert R.default_analysed(models) == ["pre", "qkv-s1", "mine"]
+
+
+@pytest.fixture
+def registered():
+    """Register the two subcommands as cli.py does, and leave the registry as it was."""
+    before = dict(cli.COMMANDS)
+    R.register_cli(cli.command)
+    D.register_cli(cli.command)
+    yield
+    cli.COMMANDS.clear()
+    cli.COMMANDS.update(before)
+
+
+def test_cli_reproduce_and_dashboard(ckpts, tmp_path, capsys, registered):
+    pre = str(ckpts["pre"])
+    code = cli.main(["reproduce", "--out", str(tmp_path / "rep"), "--checkpoints", pre, "--quick", "--no-progress",
+                     "--only", "evaluate", "attention", "--problems", "[1+2=", "[3-N4="])
+    assert code == 0
+    att = pd.read_csv(tmp_path / "rep" / "attention_patterns.csv")
+    assert set(att["text"]) == {"[1+2=3]", "[3-N4=7]"}
+    assert not (tmp_path / "rep" / "noise_accuracy.csv").exists()
+    code = cli.main(["dashboard", pre, "--out", str(tmp_path / "d.html"), "--quick", "--no-progress", "--only", "evaluate"])
+    assert code == 0 and (tmp_path / "d.html").stat().st_size > 1_000_000
+    capsys.readouterr()
+    (tmp_path / "f").write_text("x")
+    assert cli.main(["reproduce", "--out", str(tmp_path / "f"), "--checkpoints", pre, "--quick", "--no-progress"]) == 2
+    assert "error" in capsys.readouterr().err
+    assert cli.main(["dashboard", "no/such/ckpt", "--out", str(tmp_path / "e.html"), "--quick", "--no-progress"]) == 2
+    assert cli.main(["reproduce", "--out", str(tmp_path / "g"), "--checkpoints", pre, "--problems", "[1+x="]) == 2
+
+
+# ----------------------------------------------------------------------------- figure builders
+
+
+def test_patching_heatmap_grid_is_the_hand_pivot():
+    rows = []
+    for l in range(2):
+        for p in range(3):
+            rows.append(dict(activation="resid_pre", by="pos", layer=l, pos=p, normalized=l * 10 + p))
+        for h in range(4):
+            rows.append(dict(activation="z", by="all", layer=l, head=h, normalized=-(l * 10 + h) / 40))
+    df = pd.DataFrame(rows)
+    fig = plots.plot_patching_heatmap(df, pos_labels=list("[1+"))
+    resid, z = fig.data
+    np.testing.assert_array_equal(np.array(resid.z), [[0, 1, 2], [10, 11, 12]])
+    assert list(resid.x) == ["[·0", "1·1", "+·2"] and list(resid.y) == ["L0", "L1"]
+    np.testing.assert_allclose(np.array(z.z), [[0, -1 / 40, -2 / 40, -3 / 40], [-10 / 40, -11 / 40, -12 / 40, -13 / 40]])
+    assert list(z.x) == ["H0", "H1", "H2", "H3"]
+    with pytest.raises(ConfigError):
+        plots.plot_patching_heatmap(df.drop(columns="layer"))
+
+
+def test_circuit_graph_draws_the_strongest_edges_left_to_right():
+    edges = pd.DataFrame(dict(
+        source=["embed", "a0.1", "a0.1", "m0", "a1.0", "embed"],
+        target=["a0.1", "a1.0", "m0", "logits", "logits", "m0"],
+        score=[0.5, -2.0, 0.01, 1.0, 3.0, -0.2],
+    ))
+    fig = plots.plot_circuit_graph(edges, max_edges=4)
+    lines = [t for t in fig.data if t.mode == "lines"]
+    nodes = [t for t in fig.data if t.mode == "markers+text"][0]
+    assert len(lines) == 4
+    drawn = {(t.hovertemplate.split("<br>")[0]) for t in lines}
+    assert drawn == {"a1.0 → logits", "a0.1 → a1.0", "m0 → logits", "embed → a0.1"}
+    x = dict(zip(nodes.text, nodes.x))
+    assert x["embed"] < x["a0.1"] < x["m0"] < x["a1.0"] < x["logits"]
+    widths = {t.hovertemplate.split("<br>")[0]: t.line.width for t in lines}
+    assert widths["a1.0 → logits"] > widths["a0.1 → a1.0"] > widths["embed → a0.1"]
+    assert "214,39,40" in [t for t in lines if t.hovertemplate.startswith("a0.1 → a1.0")][0].line.color  # negative: red
+
+
+def test_circuit_edge_table_is_drawn_as_that_circuit():
+    table = pd.DataFrame(dict(sender=["embed", "a0.h1", "m0"], receiver=["a0.h1.q", "m0", "logits"], score=[0.5, -1.0, 2.0]))
+    fig = plots.plot_circuit_graph(table, n_layers=2, n_heads=2)
+    lines = [t for t in fig.data if t.mode == "lines" and t.x[0] is not None]
+    assert sorted(t.text.split(":")[0] for t in lines) == ["a0.h1 -> m0", "embed -> a0.h1.q", "m0 -> logits"]
+    width = {t.text.split(":")[0]: t.line.width for t in lines}
+    assert width["m0 -> logits"] > width["a0.h1 -> m0"] > width["embed -> a0.h1.q"]  # |2| > |-1| > |0.5|
+    with pytest.raises(ConfigError):
+        plots.plot_circuit_graph(table)  # sizes unknown
+    from interp_norm.errors import PatchingError
+
+    with pytest.raises(PatchingError):  # an edge the model cannot have (a later layer feeding an earlier one)
+        plots.plot_circuit_graph(table.assign(sender=["a1.h0", "a0.h1", "m0"]), n_layers=2, n_heads=2)
+
+
+def test_model_card_figure_shows_percentages():
+    card = pd.DataFrame([dict(checkpoint=HOSTILE, attn_norm="qkv", id_acc=0.5, paper_id_acc=0.9099, steps=12)])
+    fig = plots.plot_model_card(card)
+    cells = fig.data[0].cells.values
+    assert cells[0] == [plots.escape(HOSTILE)] and cells[2] == ["50.0%"] and cells[3] == ["91.0%"]
+    bars = plots.plot_accuracy_by_split(card.assign(interp_acc=0.4, extrap_acc=0.3, paper_interp_acc=0.8254,
+                                                    paper_extrap_acc=0.4676))
+    assert list(bars.data[0].y) == [0.5, 0.4, 0.3]
+    assert [t.name for t in bars.data][1] == "paper: QKV-Norm"
