@@ -292,6 +292,9 @@ def _list(p: argparse.ArgumentParser) -> Runner:
 
 
 from interp_norm import dashboard as _dashboard, reproduce as _reproduce  # noqa: E402  (register their commands)
+from interp_norm.circuits import cli_command as _circuits_command  # noqa: E402
+
+command("circuits", help="patching tables, EAP-IG edges, circuit graph and faithfulness for a checkpoint")(_circuits_command)
 
 _reproduce.register_cli(command)
 _dashboard.register_cli(command)

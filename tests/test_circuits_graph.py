@@ -1,0 +1,145 @@
+"""Circuits and faithfulness: full = 1, empty = the ablated baseline (computed independently), node
+circuits = ablating nodes with plain hooks, selection and pruning, drawing."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig
+from interp_norm.circuits import (
+    Circuit,
+    LogitDiff,
+    activation_patch,
+    draw_circuit,
+    edge_attribution,
+    faithfulness,
+    make_pairs,
+)
+from interp_norm.errors import PatchingError
+
+
+def make_model(seed=0, **kw):
+    model = HookedNormTransformer(ModelConfig.preset("tiny", seed=seed, **kw)).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith((".w", ".b", "b_O", "b_in", "b_out")):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = make_model(attn_norm="pre")
+    pairs = make_pairs(AdditionTask.preset("cpu"), 6, "id", seed=3, aligned=True)
+    return model, pairs
+
+
+@torch.no_grad()
+def test_full_and_empty_circuits(setup):
+    model, pairs = setup
+    metric = LogitDiff(pairs)
+    L, H = 2, 4
+    f = faithfulness(model, pairs, [Circuit.full(L, H), Circuit.empty(L, H)], metric).set_index(["circuit", "ablation"])
+    m_clean = float(metric(model(pairs.clean_tokens)).mean())
+    for abl in ("resample", "mean", "zero"):
+        assert f.loc[(0, abl), "faithfulness"] == pytest.approx(1.0, abs=1e-5)
+        assert f.loc[(0, abl), "metric_circuit"] == pytest.approx(m_clean, abs=1e-5)
+        assert f.loc[(1, abl), "faithfulness"] == pytest.approx(0.0, abs=1e-6)
+    # the empty circuit is the ablated model, computed here without the circuit machinery
+    corrupted = float(metric(model(pairs.corrupted_tokens)).mean())
+    assert f.loc[(1, "resample"), "metric_circuit"] == pytest.approx(corrupted, abs=1e-5)
+    b_O = sum(blk.attn.b_O for blk in model.blocks)  # all that is left when every sender is zero
+    zero_logits = model.head(model.ln_final(b_O.expand(*pairs.clean_tokens.shape, -1)))
+    assert f.loc[(1, "zero"), "metric_circuit"] == pytest.approx(float(metric(zero_logits).mean()), abs=1e-5)
+    _, cache = model.run_with_cache(pairs.clean_tokens)
+    final = cache["blocks.1.hook_resid_post"].mean(0, keepdim=True).expand_as(cache["blocks.1.hook_resid_post"])
+    mean_logits = model.head(model.ln_final(final))
+    assert f.loc[(1, "mean"), "metric_circuit"] == pytest.approx(float(metric(mean_logits).mean()), abs=1e-5)
+
+
+@torch.no_grad()
+def test_node_circuit_equals_ablating_the_other_nodes_with_hooks(setup):
+    model, pairs = setup
+    metric = LogitDiff(pairs)
+    keep = {"a0.h1", "a1.h2", "m0"}
+    circuit = Circuit.from_nodes(keep, 2, 4)
+    f = faithfulness(model, pairs, circuit, metric).set_index("ablation")
+    _, clean = model.run_with_cache(pairs.clean_tokens)
+    _, corr = model.run_with_cache(pairs.corrupted_tokens)
+    for abl in ("resample", "mean", "zero"):
+        def value(name):
+            if abl == "resample":
+                return corr[name]
+            if abl == "mean":
+                return clean[name].mean(0, keepdim=True).expand_as(clean[name])
+            return torch.zeros_like(clean[name])
+
+        hooks = []
+        for l in range(2):
+            drop = [h for h in range(4) if f"a{l}.h{h}" not in keep]
+            zname = f"blocks.{l}.attn.hook_z"
+
+            def hz(z, hook, drop=drop, zname=zname):
+                z = z.clone()
+                z[:, :, drop] = value(zname)[:, :, drop]
+                return z
+
+            hooks.append((zname, hz))
+            if f"m{l}" not in keep:
+                mname = f"blocks.{l}.hook_mlp_out"
+                hooks.append((mname, lambda x, hook, mname=mname: value(mname)))
+        ref = float(metric(model.run_with_hooks(pairs.clean_tokens, fwd_hooks=hooks)).mean())
+        assert f.loc[abl, "metric_circuit"] == pytest.approx(ref, abs=1e-5), abl
+
+
+def test_selection_pruning_and_node_scores(setup):
+    model, pairs = setup
+    df = pd.DataFrame(dict(
+        sender=["embed", "a0.h0", "a1.h0", "a0.h3", "m0"],
+        receiver=["a0.h0.v", "a1.h0.q", "logits", "a1.h1.k", "logits"],
+        score=[0.5, -0.4, 0.3, 0.9, 0.01],
+    ))
+    c = Circuit.from_edge_scores(df, 2, 4, top_n=4)
+    # a0.h3 -> a1.h1.k is dangling (a0.h3 has no input, a1.h1 no output): pruned
+    assert c.edges == {("embed", "a0.h0.v"), ("a0.h0", "a1.h0.q"), ("a1.h0", "logits")}
+    assert c.components == {"a0.h0", "a1.h0"} and c.scores[("a0.h0", "a1.h0.q")] == -0.4
+    assert len(Circuit.from_edge_scores(df, 2, 4, threshold=0.35, prune=False)) == 3
+    assert len(Circuit.from_edge_scores(df, 2, 4, threshold=0.35, absolute=False, prune=False)) == 2
+    z_all = activation_patch(model, pairs, activation="z", by="all")
+    eff = z_all.effect().abs()
+    top = Circuit.from_node_scores(z_all, 2, 4, top_n=2)
+    l, h = divmod(int(eff.flatten().argmax()), 4)
+    assert len(top.components) == 2 and f"a{l}.h{h}" in top.components
+    mlps = Circuit.from_node_scores(activation_patch(model, pairs, activation="mlp_out", by="all"), 2, 4, top_n=1)
+    assert len(mlps.components) == 1 and next(iter(mlps.components)).startswith("m")
+
+
+def test_edge_circuit_from_attribution_and_drawing(setup):
+    model, pairs = setup
+    edges = edge_attribution(model, pairs)
+    c = Circuit.from_edge_scores(edges, 2, 4, top_n=8)
+    assert len(c) >= 8 and ("embed" in c.nodes and "logits" in c.nodes)
+    f = faithfulness(model, pairs, c)
+    assert list(f.ablation) == ["resample", "mean", "zero"] and f.faithfulness.notna().all()
+    fig = draw_circuit(c)
+    assert len(fig.data) == len(c) + 1 + 5  # one line per edge, the nodes, the legend
+    assert set(fig.data[len(c)].text) == c.nodes
+
+
+def test_circuit_errors(setup):
+    model, pairs = setup
+    with pytest.raises(PatchingError, match="do not exist"):
+        Circuit(2, 4, frozenset({("a1.h0", "a0.h0.q")}))
+    with pytest.raises(PatchingError, match="exactly one"):
+        Circuit.from_edge_scores(pd.DataFrame(dict(sender=[], receiver=[], score=[])), 2, 4)
+    with pytest.raises(PatchingError, match="unknown nodes"):
+        Circuit.from_nodes({"a5.h0"}, 2, 4)
+    with pytest.raises(PatchingError, match="node circuits"):
+        Circuit.from_node_scores(activation_patch(model, pairs, activation="resid_pre"), 2, 4, top_n=1)
+    with pytest.raises(PatchingError, match="3 layers"):
+        faithfulness(model, pairs, Circuit.full(3, 4))
+    with pytest.raises(PatchingError, match="unknown ablation"):
+        faithfulness(model, pairs, Circuit.full(2, 4), ablations=("noise",))

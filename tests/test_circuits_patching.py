@@ -1,0 +1,210 @@
+"""Batched exact patching against TransformerLens 4.3's own ``transformer_lens.patching``, cell by cell."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pandas as pd
+import pytest
+import torch
+from transformer_lens import patching
+
+from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig
+from interp_norm.circuits import (
+    KLToClean,
+    LogitDiff,
+    CorrectProb,
+    PatchResult,
+    activation_patch,
+    forward_from,
+    make_pairs,
+    patch_sweep,
+)
+from interp_norm.errors import HookNameError, PatchingError
+
+TL_BY_POS = {
+    "resid_pre": patching.get_act_patch_resid_pre,
+    "resid_mid": patching.get_act_patch_resid_mid,
+    "attn_out": patching.get_act_patch_attn_out,
+    "mlp_out": patching.get_act_patch_mlp_out,
+    "z": patching.get_act_patch_attn_head_out_by_pos,
+    "q": patching.get_act_patch_attn_head_q_by_pos,
+    "k": patching.get_act_patch_attn_head_k_by_pos,
+    "v": patching.get_act_patch_attn_head_v_by_pos,
+    "pattern": patching.get_act_patch_attn_head_pattern_by_pos,
+}
+TL_ALL_POS = {
+    "z": patching.get_act_patch_attn_head_out_all_pos,
+    "q": patching.get_act_patch_attn_head_q_all_pos,
+    "k": patching.get_act_patch_attn_head_k_all_pos,
+    "v": patching.get_act_patch_attn_head_v_all_pos,
+    "pattern": patching.get_act_patch_attn_head_pattern_all_pos,
+}
+VARIANTS = [
+    dict(attn_norm="pre", norm_kind="rms"),
+    dict(attn_norm="qkv", norm_kind="rms"),
+    dict(attn_norm="qk", norm_kind="ln"),
+    dict(attn_norm="none", pre_norm_gains="shared"),
+]
+TOL = 1e-5
+
+
+def make_model(preset: str = "tiny", seed: int = 0, **kw) -> HookedNormTransformer:
+    """A seeded model with norm gains/biases moved off their init, so gains matter."""
+    model = HookedNormTransformer(ModelConfig.preset(preset, seed=seed, **kw)).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith((".w", ".b", "b_O")):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def tl(fn, *args, **kw):
+    with contextlib.redirect_stderr(io.StringIO()), torch.no_grad():  # TL's tqdm bar
+        return fn(*args, **kw)
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    return make_pairs(AdditionTask.preset("cpu"), 4, "id", seed=5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(v.values()))
+def test_every_activation_by_position_equals_transformer_lens(variant, pairs):
+    model = make_model(**variant)
+    metric = LogitDiff(pairs)
+    _, cache = model.run_with_cache(pairs.clean_tokens)
+    for act, fn in TL_BY_POS.items():
+        ref = tl(fn, model, pairs.corrupted_tokens, cache, metric.mean)
+        assert ref.std() > 1e-4, f"{act}: the test needs cells with different effects"
+        for method in ("incremental", "hooks"):
+            ours = activation_patch(model, pairs.corrupted_tokens, cache, metric, act, method=method, batch_size=24)
+            assert ours.values.shape == ref.shape
+            assert (ours.values - ref).abs().max() <= TOL, (act, method)
+
+
+@pytest.mark.parametrize("act", sorted(TL_ALL_POS))
+def test_all_position_patches_equal_transformer_lens(act, pairs):
+    model = make_model(attn_norm="qkv")
+    metric = CorrectProb(pairs)
+    _, cache = model.run_with_cache(pairs.clean_tokens)
+    ref = tl(TL_ALL_POS[act], model, pairs.corrupted_tokens, cache, metric.mean)
+    for method in ("incremental", "hooks"):
+        ours = activation_patch(model, pairs.corrupted_tokens, cache, metric, act, by="all", method=method)
+        assert (ours.values - ref).abs().max() <= TOL
+
+
+def test_three_layer_model_middle_and_last_layers(pairs):
+    """Deeper model: patched layer, recomputed middle layer and metric-restricted last layer all exact."""
+    model = make_model("cpu", attn_norm="pre")
+    metric = KLToClean(pairs, model(pairs.clean_tokens), positions="answer")
+    _, cache = model.run_with_cache(pairs.clean_tokens)
+    for act in ("z", "k", "resid_pre", "mlp_out"):
+        ref = tl(TL_BY_POS[act], model, pairs.corrupted_tokens, cache, metric.mean)
+        ours = activation_patch(model, pairs.corrupted_tokens, cache, metric, act, batch_size=16)
+        assert (ours.values - ref).abs().max() <= TOL, act
+
+
+def test_explicit_cells_and_dest_src_pattern_equal_transformer_lens(pairs):
+    model = make_model(attn_norm="qk", norm_kind="rms")
+    metric = LogitDiff(pairs, positions=0)  # only the first answer token
+    _, cache = model.run_with_cache(pairs.clean_tokens)
+    n = pairs.n_pos
+    cells = pd.DataFrame(
+        [(l, h, d, s) for l in range(2) for h in (0, 3) for d in range(n - 5, n) for s in range(0, d + 1, 2)],
+        columns=["layer", "head_index", "dest_pos", "src_pos"],
+    )
+    ref = tl(
+        patching.generic_activation_patch, model, pairs.corrupted_tokens, cache, metric.mean,
+        patch_setter=patching.layer_head_dest_src_pos_pattern_patch_setter, activation_name="pattern", index_df=cells,
+    )
+    for method in ("incremental", "hooks"):
+        ours = activation_patch(model, pairs.corrupted_tokens, cache, metric, "pattern", by="dest_src", cells=cells, method=method)
+        assert ours.flat and ours.values.shape == ref.shape
+        assert (ours.values - ref).abs().max() <= TOL
+
+
+def test_resid_post_matches_generic_transformer_lens_patch(pairs):
+    model = make_model()
+    metric = LogitDiff(pairs)
+    _, cache = model.run_with_cache(pairs.clean_tokens)
+    ref = tl(
+        patching.generic_activation_patch, model, pairs.corrupted_tokens, cache, metric.mean,
+        patch_setter=patching.layer_pos_patch_setter, activation_name="resid_post", index_axis_names=("layer", "pos"),
+    )
+    ours = activation_patch(model, pairs.corrupted_tokens, cache, metric, "resid_post")
+    assert (ours.values - ref).abs().max() <= TOL
+
+
+def test_user_metrics_per_example_and_scalar(pairs):
+    """A plain callable (not stacked-aware) works, per-example or scalar; per-example values are kept."""
+    model = make_model()
+    _, cache = model.run_with_cache(pairs.clean_tokens)
+    last = pairs.score_mask.float().argmax(-1)
+    rows = torch.arange(len(pairs))
+
+    def prob_of_seven(logits):  # [batch]
+        return logits[rows, last].softmax(-1)[:, 7]
+
+    ref = tl(TL_BY_POS["v"], model, pairs.corrupted_tokens, cache, lambda lg: prob_of_seven(lg).mean())
+    ours = activation_patch(model, pairs.corrupted_tokens, cache, prob_of_seven, "v")
+    assert (ours.values - ref).abs().max() <= TOL
+    assert ours.per_example.shape == (ref.numel(), len(pairs))
+    assert torch.allclose(ours.per_example.mean(-1).view_as(ref).float(), ref, atol=TOL)
+    scalar = activation_patch(model, pairs.corrupted_tokens, cache, lambda lg: prob_of_seven(lg).mean(), "v")
+    assert scalar.per_example is None and (scalar.values - ref).abs().max() <= TOL
+
+
+def test_result_table_baselines_and_normalisation(pairs):
+    model = make_model()
+    res = activation_patch(model, pairs, activation="resid_pre")  # clean cache + logit diff from the pairs
+    metric = LogitDiff(pairs)
+    with torch.no_grad():
+        clean = metric(model(pairs.clean_tokens)).double()
+        corr = metric(model(pairs.corrupted_tokens)).double()
+    assert torch.allclose(res.clean, clean) and torch.allclose(res.baseline, corr)
+    # patching the whole residual stream at layer 0, every position at once, gives the clean run
+    full = activation_patch(model, pairs, activation="resid_pre", by="all")
+    assert abs(float(full.values[0]) - float(clean.mean())) < TOL
+    assert abs(float(full.normalized()[0]) - 1.0) < 1e-4
+    df = res.to_dataframe()
+    assert list(df.columns[:3]) == ["activation", "layer", "pos"]
+    assert len(df) == res.values.numel() and {"value", "effect", "normalized"} <= set(df.columns)
+
+
+def test_patch_sweep_shares_one_cache(pairs):
+    model = make_model()
+    out = patch_sweep(model, pairs, activations=("attn_out", ("z", "all")))
+    assert set(out) == {"attn_out", "z_all"}
+    assert isinstance(out["z_all"], PatchResult) and out["z_all"].values.shape == (2, 4)
+
+
+def test_forward_from_reproduces_the_model(pairs):
+    model = make_model()
+    _, cache = model.run_with_cache(pairs.clean_tokens)
+    for layer in range(model.cfg.n_layers):
+        out = forward_from(model, layer, cache[f"blocks.{layer}.hook_resid_pre"])
+        assert torch.allclose(out, model(pairs.clean_tokens), atol=1e-5)
+
+
+def test_bad_inputs_raise_typed_errors(pairs):
+    model = make_model()
+    metric = LogitDiff(pairs)
+    _, cache = model.run_with_cache(pairs.clean_tokens)
+    with pytest.raises(PatchingError, match="unknown activation"):
+        activation_patch(model, pairs, activation="hook_z")
+    with pytest.raises(PatchingError, match="by='dest_src'"):
+        activation_patch(model, pairs, activation="z", by="dest_src")
+    with pytest.raises(PatchingError, match="training mode"):
+        activation_patch(model.train(), pairs, activation="z")
+    model.eval()
+    with pytest.raises(HookNameError, match="hook_z"):
+        activation_patch(model, pairs.corrupted_tokens, {"blocks.0.hook_resid_pre": cache["blocks.0.hook_resid_pre"]}, metric, "z")
+    with pytest.raises(PatchingError, match="batch"):
+        activation_patch(model, pairs.corrupted_tokens[:2], cache, metric, "z")
+    with pytest.raises(PatchingError, match="metric"):
+        activation_patch(model, pairs.corrupted_tokens, cache, None, "z")
+    with pytest.raises(PatchingError, match="cells need columns"):
+        activation_patch(model, pairs, activation="z", cells=pd.DataFrame({"layer": [0]}))
