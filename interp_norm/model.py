@@ -110,6 +110,15 @@ class ModelConfig(TransformerLensConfig):
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the bad field and the fix."""
+        if self.n_heads == -1:  # TransformerLens's convention: derive n_heads = d_model / d_head
+            if isinstance(self.d_model, int) and isinstance(self.d_head, int) and self.d_head > 0:
+                if self.d_model % self.d_head:
+                    raise ConfigError(
+                        f"d_model={self.d_model} is not divisible by d_head={self.d_head}, so n_heads cannot be "
+                        "derived; set n_heads explicitly (the paper's heads need not tile d_model) or pick "
+                        "d_model as a multiple of d_head"
+                    )
+                self.n_heads = self.d_model // self.d_head
         for name in ("d_model", "d_head", "n_layers", "n_ctx", "n_heads", "d_vocab", "n_freq"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -530,7 +530,15 @@ def _cells_from_df(cells: pd.DataFrame, axes: Sequence[str], sizes: dict[str, in
     missing = [a for a in axes if a not in df.columns]
     if missing:
         raise PatchingError(f"cells need columns {list(axes)}; missing {missing}")
-    t = torch.tensor(df[list(axes)].to_numpy(), dtype=torch.long).reshape(-1, len(axes))
+    if len(df) == 0:
+        raise PatchingError(
+            f"the set of cells to patch is empty; pass at least one row with columns {list(axes)}, or cells=None for every cell"
+        )
+    try:
+        values = df[list(axes)].to_numpy(dtype="int64")
+    except (TypeError, ValueError):
+        raise PatchingError(f"cells columns {list(axes)} must hold integer indices") from None
+    t = torch.tensor(values, dtype=torch.long).reshape(-1, len(axes))
     for j, a in enumerate(axes):
         if len(t) and (t[:, j].min() < 0 or t[:, j].max() >= sizes[a]):
             raise PatchingError(f"cell column {a!r} must lie in [0, {sizes[a]}), got {t[:, j].min()}..{t[:, j].max()}")
