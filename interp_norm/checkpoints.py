@@ -523,6 +523,30 @@ def load_pretrained(name: str, device: str | torch.device = "cpu") -> tuple[Hook
     return load_checkpoint(pretrained_dir() / name, device=device)
 
 
+def looks_like_path(spec: str | os.PathLike) -> bool:
+    """CKPT arguments that exist, contain a path separator or start with '.' are folders, not names."""
+    text = str(spec)
+    return Path(text).exists() or any(sep in text for sep in "/\\") or text.startswith(".")
+
+
+def load_any(spec: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[HookedNormTransformer, CheckpointInfo]:
+    """A checkpoint or run folder if ``spec`` looks like a path, else a pretrained name.
+
+    What the CLI and ``reproduce`` accept as CKPT; an unknown name lists the available ones.
+    """
+    text = str(spec)
+    if looks_like_path(text):
+        return load_checkpoint(text, device=device)
+    try:
+        return load_pretrained(text, device=device)
+    except CheckpointNotFoundError:
+        names = [n for n in _pretrained_names()]
+        raise CheckpointNotFoundError(
+            f"{text!r} is neither a checkpoint folder nor a pretrained name "
+            f"(available: {', '.join(names) if names else 'none'}); see 'interp-norm list'"
+        ) from None
+
+
 def list_pretrained() -> pd.DataFrame:
     """One row per shipped checkpoint: name, architecture, seed, step and per-token accuracies."""
     rows = []
@@ -554,6 +578,7 @@ def list_pretrained() -> pd.DataFrame:
 
 __all__ = [
     "CheckpointInfo",
+    "load_any",
     "save_checkpoint",
     "load_checkpoint",
     "export_checkpoint",

@@ -59,20 +59,9 @@ def _check_csv_out(path: Optional[str]) -> Optional[Path]:
 
 
 def _load_any(ckpt: str, device: str = "cpu"):
-    """A checkpoint/run folder path, or a pretrained name."""
-    from interp_norm.checkpoints import list_pretrained, load_checkpoint, load_pretrained
-    from interp_norm.errors import CheckpointNotFoundError
+    from interp_norm.checkpoints import load_any
 
-    if Path(ckpt).exists() or any(sep in ckpt for sep in "/\\") or ckpt.startswith("."):
-        return load_checkpoint(ckpt, device=device)
-    try:
-        return load_pretrained(ckpt, device=device)
-    except CheckpointNotFoundError:
-        names = list(list_pretrained()["name"])
-        raise CheckpointNotFoundError(
-            f"{ckpt!r} is neither a checkpoint folder nor a pretrained name "
-            f"(available: {', '.join(names) if names else 'none'}); see 'interp-norm list'"
-        ) from None
+    return load_any(ckpt, device=device)
 
 
 # ----------------------------------------------------------------------------- train

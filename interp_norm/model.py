@@ -39,9 +39,8 @@ Choices the paper leaves open (digest §5), each a config field:
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Optional, Sequence
 
 import einops

@@ -112,24 +112,16 @@ class Report:
 
 
 def _load(spec: str) -> tuple[str, Any, Any]:
-    from interp_norm.checkpoints import list_pretrained, load_checkpoint, load_pretrained
+    """(display name, model, info) for a checkpoint folder or a pretrained name."""
+    from interp_norm.checkpoints import load_any, looks_like_path
 
-    p = Path(spec)
-    if p.exists() or any(sep in spec for sep in "/\\") or spec.startswith("."):
-        model, info = load_checkpoint(p)
-        name = p.resolve().name
-        if name.startswith("step-"):  # a step folder inside a run folder: name it after the run
-            name = p.resolve().parent.name
-        return name, model, info
-    try:
-        model, info = load_pretrained(spec)
-    except CheckpointNotFoundError:
-        names = list(list_pretrained()["name"])
-        raise CheckpointNotFoundError(
-            f"{spec!r} is neither a checkpoint folder nor a pretrained name "
-            f"(available: {', '.join(names) if names else 'none'}); see 'interp-norm list'"
-        ) from None
-    return spec, model, info
+    model, info = load_any(spec)
+    if not looks_like_path(spec):
+        return spec, model, info
+    name = Path(spec).resolve().name
+    if name.startswith("step-"):  # a step folder inside a run folder: name it after the run
+        name = Path(spec).resolve().parent.name
+    return name, model, info
 
 
 def load_models(checkpoints: Optional[Sequence[str]] = None) -> dict[str, tuple[Any, Any]]:

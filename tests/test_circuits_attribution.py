@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 
 from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig
 from interp_norm.circuits import (

@@ -15,16 +15,7 @@ from interp_norm import geometry as G
 from interp_norm import plots_geometry as P
 from interp_norm.errors import ConfigError, GeometryError, ProblemStringError
 from interp_norm.task import BOS_ID, PAD_ID
-
-
-def make_model(seed: int = 0, **kw) -> HookedNormTransformer:
-    model = HookedNormTransformer(ModelConfig.preset("tiny", seed=seed, **kw)).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".w") or name.endswith(".b") or name.endswith("b_O"):
-                p.add_(0.3 * torch.randn(p.shape, generator=g))
-    return model
+from _models import make_model
 
 
 @pytest.fixture(scope="module")

@@ -357,7 +357,6 @@ class _EdgeRunner:
         # (u_now - ablated_u) for each sender, filled in as the pass computes the senders
         diffs: Optional[Tensor] = None
         embed_now: list[Tensor] = []
-        pos_embed: list[Tensor] = []
         leaf: dict[str, Tensor] = {}
         W_O = self.W_O
 

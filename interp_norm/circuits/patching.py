@@ -415,7 +415,6 @@ class _Incremental:
         touches). Returns (resid_post rows ``A`` as [M, d], ``A`` [K, b, n])."""
         blk, c, w = self.model.blocks[l], self.c[l], self.w[l]
         attn = blk.attn
-        n = self.n_eff
         need = torch.ones_like(self.need) if force_all else (self.need_last if last else self.need)
         if S == "resid_pre":
             X = patch(X if X is not None else self._dense(l, "resid_pre", K), None)
