@@ -153,11 +153,11 @@ def cli_command(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], in
     p.add_argument("--progress", action="store_true")
 
     def run(args: argparse.Namespace) -> int:
-        try:
-            from interp_norm.cli import _load_any as load
-        except ImportError:  # pragma: no cover
-            from interp_norm.checkpoints import load_checkpoint as load
-        model, info = load(args.ckpt)
+        from interp_norm.checkpoints import ensure_writable_dir, load_any
+
+        if args.out:
+            ensure_writable_dir(args.out)  # fail before any work
+        model, info = load_any(args.ckpt)
         out = args.out or f"circuits-{Path(str(args.ckpt).rstrip('/')).name}"
         tables = run_circuits(
             model, info.task, out, n_pairs=args.pairs, split=args.split, seed=args.seed, corrupt=args.corrupt,
