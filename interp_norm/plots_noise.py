@@ -7,7 +7,8 @@ noise level (RMS of κ) on a log scale, as in the paper's figures.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import math
+from typing import Iterable, Optional, Sequence
 
 import pandas as pd
 import plotly.colors
@@ -33,6 +34,25 @@ def _colours(variants: Sequence[str]) -> dict[str, str]:
     return {v: pal[i % len(pal)] for i, v in enumerate(variants)}
 
 
+def _pct(x: float) -> str:
+    """0.001 -> "0.1%", 0.13 -> "13%" (no rounding of distinct levels onto the same label)."""
+    return f"{float(x) * 100:.3g}%"
+
+
+def _log_level_axis(fig: go.Figure, levels: Iterable[float], min_gap: float = 0.12) -> None:
+    """Log x axis ticked at the noise levels actually used (thinned so neighbouring labels are at
+    least ``min_gap`` decades apart; the largest level is always kept), labelled as percentages."""
+    levels = sorted({float(v) for v in levels if v > 0 and math.isfinite(v)})
+    ticks: list[float] = []
+    for v in levels:
+        if not ticks or math.log10(v / ticks[-1]) >= min_gap:
+            ticks.append(v)
+    if len(ticks) > 1 and ticks[-1] != levels[-1]:
+        ticks[-1] = levels[-1]
+    fig.update_xaxes(type="log", tickmode="array", tickvals=ticks, ticktext=[_pct(v) for v in ticks],
+                     hoverformat=".3~%", minor=dict(showgrid=False))
+
+
 def plot_accuracy_vs_noise(df: pd.DataFrame, title: Optional[str] = None) -> go.Figure:
     """Per-token accuracy (± standard error over datasets) vs noise level, from :func:`noise.run_noise`.
 
@@ -43,24 +63,31 @@ def plot_accuracy_vs_noise(df: pd.DataFrame, title: Optional[str] = None) -> go.
     df = _need(df, {"level", "accuracy", "noised"}, "noise.run_noise")
     colour = _colours(list(dict.fromkeys(df["variant"])))
     fig = go.Figure()
+    titled: set = set()
     for (variant, noised), g in df.groupby(["variant", "noised"], sort=False):
         g = g.sort_values("level")
         pos = g[g["level"] > 0]
         err = pos["se"] if "se" in pos.columns else None
+        clean = g[g["level"] == 0]
+        group_title = None
+        if variant not in titled:
+            titled.add(variant)
+            acc0 = df[(df["variant"] == variant) & (df["level"] == 0)]["accuracy"]
+            group_title = f"{variant}" + (f" — clean: {float(acc0.iloc[0]):.1%} (long-dash line)" if len(acc0) else "")
         fig.add_trace(go.Scatter(
             x=pos["level"], y=pos["accuracy"], mode="lines+markers", name=f"{variant}, {_NOISED_NAME.get(noised, noised)}",
             line=dict(color=colour[variant], dash=_DASH.get(noised, "solid")), legendgroup=str(variant),
+            legendgrouptitle_text=group_title,
             error_y=dict(type="data", array=err, visible=True) if err is not None else None,
         ))
-        clean = g[g["level"] == 0]
-        if noised == "all" and len(clean):
+        if noised == "all" and len(clean):  # labelled in the legend group title, not in the plot
             fig.add_hline(y=float(clean["accuracy"].iloc[0]), line=dict(color=colour[variant], width=1, dash="longdash"),
-                          opacity=0.5, annotation_text=f"{variant} clean", annotation_position="bottom left")
+                          opacity=0.5)
     fig.update_layout(
         title=title or "Per-token accuracy under multiplicative norm noise (all layers at once)",
         xaxis_title="noise level (RMS of κ)", yaxis_title="per-token accuracy", legend_title="model, noised rows",
     )
-    fig.update_xaxes(type="log", tickformat=".1%")
+    _log_level_axis(fig, df["level"])
     fig.update_yaxes(tickformat=".0%")
     return fig
 
@@ -110,7 +137,7 @@ def plot_collapse_vs_noise(
         title=title or f"Circuit collapse of sparse attention under norm noise ({where})",
         xaxis_title="noise level (RMS of κ)", yaxis_title="P(collapse)", legend_title="model, definition",
     )
-    fig.update_xaxes(type="log", tickformat=".0%")
+    _log_level_axis(fig, df["level"])
     fig.update_yaxes(type="log" if log_y else "linear", tickformat=".1%")
     return fig
 
