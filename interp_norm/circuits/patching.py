@@ -294,8 +294,9 @@ class _Incremental:
     input or one of the keys/values it attends to changed (causal attention: everything at or
     after the first changed row), and only if it can still reach a position the metric reads
     for that example (in the last layer: exactly the read positions). Row-wise work (norms,
-    projections, MLP, output head) runs on those rows only; the cheap attention products run
-    densely with cached keys/values for unchanged rows.
+    projections, MLP, output head) runs on those rows only, and so does attention: per (copy,
+    example) with the cached keys/values, changed rows replaced. Only changed residual rows are
+    kept between layers.
     """
 
     def __init__(self, model, tokens: Tensor, read_mask: Optional[Tensor]):
@@ -373,52 +374,70 @@ class _Incremental:
         h = F.layer_norm(x, x.shape[-1:], ln.w, ln.b, ln.eps)
         return F.linear(F.relu(F.linear(h, mlp.W_in.T, mlp.b_in), inplace=True), mlp.W_out.T, mlp.b_out)
 
-    def _attend(self, q_rows: Tensor, idx: tuple, k_t: Tensor, v_t: Tensor, K: int) -> Tensor:
-        """z [M, h, dh] of query rows ``idx`` = (copy, example, position) against their own keys.
+    def _groups(self, idx: tuple) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Rows ``idx`` = (copy, example, position), sorted, grouped by (copy, example): the
+        group's copy and example, and each row's group and slot within its group."""
+        kidx, bidx, _ = idx
+        keys, g_of, counts = torch.unique_consecutive(kidx * self.b + bidx, return_inverse=True, return_counts=True)
+        slot = torch.arange(len(kidx), device=kidx.device) - (counts.cumsum(0) - counts)[g_of]
+        return keys // self.b, keys % self.b, g_of, slot
 
-        Dense over the window of query rows from the first row in ``idx``; keys/values are
-        ``[b, h, keys, dh]`` (shared: copies are folded into the query axis, one bmm per head)
-        or ``[K, b, h, keys, dh]`` (per copy).
+    def _attend(self, q_rows: Tensor, ridx: Tensor, g_of: Tensor, slot: Tensor, k_g: Tensor, v_g: Tensor) -> Tensor:
+        """z [M, h, dh] of query rows at positions ``ridx`` against their own (copy, example)'s keys.
+
+        The rows are packed per group (``g_of``, ``slot``) into a zero-padded [g, h, w, dh] block
+        against the groups' keys/values ``k_g``/``v_g`` [g, h, keys, dh]. Why: with mixed-length
+        examples the recomputed rows are a small ragged subset of copies x examples x positions,
+        and a dense block over all of them was most of the engine's time.
         """
-        kidx, bidx, ridx = idx
-        n, b, H, dh = self.n_eff, self.b, self.H, self.dh
-        qlo = int(ridx.min())
-        qw = n - qlo
-        causal = self.causal[qlo:]
-        if k_t.ndim == 4:  # shared keys: fold copies into the query axis
-            q = q_rows.new_zeros(b, H, K, qw, dh)
-            q[bidx, :, kidx, ridx - qlo] = q_rows
-            scores = (q.view(b, H, K * qw, dh) @ k_t.transpose(-1, -2)).view(b, H, K, qw, -1) / self.cfg.attn_scale
-            pattern = _causal_softmax(scores, causal)
-            if v_t.ndim == 4:
-                z = (pattern.view(b, H, K * qw, -1) @ v_t).view(b, H, K, qw, dh)
-                return z[bidx, :, kidx, ridx - qlo]
-            z = pattern.permute(2, 0, 1, 3, 4) @ v_t
-        else:
-            q = q_rows.new_zeros(K, b, H, qw, dh)
-            q[kidx, bidx, :, ridx - qlo] = q_rows
-            scores = (q @ k_t.transpose(-1, -2)) / self.cfg.attn_scale
-            z = _causal_softmax(scores, causal) @ v_t
-        return z[kidx, bidx, :, ridx - qlo]
+        g, nk = k_g.shape[0], k_g.shape[2]
+        w = int(slot.max()) + 1
+        q = q_rows.new_zeros(g, self.H, w, self.dh)
+        q[g_of, :, slot] = q_rows
+        pos = ridx.new_zeros(g, w)  # padding rows: position 0 (a valid, discarded softmax)
+        pos[g_of, slot] = ridx
+        causal = self.causal[pos, :nk].unsqueeze(1)  # [g, 1, w, keys]
+        scores = (q @ k_g.transpose(-1, -2)) / self.cfg.attn_scale
+        z = _causal_softmax(scores, causal) @ v_g  # [g, h, w, dh]
+        return z[g_of, :, slot]
 
     def _dense(self, l: int, name: str, K: int) -> Tensor:
         t = self.c[l][name]
         return t.unsqueeze(0).expand(K, *t.shape)
 
+    def _rows(self, l: int, X: Optional[Tensor], D: Tensor, mask: Tensor) -> Tensor:
+        """resid_pre rows ``mask`` [K, b, n] of layer ``l``: the cache, with the changed rows ``X``
+        ([count(D), d], in ``D``'s order) in place. Why: only changed rows are kept, not a dense
+        [K, b, n, d] copy per layer."""
+        if X is not None and torch.equal(mask, D):
+            return X
+        _, bidx, ridx = mask.nonzero(as_tuple=True)
+        out = self.c[l]["resid_pre"][bidx, ridx]
+        if X is not None:
+            slot = torch.full(D.shape, -1, dtype=torch.long, device=D.device)
+            slot[D] = torch.arange(len(X), device=D.device)
+            s = slot[mask]
+            hit = s >= 0
+            out[hit] = X[s[hit]]
+        return out
+
     def _layer(
         self, l: int, X: Optional[Tensor], D: Tensor, K: int, last: bool,
         S: Optional[str] = None, patch: Optional[Callable] = None, P: Optional[Tensor] = None, force_all: bool = False,
     ) -> tuple[Tensor, Tensor]:
-        """One block for K copies. ``X`` [K, b, n, d] is resid_pre (None = the corrupted cache),
-        ``D`` [K, b, n] marks rows of ``X`` that differ from the cache; ``S``/``patch``/``P`` are
-        the patch of this layer (stage, function on the dense stage tensor, [K, 1, n] rows it
-        touches). Returns (resid_post rows ``A`` as [M, d], ``A`` [K, b, n])."""
+        """One block for K copies. ``D`` [K, b, n] marks the resid_pre rows that differ from the
+        cache and ``X`` [count(D), d] holds them (None = none differ); ``S``/``patch``/``P`` are
+        the patch of this layer (stage, function on the dense stage tensor or its rows, [K, b, n]
+        rows it touches). Returns (resid_post rows ``A`` as [M, d], ``A`` [K, b, n])."""
         blk, c, w = self.model.blocks[l], self.c[l], self.w[l]
         attn = blk.attn
         need = torch.ones_like(self.need) if force_all else (self.need_last if last else self.need)
         if S == "resid_pre":
-            X = patch(X if X is not None else self._dense(l, "resid_pre", K), None)
+            dense = self._dense(l, "resid_pre", K).clone()
+            if X is not None:
+                dense[D] = X
             D = D | P
+            X = patch(dense, None)[D]
         # rows whose attention output may change
         if S in (None, "resid_pre"):
             A = (D.long().cumsum(-1) > 0) & need
@@ -428,38 +447,40 @@ class _Incremental:
             A = P & need
         if not A.any():
             return None, A
-        # keys/values in [(K,) b, h, keys, dh] layout: shared by all copies unless a key row changed
-        k_t, v_t = c["k_t"], c["v_t"]
-        kv_rows = D & self.need if not force_all else D
-        x_in = None  # attention inputs of rows A, when they coincide with the key rows
-        if kv_rows.any():
-            xs = self._attn_in(blk, X[kv_rows])
-            xk_, xv_ = xs[1:]
-            if torch.equal(kv_rows, A):
-                x_in = xs[0]
-            k_t = self._dense(l, "k_t", K).clone()
-            v_t = self._dense(l, "v_t", K).clone()
-            k_t.permute(0, 1, 3, 2, 4)[kv_rows] = self._norm(attn, "k", self._proj(xk_, w["K"]))
-            v_t.permute(0, 1, 3, 2, 4)[kv_rows] = self._norm(attn, "v", self._proj(xv_, w["V"]))
-        if S in ("k", "v"):
-            rows_mask = P.unsqueeze(-1).unsqueeze(-1)  # [K, 1, n, 1, 1]
-            pre = patch(self._dense(l, S, K), None)
-            new = torch.where(rows_mask, self._norm(attn, S, pre), self._dense(l, f"{S}_used", K)).permute(0, 1, 3, 2, 4)
-            if S == "k":
-                k_t = new
-            else:
-                v_t = new
-        si = _ORDER.index(S) if S is not None else 0
         kidx, bidx, ridx = idx = A.nonzero(as_tuple=True)
+        si = _ORDER.index(S) if S is not None else 0
+        x_in = None  # attention inputs of rows A, when they coincide with the key rows
+        xA = self._rows(l, X, D, A) if si <= _ORDER.index("attn_out") else None  # resid_pre rows A
         if si <= _ORDER.index("v"):
+            gk, ge, g_of, slot = self._groups(idx)
+            # a key row matters only to query rows at or after it in its own copy and example
+            seen = A.flip(-1).long().cumsum(-1).flip(-1) > 0
+            nk = int(ridx.max()) + 1
+            # keys/values [g, h, keys, dh] of each (copy, example) group: the cache, changed rows replaced
+            k_g = c["k_t"][:, :, :nk].index_select(0, ge)
+            v_g = c["v_t"][:, :, :nk].index_select(0, ge)
+            kv_rows = (D if force_all else D & self.need) & seen
+            if kv_rows.any():
+                same = torch.equal(kv_rows, A)
+                xs = self._attn_in(blk, xA if same else self._rows(l, X, D, kv_rows))
+                if same:
+                    x_in = xs[0]
+                sel = kv_rows[gk, ge, :nk]  # same row order as kv_rows: groups are sorted (copy, example)
+                k_g.transpose(1, 2)[sel] = self._norm(attn, "k", self._proj(xs[1], w["K"]))
+                v_g.transpose(1, 2)[sel] = self._norm(attn, "v", self._proj(xs[2], w["V"]))
+            if S in ("k", "v"):
+                Pk = P & seen
+                pidx = Pk.nonzero(as_tuple=True)
+                new = self._norm(attn, S, patch(c[S][pidx[1], pidx[2]], pidx))
+                (k_g if S == "k" else v_g).transpose(1, 2)[Pk[gk, ge, :nk]] = new
             if S == "q":
                 q_rows = self._norm(attn, "q", patch(c["q"][bidx, ridx], idx))
             elif S in ("k", "v"):
                 q_rows = c["q_used"][bidx, ridx]
             else:
-                xq_ = x_in if x_in is not None else self._attn_in(blk, X[A])[0]
+                xq_ = x_in if x_in is not None else self._attn_in(blk, xA)[0]
                 q_rows = self._norm(attn, "q", self._proj(xq_, w["Q"]))
-            z = self._attend(q_rows, idx, k_t, v_t, K)
+            z = self._attend(q_rows, ridx, g_of, slot, k_g, v_g)
         elif S == "pattern":
             pattern = patch(c["pattern"][bidx, :, ridx], idx)  # [M, h, keys]
             z = (pattern.unsqueeze(2) @ c["v_t"][bidx]).squeeze(2)  # [M, h, dh]
@@ -470,8 +491,7 @@ class _Incremental:
         elif S == "attn_out":
             attn_out = patch(c["attn_out"][bidx, ridx], idx)
         if si <= _ORDER.index("attn_out"):
-            xa = X[A] if X is not None else c["resid_pre"][bidx, ridx]
-            resid_mid = xa + attn_out
+            resid_mid = xA + attn_out
         elif S == "resid_mid":
             resid_mid = patch(c["resid_mid"][bidx, ridx], idx)
         elif S == "mlp_out":
@@ -497,7 +517,7 @@ class _Incremental:
         D = torch.zeros(K, self.b, self.n_eff, dtype=torch.bool, device=P.device)
         if force_all:
             D = D | P
-            X = self._dense(l0, "resid_pre", K)
+            X = self._dense(l0, "resid_pre", K)[D]
         for l in range(l0, self.L):
             last = l == self.L - 1
             here = l == l0 and not force_all
@@ -505,9 +525,7 @@ class _Incremental:
             if rows is None:
                 return None
             if not last:
-                X = self._dense(l, "resid_post", K).clone()
-                X[A] = rows
-                D = A
+                X, D = rows, A
         out = self.logits.unsqueeze(0).expand(K, *self.logits.shape).clone()
         view = out[:, :, : self.n_eff]
         view[A] = self.model.head(self.model.ln_final(rows))
