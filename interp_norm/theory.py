@@ -365,6 +365,12 @@ def collapse_condition_small_angle(
 # ----------------------------------------------------------------------------- probabilities
 
 
+def _score_rows(scores: Tensor) -> tuple[Tensor, torch.Size, torch.dtype]:
+    """Validated scores as float64 rows [R, T], with the batch shape and dtype to restore."""
+    scores = _check_scores(scores)
+    return scores.detach().to(torch.float64).reshape(-1, scores.shape[-1]), scores.shape[:-1], scores.dtype
+
+
 def predicted_collapse_probability(
     scores: Float[Tensor, "... key"],
     law: NoiseLaw,
@@ -396,12 +402,8 @@ def predicted_collapse_probability(
     law = _as_law(law)
     if not isinstance(nodes_per_panel, int) or nodes_per_panel < 1:
         raise ConfigError(f"nodes_per_panel must be a positive int, got {nodes_per_panel!r}")
-    scores = _check_scores(scores)
-    out_dtype = scores.dtype
-    batch = scores.shape[:-1]
-    T = scores.shape[-1]
-    w = scores.detach().to(torch.float64).reshape(-1, T)
-    R = w.shape[0]
+    w, batch, out_dtype = _score_rows(scores)
+    R, T = w.shape
     result = torch.zeros(R, dtype=torch.float64, device=w.device)
     if R == 0 or T < 2 or law.level == 0:
         return result.to(out_dtype).reshape(batch)
@@ -513,12 +515,8 @@ def predicted_collapse_probability_strict(
         raise ConfigError(f"n_samples must be a positive int, got {n_samples!r}")
     if not (0.0 < float(threshold) <= 1.0):
         raise ConfigError(f"threshold must be in (0, 1], got {threshold}")
-    scores = _check_scores(scores)
-    out_dtype = scores.dtype
-    batch = scores.shape[:-1]
-    T = scores.shape[-1]
-    w = scores.detach().to(torch.float64).reshape(-1, T)
-    R = w.shape[0]
+    w, batch, out_dtype = _score_rows(scores)
+    R, T = w.shape
     masked = torch.isneginf(w)
     tstar = w.argmax(-1)
     hits = torch.zeros(R, dtype=torch.float64, device=w.device)
