@@ -175,7 +175,7 @@ def test_transformer_lens_patching_runs_unchanged(attn_norm):
     assert abs(float(out[1, pos, 1]) - float(manual.detach())) < 1e-5
     # patching resid_pre at layer 0 on the corrupted digit's position restores the clean metric exactly
     diff_pos = int((clean[0] != corrupt[0]).nonzero()[0])
-    clean_metric = float(metric(model(clean)))
+    clean_metric = float(metric(model(clean)).detach())
     assert diff_pos < pos and abs(float(resid[0, diff_pos]) - clean_metric) < 1e-4
 
 
