@@ -174,24 +174,26 @@ def pad_batch(seqs: Sequence[Tensor], length: int | None = None) -> Int[Tensor, 
     return out
 
 
+def next_tokens(tokens: Int[Tensor, "batch pos"]) -> Int[Tensor, "batch pos"]:
+    """The token each position predicts (position p -> token p+1); the last column is padding."""
+    nxt = torch.full_like(tokens, PAD_ID)
+    nxt[:, :-1] = tokens[:, 1:]
+    return nxt
+
+
 def answer_mask(tokens: Int[Tensor, "batch pos"]) -> Bool[Tensor, "batch pos"]:
     """True at positions whose logits predict an answer token (digits, ``N`` or ``]``).
 
     Position p predicts token p+1; it is scored when p is at or after ``=`` and token p+1 is
     not padding. This is the paper's masked per-token accuracy, derived from the tokens alone.
     """
-    is_eq = tokens == EQ_ID
-    after_eq = is_eq.long().cumsum(-1) > 0  # p at or after '='
-    nxt = torch.full_like(tokens, PAD_ID)
-    nxt[:, :-1] = tokens[:, 1:]
-    return after_eq & (nxt != PAD_ID)
+    after_eq = (tokens == EQ_ID).long().cumsum(-1) > 0  # p at or after '='
+    return after_eq & (next_tokens(tokens) != PAD_ID)
 
 
 def next_token_targets(tokens: Int[Tensor, "batch pos"], ignore_index: int = -100) -> Int[Tensor, "batch pos"]:
     """Next-token targets with everything outside :func:`answer_mask` set to ``ignore_index``."""
-    tgt = torch.full_like(tokens, ignore_index)
-    tgt[:, :-1] = tokens[:, 1:]
-    return tgt.masked_fill(~answer_mask(tokens), ignore_index)
+    return next_tokens(tokens).masked_fill(~answer_mask(tokens), ignore_index)
 
 
 @dataclass
@@ -359,5 +361,6 @@ __all__ = [
     "decode",
     "pad_batch",
     "answer_mask",
+    "next_tokens",
     "next_token_targets",
 ]

@@ -36,7 +36,7 @@ from interp_norm import checkpoints as C
 from interp_norm.errors import CheckpointError, ConfigError, OutputDirError, TrainingDivergedError
 from interp_norm.evaluate import evaluate, token_correct_counts
 from interp_norm.model import HookedNormTransformer, ModelConfig
-from interp_norm.task import AdditionTask, answer_mask
+from interp_norm.task import AdditionTask, next_token_targets
 
 TRAIN_STATE_VERSION = 1
 
@@ -422,9 +422,8 @@ def train(
                 torch.nn.utils.clip_grads_with_norm_(params, train_cfg.grad_clip, grad_norm)
             opt.step()
             with torch.no_grad():
-                targets = tokens.new_full(tokens.shape, -100)
-                targets[:, :-1] = tokens[:, 1:]
-                mask = answer_mask(tokens)
+                targets = next_token_targets(tokens)
+                mask = targets != -100
                 correct = int(((logits.argmax(-1) == targets) & mask).sum())
                 n_tok = int(mask.sum())
             window.add(loss_value, correct, n_tok, gn)

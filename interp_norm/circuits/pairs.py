@@ -92,11 +92,11 @@ class PatchingPairs:
     @property
     def clean_next(self) -> Int[Tensor, "batch pos"]:
         """Token each position predicts in the clean sequence (the last column repeats PAD)."""
-        return _next_tokens(self.clean_tokens)
+        return T.next_tokens(self.clean_tokens)
 
     @property
     def corrupted_next(self) -> Int[Tensor, "batch pos"]:
-        return _next_tokens(self.corrupted_tokens)
+        return T.next_tokens(self.corrupted_tokens)
 
     @property
     def answer_mask(self) -> Bool[Tensor, "batch pos"]:
@@ -160,12 +160,6 @@ class PatchingPairs:
         clean_t = T.pad_batch([T.encode(p.text) for p in cp], n)
         corr_t = T.pad_batch([T.encode(p.text) for p in xp], n)
         return cls(clean_t, corr_t, score_mask, cp, xp, None)
-
-
-def _next_tokens(tokens: Tensor) -> Tensor:
-    nxt = torch.full_like(tokens, T.PAD_ID)
-    nxt[:, :-1] = tokens[:, 1:]
-    return nxt
 
 
 # ----------------------------------------------------------------------------- making pairs
