@@ -33,8 +33,17 @@ Choices the paper leaves open (digest §5), each a config field:
   (TransformerLens's standard learned positions, no offset).
 * ``head``: the paper's output head, LayerNorm → MLP with ReLU hidden layers → logits (``"mlp"``),
   or a plain unembedding ``W_U`` (``"unembed"``).
-* The paper's "Checkpoint" calibration layers are not implemented; initialisation is instead
-  scaled so each variant starts at comparable activation sizes (see ``_init_weights``).
+* ``calibration``: ``"none"`` (default) scales the initialisation so each variant starts at
+  comparable activation sizes (see ``_init_weights``) and divides scores by ``attn_scale``.
+  ``"paper"`` adds the paper's "Checkpoint" layers (digest §3.3), :class:`Calibration` below: each
+  multiplies its input by a factor fitted on the first training batch so that the output has a
+  fixed std, then frozen and saved with the weights. They sit on the token embedding (std
+  ``calib_type_std`` 0.5), the embedding x = x_type + x_pos (``calib_embed_std`` 1.0), each of the
+  three inputs to W_Q/W_K/W_V (``calib_attn_input_std`` 1.0), the scores (``calib_score_std`` 0.1,
+  on top of ``attn_scale``) and each residual update Δx of attention and MLP, relative to the std
+  of the residual it is added to (``calib_update_std`` 0.05). Choice: stds are taken over
+  non-padding positions (and causal, non-padding query/key pairs for the scores); the paper does
+  not say whether its Keras layers masked padding.
 """
 
 from __future__ import annotations
@@ -56,9 +65,10 @@ from transformer_lens.HookedRootModule import HookedRootModule
 
 from interp_norm import task as T
 from interp_norm.errors import ConfigError, ProblemStringError
+from interp_norm.hooks import ATTN_NORMS
 
-ATTN_NORMS = ("pre", "qkv", "qk", "none")
 NORM_KINDS = ("rms", "ln")
+CALIBRATIONS = ("none", "paper")
 
 
 # ----------------------------------------------------------------------------- config
@@ -92,6 +102,12 @@ class ModelConfig(TransformerLensConfig):
     seed: int = 0
     act_fn: str = "relu"
     eps: float = 1e-5
+    calibration: str = "none"
+    calib_type_std: float = 0.5
+    calib_embed_std: float = 1.0
+    calib_attn_input_std: float = 1.0
+    calib_score_std: float = 0.1
+    calib_update_std: float = 0.05
 
     def __post_init__(self) -> None:
         self.validate()
@@ -151,14 +167,20 @@ class ModelConfig(TransformerLensConfig):
             raise ConfigError(f"attn_scale must be a positive number, got {self.attn_scale!r}")
         if not (self.eps >= 0):
             raise ConfigError(f"eps must be >= 0, got {self.eps!r}")
+        if self.calibration not in CALIBRATIONS:
+            raise ConfigError(f"calibration must be one of {CALIBRATIONS} ('paper': the paper's Checkpoint layers), got {self.calibration!r}")
+        for name in ("calib_type_std", "calib_embed_std", "calib_attn_input_std", "calib_score_std", "calib_update_std"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+                raise ConfigError(f"{name} must be a positive number, got {v!r}")
 
     PRESETS = {
         # The paper's Baseline (model spec table): 10 layers, d 512, 12 heads of 64, d_ff 512.
         "paper": dict(d_model=512, d_head=64, n_heads=12, n_layers=10, d_mlp=512, n_freq=32, head_hidden=(512, 512), n_ctx=64, seed=100),
         # Trains to >95% per-token accuracy on the cpu task preset on 2 cores (see README).
-        "cpu": dict(d_model=64, d_head=16, n_heads=4, n_layers=3, d_mlp=256, n_freq=16, head_hidden=(128,), n_ctx=32),
+        "cpu": dict(d_model=64, d_head=16, n_heads=4, n_layers=3, d_mlp=256, n_freq=16, head_hidden=(128,), n_ctx=40),
         # For tests: builds and runs in milliseconds.
-        "tiny": dict(d_model=32, d_head=8, n_heads=4, n_layers=2, d_mlp=64, n_freq=8, head_hidden=(32,), n_ctx=32),
+        "tiny": dict(d_model=32, d_head=8, n_heads=4, n_layers=2, d_mlp=64, n_freq=8, head_hidden=(32,), n_ctx=40),
     }
 
     @classmethod
@@ -172,12 +194,21 @@ class ModelConfig(TransformerLensConfig):
         "d_model", "d_head", "n_layers", "n_ctx", "n_heads", "d_mlp", "d_vocab", "attn_norm", "norm_kind",
         "pre_norm_gains", "qkv_gain", "attn_scale", "pos_embed", "n_freq", "min_period", "max_period",
         "max_pos_offset", "head", "head_hidden", "init_embed_std", "seed", "eps", "use_attn_result",
-        "use_split_qkv_input",
+        "use_split_qkv_input", "calibration", "calib_type_std", "calib_embed_std", "calib_attn_input_std",
+        "calib_score_std", "calib_update_std",
     )
+    # Fields added after format 1 checkpoints were written; left out of to_dict() at their default so
+    # older checkpoints (and resumes of runs started before them) compare equal.
+    _LATER_DEFAULTS = dict(calibration="none", calib_type_std=0.5, calib_embed_std=1.0, calib_attn_input_std=1.0,
+                           calib_score_std=0.1, calib_update_std=0.05)
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self._OWN_FIELDS}
         d["head_hidden"] = list(d["head_hidden"])
+        if d["calibration"] == "none":
+            for k, v in self._LATER_DEFAULTS.items():
+                if d[k] == v:
+                    del d[k]
         return d
 
     @classmethod
@@ -245,6 +276,37 @@ class HeadNorm(nn.Module):
         return hook_normed(x / scale * self.w)
 
 
+class Calibration(nn.Module):
+    """The paper's "Checkpoint" layer: ``x * factor``, the factor fitted once so the output std is ``std``.
+
+    While :meth:`HookedNormTransformer.calibrate` runs, each layer sets its factor from the batch
+    passing through (``std / std(measure)``, over the valid entries given by ``valid``); afterwards
+    the factor is a frozen buffer saved with the weights. ``kind="update"`` measures Δx relative to
+    the residual it is added to; ``kind="scores"`` measures causal, non-padding query/key pairs.
+    """
+
+    def __init__(self, std: float, kind: str = "vector"):
+        super().__init__()
+        self.std, self.kind = float(std), kind
+        self.register_buffer("factor", torch.ones(()))
+        self.valid: Optional[Tensor] = None  # [batch, pos] non-padding mask while calibrating, else None
+
+    def _std(self, x: Tensor) -> Tensor:
+        if self.kind == "scores":  # [b, h, q, k]: causal pairs whose query and key are both real tokens
+            v = self.valid
+            n = x.shape[-1]
+            keep = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+            keep = keep & v[:, None, :n, None] & v[:, None, None, :n]
+            return x.masked_select(keep.expand_as(x)).std()
+        return x[self.valid[:, : x.shape[1]]].std()
+
+    def forward(self, x: Tensor, measure: Optional[Tensor] = None, relative_to: Optional[Tensor] = None) -> Tensor:
+        if self.valid is not None:
+            target = self.std * (self._std(relative_to) if relative_to is not None else 1.0)
+            self.factor.fill_(float(target / self._std(measure if measure is not None else x)))
+        return x * self.factor
+
+
 # ----------------------------------------------------------------------------- embeddings
 
 
@@ -295,28 +357,49 @@ class Attention(nn.Module):
         self.hook_z = HookPoint()  # [batch, pos, head, d_head]
         self.hook_result = HookPoint()  # [batch, pos, head, d_model], only if cfg.use_attn_result
         self.register_buffer("mask", torch.tril(torch.ones(cfg.n_ctx, cfg.n_ctx, dtype=torch.bool)), persistent=False)
+        if cfg.calibration == "paper":
+            self.calib_q_in, self.calib_k_in, self.calib_v_in = (Calibration(cfg.calib_attn_input_std) for _ in range(3))
+            self.calib_scores = Calibration(cfg.calib_score_std, kind="scores")
 
-    def _project(self, x: Tensor, W: Tensor) -> Float[Tensor, "b p h dh"]:
+    # The steps of the forward pass, public so analyses call them instead of re-deriving them.
+    def project(self, x: Tensor, which: str) -> Float[Tensor, "b p h dh"]:
+        """q, k or v before any per-head norm (``x``: [b, p, d], or [b, p, h, d] split per head)."""
+        W = {"q": self.W_Q, "k": self.W_K, "v": self.W_V}[which]
+        if self.cfg.calibration == "paper":
+            x = getattr(self, f"calib_{which}_in")(x)
         if x.ndim == 4:  # split per-head input [b, p, h, d] (use_split_qkv_input)
             return torch.einsum("bphd,hde->bphe", x, W)
         return torch.einsum("bpd,hde->bphe", x, W)
 
+    def normalize(self, x: Float[Tensor, "b p h dh"], which: str) -> Float[Tensor, "b p h dh"]:
+        """The per-head norm of ``which`` (identity where this variant has none): what the attention uses."""
+        norm = getattr(self, f"{which}_norm", None)
+        if norm is None:
+            return x
+        return norm(x, getattr(self, f"hook_{which}_scale"), getattr(self, f"hook_{which}_normed"))
+
+    def scores(self, q: Float[Tensor, "... q h dh"], k: Float[Tensor, "... k h dh"]) -> Float[Tensor, "... h q k"]:
+        """Pre-softmax scores of the q and k the attention uses, before the causal mask."""
+        spec = "bqhd,bkhd->bhqk" if q.ndim == 4 else "...qhd,...khd->...hqk"
+        scores = torch.einsum(spec, q, k) / self.cfg.attn_scale
+        if self.cfg.calibration == "paper":
+            scores = self.calib_scores(scores)
+        return scores
+
     def forward(self, x_q: Tensor, x_k: Tensor, x_v: Tensor) -> Float[Tensor, "batch pos d_model"]:
         cfg = self.cfg
-        q = self.hook_q(self._project(x_q, self.W_Q))
-        k = self.hook_k(self._project(x_k, self.W_K))
-        v = self.hook_v(self._project(x_v, self.W_V))
-        if cfg.attn_norm in ("qk", "qkv"):
-            q = self.q_norm(q, self.hook_q_scale, self.hook_q_normed)
-            k = self.k_norm(k, self.hook_k_scale, self.hook_k_normed)
-        if cfg.attn_norm == "qkv":
-            v = self.v_norm(v, self.hook_v_scale, self.hook_v_normed)
+        q = self.normalize(self.hook_q(self.project(x_q, "q")), "q")
+        k = self.normalize(self.hook_k(self.project(x_k, "k")), "k")
+        v = self.normalize(self.hook_v(self.project(x_v, "v")), "v")
         n = q.shape[1]
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / cfg.attn_scale
-        scores = self.hook_attn_scores(scores.masked_fill(~self.mask[:n, :n], float("-inf")))
+        scores = self.hook_attn_scores(self.scores(q, k).masked_fill(~self.mask[:n, :n], float("-inf")))
         pattern = self.hook_pattern(scores.softmax(dim=-1))
         z = self.hook_z(torch.einsum("bhqk,bkhd->bqhd", pattern, v))
-        if cfg.use_attn_result:
+        return self.out(z)
+
+    def out(self, z: Float[Tensor, "b p h dh"]) -> Float[Tensor, "b p d_model"]:
+        """z through W_O (summed over heads) plus b_O; fires ``hook_result`` if ``use_attn_result``."""
+        if self.cfg.use_attn_result:
             result = self.hook_result(torch.einsum("bqhd,hdm->bqhm", z, self.W_O))
             return result.sum(dim=2) + self.b_O
         return torch.einsum("bqhd,hdm->bqm", z, self.W_O) + self.b_O
@@ -366,6 +449,9 @@ class TransformerBlock(nn.Module):
         self.mlp = MLP(cfg)
         for name in ("resid_pre", "q_input", "k_input", "v_input", "attn_out", "resid_mid", "mlp_out", "resid_post"):
             setattr(self, f"hook_{name}", HookPoint())
+        if cfg.calibration == "paper":
+            self.calib_attn_out = Calibration(cfg.calib_update_std, kind="update")
+            self.calib_mlp_out = Calibration(cfg.calib_update_std, kind="update")
 
     def _attn_inputs(self, resid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         cfg = self.cfg
@@ -386,10 +472,18 @@ class TransformerBlock(nn.Module):
 
     def forward(self, resid: Float[Tensor, "b p d"]) -> Float[Tensor, "b p d"]:
         resid = self.hook_resid_pre(resid)
-        attn_out = self.hook_attn_out(self.attn(*self._attn_inputs(resid)))
-        resid = self.hook_resid_mid(resid + attn_out)
-        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid)))
-        return self.hook_resid_post(resid + mlp_out)
+        resid = self.hook_resid_mid(resid + self.hook_attn_out(self.attn_update(resid)))
+        return self.hook_resid_post(resid + self.hook_mlp_out(self.mlp_update(resid)))
+
+    def attn_update(self, resid: Float[Tensor, "b p d"]) -> Float[Tensor, "b p d"]:
+        """What the attention adds to ``resid`` (before ``hook_attn_out``)."""
+        out = self.attn(*self._attn_inputs(resid))
+        return self.calib_attn_out(out, relative_to=resid) if self.cfg.calibration == "paper" else out
+
+    def mlp_update(self, resid: Float[Tensor, "b p d"]) -> Float[Tensor, "b p d"]:
+        """What the feed-forward block adds to ``resid`` (before ``hook_mlp_out``)."""
+        out = self.mlp(self.ln2(resid))
+        return self.calib_mlp_out(out, relative_to=resid) if self.cfg.calibration == "paper" else out
 
 
 # ----------------------------------------------------------------------------- output head
@@ -441,6 +535,10 @@ class HookedNormTransformer(HookedRootModule):
         self.blocks = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
         self.ln_final = Norm(cfg.d_model, "ln", cfg.eps, bias=True)
         self.head = OutputHead(cfg)
+        if cfg.calibration == "paper":
+            self.calib_type = Calibration(cfg.calib_type_std)
+            self.calib_embed = Calibration(cfg.calib_embed_std)
+            self.register_buffer("calibrated", torch.zeros((), dtype=torch.bool))
         self._init_weights()
         self.setup()
 
@@ -490,35 +588,87 @@ class HookedNormTransformer(HookedRootModule):
             raise ProblemStringError(f"tokens must be an integer tensor, got {tokens.dtype}; use model.to_tokens(...)")
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= cfg.d_vocab):
             raise ProblemStringError(f"token ids must lie in [0, {cfg.d_vocab}); use model.to_tokens(...)")
-        tok = self.hook_embed(self.W_E[tokens])
+        tok = self.W_E[tokens]
         if cfg.pos_embed == "learned":
-            pos = self.hook_pos_embed(einops.repeat(self.W_pos[:n], "p d -> b p d", b=b))
+            pos = einops.repeat(self.W_pos[:n], "p d -> b p d", b=b)
         else:
             positions = torch.arange(n, device=tokens.device).expand(b, n)
             if pos_offset is not None:
                 positions = positions + pos_offset.view(b, 1).to(tokens.device)
-            pos = self.hook_pos_embed(self.pos_embed(positions))
-        return tok + pos
+            pos = self.pos_embed(positions)
+        if cfg.calibration == "paper":  # x = (c_type·x_type + x_pos)·c_embed, split so resid = embed + pos
+            tok = self.calib_type(tok)
+            tok, pos = self.calib_embed(tok, measure=tok + pos), self.calib_embed(pos, measure=tok + pos)
+        return self.hook_embed(tok) + self.hook_pos_embed(pos)
+
+    # -- the paper's Checkpoint calibration -------------------------------------------------------
+    @property
+    def is_calibrated(self) -> bool:
+        """True for models without Checkpoint layers, and for those whose factors have been fitted."""
+        return self.cfg.calibration == "none" or bool(self.calibrated)
+
+    @torch.no_grad()
+    def calibrate(self, tokens: Int[Tensor, "batch pos"], pos_offset: Optional[Int[Tensor, " batch"]] = None) -> None:
+        """Fit every Checkpoint factor on this batch (in forward order), then freeze them."""
+        if self.cfg.calibration == "none":
+            raise ConfigError("this model has no Checkpoint layers to calibrate; build it with calibration='paper'")
+        layers = [m for m in self.modules() if isinstance(m, Calibration)]
+        valid = tokens.to(self.W_E.device) != T.PAD_ID
+        for m in layers:
+            m.valid = valid
+        try:
+            self(tokens, pos_offset=pos_offset)
+        finally:
+            for m in layers:
+                m.valid = None
+        self.calibrated.fill_(True)
+
+    def calibration_factors(self) -> dict[str, float]:
+        """Every Checkpoint factor by module name (empty for models without them)."""
+        return {n: float(m.factor) for n, m in self.named_modules() if isinstance(m, Calibration)}
 
     def forward(
         self,
-        tokens: Int[Tensor, "batch pos"] | str | Sequence[str],
+        input: Int[Tensor, "batch pos"] | Float[Tensor, "batch pos d_model"] | str | Sequence[str],
         return_type: Optional[Literal["logits", "loss", "both"]] = "logits",
         pos_offset: Optional[Int[Tensor, " batch"]] = None,
+        *,
+        start_at_layer: Optional[int] = None,
+        stop_at_layer: Optional[int] = None,
+        tokens: Optional[Int[Tensor, "batch pos"]] = None,
+        loss_per_token: bool = False,
     ) -> Any:
-        """Logits; or the masked answer-token loss; or both. ``pos_offset`` shifts positions per row."""
-        if not isinstance(tokens, Tensor):
-            tokens = self.to_tokens(tokens)
-        if tokens.ndim == 1:
-            tokens = tokens.unsqueeze(0)
-        tokens = tokens.to(self.W_E.device)
-        resid = self.embed(tokens, pos_offset)
-        for block in self.blocks:
+        """Logits; or the masked answer-token loss; or both. ``pos_offset`` shifts positions per row.
+
+        As HookedTransformer's: with ``start_at_layer=l``, ``input`` is the residual stream entering
+        ``blocks[l]`` (pass ``tokens=`` for a loss); with ``stop_at_layer=l`` the residual entering
+        ``blocks[l]`` is returned instead of logits. ``loss_per_token=True`` returns the loss at every
+        position ([batch, pos], zero where nothing is scored) instead of the mean.
+        """
+        if start_at_layer is None:
+            tokens = input if isinstance(input, Tensor) else self.to_tokens(input)
+            if tokens.ndim == 1:
+                tokens = tokens.unsqueeze(0)
+            tokens = tokens.to(self.W_E.device)
+            resid = self.embed(tokens, pos_offset)
+        else:
+            if not isinstance(input, Tensor) or input.ndim != 3 or input.shape[-1] != self.cfg.d_model:
+                raise ConfigError(f"with start_at_layer, input must be the residual stream [batch, pos, {self.cfg.d_model}]")
+            resid = input
+        for block in self.blocks[start_at_layer:stop_at_layer]:
             resid = block(resid)
+        if stop_at_layer is not None:
+            return resid
         logits = self.head(self.ln_final(resid))
         if return_type in (None, "logits"):
             return logits if return_type == "logits" else None
-        loss = F.cross_entropy(logits.flatten(0, 1), T.next_token_targets(tokens).flatten(), ignore_index=-100)
+        if tokens is None:
+            raise ConfigError("a loss needs the tokens: pass tokens= when starting from a residual (start_at_layer)")
+        targets = T.next_token_targets(tokens)
+        if loss_per_token:
+            loss = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none")
+        else:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
         return loss if return_type == "loss" else (logits, loss)
 
     def run_with_cache(self, *args: Any, **kwargs: Any) -> tuple[Any, ActivationCache]:
@@ -620,4 +770,4 @@ class HookedNormTransformer(HookedRootModule):
         return list(self.hook_dict)
 
 
-__all__ = ["ModelConfig", "HookedNormTransformer", "ATTN_NORMS", "NORM_KINDS", "Norm", "Attention"]
+__all__ = ["ModelConfig", "HookedNormTransformer", "ATTN_NORMS", "NORM_KINDS", "CALIBRATIONS", "Norm", "Attention", "Calibration"]

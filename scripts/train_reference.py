@@ -20,14 +20,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# name -> (attn_norm, seed)
+# name -> (attn_norm, seed, calibration): "none" divides scores by sqrt(d_head); "paper" adds the
+# paper's Checkpoint calibration layers (interp_norm.model.Calibration).
 REFERENCE = {
-    "pre": ("pre", 0),
-    "pre-s1": ("pre", 1),
-    "qkv": ("qkv", 0),
-    "qkv-s1": ("qkv", 1),
-    "qk": ("qk", 0),
-    "none": ("none", 0),
+    "pre": ("pre", 0, "none"),
+    "pre-s1": ("pre", 1, "none"),
+    "qkv": ("qkv", 0, "none"),
+    "qkv-s1": ("qkv", 1, "none"),
+    "qk": ("qk", 0, "none"),
+    "none": ("none", 0, "none"),
+    "pre-cal": ("pre", 0, "paper"),
+    "qkv-cal": ("qkv", 0, "paper"),
+    "pre-cal-s1": ("pre", 1, "paper"),
+    "qkv-cal-s1": ("qkv", 1, "paper"),
 }
 
 
@@ -39,8 +44,8 @@ def train_one(name: str, runs: Path, data: Path, progress: bool = True) -> None:
     from interp_norm.train import TrainConfig, train
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    attn_norm, seed = REFERENCE[name]
-    model_cfg = ModelConfig.preset("cpu", attn_norm=attn_norm, seed=seed)
+    attn_norm, seed, calibration = REFERENCE[name]
+    model_cfg = ModelConfig.preset("cpu", attn_norm=attn_norm, seed=seed, calibration=calibration)
     task = AdditionTask.preset("cpu")
     train_cfg = TrainConfig.preset("cpu", seed=seed)
     t0 = time.perf_counter()

@@ -241,7 +241,7 @@ def test_bad_config_raises_config_error(kwargs, match):
 
 def test_too_long_input_raises_typed_error():
     model = make_model()
-    long = "[" + "+".join(["99"] * 12) + "="
+    long = "[" + "+".join(["99"] * 14) + "="
     with pytest.raises(ProblemStringError, match="n_ctx"):
         model.to_tokens(long)
     with pytest.raises(ProblemStringError, match="n_ctx"):
