@@ -1,0 +1,182 @@
+"""Every geometry analysis in one call, for the CLI, the dashboard, ``reproduce`` and the README table.
+
+One forward pass caches :func:`geometry_hook_names`; each analysis then reads that cache.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import pandas as pd
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from interp_norm.errors import ConfigError
+from interp_norm.geometry._common import TokensLike, as_tokens, check_model, run_cached
+from interp_norm.geometry.ellipsoid import ellipsoid_axes, ellipsoid_membership, ellipsoid_table, norm_hook_names
+from interp_norm.geometry.interference import Intervention, direct_interference
+from interp_norm.geometry.sparsity import max_attention, sparsity_histogram, sparsity_summary
+from interp_norm.geometry.spheres import orthogonal_spheres
+from interp_norm.geometry.spread import norm_spread
+from interp_norm.geometry.subspaces import head_read_fractions, subspace_angles, subspaces
+from interp_norm.hooks import act_name
+from interp_norm.model import HookedNormTransformer
+
+__all__ = ["geometry_hook_names", "run_geometry", "compare_geometry", "geometry_summary"]
+
+
+def geometry_hook_names(model: HookedNormTransformer) -> list[str]:
+    """Every hook the analyses here read (cache them once and pass ``cache=`` to each analysis)."""
+    per_layer = ("resid_pre", "pattern", "z", "attn_out", "mlp_out")
+    names = [act_name("embed"), act_name("pos_embed")]
+    names += [act_name(k, l) for l in range(model.cfg.n_layers) for k in per_layer]
+    return names + norm_hook_names(model)
+
+
+def _sample_tokens(model: HookedNormTransformer, task, tokens, n: int, split: str, seed: int) -> Tensor:
+    if tokens is not None:
+        return as_tokens(model, tokens)
+    if task is None:
+        raise ConfigError("run_geometry needs a task (AdditionTask) or tokens; pass task=AdditionTask.preset('cpu') or tokens=...")
+    return as_tokens(model, task.sample_batch(n, split, seed=seed).tokens)
+
+
+def run_geometry(
+    model: HookedNormTransformer,
+    task=None,
+    *,
+    tokens: Optional[TokensLike] = None,
+    n: int = 256,
+    split: str = "id",
+    seed: int = 0,
+    coverage: float = 0.9,
+    tolerance: float = 0.2,
+    bins: int = 20,
+    energy: float = 0.9,
+    weighting: str = "energy",
+    interventions: Optional[Mapping[str, Intervention]] = None,
+    progress: bool = False,
+) -> dict[str, pd.DataFrame]:
+    """Every geometry analysis on one batch (``n`` problems of ``split``, or the given ``tokens``).
+
+    Keys: ``norm_spread``, ``sparsity_hist``, ``sparsity_summary``, ``sphere_components``,
+    ``sphere_pairs``, ``sphere_scores``, ``subspace_angles``, ``head_reads``, ``interference``,
+    ``ellipsoids``, ``ellipsoid_axes``, ``ellipsoid_membership``. ``subspace_angles`` holds every
+    component–component and component–read pair (head read spaces among themselves are skipped:
+    ~65k large SVDs on the paper-size model; call :func:`subspace_angles` for them).
+    """
+    check_model(model)
+    tokens = _sample_tokens(model, task, tokens, n, split, seed)
+    steps = tqdm(total=8, desc="geometry", disable=not progress)
+    cache = run_cached(model, tokens, geometry_hook_names(model))  # one forward pass for every analysis
+    steps.update()
+    out: dict[str, pd.DataFrame] = {}
+    out["norm_spread"] = norm_spread(model, tokens, coverage=coverage, tolerance=tolerance, cache=cache)
+    steps.update()
+    mx = max_attention(model, tokens, cache=cache)
+    out["sparsity_hist"] = sparsity_histogram(mx, bins=bins)
+    out["sparsity_summary"] = sparsity_summary(mx)
+    steps.update()
+    sph = orthogonal_spheres(model, tokens, weighting=weighting, cache=cache)
+    out["sphere_components"], out["sphere_pairs"], out["sphere_scores"] = sph["components"], sph["pairs"], sph["scores"]
+    steps.update()
+    bases = subspaces(model, tokens, energy=energy, cache=cache)
+    is_read = {k: k.endswith((".q", ".k", ".v")) for k in bases}
+    names = list(bases)
+    pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1 :] if not (is_read[a] and is_read[b])]
+    out["subspace_angles"] = subspace_angles(bases, pairs=pairs)
+    comp_bases = {k: v for k, v in bases.items() if not is_read[k]}
+    out["head_reads"] = head_read_fractions(model, comp_bases)
+    steps.update()
+    out["interference"] = direct_interference(model, tokens, interventions, cache=cache)
+    steps.update()
+    out["ellipsoids"] = ellipsoid_table(model)
+    out["ellipsoid_axes"] = ellipsoid_axes(model)
+    steps.update()
+    out["ellipsoid_membership"] = ellipsoid_membership(model, tokens, cache=cache)
+    steps.update()
+    steps.close()
+    return out
+
+
+def compare_geometry(
+    models: Mapping[str, HookedNormTransformer], task=None, *, tokens: Optional[TokensLike] = None, **kwargs
+) -> dict[str, pd.DataFrame]:
+    """:func:`run_geometry` on several models (e.g. ``{"pre": m1, "qkv": m2}``) on the same batch;
+    the tables are concatenated with a leading ``variant`` column (Pre-Norm vs QKV-Norm side by side)."""
+    if not models:
+        raise ConfigError("compare_geometry needs at least one model, e.g. {'pre': model_a, 'qkv': model_b}")
+    for m in models.values():
+        check_model(m)
+    n, split, seed = kwargs.pop("n", 256), kwargs.pop("split", "id"), kwargs.pop("seed", 0)
+    first = next(iter(models.values()))
+    toks = _sample_tokens(first, task, tokens, n, split, seed)
+    per = {name: run_geometry(m, tokens=toks, **kwargs) for name, m in models.items()}
+    keys = next(iter(per.values())).keys()
+    return {k: pd.concat([df[k].assign(variant=v) for v, df in per.items()], ignore_index=True)
+            .pipe(lambda d: d[["variant", *[c for c in d.columns if c != "variant"]]]) for k in keys}
+
+
+def geometry_summary(
+    results: Mapping[str, pd.DataFrame], *, per_layer: bool = True, top_bin: Optional[float] = None
+) -> pd.DataFrame:
+    """The README table. Works on :func:`run_geometry` or :func:`compare_geometry` output.
+
+    ``per_layer=True``: one row per (variant, layer) with the pooled norm ``spread`` and
+    ``within_tol`` share, sparsity shares (``frac_top_bin`` = share of max attention in the
+    histogram's top bin: the paper's "peak at 1"), the orthogonal-spheres ``score`` and its terms,
+    and the mean attention change per intervention (``tv[<name>]``) and its shared-norm part
+    (``tv_norm[<name>]``, see :func:`~interp_norm.geometry.direct_interference`). Layer n_layers (the
+    ln_final input) only has sphere columns. ``per_layer=False``: one row per variant: spread and sphere
+    columns averaged over the attention layers 0..n_layers−1 (``max_spread`` the worst layer),
+    sparsity shares of all distributions pooled, tv columns averaged over heads and layers.
+    """
+    if not per_layer:
+        return _overall_summary(results, top_bin)
+    has_v = "variant" in results["norm_spread"].columns
+    keys = ["variant", "layer"] if has_v else ["layer"]
+    ns = results["norm_spread"]
+    ns = ns[ns["head"].isna()][keys + ["spread", "within_tol"]]
+    ss = results["sparsity_summary"]
+    ss = ss[ss["layer"].notna()][keys + ["frac_sparse", "frac_nonsparse", "median"]].rename(columns={"median": "median_max_attn"})
+    h = results["sparsity_hist"]
+    h = h[h["layer"].notna()]
+    top = h[h["bin"] == h["bin"].max()] if top_bin is None else h[h["lo"] >= top_bin]
+    top = top.groupby(keys, as_index=False)["fraction"].sum().rename(columns={"fraction": "frac_top_bin"})
+    sc = results["sphere_scores"][keys + ["score", "constancy", "orthogonality", "resid_norm_cv"]]
+    it = results["interference"].pivot_table(index=keys, columns="intervention", values=["mean_tv", "mean_tv_norm"],
+                                             aggfunc="mean")
+    it.columns = [f"{'tv' if v == 'mean_tv' else 'tv_norm'}[{c}]" for v, c in it.columns]
+    it = it.reset_index()
+    out = sc
+    for df in (ns, ss, top, it):
+        df = df.copy()
+        df["layer"] = df["layer"].astype(int)
+        out = out.merge(df, on=keys, how="outer")
+    return out.sort_values(keys).reset_index(drop=True)
+
+
+def _overall_summary(results: Mapping[str, pd.DataFrame], top_bin: Optional[float]) -> pd.DataFrame:
+    per = geometry_summary(results, per_layer=True, top_bin=top_bin)
+    has_v = "variant" in per.columns
+    if not has_v:
+        per = per.assign(variant="model")
+    attn = per[per["spread"].notna()]  # attention layers only
+    agg = attn.groupby("variant", sort=False).agg(
+        mean_spread=("spread", "mean"), max_spread=("spread", "max"), within_tol=("within_tol", "mean"),
+        sphere_score=("score", "mean"), constancy=("constancy", "mean"), orthogonality=("orthogonality", "mean"),
+        resid_norm_cv=("resid_norm_cv", "mean"),
+        **{c: (c, "mean") for c in per.columns if c.startswith(("tv[", "tv_norm["))},
+    )
+    ss = results["sparsity_summary"]
+    ss = ss[ss["layer"].isna()]
+    h = results["sparsity_hist"]
+    h = h[h["layer"].isna()]
+    h = h[h["bin"] == h["bin"].max()] if top_bin is None else h[h["lo"] >= top_bin]
+    if not has_v:
+        ss, h = ss.assign(variant="model"), h.assign(variant="model")
+    agg = agg.join(ss.set_index("variant")[["frac_sparse", "frac_nonsparse", "median"]]
+                   .rename(columns={"median": "median_max_attn"}))
+    agg = agg.join(h.groupby("variant")["fraction"].sum().rename("frac_top_bin"))
+    out = agg.reset_index()
+    return out if has_v else out.drop(columns="variant")
