@@ -1,0 +1,56 @@
+"""Norm noise: hooks that jitter L2 norms, accuracy under noise, and circuit collapse.
+
+Menary et al. (2024) model Pre-Norm interference as multiplicative noise on the L2 norms of
+queries, keys and values (digest §2.3). This package turns that model into instruments:
+
+* :mod:`~interp_norm.noise.hooks` — :class:`NormNoise`, the hooks (a context manager or a hook
+  list), and the seeded draws; κ comes from :func:`interp_norm.theory.sample_kappa`, the one sampler.
+* :mod:`~interp_norm.noise.accuracy` — :func:`run_noise`: per-token accuracy vs noise level, all
+  layers at once, mean ± standard error over datasets, with the paper's sparse-only /
+  non-sparse-only variants.
+* :mod:`~interp_norm.noise.collapse` — :func:`run_collapse`: the paper's circuit-collapse protocol
+  from one clean cache, options in a :class:`CollapseSpec`, the theory's prediction beside every
+  measured rate; :func:`collapse_thresholds` gives the noise level where 1% of sparse rows collapse.
+
+Every function returns tensors or DataFrames; nothing here prints, plots or writes files.
+"""
+
+from interp_norm.hooks import NOISED_ROWS, VARIANT_LABELS
+from interp_norm.noise._validate import PLACEMENTS, TARGETS
+from interp_norm.noise.accuracy import DEFAULT_NOISE_LEVELS, accuracy_under_noise, clean_row_gates, run_noise
+from interp_norm.noise.collapse import (
+    DEFAULT_COLLAPSE_LEVELS,
+    CollapseSpec,
+    LayerCollapse,
+    collapse_decisions,
+    collapse_from_scores,
+    collapse_noise_draws,
+    collapse_thresholds,
+    measure_collapse,
+    run_collapse,
+)
+from interp_norm.noise.hooks import NormNoise, effective_factor, norm_noise_hooks, unit_noise
+
+__all__ = [
+    "TARGETS",
+    "PLACEMENTS",
+    "NOISED_ROWS",
+    "DEFAULT_NOISE_LEVELS",
+    "DEFAULT_COLLAPSE_LEVELS",
+    "VARIANT_LABELS",
+    "NormNoise",
+    "norm_noise_hooks",
+    "unit_noise",
+    "effective_factor",
+    "clean_row_gates",
+    "accuracy_under_noise",
+    "run_noise",
+    "CollapseSpec",
+    "collapse_from_scores",
+    "collapse_noise_draws",
+    "LayerCollapse",
+    "collapse_decisions",
+    "measure_collapse",
+    "run_collapse",
+    "collapse_thresholds",
+]
