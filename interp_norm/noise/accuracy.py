@@ -4,6 +4,11 @@
 reports mean ± standard error over independent datasets, for noise on every row (``"all"``) and the
 paper's sparse-only / non-sparse-only variants, which gate q/k noise to the attention rows whose
 clean max attention is ≥ 95% / < 70% (:func:`clean_row_gates`).
+
+The control ``"nonsparse_matched"`` (:func:`matched_row_gates`) noises a random subset of
+non-sparse rows *as large as the sparse set*: sparse rows are a few percent of all rows and
+non-sparse ones most of them, so "sparse-only hurts less than non-sparse-only" may only say that
+fewer rows were noised; sparse-only vs matched non-sparse compares equal counts.
 """
 
 from __future__ import annotations
@@ -24,11 +29,16 @@ from interp_norm.errors import ConfigError, NoiseSpecError
 from interp_norm.hooks import NONSPARSE_THRESHOLD, NOISED_ROWS, SPARSE_THRESHOLD, act_name
 from interp_norm.model import HookedNormTransformer
 from interp_norm.noise import _validate as V
-from interp_norm.noise.hooks import NormNoise
+from interp_norm.noise.hooks import NormNoise, seeded_generator
 from interp_norm.task import AdditionTask, Batch
 
 #: The paper's accuracy sweep (0, 0.1%, 0.3%, 1%, 3%, 10%, 30%).
 DEFAULT_NOISE_LEVELS = (0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
+#: The matched-count control group (opt-in: ``noised=NOISE_GROUPS``).
+MATCHED = "nonsparse_matched"
+#: Every ``noised`` group :func:`accuracy_under_noise` knows; the default is the paper's ``NOISED_ROWS``.
+NOISE_GROUPS = NOISED_ROWS + (MATCHED,)
+_SUBSET_KEY = 0x5E1EC7  # mixes the subset draw's seed apart from the κ draws'
 
 
 @torch.no_grad()
@@ -54,6 +64,83 @@ def clean_row_gates(
     return out
 
 
+def influential_rows(tokens: Int[Tensor, "batch pos"], n_heads: int) -> Bool[Tensor, "batch head query"]:
+    """Rows that can change a scored logit: query ≥ 1 (row 0 has a single key, so no noise on
+    it moves anything) and query ≤ the example's last scored position (attention is causal, so a
+    later row reaches no scored logit; this also drops padding)."""
+    scored = T.answer_mask(tokens.cpu())
+    pos = torch.arange(tokens.shape[1])
+    last = torch.where(scored.any(-1), (scored * pos).amax(-1), torch.full((len(tokens),), -1))
+    rows = (pos[None, :] >= 1) & (pos[None, :] <= last[:, None])  # [b, q]
+    return rows[:, None, :].expand(-1, n_heads, -1)
+
+
+@torch.no_grad()
+def matched_row_gates(
+    model: HookedNormTransformer,
+    tokens: Int[Tensor, "batch pos"],
+    sparse_threshold: float = SPARSE_THRESHOLD,
+    nonsparse_threshold: float = NONSPARSE_THRESHOLD,
+    seed: int = 0,
+) -> dict[int, Bool[Tensor, "batch head query"]]:
+    """Per layer, a random set of non-sparse rows with as many rows as the sparse set: the
+    matched-count control for "noise only on sparse rows".
+
+    Matching is per (example, layer): each answer depends on its own example's rows only, so every
+    example gets exactly as many noised rows on its path as under sparse-only noise (matching only
+    a layer's total could pile the subset onto long examples). Only :func:`influential_rows` are
+    counted and drawn (the sparse gate's inert rows — row 0 is always "sparse" — would otherwise
+    inflate the count). Within an example and layer, the subset is uniform over its non-sparse
+    rows (all heads and queries), drawn from a generator seeded by ``(seed, layer)``; if the
+    example has fewer non-sparse rows than sparse ones, all its non-sparse rows are taken
+    (:func:`noised_row_counts` reports such shortfalls).
+    """
+    cfg = V.check_model(model)
+    sparse_threshold = V.check_threshold(sparse_threshold, "sparse_threshold")
+    nonsparse_threshold = V.check_threshold(nonsparse_threshold, "nonsparse_threshold")
+    seed = V.check_seed(seed)
+    names = {act_name("pattern", l) for l in range(cfg.n_layers)}
+    _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
+    live = influential_rows(tokens, cfg.n_heads)
+    b = len(tokens)
+    out = {}
+    for l in range(cfg.n_layers):
+        pattern = cache[act_name("pattern", l)].cpu()
+        want = (theory.sparse_mask(pattern, sparse_threshold) & live).reshape(b, -1).sum(-1)  # [b]
+        pool = (theory.nonsparse_mask(pattern, nonsparse_threshold) & live).reshape(b, -1)  # [b, h*q]
+        # a uniform random subset of size k = the k candidates with the smallest random keys
+        keys = torch.rand(pool.shape, generator=seeded_generator(seed, l, _SUBSET_KEY), dtype=torch.float64)
+        keys = keys.masked_fill(~pool, math.inf)
+        rank = keys.argsort(-1).argsort(-1)
+        out[l] = (pool & (rank < want[:, None])).reshape(pattern.shape[:-1]).to(tokens.device)
+    return out
+
+
+def noised_row_counts(
+    model: HookedNormTransformer,
+    tokens: Int[Tensor, "batch pos"] | Batch,
+    sparse_threshold: float = SPARSE_THRESHOLD,
+    nonsparse_threshold: float = NONSPARSE_THRESHOLD,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """How many influential rows each group noises, per layer: columns ``layer``, ``n_rows``
+    (:func:`influential_rows`), ``sparse``, ``nonsparse``, ``nonsparse_matched`` and ``shortfall``
+    (examples whose non-sparse rows were fewer than their sparse rows)."""
+    cfg = V.check_model(model)
+    tokens = V.trimmed_tokens(tokens, model)
+    live = influential_rows(tokens, cfg.n_heads)
+    sparse = clean_row_gates(model, tokens, "sparse", sparse_threshold)
+    nonsparse = clean_row_gates(model, tokens, "nonsparse", nonsparse_threshold)
+    matched = matched_row_gates(model, tokens, sparse_threshold, nonsparse_threshold, seed)
+    rows = []
+    for l in range(cfg.n_layers):
+        s, ns = sparse[l].cpu() & live, nonsparse[l].cpu() & live
+        short = s.flatten(1).sum(-1) > ns.flatten(1).sum(-1)
+        rows.append(dict(layer=l, n_rows=int(live.sum()), sparse=int(s.sum()), nonsparse=int(ns.sum()),
+                         nonsparse_matched=int(matched[l].sum()), shortfall=int(short.sum())))
+    return pd.DataFrame(rows)
+
+
 def _count_correct(logits: Tensor, tokens: Tensor) -> tuple[int, int]:
     targets = T.next_token_targets(tokens.to(logits.device))
     mask = targets != -100
@@ -62,7 +149,7 @@ def _count_correct(logits: Tensor, tokens: Tensor) -> tuple[int, int]:
 
 def pass_seed(seed: int, dataset: int, group: int, chunk: int) -> int:
     """The noise seed of one forward pass of :func:`accuracy_under_noise`: it differs per dataset,
-    noised group (index in ``NOISED_ROWS``) and batch chunk, but not per level (common random numbers)."""
+    noised group (index in ``NOISE_GROUPS``) and batch chunk, but not per level (common random numbers)."""
     return int(np.random.SeedSequence([seed, dataset, group, chunk]).generate_state(1)[0])
 
 
@@ -91,7 +178,9 @@ def accuracy_under_noise(
     ``noised``: ``"all"`` noises every row with ``targets``; ``"sparse"`` / ``"nonsparse"`` noise
     only q and k of rows whose clean max attention is ≥ ``sparse_threshold`` / < ``nonsparse_
     threshold`` (the paper: "{q, k_t} noise only on sparse distributions"; v and scale noise are
-    not row-specific and are left out of these variants). Noise hits all chosen layers in the
+    not row-specific and are left out of these variants); ``"nonsparse_matched"`` (opt-in) noises
+    q and k of a random subset of non-sparse rows as large as the sparse set, per example and layer
+    (:func:`matched_row_gates`, subset seeded by the pass's seed). Noise hits all chosen layers in the
     same forward pass, so errors compound with depth (as in the paper). The noise seed differs per
     dataset and variant but not per level (common random numbers; :func:`pass_seed`).
     """
@@ -107,11 +196,11 @@ def accuracy_under_noise(
     nonsparse_threshold = V.check_threshold(nonsparse_threshold, "nonsparse_threshold")
     noised = (noised,) if isinstance(noised, str) else tuple(noised)
     for g in noised:
-        if g not in NOISED_ROWS:
-            raise NoiseSpecError(f"unknown noised={g!r}; choose from {NOISED_ROWS}")
+        if g not in NOISE_GROUPS:
+            raise NoiseSpecError(f"unknown noised={g!r}; choose from {NOISE_GROUPS}")
     qk = tuple(t for t in targets if t in ("q", "k"))
     if any(g != "all" for g in noised) and not qk:
-        raise NoiseSpecError("the sparse/nonsparse variants noise q and k only; include 'q' or 'k' in targets")
+        raise NoiseSpecError("the sparse/nonsparse/matched variants noise q and k only; include 'q' or 'k' in targets")
     if not datasets:
         raise ConfigError("no datasets given; pass e.g. [task.test_set('id', 512, seed=s) for s in range(3)]")
     toks = []
@@ -125,11 +214,14 @@ def accuracy_under_noise(
     bar = tqdm(total=len(toks) * len(noised) * len(levels), desc="noise", disable=not progress)
     for di, tokens in enumerate(toks):
         chunks = [V.trimmed_tokens(tokens[i : i + batch_size], model) for i in range(0, len(tokens), batch_size)]
-        for gi, g in enumerate(NOISED_ROWS):
+        for gi, g in enumerate(NOISE_GROUPS):
             if g not in noised:
                 continue
             gates = None
-            if g != "all":
+            if g == MATCHED:
+                gates = [matched_row_gates(model, c, sparse_threshold, nonsparse_threshold, pass_seed(seed, di, gi, ci))
+                         for ci, c in enumerate(chunks)]
+            elif g != "all":
                 thr = sparse_threshold if g == "sparse" else nonsparse_threshold
                 gates = [clean_row_gates(model, c, g, thr) for c in chunks]
             for level in levels:
@@ -206,4 +298,7 @@ def run_noise(
     return out
 
 
-__all__ = ["DEFAULT_NOISE_LEVELS", "clean_row_gates", "pass_seed", "accuracy_under_noise", "run_noise"]
+__all__ = [
+    "DEFAULT_NOISE_LEVELS", "MATCHED", "NOISE_GROUPS", "clean_row_gates", "influential_rows", "matched_row_gates",
+    "noised_row_counts", "pass_seed", "accuracy_under_noise", "run_noise",
+]

@@ -435,8 +435,8 @@ def collapse_thresholds(curves: pd.DataFrame, target: float = 0.01) -> pd.DataFr
     need = {"level", "measured", "predicted", "layer", "definition"}
     if not isinstance(curves, pd.DataFrame) or not need <= set(curves.columns):
         raise ConfigError(f"curves must be a DataFrame from measure_collapse/run_collapse with columns {sorted(need)}")
-    keys = [c for c in ("variant", "attn_norm", "placement", "distribution", "targets", "split", "layer", "definition")
-            if c in curves.columns]
+    keys = [c for c in ("variant", "attn_norm", "placement", "distribution", "targets", "split", "protocol", "layer",
+                        "definition") if c in curves.columns]
     out = []
     for key, g in curves.groupby(keys, sort=False):
         out.append(dict(
