@@ -19,11 +19,13 @@ import torch
 
 from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig
 from interp_norm import noise as N
+from interp_norm.hooks import SPARSE_THRESHOLD, act_name, noise_site
 from interp_norm.task import PAD_ID
 
 
 @torch.no_grad()
-def naive(model, tokens, levels, n_draws, placement, seed, sparse_threshold=0.95, strict_threshold=0.95):
+def naive(model, tokens, levels, n_draws, placement, seed, sparse_threshold=SPARSE_THRESHOLD,
+          strict_threshold=SPARSE_THRESHOLD):
     """Per (level, draw, layer): one full forward pass with that layer's q and k scaled."""
     cfg = model.cfg
     b, n = tokens.shape
@@ -31,13 +33,13 @@ def naive(model, tokens, levels, n_draws, placement, seed, sparse_threshold=0.95
     _, clean = model.run_with_cache(tokens)
     out = []
     for l in range(cfg.n_layers):
-        pat = clean[f"blocks.{l}.attn.hook_pattern"]
+        pat = clean[act_name("pattern", l)]
         q = torch.arange(n)
         rows = ((pat.max(-1).values >= sparse_threshold) & (q >= 1) & (q < lengths[:, None, None])).nonzero()
         rb, rh, rq = rows.unbind(-1)
-        tstar = clean[f"blocks.{l}.attn.hook_attn_scores"][rb, rh, rq].argmax(-1)
+        tstar = clean[act_name("attn_scores", l)][rb, rh, rq].argmax(-1)
         z_q, z_k = N.collapse_noise_draws((b, n, cfg.n_heads), n_draws, l, seed)
-        names = [N.noise_hook_name(cfg, l, t, placement) for t in "qk"]
+        names = [noise_site(cfg.attn_norm, t, l, placement) for t in "qk"]
         loose = torch.zeros(len(levels), n_draws, len(rows), dtype=torch.bool)
         strict = torch.zeros_like(loose)
         for i, level in enumerate(levels):
@@ -45,8 +47,8 @@ def naive(model, tokens, levels, n_draws, placement, seed, sparse_threshold=0.95
                 fq, fk = 1.0 + level * z_q[d], 1.0 + level * z_k[d]
                 hooks = [(names[0], lambda a, hook, f=fq: a * f[..., None]), (names[1], lambda a, hook, f=fk: a * f[..., None])]
                 store = {}
-                hooks += [(f"blocks.{l}.attn.hook_attn_scores", lambda a, hook: store.__setitem__("s", a)),
-                          (f"blocks.{l}.attn.hook_pattern", lambda a, hook: store.__setitem__("p", a))]
+                hooks += [(act_name("attn_scores", l), lambda a, hook: store.__setitem__("s", a)),
+                          (act_name("pattern", l), lambda a, hook: store.__setitem__("p", a))]
                 model.run_with_hooks(tokens, fwd_hooks=hooks)
                 loose[i, d] = store["s"][rb, rh, rq].argmax(-1) != tstar
                 strict[i, d] = loose[i, d] & (store["p"][rb, rh, rq].max(-1).values >= strict_threshold)

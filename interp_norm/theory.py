@@ -33,10 +33,12 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from interp_norm.errors import ConfigError, NoiseSpecError
+from interp_norm.hooks import NONSPARSE_THRESHOLD, SPARSE_THRESHOLD
 
 __all__ = [
     "DISTRIBUTIONS",
     "NoiseLaw",
+    "sample_kappa",
     "collapse_condition_exact",
     "collapse_condition_first_order",
     "critical_ratio",
@@ -138,12 +140,7 @@ class NoiseLaw:
         device: torch.device | str | None = None,
     ) -> Float[Tensor, "*shape"]:
         """Draw i.i.d. κ of the given shape (default dtype: torch's default float dtype)."""
-        shape = tuple(shape)
-        dtype = dtype or torch.get_default_dtype()
-        if self.distribution == "uniform":
-            r = torch.rand(shape, generator=generator, dtype=dtype, device=device)
-            return (2.0 * r - 1.0) * self.half_width
-        return torch.randn(shape, generator=generator, dtype=dtype, device=device) * self.level
+        return sample_kappa(shape, generator, self.distribution, self.level, dtype=dtype, device=device)
 
     def _cdf_t(self, x: Tensor) -> Tensor:
         if self.level == 0:
@@ -176,6 +173,31 @@ def _apply(fn, x: ArrayLike) -> Tensor | np.ndarray:
         out_dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
         return fn(x.to(torch.float64)).to(out_dtype)
     return fn(torch.as_tensor(np.asarray(x, dtype=np.float64))).numpy()
+
+
+def sample_kappa(
+    shape: Sequence[int] | torch.Size,
+    generator: torch.Generator | None = None,
+    distribution: str = "uniform",
+    rms: float = 1.0,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> Float[Tensor, "*shape"]:
+    """The one κ sampler: i.i.d. draws with RMS ``rms``, uniform on ±√3·rms or N(0, rms²).
+
+    :meth:`NoiseLaw.sample` (``rms`` = level) and the noise hooks' unit draws (``rms`` = 1, then
+    κ = level·z) both call it, so a seeded generator gives the same numbers everywhere. It lives
+    here, below :mod:`interp_norm.noise`, because the hooks import this module, not the reverse.
+    """
+    if distribution not in DISTRIBUTIONS:
+        raise NoiseSpecError(f"unknown noise distribution {distribution!r}; use one of {DISTRIBUTIONS}")
+    shape = tuple(shape)
+    dtype = dtype or torch.get_default_dtype()
+    if distribution == "uniform":
+        r = torch.rand(shape, generator=generator, dtype=dtype, device=device)
+        return (2.0 * r - 1.0) * (_SQRT3 * rms)
+    return torch.randn(shape, generator=generator, dtype=dtype, device=device) * rms
 
 
 def _as_law(law: NoiseLaw) -> NoiseLaw:
@@ -493,7 +515,7 @@ def _collapse_block(w: Tensor, law: NoiseLaw, q_neg: float, x: Tensor, wq: Tenso
 def predicted_collapse_probability_strict(
     scores: Float[Tensor, "... key"],
     law: NoiseLaw,
-    threshold: float = 0.95,
+    threshold: float = SPARSE_THRESHOLD,
     n_samples: int = 20_000,
     generator: torch.Generator | None = None,
     *,
@@ -622,7 +644,7 @@ def _check_pattern(pattern: Tensor, threshold: float) -> Tensor:
     return pattern
 
 
-def sparse_mask(pattern: Float[Tensor, "... key"], threshold: float = 0.95) -> Bool[Tensor, "..."]:
+def sparse_mask(pattern: Float[Tensor, "... key"], threshold: float = SPARSE_THRESHOLD) -> Bool[Tensor, "..."]:
     """Rows whose attention is sparse: max_t a_t ≥ ``threshold`` (the paper's 95%, §3.6).
 
     The paper excludes row 0 (the BEG token attends only to itself); drop it before calling.
@@ -632,7 +654,7 @@ def sparse_mask(pattern: Float[Tensor, "... key"], threshold: float = 0.95) -> B
     return pattern.amax(-1) >= threshold
 
 
-def nonsparse_mask(pattern: Float[Tensor, "... key"], threshold: float = 0.70) -> Bool[Tensor, "..."]:
+def nonsparse_mask(pattern: Float[Tensor, "... key"], threshold: float = NONSPARSE_THRESHOLD) -> Bool[Tensor, "..."]:
     """Rows whose attention is non-sparse: max_t a_t < ``threshold`` (the paper's 70%, §3.6)."""
     pattern = _check_pattern(pattern, threshold)
     return pattern.amax(-1) < threshold

@@ -385,3 +385,39 @@ def test_plots_build(tokens):
     assert len(fig.data) == 4 and {d.line.dash for d in fig.data} == {None, "dash"}
     assert len(plot_collapse_vs_noise(curves, layer=None).data) == 12
     assert len(plot_collapse_thresholds(N.collapse_thresholds(curves)).data) == 4
+
+
+# ----------------------------------------------------------------------------- options and checks
+
+
+def test_collapse_spec_is_validated_once_and_equals_keyword_options(tokens):
+    model = make_model("pre")
+    spec = N.CollapseSpec(n_draws=3, targets="qk", seed=5, strict_threshold=0.6, layers=[1])
+    assert spec.targets == ("q", "k") and spec.layers == (1,)
+    a = N.collapse_decisions(model, tokens, (0.2,), spec)
+    b = N.collapse_decisions(model, tokens, (0.2,), n_draws=3, seed=5, strict_threshold=0.6, layers=1)
+    c = N.collapse_decisions(model, tokens, (0.2,), N.CollapseSpec(n_draws=9, seed=5, strict_threshold=0.6), n_draws=3,
+                             layers=[1])  # keyword options replace the spec's fields
+    for x in (b, c):
+        assert [r.layer for r in x] == [1]
+        assert torch.equal(a[0].rows, x[0].rows) and torch.equal(a[0].loose, x[0].loose)
+        assert torch.equal(a[0].strict, x[0].strict)
+    for bad in (dict(n_draws=0), dict(targets="v"), dict(distribution="laplace"), dict(placement="middle"),
+                dict(sparse_threshold=1.5), dict(strict_threshold=0), dict(seed=-1), dict(layers=[-1]), dict(heads=[])):
+        with pytest.raises(NoiseSpecError):
+            N.CollapseSpec(**bad)
+    with pytest.raises(NoiseSpecError, match="n_draw"):
+        N.measure_collapse(model, tokens, (0.1,), n_draw=3)  # a typo is refused, not ignored
+    with pytest.raises(NoiseSpecError, match=r"\[0, 1\]"):
+        N.collapse_decisions(model, tokens, (0.1,), layers=[2])
+
+
+def test_analyses_refuse_a_model_that_is_not_ours():
+    from interp_norm._checks import require_norm_model
+
+    for not_ours in (None, "pre-norm", torch.nn.Linear(2, 2)):
+        with pytest.raises(ConfigError, match="HookedNormTransformer.*load_pretrained"):
+            require_norm_model(not_ours)
+        with pytest.raises(ConfigError, match="norm noise needs a HookedNormTransformer"):
+            N.NormNoise(not_ours, 0.1)
+    assert require_norm_model(make_model("qk")).attn_norm == "qk"

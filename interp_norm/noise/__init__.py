@@ -1,0 +1,88 @@
+"""Norm noise: hooks that jitter L2 norms, accuracy under noise, and circuit collapse.
+
+Menary et al. (2024) model Pre-Norm interference as multiplicative noise on the L2 norms of
+queries, keys and values (digest §2.3). This package turns that model into instruments:
+
+* :mod:`~interp_norm.noise.hooks` — :class:`NormNoise`, the hooks (a context manager or a hook
+  list), and the seeded draws; κ comes from :func:`interp_norm.theory.sample_kappa`, the one sampler.
+* :mod:`~interp_norm.noise.accuracy` — :func:`run_noise`: per-token accuracy vs noise level, all
+  layers at once, mean ± standard error over datasets, with the paper's sparse-only /
+  non-sparse-only variants.
+* :mod:`~interp_norm.noise.collapse` — :func:`run_collapse`: the paper's circuit-collapse protocol
+  from one clean cache, options in a :class:`CollapseSpec`, the theory's prediction beside every
+  measured rate; :func:`collapse_thresholds` gives the noise level where 1% of sparse rows collapse.
+  ``measured`` vs ``predicted`` there is a check of the code (a Monte Carlo of the event whose
+  probability the theory integrates exactly, on the same clean scores).
+* :mod:`~interp_norm.noise.forward` — :func:`measure_forward_collapse`: collapse seen in the model's
+  real noisy forward pass (all layers noised, downstream effects included) beside the per-layer
+  prediction: a test of the theory.
+* :mod:`~interp_norm.noise.temperature` — :func:`temperature_sweep`: collapse level and sparse-row
+  fraction vs a score multiplier c (temperature 1/c).
+
+Controls: ``noised="nonsparse_matched"`` in :func:`run_noise` noises as many non-sparse rows as
+there are sparse ones (:func:`matched_row_gates`), so sparse-only vs non-sparse-only is a fair contrast.
+
+Every function returns tensors or DataFrames; nothing here prints, plots or writes files.
+"""
+
+from interp_norm.hooks import NOISED_ROWS, VARIANT_LABELS
+from interp_norm.noise._validate import PLACEMENTS, TARGETS
+from interp_norm.noise.accuracy import (
+    DEFAULT_NOISE_LEVELS,
+    MATCHED,
+    NOISE_GROUPS,
+    accuracy_under_noise,
+    clean_row_gates,
+    matched_row_gates,
+    noised_row_counts,
+    run_noise,
+)
+from interp_norm.noise.collapse import (
+    DEFAULT_COLLAPSE_LEVELS,
+    CollapseSpec,
+    LayerCollapse,
+    collapse_decisions,
+    collapse_from_scores,
+    collapse_noise_draws,
+    collapse_thresholds,
+    measure_collapse,
+    run_collapse,
+)
+from interp_norm.noise.forward import forward_collapse_decisions, measure_forward_collapse, run_forward_collapse
+from interp_norm.noise.hooks import NormNoise, effective_factor, norm_noise_hooks, unit_noise
+from interp_norm.noise.temperature import DEFAULT_MULTIPLIERS, run_temperature_sweep, temperature_sweep
+
+__all__ = [
+    "TARGETS",
+    "PLACEMENTS",
+    "NOISED_ROWS",
+    "DEFAULT_NOISE_LEVELS",
+    "DEFAULT_COLLAPSE_LEVELS",
+    "VARIANT_LABELS",
+    "NormNoise",
+    "norm_noise_hooks",
+    "unit_noise",
+    "effective_factor",
+    "clean_row_gates",
+    "accuracy_under_noise",
+    "run_noise",
+    "CollapseSpec",
+    "collapse_from_scores",
+    "collapse_noise_draws",
+    "LayerCollapse",
+    "collapse_decisions",
+    "measure_collapse",
+    "run_collapse",
+    "collapse_thresholds",
+    # issue 13 controls
+    "MATCHED",
+    "NOISE_GROUPS",
+    "matched_row_gates",
+    "noised_row_counts",
+    "forward_collapse_decisions",
+    "measure_forward_collapse",
+    "run_forward_collapse",
+    "DEFAULT_MULTIPLIERS",
+    "temperature_sweep",
+    "run_temperature_sweep",
+]

@@ -1,0 +1,454 @@
+"""Circuit collapse: the paper's protocol, measured from one clean cache, with the theory beside it.
+
+A clean *sparse* row (max attention ≥ 95%) collapses when norm noise on q and k makes it pick
+another key ("loose"), and "strict"-ly when the new key also gets ≥ 95%. The paper noises "every
+layer independently", so each layer's rows are judged on that layer's clean inputs: the noised
+scores are exactly f_q·f_k·w (:func:`collapse_from_scores`), and the model runs once.
+
+What the comparison with the theory is: ``measured`` is a Monte Carlo over noise draws of the
+event whose probability ``predicted`` integrates exactly (:func:`theory.predicted_collapse_probability`)
+on the same clean scores — agreement checks the *code* (sampling, hooks, quadrature), not the
+theory. :mod:`interp_norm.noise.forward` tests the theory against the model's real noisy forward pass.
+
+Options live in one :class:`CollapseSpec` (defaults in one place, validated once); the functions
+also accept its fields as keyword arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import pandas as pd
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from interp_norm import theory
+from interp_norm.errors import ConfigError, NoiseSpecError
+from interp_norm.hooks import SPARSE_THRESHOLD, act_name, is_normalised
+from interp_norm.model import HookedNormTransformer, ModelConfig
+from interp_norm.noise import _validate as V
+from interp_norm.noise.hooks import effective_factor, seeded_generator, unit_noise
+from interp_norm.task import PAD_ID, AdditionTask, Batch
+from interp_norm.theory import NoiseLaw
+
+#: Dense around the paper's 1%-collapse levels (7.5%–17%); uniform needs level < 1/√3 ≈ 0.577.
+DEFAULT_COLLAPSE_LEVELS = (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.13, 0.17, 0.2, 0.3, 0.4, 0.5)
+_CHUNK = 1 << 22  # elements per vectorised block in the collapse sweep
+
+
+# ----------------------------------------------------------------------------- the options
+
+
+@dataclass(frozen=True)
+class CollapseSpec:
+    """How a collapse measurement samples noise and which rows it counts.
+
+    ``n_draws`` noise draws per level; ``targets`` ``q`` and/or ``k`` (v noise cannot move an
+    argmax); ``distribution`` of κ; ``placement`` (before or after a q/k norm, see
+    :mod:`interp_norm.noise.hooks`); ``layers``/``heads`` (None = all); a row is counted when its
+    clean max attention is ≥ ``sparse_threshold`` and collapses strictly when the new top key gets
+    ≥ ``strict_threshold``; ``seed`` of the draws. Validated on construction (NoiseSpecError);
+    layer/head ranges are checked against a model by :meth:`resolve`.
+    """
+
+    n_draws: int = 64
+    targets: tuple[str, ...] = ("q", "k")
+    distribution: str = "uniform"
+    placement: str = "before_norm"
+    layers: Optional[tuple[int, ...]] = None
+    heads: Optional[tuple[int, ...]] = None
+    sparse_threshold: float = SPARSE_THRESHOLD
+    strict_threshold: float = SPARSE_THRESHOLD
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
+        put("n_draws", V.check_positive_int(self.n_draws, "n_draws", NoiseSpecError))
+        put("targets", V.check_targets(self.targets, None, allowed=("q", "k")))
+        put("distribution", V.check_distribution(self.distribution))
+        put("placement", V.check_placement(self.placement))
+        for name in ("layers", "heads"):
+            if getattr(self, name) is not None:  # ranges need the model (resolve); here only the form
+                put(name, V.check_index_form(getattr(self, name), name[:-1]))
+        put("sparse_threshold", V.check_threshold(self.sparse_threshold, "sparse_threshold"))
+        put("strict_threshold", V.check_threshold(self.strict_threshold, "strict_threshold"))
+        put("seed", V.check_seed(self.seed))
+
+    @classmethod
+    def make(cls, spec: Optional["CollapseSpec"] = None, **options) -> "CollapseSpec":
+        """``spec`` (default: the defaults) with ``options`` replacing fields; unknown names are refused."""
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(fields))
+        if unknown:
+            raise NoiseSpecError(f"unknown collapse option(s) {unknown}; CollapseSpec fields are {fields}")
+        if spec is None:
+            return cls(**options)
+        if not isinstance(spec, CollapseSpec):
+            raise NoiseSpecError(f"spec must be a CollapseSpec, got {type(spec).__name__}")
+        return dataclasses.replace(spec, **options) if options else spec
+
+    def resolve(self, cfg: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(layers, heads) for a model: None → all, each checked against its size."""
+        return (V.check_index_list(self.layers, cfg.n_layers, "layer"),
+                V.check_index_list(self.heads, cfg.n_heads, "head"))
+
+    def noise_removed(self, cfg: ModelConfig) -> bool:
+        """Whether a per-head norm sits after the noise (before_norm on QK/QKV-Norm): it removes it."""
+        return self.placement == "before_norm" and is_normalised(cfg.attn_norm, "q")
+
+
+# ----------------------------------------------------------------------------- the clean run
+
+
+@dataclass
+class CleanAttention:
+    """One clean run's attention, as the collapse measurements need it (all on CPU).
+
+    ``scores``/``pattern`` per layer [b, h, q, k] (pre-softmax scores as the model computes
+    them, masked keys −inf); ``q_scale``/``k_scale`` per layer [b, p, h] when noise lands before a
+    q/k norm (for :func:`effective_factor`), else None; ``valid`` [b, h, q]: rows that count —
+    query ≥ 1 (``[`` attends only to itself) and inside the example (no padding), selected heads.
+    """
+
+    tokens: Int[Tensor, "batch pos"]
+    layers: tuple[int, ...]
+    scores: dict[int, Tensor]
+    pattern: dict[int, Tensor]
+    q_scale: dict[int, Optional[Tensor]]
+    k_scale: dict[int, Optional[Tensor]]
+    valid: Bool[Tensor, "batch head query"]
+
+
+@torch.no_grad()
+def clean_attention(model: HookedNormTransformer, tokens: Tensor | Batch, spec: CollapseSpec) -> CleanAttention:
+    """Run ``model`` once on ``tokens`` (padding columns trimmed) and keep what :class:`CleanAttention` lists."""
+    cfg = V.check_model(model)
+    layers, heads = spec.resolve(cfg)
+    tokens = V.trimmed_tokens(tokens, model)
+    removed = spec.noise_removed(cfg)
+    wanted = set()
+    for l in layers:
+        wanted |= {act_name("attn_scores", l), act_name("pattern", l)}
+        if removed:
+            wanted |= {act_name("q_scale", l), act_name("k_scale", l)}
+    _, cache = model.run_with_cache(tokens, names_filter=lambda name: name in wanted)
+    get = lambda kind, l: cache[act_name(kind, l)].detach().cpu()  # noqa: E731
+    b, n = tokens.shape
+    lengths = (tokens != PAD_ID).sum(-1).cpu()
+    qpos = torch.arange(n)
+    valid_q = (qpos[None, :] >= 1) & (qpos[None, :] < lengths[:, None])  # [b, q]
+    head_ok = torch.zeros(cfg.n_heads, dtype=torch.bool)
+    head_ok[list(heads)] = True
+    return CleanAttention(
+        tokens=tokens, layers=layers,
+        scores={l: get("attn_scores", l) for l in layers}, pattern={l: get("pattern", l) for l in layers},
+        q_scale={l: get("q_scale", l)[..., 0] if removed else None for l in layers},
+        k_scale={l: get("k_scale", l)[..., 0] if removed else None for l in layers},
+        valid=valid_q[:, None, :] & head_ok[None, :, None],
+    )
+
+
+# ----------------------------------------------------------------------------- decisions
+
+
+def collapse_from_scores(
+    scores: Float[Tensor, "row key"],
+    factor_q: Float[Tensor, "draw row"],
+    factor_k: Float[Tensor, "draw row key"],
+    strict_threshold: float = SPARSE_THRESHOLD,
+) -> tuple[Bool[Tensor, "draw row"], Bool[Tensor, "draw row"]]:
+    """Collapse decisions for clean rows under per-vector factors, without touching a model.
+
+    Scaling q by f_q and k_t by f_t turns the score q·k_t/scale into f_q·f_t·w_t exactly, so the
+    noised row is that product (masked keys stay −inf). Loose collapse: the noised argmax differs
+    from the clean one (first maximum, as ``torch.argmax``); strict: also the new top token gets
+    softmax ≥ ``strict_threshold``. Computed in float64, blocked over draws to bound memory.
+    """
+    w = scores.to(torch.float64)
+    masked = torch.isneginf(w)
+    w0 = w.masked_fill(masked, 0.0)
+    minus_inf = torch.zeros_like(w).masked_fill(masked, -math.inf)  # added: -inf stays -inf whatever the factor's sign
+    tstar = w.argmax(-1)
+    D = factor_q.shape[0]
+    R, K = w.shape
+    loose = torch.zeros(D, R, dtype=torch.bool)
+    strict = torch.zeros(D, R, dtype=torch.bool)
+    step = max(1, _CHUNK // max(1, R * K))
+    for d0 in range(0, D, step):
+        fq = factor_q[d0 : d0 + step].to(torch.float64)
+        fk = factor_k[d0 : d0 + step].to(torch.float64)
+        noised = fk * w0
+        noised.mul_(fq[..., None]).add_(minus_inf)
+        top, arg = noised.max(-1)
+        lo = arg != tstar
+        loose[d0 : d0 + step] = lo
+        hit = lo.nonzero(as_tuple=True)  # the softmax is only needed where the argmax moved
+        if hit[0].numel():
+            p_top = torch.exp(top[hit] - torch.logsumexp(noised[hit], -1))
+            s = torch.zeros_like(lo)
+            s[hit] = p_top >= strict_threshold
+            strict[d0 : d0 + step] = s
+    return loose, strict
+
+
+def collapse_noise_draws(
+    shape: Sequence[int], n_draws: int, layer: int, seed: int = 0, distribution: str = "uniform"
+) -> tuple[Float[Tensor, "draw batch pos head"], Float[Tensor, "draw batch pos head"]]:
+    """Unit-RMS draws (z_q, z_k), each [n_draws, batch, pos, head], for one layer of the collapse
+    sweep; κ = level · z (the same z at every level). Public so a brute-force check can reuse them."""
+    g = seeded_generator(seed, layer, 0xC011A95E)
+    shape = (n_draws, *shape)
+    return unit_noise(shape, g, distribution), unit_noise(shape, g, distribution)
+
+
+@dataclass
+class LayerCollapse:
+    """Per-draw collapse decisions for one layer's sparse rows.
+
+    ``rows`` [R, 3] holds (batch, head, query) of each sparse row; ``scores`` [R, T] its clean
+    scores (float64, −inf masked); ``loose``/``strict`` [n_levels, n_draws, R].
+    """
+
+    layer: int
+    levels: tuple[float, ...]
+    rows: Int[Tensor, "row 3"]
+    scores: Float[Tensor, "row key"]
+    loose: Bool[Tensor, "level draw row"]
+    strict: Bool[Tensor, "level draw row"]
+
+
+def layer_decisions(
+    clean: CleanAttention, layer: int, levels: tuple[float, ...], spec: CollapseSpec, eps: float, multiplier: float = 1.0
+) -> LayerCollapse:
+    """One layer's sparse rows and their decisions at every level and draw, from the clean run.
+
+    ``multiplier`` c scales the clean scores first (temperature 1/c): rows are those sparse in
+    softmax(c·w) and the noised rows are f_q·f_k·c·w. c = 1 is the paper's protocol.
+    """
+    scores = clean.scores[layer]  # [b, h, q, k]
+    pattern = clean.pattern[layer]
+    if multiplier != 1.0:
+        scores = scores * multiplier
+        pattern = scores.softmax(-1)
+    b, h, n, _ = scores.shape
+    select = theory.sparse_mask(pattern, spec.sparse_threshold) & clean.valid
+    rows = select.nonzero()  # [R, 3]: (batch, head, query)
+    rb, rh, rq = rows.unbind(-1)
+    w = scores[rb, rh, rq].to(torch.float64)  # [R, n]
+    D = spec.n_draws
+    z_q, z_k = collapse_noise_draws((b, n, h), D, layer, spec.seed, spec.distribution)
+    zq = z_q[:, rb, rq, rh] if "q" in spec.targets else torch.zeros(D, len(rb))
+    zk = z_k.permute(0, 1, 3, 2)[:, rb, rh, :] if "k" in spec.targets else torch.zeros(D, len(rb), n)
+    sq = sk = None
+    if clean.q_scale[layer] is not None:
+        sq = clean.q_scale[layer][rb, rq, rh]  # [R]
+        sk = clean.k_scale[layer].permute(0, 2, 1)[rb, rh, :]  # [R, n]
+    loose = torch.zeros(len(levels), D, len(rb), dtype=torch.bool)
+    strict = torch.zeros_like(loose)
+    for i, level in enumerate(levels):
+        kq, kk = level * zq, level * zk  # κ in float32, as a hook on the float32 model would apply it
+        if sq is None:
+            fq, fk = 1.0 + kq, 1.0 + kk
+        else:
+            fq, fk = effective_factor(kq, sq, eps), effective_factor(kk, sk, eps)
+        loose[i], strict[i] = collapse_from_scores(w, fq, fk, spec.strict_threshold)
+    return LayerCollapse(layer, levels, rows, w, loose, strict)
+
+
+@torch.no_grad()
+def collapse_decisions(
+    model: HookedNormTransformer,
+    tokens: Int[Tensor, "batch pos"] | Batch,
+    levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
+    spec: Optional[CollapseSpec] = None,
+    *,
+    progress: bool = False,
+    **options,
+) -> list[LayerCollapse]:
+    """The paper's collapse protocol from one clean cache: each layer is noised on its own clean
+    inputs ("we add noise to every layer independently"), so no re-run of the model is needed.
+
+    Rows counted: every (example, head, query position) whose clean max attention is ≥
+    ``spec.sparse_threshold``, except query 0 (``[`` attends only to itself) and padding positions
+    (beyond the example's last real token). For each level and draw, κ_q per (example, query,
+    head) and κ_k per (example, key, head) scale q and k at ``spec.placement`` (before a q/k norm
+    the factor is :func:`effective_factor`, i.e. almost 1); decisions come from
+    :func:`collapse_from_scores`. ``options`` are :class:`CollapseSpec` fields.
+    """
+    spec = CollapseSpec.make(spec, **options)
+    cfg = V.check_model(model)
+    levels = V.check_levels(levels, spec.distribution)
+    clean = clean_attention(model, tokens, spec)
+    return [layer_decisions(clean, l, levels, spec, cfg.eps)
+            for l in tqdm(clean.layers, desc="collapse", disable=not progress)]
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def predict_rows(
+    w: Tensor, law: NoiseLaw, targets: tuple[str, ...], removed: bool, strict_threshold: float,
+    strict_samples: int, generator: torch.Generator,
+) -> tuple[Tensor, Tensor, float]:
+    """Per-row predicted (loose, strict) probabilities and the strict estimate's sample count."""
+    R = w.shape[0]
+    zeros = torch.zeros(R, dtype=torch.float64)
+    if law.level == 0 or R == 0:
+        return zeros, zeros, math.inf
+    if removed:
+        # noise before a q/k norm is removed by it (effective factor 1 + O(eps)), except a sign
+        # flip when 1+κ < 0 (normal law), which the norm keeps and no NoiseLaw describes
+        if law.prob_negative_factor < 1e-12:
+            return zeros, zeros, math.inf
+        return zeros + math.nan, zeros + math.nan, math.inf
+    if "k" not in targets:
+        # query noise alone rescales the row; it reverses the order only when 1+κ_q < 0
+        p = law.prob_negative_factor
+        return zeros + p, (zeros if p == 0 else zeros + math.nan), math.inf
+    loose = theory.predicted_collapse_probability(w, law, include_query_noise="q" in targets).to(torch.float64)
+    if strict_samples <= 0:
+        return loose, zeros + math.nan, math.inf
+    strict = theory.predicted_collapse_probability_strict(
+        w, law, strict_threshold, strict_samples, generator, include_query_noise="q" in targets
+    ).to(torch.float64)
+    return loose, strict, float(strict_samples)
+
+
+def rate_table(
+    per_layer: list[tuple], levels: tuple[float, ...], n_draws: int, columns: dict
+) -> pd.DataFrame:
+    """Tidy rate table from ``(layer, level index, definition, per-row rates, per-row predictions,
+    strict samples)`` items: one row per item plus pooled ``layer == "all"`` rows per (level,
+    definition). ``measured``/``se`` (clustered by row), ``predicted``, ``mc_se``, ``z`` as in
+    :func:`measure_collapse`; ``columns`` are constant leading columns (variant, placement, ...)."""
+
+    def summarise(layer, i, definition, rates: Tensor, pred: Tensor, ns: float) -> dict:
+        R = len(rates)
+        measured = float(rates.mean()) if R else math.nan
+        se = float(rates.std() / math.sqrt(R)) if R > 1 else math.nan
+        predicted = float(pred.mean()) if R else math.nan
+        var = (pred * (1 - pred)).sum() * (1.0 / n_draws + (0.0 if math.isinf(ns) else 1.0 / ns))
+        mc_se = float(var.sqrt() / R) if R else math.nan
+        z = (measured - predicted) / mc_se if mc_se > 0 else (0.0 if measured == predicted else math.nan)
+        return dict(columns, layer=layer, level=levels[i], definition=definition, n_rows=R, n_draws=n_draws,
+                    measured=measured, se=se, predicted=predicted, mc_se=mc_se, z=z)
+
+    rows = [summarise(*item) for item in per_layer]
+    for i in range(len(levels)):
+        for definition in ("loose", "strict"):
+            items = [it for it in per_layer if it[1] == i and it[2] == definition]
+            if not items:
+                continue
+            rates = torch.cat([it[3] for it in items])
+            pred = torch.cat([it[4] for it in items])
+            rows.append(summarise("all", i, definition, rates, pred, items[0][5]))
+    df = pd.DataFrame(rows)
+    if len(df):
+        df["layer"] = df["layer"].astype(object)
+    return df
+
+
+def measure_collapse(
+    model: HookedNormTransformer,
+    tokens: Int[Tensor, "batch pos"] | Batch,
+    levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
+    spec: Optional[CollapseSpec] = None,
+    *,
+    predict: bool = True,
+    strict_samples: int = 256,
+    variant: Optional[str] = None,
+    progress: bool = False,
+    **options,
+) -> pd.DataFrame:
+    """Collapse probability vs noise level, per layer and overall (``layer == "all"``), with the
+    theory's prediction beside every measured rate. Tidy: one row per (layer, level, definition).
+
+    Columns: ``measured`` (fraction of (sparse row, draw) pairs that collapse), ``se`` (its
+    standard error, clustered by row: std of per-row rates / √n_rows), ``predicted`` (mean over
+    the same rows of :func:`theory.predicted_collapse_probability` — exact for "loose" — or of
+    :func:`theory.predicted_collapse_probability_strict`, a Monte Carlo of ``strict_samples`` per
+    row), ``mc_se`` (the sampling error of ``measured`` around ``predicted`` given these rows:
+    sqrt(Σ p_r(1−p_r)(1/n_draws + 1/strict_samples)) / n_rows), ``z`` = (measured − predicted) /
+    mc_se. Both columns judge the same event on the same clean scores, so agreement is a check of
+    the code, not of the theory (see :func:`interp_norm.noise.measure_forward_collapse`). With
+    ``placement="before_norm"`` on a QK-/QKV-Norm model the norm removes the noise, so the
+    prediction is 0 (``theory = "removed_by_norm"``; NaN for normal noise large enough that
+    P(1+κ < 0) ≥ 1e-12, since the norm keeps such sign flips). ``options`` are
+    :class:`CollapseSpec` fields.
+    """
+    spec = CollapseSpec.make(spec, **options)
+    cfg = V.check_model(model)
+    strict_samples = int(strict_samples)
+    results = collapse_decisions(model, tokens, levels, spec, progress=progress)
+    removed = spec.noise_removed(cfg)
+    gen = seeded_generator(spec.seed, 0x7E0E)
+    levels = results[0].levels
+    per_layer = []  # (layer, level index, definition) -> per-row rates and predictions
+    for r in results:
+        for i, level in enumerate(levels):
+            if predict:
+                pl, ps, ns = predict_rows(r.scores, NoiseLaw(level, spec.distribution), spec.targets, removed,
+                                          spec.strict_threshold, strict_samples, gen)
+            else:
+                pl = ps = torch.full((len(r.rows),), math.nan, dtype=torch.float64)
+                ns = math.inf
+            for definition, dec, pred in (("loose", r.loose[i], pl), ("strict", r.strict[i], ps)):
+                per_layer.append((r.layer, i, definition, dec.double().mean(0), pred, ns))
+    columns = dict(variant=V.variant_label(cfg, variant), attn_norm=cfg.attn_norm, placement=spec.placement,
+                   distribution=spec.distribution, targets="".join(spec.targets))
+    df = rate_table(per_layer, levels, spec.n_draws, columns)
+    df["theory"] = "removed_by_norm" if removed else "multiplicative"
+    return df
+
+
+def run_collapse(
+    model: HookedNormTransformer,
+    task: AdditionTask,
+    levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
+    spec: Optional[CollapseSpec] = None,
+    *,
+    split: str = "id",
+    n_examples: int = 256,
+    data_seed: int = 1234,
+    **kwargs,
+) -> pd.DataFrame:
+    """The paper's circuit-collapse experiment in one call, on ``task.test_set(split, n_examples,
+    seed=data_seed)``. Returns :func:`measure_collapse`'s table (other keyword arguments go to it);
+    pass it to :func:`collapse_thresholds` for the 1%-collapse noise levels."""
+    if not isinstance(task, AdditionTask):
+        raise ConfigError(f"task must be an AdditionTask, got {type(task).__name__}")
+    n_examples = V.check_positive_int(n_examples, "n_examples")
+    df = measure_collapse(model, task.test_set(split, n_examples, seed=data_seed), levels, spec, **kwargs)
+    df.insert(5, "split", split)
+    return df
+
+
+def collapse_thresholds(curves: pd.DataFrame, target: float = 0.01) -> pd.DataFrame:
+    """Noise level at which a fraction ``target`` of sparse rows collapses, from the measured and
+    the predicted curve (:func:`theory.noise_level_at_rate`; NaN if the curve never reaches it or
+    starts above it). One row per (variant, …, layer, definition)."""
+    need = {"level", "measured", "predicted", "layer", "definition"}
+    if not isinstance(curves, pd.DataFrame) or not need <= set(curves.columns):
+        raise ConfigError(f"curves must be a DataFrame from measure_collapse/run_collapse with columns {sorted(need)}")
+    keys = [c for c in ("variant", "attn_norm", "placement", "distribution", "targets", "split", "protocol", "layer",
+                        "definition") if c in curves.columns]
+    out = []
+    for key, g in curves.groupby(keys, sort=False):
+        out.append(dict(
+            zip(keys, key), target=target,
+            level_measured=theory.noise_level_at_rate(g["level"].to_numpy(), g["measured"].to_numpy(), target),
+            level_predicted=theory.noise_level_at_rate(g["level"].to_numpy(), g["predicted"].to_numpy(), target),
+        ))
+    return pd.DataFrame(out)
+
+
+__all__ = [
+    "DEFAULT_COLLAPSE_LEVELS", "CollapseSpec", "CleanAttention", "clean_attention", "collapse_from_scores",
+    "collapse_noise_draws", "LayerCollapse", "layer_decisions", "collapse_decisions", "measure_collapse",
+    "run_collapse", "collapse_thresholds",
+]

@@ -1,0 +1,175 @@
+"""Circuit collapse observed in the model's real noisy forward pass: a test of the theory.
+
+:func:`interp_norm.noise.measure_collapse` judges each layer on its own clean inputs with the
+noised scores computed as f_q·f_k·w, and compares with the theory's exact integral *of that same
+event*: agreement there is a check of the code (Monte Carlo vs exact integral), not of the theory.
+
+Here the noise goes where it would in use: :class:`NormNoise` on q and k of every chosen layer at
+once, the model runs, and each clean-sparse (layer, head, query) row is judged in the actual noisy
+run — its argmax key changed ("loose"), and the new top key also got ≥ the strict threshold
+("strict"). Layer l's inputs then carry the noise of layers < l (downstream effects: a shifted
+residual stream, earlier collapses), which the per-layer theory does not model. Beside each
+measured rate stands the same per-layer prediction as in ``measure_collapse`` (exact for loose,
+Monte Carlo for strict), from the clean scores; a disagreement is a finding about the theory's
+reach, not a bug. Layer 0 sees clean inputs, so there the two must agree within sampling error.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import pandas as pd
+import torch
+from jaxtyping import Int
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from interp_norm import theory
+from interp_norm.errors import ConfigError
+from interp_norm.hooks import act_name
+from interp_norm.model import HookedNormTransformer
+from interp_norm.noise import _validate as V
+from interp_norm.noise.collapse import (
+    DEFAULT_COLLAPSE_LEVELS,
+    CollapseSpec,
+    LayerCollapse,
+    clean_attention,
+    predict_rows,
+    rate_table,
+)
+from interp_norm.noise.hooks import NormNoise, seeded_generator
+from interp_norm.task import AdditionTask, Batch
+from interp_norm.theory import NoiseLaw
+
+
+@torch.no_grad()
+def forward_collapse_decisions(
+    model: HookedNormTransformer,
+    tokens: Int[Tensor, "batch pos"] | Batch,
+    levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
+    spec: Optional[CollapseSpec] = None,
+    *,
+    progress: bool = False,
+    **options,
+) -> list[LayerCollapse]:
+    """Per-draw collapse decisions of every clean-sparse row, read from real noisy forward passes.
+
+    For each level, one :class:`NormNoise` (``spec.targets`` on q/k, ``spec.layers`` all at once,
+    ``spec.heads``, ``spec.placement``, ``spec.distribution``, seed ``spec.seed``) is kept active
+    for ``spec.n_draws`` passes; pass d uses its draw number d, so the κ are exactly what
+    ``NormNoise(...).draw(layer, target, shape, call=d)`` returns (the same z at every level).
+    Rows are those of :func:`interp_norm.noise.collapse_decisions` (clean max ≥
+    ``spec.sparse_threshold``, query ≥ 1, no padding, chosen heads); loose: the noisy run's score
+    argmax differs from the clean one; strict: also its attention weight ≥ ``spec.strict_threshold``.
+    ``scores`` holds the clean rows, for the prediction. ``options`` are :class:`CollapseSpec` fields.
+    """
+    spec = CollapseSpec.make(spec, **options)
+    cfg = V.check_model(model)
+    levels = V.check_levels(levels, spec.distribution)
+    clean = clean_attention(model, tokens, spec)
+    tokens = clean.tokens
+    rows, tstar = {}, {}
+    for l in clean.layers:
+        select = theory.sparse_mask(clean.pattern[l], spec.sparse_threshold) & clean.valid
+        rows[l] = select.nonzero()
+        rb, rh, rq = rows[l].unbind(-1)
+        tstar[l] = clean.scores[l][rb, rh, rq].argmax(-1)
+    D = spec.n_draws
+    loose = {l: torch.zeros(len(levels), D, len(rows[l]), dtype=torch.bool) for l in clean.layers}
+    strict = {l: torch.zeros_like(loose[l]) for l in clean.layers}
+    wanted = {act_name(k, l) for l in clean.layers for k in ("attn_scores", "pattern")}
+    bar = tqdm(total=len(levels) * D, desc="forward collapse", disable=not progress)
+    for i, level in enumerate(levels):
+        noise = NormNoise(model, level, spec.targets, distribution=spec.distribution, layers=clean.layers,
+                          heads=spec.heads, placement=spec.placement, seed=spec.seed)
+        with noise:
+            for d in range(D):
+                _, cache = model.run_with_cache(tokens, names_filter=lambda name: name in wanted)
+                for l in clean.layers:
+                    rb, rh, rq = rows[l].unbind(-1)
+                    scores = cache[act_name("attn_scores", l)][rb, rh, rq].cpu()
+                    top = scores.argmax(-1)
+                    moved = top != tstar[l]
+                    p_top = cache[act_name("pattern", l)][rb, rh, rq].cpu().gather(-1, top[:, None])[:, 0]
+                    loose[l][i, d] = moved
+                    strict[l][i, d] = moved & (p_top >= spec.strict_threshold)
+                bar.update()
+    bar.close()
+    return [
+        LayerCollapse(l, levels, rows[l], clean.scores[l][tuple(rows[l].unbind(-1))].to(torch.float64),
+                      loose[l], strict[l])
+        for l in clean.layers
+    ]
+
+
+def measure_forward_collapse(
+    model: HookedNormTransformer,
+    tokens: Int[Tensor, "batch pos"] | Batch,
+    levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
+    spec: Optional[CollapseSpec] = None,
+    *,
+    predict: bool = True,
+    strict_samples: int = 256,
+    variant: Optional[str] = None,
+    progress: bool = False,
+    **options,
+) -> pd.DataFrame:
+    """Collapse rate in the real noisy forward pass (all chosen layers noised at once) beside the
+    theory's per-layer prediction: a test of the theory, downstream effects included.
+
+    Same columns as :func:`interp_norm.noise.measure_collapse` (one row per layer, level and
+    definition, plus ``layer == "all"``): ``measured`` (fraction of (clean-sparse row, draw) pairs
+    whose argmax moved in the actual run), ``se`` (clustered by row), ``predicted`` (the theory on
+    the clean scores: exact integral for loose, ``strict_samples`` Monte Carlo for strict),
+    ``mc_se`` and ``z`` (the deviation expected if each layer behaved as on its clean inputs), and
+    ``protocol = "forward"``. ``options`` are :class:`CollapseSpec` fields.
+    """
+    spec = CollapseSpec.make(spec, **options)
+    cfg = V.check_model(model)
+    strict_samples = int(strict_samples)
+    results = forward_collapse_decisions(model, tokens, levels, spec, progress=progress)
+    removed = spec.noise_removed(cfg)
+    gen = seeded_generator(spec.seed, 0x7E0E)
+    levels = results[0].levels
+    per_layer = []
+    for r in results:
+        for i, level in enumerate(levels):
+            if predict:
+                pl, ps, ns = predict_rows(r.scores, NoiseLaw(level, spec.distribution), spec.targets, removed,
+                                          spec.strict_threshold, strict_samples, gen)
+            else:
+                pl = ps = torch.full((len(r.rows),), math.nan, dtype=torch.float64)
+                ns = math.inf
+            for definition, dec, pred in (("loose", r.loose[i], pl), ("strict", r.strict[i], ps)):
+                per_layer.append((r.layer, i, definition, dec.double().mean(0), pred, ns))
+    columns = dict(variant=V.variant_label(cfg, variant), attn_norm=cfg.attn_norm, placement=spec.placement,
+                   distribution=spec.distribution, targets="".join(spec.targets))
+    df = rate_table(per_layer, levels, spec.n_draws, columns)
+    df["theory"] = "removed_by_norm" if removed else "multiplicative"
+    df["protocol"] = "forward"
+    return df
+
+
+def run_forward_collapse(
+    model: HookedNormTransformer,
+    task: AdditionTask,
+    levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
+    spec: Optional[CollapseSpec] = None,
+    *,
+    split: str = "id",
+    n_examples: int = 256,
+    data_seed: int = 1234,
+    **kwargs,
+) -> pd.DataFrame:
+    """:func:`measure_forward_collapse` on ``task.test_set(split, n_examples, seed=data_seed)`` (the
+    same problems as :func:`interp_norm.noise.run_collapse`), with a ``split`` column."""
+    if not isinstance(task, AdditionTask):
+        raise ConfigError(f"task must be an AdditionTask, got {type(task).__name__}")
+    n_examples = V.check_positive_int(n_examples, "n_examples")
+    df = measure_forward_collapse(model, task.test_set(split, n_examples, seed=data_seed), levels, spec, **kwargs)
+    df.insert(5, "split", split)
+    return df
+
+
+__all__ = ["forward_collapse_decisions", "measure_forward_collapse", "run_forward_collapse"]

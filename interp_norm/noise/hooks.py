@@ -1,0 +1,255 @@
+"""The norm-noise hooks: :class:`NormNoise` and the seeded κ draws behind every noise experiment.
+
+Menary et al. (2024) model Pre-Norm interference as multiplicative noise on the L2 norms of
+queries, keys and values (digest §2.3): v → (1+κ) v with κ drawn independently per (example,
+position, layer, head, vector). :class:`NormNoise` is that model as hooks: a plain hook list
+(``model.run_with_hooks(..., fwd_hooks=noise.hooks())``) or a context manager (``with
+NormNoise(model, 0.01): model(tokens)``). Targets ``q``, ``k``, ``v`` (= the message, since
+m = W_O v is linear) and ``scale`` (the Pre-Norm divisor ``ln1.hook_scale`` itself). Uniform (the
+paper's) or normal κ; the noise *level* is the RMS of κ. Optional ``row_gate`` restricts q/k noise
+to chosen attention rows.
+
+Placement in QK-/QKV-Norm models (``placement``; the hook is :func:`interp_norm.hooks.noise_site`).
+``"before_norm"`` (default) puts the noise on ``hook_q/hook_k/hook_v``, the outputs of
+W_Q/W_K/W_V — the same physical place as in the Pre-Norm model, where interference arrives from
+upstream — and the per-head norm then removes it up to eps. This is the reading under which the
+paper can call QKV-Norm "stable by construction" and see "only jitter due to finite sampling".
+``"after_norm"`` puts it on ``hook_q_normed`` etc., asking how fragile QKV-Norm's attention
+*would* be if noise survived the norm. Pre-Norm and No-Norm models have no norm between W_Q and
+the scores, so both placements are ``hook_q/hook_k/hook_v``; QK-Norm has no value norm, so ``v``
+noise always lands on ``hook_v``.
+
+Seeding: the κ of forward pass n (counted per :class:`NormNoise` object) at (layer, target) comes
+from a generator seeded by ``(seed, layer, target, n)``, so draws do not depend on which other
+targets, layers or heads are noised. κ = level · z with z of unit RMS from
+:func:`interp_norm.theory.sample_kappa` (the one κ sampler): the same seed gives proportional κ at
+every level (common random numbers make noise curves smooth).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from interp_norm import theory
+from interp_norm.errors import NoiseSpecError
+from interp_norm.hooks import act_name, is_normalised, noise_site
+from interp_norm.model import HookedNormTransformer
+from interp_norm.noise import _validate as V
+from interp_norm.theory import NoiseLaw
+
+
+def seeded_generator(*keys: int) -> torch.Generator:
+    """A CPU generator seeded from a tuple of non-negative ints (NumPy's SeedSequence mixing)."""
+    state = np.random.SeedSequence([int(k) for k in keys]).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator().manual_seed(int(state) & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def unit_noise(
+    shape: Sequence[int], generator: torch.Generator, distribution: str = "uniform", dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Draws z with RMS 1 (uniform on ±√3 or standard normal); κ = level · z has RMS ``level``."""
+    return theory.sample_kappa(shape, generator, V.check_distribution(distribution), 1.0, dtype=dtype)
+
+
+def effective_factor(kappa: Tensor, scale: Tensor, eps: float) -> Tensor:
+    """What noise (1+κ) on x *before* a norm leaves on the normalised vector.
+
+    With divisor s = sqrt(m + eps) (m = mean(x²), or the variance for LayerNorm; both scale by
+    (1+κ)²), N((1+κ)x) = f · N(x) with f = (1+κ)·s / sqrt((1+κ)²(s² − eps) + eps). So f → sign(1+κ)
+    as eps → 0: the norm removes the noise "by construction", and only an eps-sized residue
+    (|f − 1| ≲ |κ|·eps/m) survives. ``scale`` is the clean ``hook_{q,k,v}_scale``.
+    """
+    one = 1.0 + kappa
+    m = (scale * scale - eps).clamp(min=0.0)
+    return one * scale / torch.sqrt(one * one * m + eps)
+
+
+class NormNoise:
+    """Multiply the L2 norm of chosen vectors by (1+κ), κ = level · z, z of unit RMS.
+
+    Parameters: ``level`` (RMS of κ); ``targets`` any of ``"q"``, ``"k"``, ``"v"`` (alias ``"m"``),
+    ``"scale"`` (Pre-Norm only: the divisor ``ln1.hook_scale`` [b, p, 1] times (1+κ), so q, k and
+    v of that position shrink by 1/(1+κ); one κ per (example, position, layer), shared by all
+    heads and by q, k and v — which is how Pre-Norm interference actually arrives);
+    ``distribution`` ``"uniform"`` (the paper's) or ``"normal"``; ``layers`` and ``heads`` (None =
+    all; unselected heads get κ = 0 exactly); ``placement`` (module docstring); ``seed``.
+
+    ``row_gate``: ``{layer: Bool[batch, head, query]}`` restricts q/k noise to those attention
+    rows (the paper's "noise only on sparse / non-sparse distributions"). A key is read by many
+    rows, so gating cannot be done on the vectors; instead the layer's scores of gated rows become
+    f_q·f_k·w — exactly what scaling q and k by f gives — and other rows keep their scores. f is
+    1+κ, or :func:`effective_factor` for ``placement="before_norm"`` on a normalised q/k, so gating
+    all rows reproduces ungated noise up to rounding. Gating applies to q and k only.
+
+    After each forward pass, ``last_kappa[(layer, target)]`` holds the κ used ([b, p, h, 1], or
+    [b, p, 1] for ``scale``).
+    """
+
+    def __init__(
+        self,
+        model: HookedNormTransformer,
+        level: float,
+        targets: str | Sequence[str] = ("q", "k", "v"),
+        *,
+        distribution: str = "uniform",
+        layers: Optional[int | Sequence[int]] = None,
+        heads: Optional[int | Sequence[int]] = None,
+        placement: str = "before_norm",
+        seed: int = 0,
+        row_gate: Optional[Mapping[int, Tensor]] = None,
+    ):
+        cfg = V.check_model(model)
+        self.model, self.cfg = model, cfg
+        self.law = NoiseLaw(level, V.check_distribution(distribution))
+        self.targets = V.check_targets(targets, cfg)
+        self.placement = V.check_placement(placement)
+        self.seed = V.check_seed(seed)
+        if row_gate is not None:
+            if not isinstance(row_gate, Mapping) or not row_gate:
+                raise NoiseSpecError("row_gate must be a non-empty dict {layer: Bool[batch, head, query] tensor}")
+            if layers is None:
+                layers = sorted(row_gate)
+            bad = [t for t in self.targets if t not in ("q", "k")]
+            if bad:
+                raise NoiseSpecError(
+                    f"row_gate restricts noise on attention rows, which only q and k noise can do; "
+                    f"drop targets {bad} or drop row_gate"
+                )
+        self.layers = V.check_index_list(layers, cfg.n_layers, "layer")
+        self.heads = V.check_index_list(heads, cfg.n_heads, "head")
+        if "scale" in self.targets and heads is not None and len(self.heads) < cfg.n_heads:
+            raise NoiseSpecError(
+                "the Pre-Norm scale factor is shared by all heads of a layer, so it cannot be noised "
+                "per head; pass heads=None with target 'scale'"
+            )
+        self.row_gate = None
+        if row_gate is not None:
+            missing = [l for l in self.layers if l not in row_gate]
+            if missing:
+                raise NoiseSpecError(f"row_gate has no gate for layers {missing}; give one per noised layer")
+            gates = {}
+            for l in self.layers:
+                g = row_gate[l]
+                if not isinstance(g, Tensor) or g.dtype != torch.bool or g.ndim != 3 or g.shape[1] != cfg.n_heads:
+                    raise NoiseSpecError(
+                        f"row_gate[{l}] must be a bool tensor [batch, n_heads={cfg.n_heads}, query], "
+                        f"got {getattr(g, 'shape', type(g).__name__)}"
+                    )
+                gates[l] = g
+            self.row_gate = gates
+        self.last_kappa: dict[tuple[int, str], Tensor] = {}
+        self._calls: dict[tuple[int, str], int] = {}
+        self._scales: dict[tuple[int, str], Tensor] = {}
+        self._ctx = None
+
+    @property
+    def level(self) -> float:
+        return self.law.level
+
+    def reset(self) -> None:
+        """Restart the forward-pass counter: the next pass reuses the first pass's draws."""
+        self._calls.clear()
+        self.last_kappa.clear()
+
+    def hook_names(self) -> dict[tuple[int, str], str]:
+        """(layer, target) → hook point where the vector noise lands (without ``row_gate``)."""
+        return {(l, t): noise_site(self.cfg.attn_norm, t, l, self.placement) for l in self.layers for t in self.targets}
+
+    def draw(self, layer: int, target: str, shape: Sequence[int], call: int = 0, dtype: torch.dtype = torch.float32) -> Tensor:
+        """κ for (layer, target) in forward pass ``call``; unselected heads (dim 2 of q/k/v) get 0."""
+        z = unit_noise(shape, seeded_generator(self.seed, layer, V.TARGET_CODE[target], call), self.law.distribution, dtype)
+        kappa = z * self.law.level
+        if target != "scale" and len(self.heads) < self.cfg.n_heads:
+            keep = torch.zeros(self.cfg.n_heads, dtype=torch.bool)
+            keep[list(self.heads)] = True
+            kappa = kappa * keep.view(1, 1, -1, 1).to(dtype)
+        return kappa
+
+    def _next(self, layer: int, target: str, shape: Sequence[int], like: Tensor) -> Tensor:
+        call = self._calls.get((layer, target), 0)
+        self._calls[(layer, target)] = call + 1
+        kappa = self.draw(layer, target, shape, call, like.dtype).to(like.device)
+        self.last_kappa[(layer, target)] = kappa
+        return kappa
+
+    def _vector_hook(self, layer: int, target: str) -> Callable:
+        def hook(act: Tensor, hook=None) -> Tensor:
+            shape = (*act.shape[:-1], 1)  # [b, p, h, 1] or [b, p, 1] for the scale
+            return act * (1.0 + self._next(layer, target, shape, act))
+
+        return hook
+
+    def _store_hook(self, layer: int, target: str) -> Callable:
+        def hook(act: Tensor, hook=None) -> None:
+            self._scales[(layer, target)] = act
+
+        return hook
+
+    def _factor(self, layer: int, target: str, b: int, n: int, like: Tensor) -> Tensor:
+        """Per-vector factor [b, h, p] on the scores for q or k of this layer."""
+        kappa = self._next(layer, target, (b, n, self.cfg.n_heads, 1), like)
+        if self.placement == "before_norm" and is_normalised(self.cfg.attn_norm, target):
+            f = effective_factor(kappa, self._scales[(layer, target)], self.cfg.eps)
+        else:
+            f = 1.0 + kappa
+        return f[..., 0].permute(0, 2, 1)
+
+    def _gate_hook(self, layer: int) -> Callable:
+        def hook(scores: Tensor, hook=None) -> Tensor:
+            b, h, n, _ = scores.shape
+            gate = self.row_gate[layer]
+            if gate.shape[0] != b or gate.shape[2] < n:
+                raise NoiseSpecError(
+                    f"row_gate[{layer}] has shape {tuple(gate.shape)} but the scores are [b={b}, h={h}, q={n}]; "
+                    "build the gate from a clean run on the same tokens (see clean_row_gates)"
+                )
+            ones = torch.ones(b, h, n, dtype=scores.dtype, device=scores.device)
+            fq = self._factor(layer, "q", b, n, scores) if "q" in self.targets else ones
+            fk = self._factor(layer, "k", b, n, scores) if "k" in self.targets else ones
+            factor = fq[..., :, None] * fk[..., None, :]
+            factor = torch.where(gate[:, :, :n, None].to(scores.device), factor, torch.ones_like(factor))
+            return (scores * factor).masked_fill(torch.isneginf(scores), -math.inf)
+
+        return hook
+
+    def hooks(self) -> list[tuple[str, Callable]]:
+        """``[(hook_name, fn), ...]`` for ``run_with_hooks`` / ``model.hooks``."""
+        out = []
+        for l in self.layers:
+            if self.row_gate is None:
+                out += [(noise_site(self.cfg.attn_norm, t, l, self.placement), self._vector_hook(l, t)) for t in self.targets]
+                continue
+            if self.placement == "before_norm":
+                for t in self.targets:
+                    if is_normalised(self.cfg.attn_norm, t):
+                        out.append((act_name(f"{t}_scale", l), self._store_hook(l, t)))
+            out.append((act_name("attn_scores", l), self._gate_hook(l)))
+        for name, _ in out:
+            if name not in self.model.hook_dict:
+                raise NoiseSpecError(f"hook {name!r} does not exist on this model (attn_norm={self.cfg.attn_norm!r})")
+        return out
+
+    def __enter__(self) -> "NormNoise":
+        if self._ctx is not None:
+            raise NoiseSpecError("this NormNoise is already active; exit it before entering again")
+        self._ctx = self.model.hooks(fwd_hooks=self.hooks())
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        ctx, self._ctx = self._ctx, None
+        self._scales.clear()
+        ctx.__exit__(*exc)
+
+
+def norm_noise_hooks(model: HookedNormTransformer, level: float, targets: str | Sequence[str] = ("q", "k", "v"), **kwargs) -> list[tuple[str, Callable]]:
+    """Shorthand: ``NormNoise(model, level, targets, **kwargs).hooks()``."""
+    return NormNoise(model, level, targets, **kwargs).hooks()
+
+
+__all__ = ["NormNoise", "norm_noise_hooks", "unit_noise", "effective_factor", "seeded_generator"]

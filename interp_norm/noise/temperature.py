@@ -1,0 +1,141 @@
+"""Collapse level and sparse-row fraction as a function of attention temperature (scores × c).
+
+Why: a model trained longer sharpens its attention (lower temperature). Theorem 7 says the
+*argmax* of a row is temperature-free, but which rows count as sparse (max ≥ 95%) and whether a
+flipped row is again ≥ 95% ("strict") do depend on it. Multiplying a layer's clean pre-softmax
+scores by c (temperature 1/c) and re-running the collapse protocol on them asks what lower
+temperature alone would do to the paper's 1%-collapse level — the mechanism behind our models'
+gap to the paper. The machinery is :func:`interp_norm.noise.collapse.layer_decisions` with the
+same draws, so c = 1 reproduces :func:`interp_norm.noise.measure_collapse` exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Int
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from interp_norm import theory
+from interp_norm.errors import ConfigError, NoiseSpecError
+from interp_norm.model import HookedNormTransformer
+from interp_norm.noise import _validate as V
+from interp_norm.noise.collapse import DEFAULT_COLLAPSE_LEVELS, CollapseSpec, clean_attention, layer_decisions
+from interp_norm.task import AdditionTask, Batch
+
+#: Score multipliers c of the default sweep (c > 1: colder, sharper attention).
+DEFAULT_MULTIPLIERS = (0.5, 1.0, 2.0, 4.0)
+
+
+def _check_multipliers(multipliers: Sequence[float] | float) -> tuple[float, ...]:
+    if isinstance(multipliers, (int, float, np.integer, np.floating)) and not isinstance(multipliers, bool):
+        multipliers = (multipliers,)
+    try:
+        values = tuple(multipliers)
+    except TypeError:
+        raise NoiseSpecError(f"multipliers must be a positive number or a list of them, got {multipliers!r}") from None
+    if not values:
+        raise NoiseSpecError("no score multipliers given; pass e.g. multipliers=(1, 2, 4)")
+    for c in values:
+        if isinstance(c, bool) or not isinstance(c, (int, float, np.integer, np.floating)) or not (
+            math.isfinite(c) and c > 0
+        ):
+            raise NoiseSpecError(f"score multiplier {c!r} must be finite and > 0 (c <= 0 would reverse or flatten rows)")
+    return tuple(float(c) for c in values)
+
+
+@torch.no_grad()
+def temperature_sweep(
+    model: HookedNormTransformer,
+    tokens: Int[Tensor, "batch pos"] | Batch,
+    multipliers: Sequence[float] = DEFAULT_MULTIPLIERS,
+    levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
+    spec: Optional[CollapseSpec] = None,
+    *,
+    rate: float = 0.01,
+    variant: Optional[str] = None,
+    progress: bool = False,
+    **options,
+) -> pd.DataFrame:
+    """Per score multiplier c and layer (and ``layer == "all"``): the fraction of rows that are
+    sparse in softmax(c·w) and the noise levels at which a fraction ``rate`` of those rows
+    collapse (loose and strict), measured with the collapse protocol on the scaled clean scores.
+
+    Columns: ``variant``, ``attn_norm``, ``placement``, ``distribution``, ``targets``, ``c``,
+    ``layer``, ``n_rows`` (rows that count: query ≥ 1, no padding, chosen heads), ``n_sparse``,
+    ``frac_sparse`` = n_sparse / n_rows, ``collapse_level_loose``, ``collapse_level_strict``
+    (:func:`theory.noise_level_at_rate` on the measured curve over ``levels``; NaN when the curve
+    never reaches ``rate`` or starts above it). w are the model's own pre-softmax scores
+    (``hook_attn_scores``: 1/√d_head and any calibration included). ``options`` are
+    :class:`CollapseSpec` fields; the draws do not depend on c (common random numbers).
+    """
+    spec = CollapseSpec.make(spec, **options)
+    cfg = V.check_model(model)
+    levels = V.check_levels(levels, spec.distribution)
+    multipliers = _check_multipliers(multipliers)
+    rate = float(rate)
+    if not (math.isfinite(rate) and 0 < rate <= 1):
+        raise NoiseSpecError(f"rate must be a fraction in (0, 1], got {rate}")
+    clean = clean_attention(model, tokens, spec)
+    n_valid = int(clean.valid.sum())
+    columns = dict(variant=V.variant_label(cfg, variant), attn_norm=cfg.attn_norm, placement=spec.placement,
+                   distribution=spec.distribution, targets="".join(spec.targets))
+    out = []
+    bar = tqdm(total=len(multipliers) * len(clean.layers), desc="temperature", disable=not progress)
+    for c in multipliers:
+        per_layer = []  # per layer: {definition: [per-row rates over draws, one [R] tensor per level]}
+        n_sparse = []
+        for l in clean.layers:
+            r = layer_decisions(clean, l, levels, spec, cfg.eps, multiplier=c)
+            rates = {d: [dec.double().mean(0) for dec in getattr(r, d)] for d in ("loose", "strict")}
+            per_layer.append(rates)
+            n_sparse.append(len(r.rows))
+            out.append(_row(columns, c, l, n_valid, len(r.rows), levels, rates, rate))
+            bar.update()
+        pooled = {d: [torch.cat([p[d][i] for p in per_layer]) for i in range(len(levels))] for d in ("loose", "strict")}
+        out.append(_row(columns, c, "all", n_valid * len(clean.layers), sum(n_sparse), levels, pooled, rate))
+    bar.close()
+    df = pd.DataFrame(out)
+    df["layer"] = df["layer"].astype(object)
+    return df
+
+
+def _row(columns: dict, c: float, layer, n_rows: int, n_sparse: int, levels, rates: dict, rate: float) -> dict:
+    # the same arithmetic as measure_collapse: per-row rates over draws, then their mean over rows
+    curve = {d: [float(v.mean()) if n_sparse else math.nan for v in rates[d]] for d in rates}
+    return dict(
+        columns, c=c, layer=layer, n_rows=n_rows, n_sparse=n_sparse,
+        frac_sparse=n_sparse / n_rows if n_rows else math.nan,
+        collapse_level_loose=theory.noise_level_at_rate(levels, curve["loose"], rate),
+        collapse_level_strict=theory.noise_level_at_rate(levels, curve["strict"], rate),
+    )
+
+
+def run_temperature_sweep(
+    model: HookedNormTransformer,
+    task: AdditionTask,
+    multipliers: Sequence[float] = DEFAULT_MULTIPLIERS,
+    levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
+    spec: Optional[CollapseSpec] = None,
+    *,
+    split: str = "id",
+    n_examples: int = 256,
+    data_seed: int = 1234,
+    **kwargs,
+) -> pd.DataFrame:
+    """:func:`temperature_sweep` on ``task.test_set(split, n_examples, seed=data_seed)`` (the same
+    problems as :func:`interp_norm.noise.run_collapse`), with a ``split`` column."""
+    if not isinstance(task, AdditionTask):
+        raise ConfigError(f"task must be an AdditionTask, got {type(task).__name__}")
+    n_examples = V.check_positive_int(n_examples, "n_examples")
+    df = temperature_sweep(model, task.test_set(split, n_examples, seed=data_seed), multipliers, levels, spec, **kwargs)
+    df.insert(5, "split", split)
+    return df
+
+
+__all__ = ["DEFAULT_MULTIPLIERS", "temperature_sweep", "run_temperature_sweep"]
