@@ -14,6 +14,7 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 
 from interp_norm import task as T
+from interp_norm._checks import require_norm_model
 from interp_norm.errors import ConfigError, ProblemStringError
 from interp_norm.hooks import act_name
 from interp_norm.model import HookedNormTransformer
@@ -25,11 +26,7 @@ TINY = 1e-12
 
 def check_model(model: HookedNormTransformer) -> None:
     """Raise :class:`ConfigError` unless ``model`` is one of ours (the analyses read its hooks and steps)."""
-    if not isinstance(model, HookedNormTransformer):
-        raise ConfigError(
-            f"geometry analyses need a HookedNormTransformer, got {type(model).__name__}; "
-            "load one with interp_norm's checkpoints or build HookedNormTransformer(ModelConfig(...))"
-        )
+    require_norm_model(model, what="the geometry analysis")
 
 
 def as_tokens(model: HookedNormTransformer, tokens: TokensLike) -> Int[Tensor, "batch pos"]:
