@@ -3,7 +3,9 @@
 Read top to bottom like nanoGPT's ``model.py``: config, norms, embedding, attention, MLP, block,
 output head, model. Hook names and weight shapes follow TransformerLens's HookedTransformer
 (``blocks.{l}.attn.hook_q``, ``W_Q`` shaped ``[n_heads, d_model, d_head]``), so
-``transformer_lens.patching`` and ``ActivationCache`` work on these models unchanged.
+``transformer_lens.patching`` and ``ActivationCache`` work on these models unchanged. Where TL would
+fail silently or vaguely on them (wrong hook names, hooks that never fire, the final norm, logit
+attribution through the MLP head), :mod:`interp_norm.tl_api` refuses with a typed error or corrects it.
 
 Attention normalisation (``ModelConfig.attn_norm``), after Menary et al. (2024), formulation table:
 
@@ -48,9 +50,11 @@ Choices the paper leaves open (digest §5), each a config field:
 
 from __future__ import annotations
 
+import importlib
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Iterator, Literal, Optional, Sequence
 
 import einops
 import torch
@@ -60,12 +64,14 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from transformer_lens import ActivationCache
 from transformer_lens.config.transformer_lens_config import TransformerLensConfig
+from transformer_lens.FactoredMatrix import FactoredMatrix
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
 from interp_norm import task as T
 from interp_norm.errors import ConfigError, ProblemStringError
 from interp_norm.hooks import ATTN_NORMS
+from interp_norm.tl_api import DLA_REFUSAL, NormActivationCache, check_hooks, check_names_filter, dormant_hooks
 
 NORM_KINDS = ("rms", "ln")
 CALIBRATIONS = ("none", "paper")
@@ -671,12 +677,56 @@ class HookedNormTransformer(HookedRootModule):
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
         return loss if return_type == "loss" else (logits, loss)
 
-    def run_with_cache(self, *args: Any, **kwargs: Any) -> tuple[Any, ActivationCache]:
-        """As HookedRootModule's, but the cache is a TransformerLens ``ActivationCache``."""
+    @classmethod
+    def from_pretrained(cls, name: str, device: str | torch.device = "cpu", **tl_options: Any) -> "HookedNormTransformer":
+        """A shipped checkpoint by name (``"pre"``, ``"qkv"`` ...; see ``interp-norm list``) or a checkpoint folder.
+
+        TransformerLens's entry point; the same model as ``interp_norm.load_pretrained(name)[0]``,
+        in eval mode. TL's weight-processing options (``fold_ln`` ...) do not apply: weights load as trained.
+        """
+        if tl_options:
+            raise ConfigError(f"from_pretrained loads weights as trained; TransformerLens options {sorted(tl_options)} are not supported")
+        # Users look for the loader on the class, as in TL; it lives one layer up (checkpoints imports this module).
+        checkpoints = importlib.import_module("interp_norm.checkpoints")
+        return checkpoints.load_any(name, device=device)[0]
+
+    # -- hooks: TransformerLens's API, refusing names that do not exist or never fire ---------------
+    def run_with_cache(self, *args: Any, **kwargs: Any) -> tuple[Any, NormActivationCache]:
+        """As HookedRootModule's; the cache is an ``ActivationCache`` that knows these models' norms."""
         out, cache = super().run_with_cache(*args, **kwargs)
         if isinstance(cache, ActivationCache):
-            return out, cache
-        return out, ActivationCache(cache, self)
+            cache = cache.cache_dict
+        return out, NormActivationCache(cache, self, has_batch_dim=not kwargs.get("remove_batch_dim", False))
+
+    def get_caching_hooks(self, names_filter: Any = None, *args: Any, **kwargs: Any) -> tuple[dict, list, list]:
+        """TL's, but listed names must exist and fire (:class:`HookNameError`), and points that never fire are skipped."""
+        check_names_filter(self, names_filter)
+        cache, fwd, bwd = super().get_caching_hooks(names_filter, *args, **kwargs)
+        dormant = dormant_hooks(self)
+        return cache, [h for h in fwd if h[0] not in dormant], [h for h in bwd if h[0] not in dormant]
+
+    @contextmanager
+    def hooks(self, fwd_hooks: Sequence = (), bwd_hooks: Sequence = (), reset_hooks_end: bool = True, clear_contexts: bool = False) -> Iterator["HookedNormTransformer"]:
+        """TL's ``hooks`` context manager (behind ``run_with_hooks`` and ``run_with_cache``); every hook
+        name is checked before any hook is added (:func:`interp_norm.tl_api.check_hooks`)."""
+        fwd_hooks, bwd_hooks = list(fwd_hooks), list(bwd_hooks)
+        check_hooks(self, fwd_hooks + bwd_hooks)
+        with super().hooks(fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts) as model:
+            yield model
+
+    def add_hook(self, name: Any, hook: Any, *args: Any, **kwargs: Any) -> None:
+        """TL's ``add_hook``, with the same name checks as :meth:`hooks`."""
+        check_hooks(self, [(name, hook)])
+        super().add_hook(name, hook, *args, **kwargs)
+
+    def set_use_attn_result(self, use_attn_result: bool) -> None:
+        """Fire ``hook_result`` (per-head outputs); as HookedTransformer's. Same weights, same function
+        up to float rounding (the per-head sum is taken after W_O)."""
+        self.cfg.use_attn_result = bool(use_attn_result)
+
+    def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
+        """Fire ``hook_q_input/k_input/v_input`` (one residual copy per head); as HookedTransformer's."""
+        self.cfg.use_split_qkv_input = bool(use_split_qkv_input)
 
     # -- tokens --------------------------------------------------------------------------------
     def to_tokens(self, problems: str | Sequence[str], prepend_bos: bool = True, **_: Any) -> Int[Tensor, "batch pos"]:
@@ -694,12 +744,21 @@ class HookedNormTransformer(HookedRootModule):
             # keep whatever answer part the user wrote (already checked against the arithmetic)
             seqs.append(T.encode(text if T.EQ in text else p.question))
         tokens = T.pad_batch(seqs)
-        if tokens.shape[1] > self.cfg.n_ctx:
+        self._check_fits(tokens.shape[1])
+        return tokens.to(self.W_E.device)
+
+    def _check_fits(self, n: int) -> None:
+        if n > self.cfg.n_ctx:
             raise ProblemStringError(
-                f"a problem is {tokens.shape[1]} tokens long but the model's context is n_ctx={self.cfg.n_ctx}; "
+                f"a problem is {n} tokens long but the model's context is n_ctx={self.cfg.n_ctx}; "
                 "use fewer terms/digits or a model with a larger n_ctx"
             )
-        return tokens.to(self.W_E.device)
+
+    def to_single_token(self, string: str) -> int:
+        """The token id of a one-character string (every token is one character), as TL's."""
+        if not isinstance(string, str) or string not in T.TOKEN_TO_ID:
+            raise ProblemStringError(f"{string!r} is not a single token; the tokens are the characters {''.join(T.VOCAB)!r}")
+        return T.TOKEN_TO_ID[string]
 
     def to_string(self, tokens: Int[Tensor, "... pos"]) -> str | list[str]:
         if tokens.ndim == 1:
@@ -721,9 +780,18 @@ class HookedNormTransformer(HookedRootModule):
         else:
             if isinstance(problems, str):
                 problems = [problems]
+            if len(problems) == 0:
+                raise ProblemStringError("no problems given; pass a string like '[12+N7=' or a list of them")
             tokens = T.pad_batch([T.encode(T.parse_problem(s).question) for s in problems])
         tokens = tokens.to(self.W_E.device)
         lengths = (tokens != T.PAD_ID).sum(-1)
+        longest = int(lengths.max())
+        self._check_fits(longest)
+        if longest >= self.cfg.n_ctx:
+            raise ProblemStringError(
+                f"a problem is {longest} tokens long and fills the model's context n_ctx={self.cfg.n_ctx}, "
+                "leaving no room for an answer; use fewer terms/digits or a model with a larger n_ctx"
+            )
         budget = max_new_tokens if max_new_tokens is not None else self.cfg.n_ctx - int(lengths.min())
         width = min(self.cfg.n_ctx, int(lengths.max()) + budget)
         if width > tokens.shape[1]:
@@ -754,9 +822,27 @@ class HookedNormTransformer(HookedRootModule):
 
     @property
     def W_U(self) -> Tensor:
+        """[d_model, d_vocab] for ``head='unembed'``. A :class:`ConfigError` (a ValueError, so ``hasattr``
+        does not swallow it) for the paper's MLP head, which has no single unembedding."""
         if self.cfg.head != "unembed":
             raise ConfigError("this model has the paper's MLP output head, not a plain unembedding W_U; build it with head='unembed'")
         return self.head.W_U
+
+    def tokens_to_residual_directions(self, tokens: str | int | Tensor) -> Tensor:
+        """The residual direction each token's logit reads (``[..., d_model]``), as TL's, for ``head='unembed'``.
+
+        ``ln_final``'s gain is folded in (W_U scaled row-wise), as TL's default ``fold_ln`` does, so
+        ``cache.logit_attrs`` dotted with the centred, scaled residual gives logit - b_U - b_ln·W_U.
+        The MLP head has no such direction: :class:`ConfigError` saying what to use instead.
+        """
+        if self.cfg.head != "unembed":
+            raise ConfigError(DLA_REFUSAL)
+        W = self.ln_final.w[:, None] * self.head.W_U
+        if isinstance(tokens, str):
+            tokens = self.to_single_token(tokens)
+        if isinstance(tokens, Tensor) and tokens.numel() > 1:
+            return einops.rearrange(W[:, tokens], "d ... -> ... d")
+        return W[:, int(tokens)]
 
     def _stack(self, name: str) -> Tensor:
         return torch.stack([getattr(b.attn, name) for b in self.blocks])
@@ -765,6 +851,29 @@ class HookedNormTransformer(HookedRootModule):
     W_K = property(lambda self: self._stack("W_K"), doc="[n_layers, n_heads, d_model, d_head]")
     W_V = property(lambda self: self._stack("W_V"), doc="[n_layers, n_heads, d_model, d_head]")
     W_O = property(lambda self: self._stack("W_O"), doc="[n_layers, n_heads, d_head, d_model]")
+
+    @property
+    def QK(self) -> FactoredMatrix:
+        """W_Q W_Kᵀ per head, a TL ``FactoredMatrix`` [n_layers, n_heads, d_model, d_model] (row-vector
+        convention: score ∝ x_q QK x_kᵀ), built from the raw weights as in an unfolded HookedTransformer.
+
+        What it means, by variant (``attn_scale`` and the paper's calibration factors always excluded):
+        No-Norm scores are x_q QK x_kᵀ / attn_scale. Pre-Norm: QK acts on ln1's output, the normalised
+        residual times its query/key gains, which are *not* folded in (scores = (N(x_q)·g_q) QK
+        (N(x_k)·g_k)ᵀ / attn_scale; scale W_Q/W_K's rows by ``blocks[l].ln1.w`` to fold them).
+        QK/QKV-Norm: the per-head q and k norms act *between* W_Q and W_K, so QK is the bilinear form
+        before those norms (hook_q · hook_k), not the one the scores use.
+        """
+        return FactoredMatrix(self.W_Q, self.W_K.transpose(-2, -1))
+
+    @property
+    def OV(self) -> FactoredMatrix:
+        """W_V W_O per head, a TL ``FactoredMatrix`` [n_layers, n_heads, d_model, d_model] (x @ OV).
+
+        Raw weights as in :attr:`QK`: Pre-Norm applies it to ln1's output (value gain not folded in),
+        QKV-Norm's per-head v norm acts between W_V and W_O; b_O is excluded, as in TL.
+        """
+        return FactoredMatrix(self.W_V, self.W_O)
 
     def hook_names(self) -> list[str]:
         return list(self.hook_dict)

@@ -246,3 +246,198 @@ def test_too_long_input_raises_typed_error():
         model.to_tokens(long)
     with pytest.raises(ProblemStringError, match="n_ctx"):
         model(torch.full((1, model.cfg.n_ctx + 1), PAD_ID))
+
+
+# ----------------------------------------------------------------------------- TransformerLens habits
+
+
+def test_generate_refuses_prompts_that_do_not_fit_like_to_tokens():
+    model = make_model()
+    long = "[" + "+".join(["99"] * 14) + "="  # 43 tokens > n_ctx 40
+    with pytest.raises(ProblemStringError, match="n_ctx") as from_tokens:
+        model.to_tokens(long)
+    with pytest.raises(ProblemStringError, match="n_ctx") as from_generate:
+        model.generate(long)
+    assert str(from_generate.value) == str(from_tokens.value)
+    with pytest.raises(ProblemStringError, match="n_ctx"):
+        model.generate(["[1+2=", long])  # one bad problem in a batch is enough
+    full = "[" + "+".join(["9"] * 18) + "+99="  # exactly n_ctx tokens: no room for an answer
+    assert len(full) == model.cfg.n_ctx
+    with pytest.raises(ProblemStringError, match="no room for an answer"):
+        model.generate(full)
+    with pytest.raises(ProblemStringError, match="no room for an answer"):
+        model.generate(model.to_tokens(full))
+    with pytest.raises(ProblemStringError, match="no problems"):
+        model.generate([])
+    assert len(model.generate(full[:-4] + "=", max_new_tokens=3)) == 1  # n_ctx - 3 tokens still fits
+
+
+def test_from_pretrained_is_load_pretrained_and_takes_folders(tmp_path):
+    from interp_norm import load_pretrained
+    from interp_norm.checkpoints import pretrained_dir
+    from interp_norm.errors import CheckpointNotFoundError
+
+    ours = HookedNormTransformer.from_pretrained("pre")
+    ref = load_pretrained("pre")[0]
+    assert ours.cfg.to_dict() == ref.cfg.to_dict() and not ours.training
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in ours.state_dict().items())
+    folder = HookedNormTransformer.from_pretrained(str(pretrained_dir() / "pre"))
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in folder.state_dict().items())
+    with pytest.raises(CheckpointNotFoundError, match="available"):
+        HookedNormTransformer.from_pretrained("no-such-model")
+    with pytest.raises(ConfigError, match="fold_ln"):
+        HookedNormTransformer.from_pretrained("pre", fold_ln=True)
+
+
+def test_model_module_does_not_import_checkpoints_at_module_level():
+    """Layering: model.py is core; checkpoints (one layer up) is imported only inside from_pretrained."""
+    import ast
+    import inspect
+
+    import interp_norm.model
+
+    tree = ast.parse(inspect.getsource(interp_norm.model))
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    names += [f"{n.module}.{a.name}" for n in top if isinstance(n, ast.ImportFrom) for a in n.names]
+    assert names and not [m for m in names if "checkpoints" in m], names
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
+def test_qk_and_ov_are_factored_weight_products(variant):
+    from transformer_lens.FactoredMatrix import FactoredMatrix
+
+    model = make_model(**variant)
+    c = model.cfg
+    QK, OV = model.QK, model.OV
+    assert isinstance(QK, FactoredMatrix) and isinstance(OV, FactoredMatrix)
+    assert QK.shape == OV.shape == (c.n_layers, c.n_heads, c.d_model, c.d_model)
+    for layer, block in enumerate(model.blocks):
+        a = block.attn
+        for h in range(c.n_heads):
+            torch.testing.assert_close(QK.AB[layer, h], a.W_Q[h] @ a.W_K[h].T)
+            torch.testing.assert_close(OV.AB[layer, h], a.W_V[h] @ a.W_O[h])
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
+def test_qk_and_ov_act_where_their_docstrings_say(variant, tokens):
+    """No-Norm: QK gives the scores and OV the per-head outputs exactly. Pre-Norm: the same on ln1's
+    output with its gains. QK/QKV-Norm: QK is the form before the per-head norms (hook_q · hook_k)."""
+    model = make_model(use_attn_result=True, **variant)
+    cfg = model.cfg
+    _, cache = model.run_with_cache(tokens)
+    n = tokens.shape[1]
+    causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    for layer, block in enumerate(model.blocks):
+        x = cache[f"blocks.{layer}.hook_resid_pre"]
+        if cfg.attn_norm == "pre":
+            w = block.ln1.w
+            gq, gk, gv = (w[0], w[1], w[2]) if w.ndim == 2 else (w, w, w)
+            xn = _norm(x, cfg.norm_kind, cfg.eps)
+            xq, xk, xv = xn * gq, xn * gk, xn * gv
+        else:
+            xq = xk = xv = x
+        for h in range(cfg.n_heads):
+            form = xq @ model.QK.AB[layer, h] @ xk.transpose(-1, -2)
+            if cfg.attn_norm in ("qk", "qkv"):
+                q, k = cache[f"blocks.{layer}.attn.hook_q"][:, :, h], cache[f"blocks.{layer}.attn.hook_k"][:, :, h]
+                torch.testing.assert_close(form, q @ k.transpose(-1, -2), atol=1e-4, rtol=1e-4)
+                continue
+            scores = cache[f"blocks.{layer}.attn.hook_attn_scores"][:, h]
+            torch.testing.assert_close(scores[:, causal], (form / cfg.attn_scale)[:, causal], atol=1e-4, rtol=1e-4)
+            result = cache[f"blocks.{layer}.attn.hook_pattern"][:, h] @ xv @ model.OV.AB[layer, h]
+            torch.testing.assert_close(cache[f"blocks.{layer}.attn.hook_result"][:, :, h], result, atol=1e-5, rtol=1e-4)
+
+
+def test_to_single_token():
+    model = make_model()
+    for i, ch in enumerate("0123456789+-=N[]*"):
+        assert model.to_single_token(ch) == i
+    assert model.to_tokens("[12+N7=")[0].tolist() == [model.to_single_token(ch) for ch in "[12+N7="]
+    assert model.to_str_tokens(torch.tensor([model.to_single_token("N")])) == ["N"]
+    for bad in ["12", "", "x", " ", 3, None]:
+        with pytest.raises(ProblemStringError, match="not a single token"):
+            model.to_single_token(bad)
+
+
+def _manual_answer_ce(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy at each position that predicts an answer token (after '=', next token not '*'), 0 elsewhere."""
+    out = torch.zeros(tokens.shape, dtype=torch.float64)
+    logp = logits.double().log_softmax(-1)
+    for b, row in enumerate(tokens.tolist()):
+        text = "".join("0123456789+-=N[]*"[i] for i in row)
+        eq = text.index("=")
+        for p in range(eq, len(row) - 1):
+            if text[p + 1] != "*":
+                out[b, p] = -logp[b, p, row[p + 1]]
+    return out
+
+
+@pytest.mark.parametrize("attn_norm", ["pre", "qkv"])
+def test_loss_and_loss_per_token_match_manual_cross_entropy(attn_norm, tokens):
+    model = make_model(attn_norm=attn_norm)
+    logits = model(tokens)
+    manual = _manual_answer_ce(logits.detach(), tokens)
+    per_token = model(tokens, return_type="loss", loss_per_token=True)
+    assert per_token.shape == tokens.shape
+    torch.testing.assert_close(per_token.detach().double(), manual, atol=1e-5, rtol=1e-5)
+    assert (per_token[manual == 0] == 0).all()  # zeros exactly where nothing is scored
+    loss = model(tokens, return_type="loss")
+    torch.testing.assert_close(float(loss.detach()), float(manual.sum() / (manual != 0).sum()), atol=1e-5, rtol=1e-5)
+    both_logits, both_loss = model(tokens, return_type="both")
+    torch.testing.assert_close(both_logits, logits)
+    torch.testing.assert_close(both_loss, loss)
+
+
+def test_direct_logit_attribution_on_the_mlp_head_is_a_typed_refusal(tokens):
+    model = make_model(attn_norm="pre")
+    _, cache = model.run_with_cache(tokens)
+    stack = cache.decompose_resid(layer=-1)
+    with pytest.raises(ConfigError, match="activation patching") as e:
+        cache.logit_attrs(stack, tokens=3)
+    assert not isinstance(e.value, AttributeError)
+    with pytest.raises(ConfigError, match="head='unembed'"):
+        model.tokens_to_residual_directions(3)
+    with pytest.raises(ConfigError, match="unembedding"):
+        hasattr(model, "W_U")  # a ValueError, so hasattr does not hide it
+
+
+@pytest.mark.parametrize("attn_norm", ["pre", "qkv"])
+def test_logit_attrs_on_the_unembed_head_add_up_to_the_logits(attn_norm, tokens):
+    """Sum over the full decomposition = logit - b_U - b_ln·W_U (TL's convention, biases folded out)."""
+    model = make_model(attn_norm=attn_norm, head="unembed")
+    logits, cache = model.run_with_cache(tokens)
+    stack, labels = cache.decompose_resid(layer=-1, return_labels=True)
+    assert len(labels) == 2 + 2 * model.cfg.n_layers
+    torch.testing.assert_close(stack.sum(0), cache[f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"], atol=1e-5, rtol=1e-5)
+    W_U, b_U, b_ln = model.head.W_U, model.head.b_U, model.ln_final.b
+    for tok, wrong in [(3, 7), ("N", "]")]:
+        t, w = (model.to_single_token(x) if isinstance(x, str) else x for x in (tok, wrong))
+        attrs = cache.logit_attrs(stack, tokens=tok)
+        assert attrs.shape == stack.shape[:-1]
+        expected = logits[..., t] - b_U[t] - b_ln @ W_U[:, t]
+        torch.testing.assert_close(attrs.sum(0), expected.detach(), atol=1e-4, rtol=1e-4)
+        diff = cache.logit_attrs(stack, tokens=tok, incorrect_tokens=wrong).sum(0)
+        expected_diff = (logits[..., t] - logits[..., w]) - (b_U[t] - b_U[w]) - b_ln @ (W_U[:, t] - W_U[:, w])
+        torch.testing.assert_close(diff, expected_diff.detach(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
+def test_apply_ln_to_stack_uses_each_norm_as_the_model_does(variant, tokens):
+    model = make_model(**variant)
+    cfg = model.cfg
+    _, cache = model.run_with_cache(tokens)
+    last = f"blocks.{cfg.n_layers - 1}.hook_resid_post"
+    x = cache[last][None]
+    # ln_final and ln2 are LayerNorms in every variant (gain and bias excluded, as in TL)
+    torch.testing.assert_close(cache.apply_ln_to_stack(x, layer=-1)[0], _norm(cache[last], "ln", cfg.eps), atol=1e-5, rtol=1e-4)
+    mid = cache["blocks.1.hook_resid_mid"]
+    torch.testing.assert_close(cache.apply_ln_to_stack(mid[None], layer=1, mlp_input=True)[0], _norm(mid, "ln", cfg.eps), atol=1e-5, rtol=1e-4)
+    # the logit lens reproduces the real ln_final output
+    accum = cache.accumulated_resid(layer=-1, apply_ln=True)
+    torch.testing.assert_close(accum[-1], cache["ln_final.hook_normalized"], atol=1e-5, rtol=1e-4)
+    # ln1 exists only on Pre-Norm models; elsewhere the attention reads the raw residual
+    pre = cache["blocks.1.hook_resid_pre"]
+    want = _norm(pre, cfg.norm_kind, cfg.eps) if cfg.attn_norm == "pre" else pre
+    torch.testing.assert_close(cache.apply_ln_to_stack(pre[None], layer=1)[0], want, atol=1e-5, rtol=1e-4)
