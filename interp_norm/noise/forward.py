@@ -65,7 +65,7 @@ def forward_collapse_decisions(
     ``scores`` holds the clean rows, for the prediction. ``options`` are :class:`CollapseSpec` fields.
     """
     spec = CollapseSpec.make(spec, **options)
-    cfg = V.check_model(model)
+    V.check_model(model)
     levels = V.check_levels(levels, spec.distribution)
     clean = clean_attention(model, tokens, spec)
     tokens = clean.tokens
