@@ -1,39 +1,28 @@
 """Checkpoints: one folder per checkpoint, written atomically, read without unpickling.
 
-A checkpoint folder holds::
+The folder format (file names, the sha256 manifest, how each file is read and checked) is
+:mod:`interp_norm.checkpoint_format`; this module writes folders and loads models from them.
 
-    model.safetensors     weights (safetensors: no code can hide in it)
-    config.json           {"format_version": 1, "model": ..., "task": ..., "train": ..., "step": ...,
-                           "files": {name: {"bytes": n, "sha256": h}}}  -- written last
-    training_curve.csv    one row per logged step (optional)
-    metrics.json          the latest evaluation (optional)
-    train_state.pt        optimizer / LR schedule / RNG / step, for resuming (optional; read with
-                          ``torch.load(weights_only=True)`` only, so it can hold tensors and plain
-                          containers but never arbitrary objects)
-
-Why a checksum manifest: safetensors checks its header, not its data, so a flipped byte in the
-middle of the weights would load silently. Every file a reader opens is checked against the
-sha256 recorded in ``config.json``.
-
-Atomic writes: everything goes into a hidden temporary folder next to the target
-(``.<name>.tmp-*``), is fsynced, and is moved into place with one ``os.replace``. A process killed
+Atomic writes: every file is written through :mod:`interp_norm.io` (mode 0644, like any file the
+package writes) into a hidden temporary folder next to the target (``.<name>.tmp-*``), fsynced, and
+the folder is moved into place with one ``os.replace``. A process killed
 at any moment leaves either the old checkpoint or the new one, plus perhaps a hidden temporary
 folder that is never mistaken for a checkpoint (it is hidden and has no ``config.json`` until
 complete; :func:`clean_temporary` removes it).
 
 A training *run* folder holds several step checkpoints and a ``LATEST`` file naming the newest
 complete one (``step-00001000``); ``LATEST`` is itself replaced atomically, so it is the commit
-point. :func:`load_checkpoint` accepts a checkpoint folder or a run folder.
+point. :func:`load_checkpoint` accepts a checkpoint folder or a run folder. Shipped checkpoints
+are looked up by name (:func:`load_pretrained`, :func:`list_pretrained`, :func:`load_any`).
+
+Layering: this module imports the run options (:class:`interp_norm.train_config.TrainConfig`) but
+not the trainer; :mod:`interp_norm.train` imports this module.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import re
 import shutil
-import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,17 +31,17 @@ from typing import Any, Optional
 import pandas as pd
 import torch
 
+from interp_norm.checkpoint_format import (
+    CONFIG, CURVE, FORMAT_VERSION, LATEST, METRICS, STEP_RE, TRAIN_STATE, WEIGHTS, manifest_entry, read_config, read_curve,
+    read_metrics, read_train_state, read_weights, verify_file,
+)
 from interp_norm.errors import CheckpointError, CheckpointNotFoundError, ConfigError, OutputDirError
+from interp_norm.io import ensure_writable_dir, fsync_dir, fsync_file, write_atomic, write_csv, write_json, write_text_atomic
 from interp_norm.model import HookedNormTransformer, ModelConfig
 from interp_norm.task import AdditionTask
+from interp_norm.train_config import TrainConfig
 
-FORMAT_VERSION = 1
-WEIGHTS, CONFIG, CURVE, METRICS, TRAIN_STATE = (
-    "model.safetensors", "config.json", "training_curve.csv", "metrics.json", "train_state.pt",
-)
-LATEST = "LATEST"
 DATA_ENV = "INTERP_NORM_DATA"
-_STEP_RE = re.compile(r"^step-(\d+)$")
 
 
 @dataclass
@@ -62,7 +51,7 @@ class CheckpointInfo:
     path: Path
     model_cfg: ModelConfig
     task: AdditionTask
-    train_cfg: Any = None  # interp_norm.train.TrainConfig, or None if not saved
+    train_cfg: Optional[TrainConfig] = None  # None if not saved
     step: Optional[int] = None
     metrics: dict = field(default_factory=dict)
     curve: pd.DataFrame = field(default_factory=pd.DataFrame)
@@ -74,76 +63,6 @@ class CheckpointInfo:
 
 
 # ----------------------------------------------------------------------------- writing
-
-
-def ensure_writable_dir(path: str | os.PathLike) -> Path:
-    """Create ``path`` if needed and prove we can write in it; else :class:`OutputDirError`.
-
-    Called before any expensive work so a bad ``--out`` fails in a second, not after training.
-    """
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise OutputDirError(f"output path {str(path)!r} exists and is a file, not a folder; choose another --out")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise OutputDirError(
-            f"cannot write to output folder {str(path)!r} ({e.strerror or e}); choose a writable --out"
-        ) from None
-    return path
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # e.g. Windows cannot open folders; rename is still atomic there
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write a small text file so readers see the old or the new content, never a mix."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _json_default(x: Any) -> Any:
-    if isinstance(x, (tuple, set)):
-        return list(x)
-    if hasattr(x, "item"):  # numpy / torch scalars
-        return x.item()
-    raise TypeError(f"cannot write {type(x).__name__} to JSON")
 
 
 def save_checkpoint(
@@ -159,7 +78,7 @@ def save_checkpoint(
 ) -> Path:
     """Write a checkpoint folder at ``path`` atomically (replacing an existing checkpoint there).
 
-    ``train_cfg`` is a :class:`interp_norm.train.TrainConfig` (or a dict); ``train_state`` a dict of
+    ``train_cfg`` is a :class:`~interp_norm.train_config.TrainConfig` (or a dict); ``train_state`` a dict of
     tensors and plain containers (see :func:`load_train_state`). Returns the folder.
     """
     from safetensors.torch import save_file
@@ -178,19 +97,19 @@ def save_checkpoint(
     try:
         tmp.mkdir()  # unlike mkdtemp, honours the umask (shipped checkpoints must be readable)
         state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-        save_file(state, str(tmp / WEIGHTS))
+        write_atomic(tmp / WEIGHTS, lambda p: save_file(state, str(p)))  # io sets 0644 (safetensors: 0600)
         if train_state is not None:
-            torch.save(train_state, tmp / TRAIN_STATE)
+            write_atomic(tmp / TRAIN_STATE, lambda p: torch.save(train_state, p))
         if curve is not None:
-            curve.to_csv(tmp / CURVE, index=False)
+            write_csv(tmp / CURVE, curve)
         if metrics is not None:
-            (tmp / METRICS).write_text(json.dumps(metrics, indent=1, default=_json_default))
+            write_json(tmp / METRICS, metrics)
         files = {}
         for name in (WEIGHTS, TRAIN_STATE, CURVE, METRICS):
             f = tmp / name
             if f.exists():
-                _fsync_file(f)
-                files[name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+                fsync_file(f)
+                files[name] = manifest_entry(f)
         if train_cfg is not None and hasattr(train_cfg, "to_dict"):
             train_cfg = train_cfg.to_dict()
         config = {
@@ -202,11 +121,8 @@ def save_checkpoint(
             "files": files,
             "torch_version": torch.__version__,
         }
-        with open(tmp / CONFIG, "w") as f:  # written last: no config.json, no checkpoint
-            json.dump(config, f, indent=1, default=_json_default)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        write_json(tmp / CONFIG, config, durable=True)  # written last: no config.json, no checkpoint
+        fsync_dir(tmp)
         if path.exists():
             # No portable atomic swap of folders: move the old one aside first. A kill between the
             # two renames leaves the old checkpoint intact under the hidden .old name.
@@ -216,7 +132,7 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
-        _fsync_dir(parent)
+        fsync_dir(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -254,9 +170,9 @@ def commit_run_checkpoint(run_dir: str | os.PathLike, step: int, keep_last: int 
     """
     run_dir = Path(run_dir)
     ckpt = save_checkpoint(path=run_dir / step_dir_name(step), step=step, **save_kwargs)
-    write_text_atomic(run_dir / LATEST, ckpt.name + "\n")
+    write_text_atomic(run_dir / LATEST, ckpt.name + "\n", durable=True)
     steps = sorted(
-        (int(m.group(1)), p) for p in run_dir.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name))
+        (int(m.group(1)), p) for p in run_dir.iterdir() if p.is_dir() and (m := STEP_RE.match(p.name))
     )
     for s, p in steps[: max(0, len(steps) - max(1, keep_last))]:
         if p != ckpt:
@@ -271,7 +187,7 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Optional[Path]:
     if not pointer.is_file():
         return None
     name = pointer.read_text().strip()
-    if not _STEP_RE.match(name):
+    if not STEP_RE.match(name):
         raise CheckpointError(f"{pointer} should name a step folder like 'step-00001000', but holds {name!r}")
     ckpt = run_dir / name
     if not (ckpt / CONFIG).is_file():
@@ -319,47 +235,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 # ----------------------------------------------------------------------------- reading
 
 
-def _read_config(ckpt: Path) -> dict:
-    try:
-        config = json.loads((ckpt / CONFIG).read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{ckpt / CONFIG} is not valid JSON ({e}); the checkpoint is corrupted") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{ckpt / CONFIG} should hold a JSON object; the checkpoint is corrupted")
-    version = config.get("format_version")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{ckpt / CONFIG} has format_version {version!r}; this interp_norm reads version {FORMAT_VERSION}. "
-            "Upgrade interp_norm or re-save the checkpoint"
-        )
-    for key in ("model", "task"):
-        if not isinstance(config.get(key), dict):
-            raise CheckpointError(f"{ckpt / CONFIG} lacks the {key!r} section; the checkpoint is incomplete")
-    return config
-
-
-def _verify(ckpt: Path, config: dict, name: str) -> None:
-    """Check a file against the sha256 in config.json (raises CheckpointError on mismatch)."""
-    f = ckpt / name
-    entry = config.get("files", {}).get(name)
-    if not f.is_file():
-        raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks {name}; it is incomplete")
-    if entry is None:
-        return  # written by hand without a manifest entry: nothing to check against
-    size = f.stat().st_size
-    if size != entry.get("bytes"):
-        raise CheckpointError(
-            f"{f} is {size} bytes but config.json recorded {entry.get('bytes')}; the file is truncated or corrupted"
-        )
-    if _sha256(f) != entry.get("sha256"):
-        raise CheckpointError(f"{f} does not match the sha256 recorded in config.json; the file is corrupted")
-
-
-def _train_cfg_from(d: Any, ckpt: Path) -> Any:
+def _train_cfg_from(d: Any, ckpt: Path) -> Optional[TrainConfig]:
     if d is None:
         return None
-    from interp_norm.train import TrainConfig  # train imports this module
-
     try:
         return TrainConfig.from_dict(d)
     except (ConfigError, TypeError) as e:
@@ -369,7 +247,7 @@ def _train_cfg_from(d: Any, ckpt: Path) -> Any:
 def read_checkpoint_info(path: str | os.PathLike, verify: bool = True) -> CheckpointInfo:
     """Everything but the weights (cheap: no model is built)."""
     ckpt = resolve_checkpoint(path)
-    config = _read_config(ckpt)
+    config = read_config(ckpt)
     try:
         model_cfg = ModelConfig.from_dict(config["model"])
         task = AdditionTask.from_dict(config["task"])
@@ -378,20 +256,13 @@ def read_checkpoint_info(path: str | os.PathLike, verify: bool = True) -> Checkp
     metrics: dict = {}
     if (ckpt / METRICS).is_file():
         if verify:
-            _verify(ckpt, config, METRICS)
-        try:
-            metrics = json.loads((ckpt / METRICS).read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{ckpt / METRICS} is not valid JSON ({e}); the checkpoint is corrupted") from None
+            verify_file(ckpt, config, METRICS)
+        metrics = read_metrics(ckpt)
     curve = pd.DataFrame()
     if (ckpt / CURVE).is_file():
         if verify:
-            _verify(ckpt, config, CURVE)
-        try:
-            # round_trip: floats come back bit-identical, so a resumed run's curve matches exactly
-            curve = pd.read_csv(ckpt / CURVE, float_precision="round_trip")
-        except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{ckpt / CURVE} cannot be read ({e}); the checkpoint is corrupted") from None
+            verify_file(ckpt, config, CURVE)
+        curve = read_curve(ckpt)
     return CheckpointInfo(
         path=ckpt,
         model_cfg=model_cfg,
@@ -404,10 +275,6 @@ def read_checkpoint_info(path: str | os.PathLike, verify: bool = True) -> Checkp
     )
 
 
-def _summarise(keys: list[str], n: int = 6) -> str:
-    return ", ".join(keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
-
-
 def load_checkpoint(
     path: str | os.PathLike, device: str | torch.device = "cpu", verify: bool = True
 ) -> tuple[HookedNormTransformer, CheckpointInfo]:
@@ -417,64 +284,28 @@ def load_checkpoint(
     safetensors' header check cannot). Raises :class:`CheckpointNotFoundError` /
     :class:`CheckpointError` naming the problem.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     info = read_checkpoint_info(path, verify=verify)
     ckpt = info.path
     if verify:
-        _verify(ckpt, info.config, WEIGHTS)
+        verify_file(ckpt, info.config, WEIGHTS)
     elif not (ckpt / WEIGHTS).is_file():
         raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks {WEIGHTS}; it is incomplete")
-    try:
-        state = load_file(str(ckpt / WEIGHTS), device="cpu")
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{ckpt / WEIGHTS} is truncated or corrupted ({e})") from None
     model = HookedNormTransformer(info.model_cfg)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = sorted(
-        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items() if k in state and state[k].shape != v.shape
-    )
-    if missing or unexpected or wrong:
-        parts = []
-        if missing:
-            parts.append(f"missing weights: {_summarise(missing)}")
-        if unexpected:
-            parts.append(f"unexpected weights: {_summarise(unexpected)}")
-        if wrong:
-            parts.append(f"shape mismatch (file vs config): {_summarise(wrong)}")
-        cfg = info.model_cfg
-        raise CheckpointError(
-            f"{ckpt}: config.json (attn_norm={cfg.attn_norm!r}, n_layers={cfg.n_layers}, d_model={cfg.d_model}) "
-            f"disagrees with {WEIGHTS}: " + "; ".join(parts)
-        )
-    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
+    cfg = info.model_cfg
+    describe = f"attn_norm={cfg.attn_norm!r}, n_layers={cfg.n_layers}, d_model={cfg.d_model}"
+    model.load_state_dict(read_weights(ckpt, model.state_dict(), describe))
     return model.to(device).eval(), info
 
 
 def load_train_state(path: str | os.PathLike, verify: bool = True) -> dict:
     """The resumable training state, loaded with ``weights_only=True`` (never arbitrary pickles)."""
     ckpt = resolve_checkpoint(path)
-    config = _read_config(ckpt)
+    config = read_config(ckpt)
     if not (ckpt / TRAIN_STATE).is_file():
         raise CheckpointError(f"checkpoint {str(ckpt)!r} has no {TRAIN_STATE}, so training cannot resume from it")
     if verify:
-        _verify(ckpt, config, TRAIN_STATE)
-    try:
-        state = torch.load(ckpt / TRAIN_STATE, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError... depending on the damage
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if "weights_only" in str(e) or "Unsupported global" in str(e):
-            raise CheckpointError(
-                f"{ckpt / TRAIN_STATE} contains objects other than tensors and plain containers; refusing to "
-                "unpickle it (that could run arbitrary code). Only load checkpoints written by interp_norm"
-            ) from None
-        raise CheckpointError(f"{ckpt / TRAIN_STATE} is truncated or corrupted ({msg})") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{ckpt / TRAIN_STATE} should hold a dict, got {type(state).__name__}")
-    return state
+        verify_file(ckpt, config, TRAIN_STATE)
+    return read_train_state(ckpt)
 
 
 def export_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, include_train_state: bool = False) -> Path:
@@ -588,7 +419,7 @@ __all__ = [
     "latest_checkpoint",
     "resolve_checkpoint",
     "clean_temporary",
-    "ensure_writable_dir",
+    "ensure_writable_dir",  # re-exported from interp_norm.io for callers that import it from here
     "load_pretrained",
     "list_pretrained",
     "data_dir",

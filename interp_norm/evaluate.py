@@ -8,6 +8,11 @@
   true answer string, ``]`` included (the paper reports no sequence-level metric; we add it).
 
 Evaluation always uses position offset 0 (the random offset is a training augmentation).
+
+The two primitives every accuracy in the package is built from live here: :func:`count_correct`
+(answer tokens a batch of logits gets right) and :func:`trim_padding` (drop the padding columns a
+batch shares, which carry no scored position). The training loop and the analyses call them
+rather than re-deriving the mask.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Sequence
 
 import pandas as pd
 import torch
-from jaxtyping import Int
+from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
@@ -31,6 +36,26 @@ def _check_batch_size(batch_size: int) -> None:
         raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
 
 
+def trim_padding(tokens: Int[Tensor, "batch pos"]) -> Int[Tensor, "batch pos"]:
+    """``tokens`` without the trailing columns that are padding in every row (they score nothing)."""
+    return tokens[:, : int((tokens != T.PAD_ID).sum(-1).max())]
+
+
+def count_correct(
+    logits: Float[Tensor, "batch pos vocab"], tokens: Int[Tensor, "batch pos"], include_eos: bool = True
+) -> tuple[int, int]:
+    """``(correct, total)`` answer tokens of one batch, teacher-forced (argmax == next token).
+
+    Scored positions are :func:`task.answer_mask`'s; ``include_eos=False`` leaves out the
+    positions predicting the closing ``]``. ``tokens`` may be trimmed or not, as ``logits`` are.
+    """
+    targets = T.next_token_targets(tokens.to(logits.device))
+    mask = targets != -100
+    if not include_eos:
+        mask &= targets != T.EOS_ID
+    return int(((logits.argmax(-1) == targets) & mask).sum()), int(mask.sum())
+
+
 @torch.no_grad()
 def token_correct_counts(
     model: HookedNormTransformer, tokens: Int[Tensor, "batch pos"], batch_size: int = 512
@@ -41,20 +66,15 @@ def token_correct_counts(
         raise ConfigError("tokens must be a [batch, pos] integer tensor, e.g. task.test_set('id').tokens")
     out = dict(correct=0, total=0, correct_no_eos=0, total_no_eos=0, loss=0.0)
     for i in range(0, len(tokens), batch_size):
-        chunk = tokens[i : i + batch_size]
-        # trim padding columns shared by the whole chunk: they carry no scored position
-        width = int((chunk != T.PAD_ID).sum(-1).max())
-        chunk = chunk[:, :width]
+        chunk = trim_padding(tokens[i : i + batch_size])
         logits = model(chunk)
         chunk = chunk.to(logits.device)
+        for suffix, include_eos in (("", True), ("_no_eos", False)):
+            right, total = count_correct(logits, chunk, include_eos)
+            out["correct" + suffix] += right
+            out["total" + suffix] += total
         targets = T.next_token_targets(chunk)
         mask = targets != -100
-        right = (logits.argmax(-1) == targets) & mask
-        not_eos = mask & (targets != T.EOS_ID)
-        out["correct"] += int(right.sum())
-        out["total"] += int(mask.sum())
-        out["correct_no_eos"] += int((right & not_eos).sum())
-        out["total_no_eos"] += int(not_eos.sum())
         out["loss"] += float(torch.nn.functional.cross_entropy(logits[mask], targets[mask], reduction="sum"))
     return out
 
@@ -128,4 +148,4 @@ def evaluate(
     return pd.DataFrame(rows)
 
 
-__all__ = ["evaluate", "per_token_accuracy", "exact_match_accuracy", "token_correct_counts"]
+__all__ = ["evaluate", "per_token_accuracy", "exact_match_accuracy", "token_correct_counts", "count_correct", "trim_padding"]

@@ -6,7 +6,9 @@
 Each run trains the ``cpu`` model preset on the ``cpu`` task preset with the ``cpu`` training
 preset (see README), in ``runs/<name>/`` (resumable: rerun the same command after an interruption),
 then writes a shipping copy without optimiser state to ``data/checkpoints/<name>/`` whose
-``metrics.json`` also records the wall-clock training time and the thread count.
+``metrics.json`` also records the wall-clock training time and the thread count (training uses
+``TrainConfig.threads``, 1 by default, whatever ``OMP_NUM_THREADS`` says: that is what makes it
+bit-for-bit reproducible).
 """
 
 from __future__ import annotations
@@ -37,13 +39,10 @@ REFERENCE = {
 
 
 def train_one(name: str, runs: Path, data: Path, progress: bool = True) -> None:
-    import torch
-
     from interp_norm import AdditionTask, ModelConfig
     from interp_norm.checkpoints import load_checkpoint, save_checkpoint
     from interp_norm.train import TrainConfig, train
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     attn_norm, seed, calibration = REFERENCE[name]
     model_cfg = ModelConfig.preset("cpu", attn_norm=attn_norm, seed=seed, calibration=calibration)
     task = AdditionTask.preset("cpu")
@@ -54,7 +53,7 @@ def train_one(name: str, runs: Path, data: Path, progress: bool = True) -> None:
     model, info = load_checkpoint(runs / name)
     metrics = dict(info.metrics)
     metrics.setdefault("train_seconds", round(seconds, 1))  # a resumed finished run keeps the first figure
-    metrics["threads"] = torch.get_num_threads()
+    metrics["threads"] = train_cfg.threads
     metrics["name"] = name
     save_checkpoint(model, data / name, task=info.task, train_cfg=info.train_cfg, metrics=metrics, curve=info.curve, step=info.step)
     print(f"{name}: {seconds:.0f} s -> {data / name}", flush=True)

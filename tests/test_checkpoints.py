@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from interp_norm import checkpoints as C
+from interp_norm.checkpoint_format import sha256
 from interp_norm.checkpoints import (
     commit_run_checkpoint,
     list_pretrained,
@@ -22,7 +23,7 @@ from interp_norm.checkpoints import (
 from interp_norm.errors import CheckpointError, CheckpointNotFoundError, InterpNormError, OutputDirError
 from interp_norm.model import HookedNormTransformer, ModelConfig
 from interp_norm.task import AdditionTask
-from interp_norm.train import TrainConfig
+from interp_norm.train_config import TrainConfig
 
 TASK = AdditionTask(train_terms=(2,), interp_terms=(2,), extrap_terms=(3,), n_digits=(1,))
 
@@ -50,7 +51,7 @@ def rewrite_manifest(path, name):
     """Re-record a file's size and hash, as a deliberate forger (not random corruption) would."""
     cfg = json.loads((path / "config.json").read_text())
     f = path / name
-    cfg["files"][name] = {"bytes": f.stat().st_size, "sha256": C._sha256(f)}
+    cfg["files"][name] = {"bytes": f.stat().st_size, "sha256": sha256(f)}
     (path / "config.json").write_text(json.dumps(cfg))
 
 
@@ -92,6 +93,29 @@ def test_export_drops_train_state_and_keeps_the_rest(ckpt, tmp_path):
     assert (dst / "model.safetensors").read_bytes() == (path / "model.safetensors").read_bytes()
     assert info.step == 3 and info.train_cfg == TrainConfig(max_steps=3) and len(info.curve) == 2
     assert not info.has_train_state
+
+
+def test_every_checkpoint_file_is_world_readable_whatever_the_umask(ckpt, tmp_path):
+    """safetensors alone writes model.safetensors 0600; shipped checkpoints must be readable by all."""
+    _, path = ckpt
+    modes = {p.name: p.stat().st_mode & 0o777 for p in path.iterdir()}
+    assert set(modes) == {"config.json", "model.safetensors", "metrics.json", "training_curve.csv", "train_state.pt"}
+    assert modes == {name: 0o644 for name in modes}
+    old = os.umask(0o077)  # a private umask: files are still 0644, as io.write_atomic sets them
+    try:
+        commit_run_checkpoint(tmp_path / "run", 1, model=tiny(), task=TASK)
+    finally:
+        os.umask(old)
+    run = tmp_path / "run"
+    assert {p.name: p.stat().st_mode & 0o777 for p in (run / "step-00000001").iterdir()} == {
+        "config.json": 0o644, "model.safetensors": 0o644}
+    assert (run / "LATEST").stat().st_mode & 0o777 == 0o644
+
+
+def test_checkpoints_keeps_the_io_helpers_callers_import():
+    from interp_norm import io
+
+    assert C.ensure_writable_dir is io.ensure_writable_dir  # re-exported, not a second copy
 
 
 def test_run_folder_resolves_to_latest_and_prunes(tmp_path):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from interp_norm import task as T
 from interp_norm.errors import ConfigError
-from interp_norm.evaluate import evaluate, exact_match_accuracy, per_token_accuracy
+from interp_norm.evaluate import count_correct, evaluate, exact_match_accuracy, per_token_accuracy, trim_padding
 from interp_norm.model import HookedNormTransformer, ModelConfig
 from interp_norm.task import AdditionTask
 
@@ -141,3 +141,24 @@ def test_bad_inputs_raise_config_errors(model):
         per_token_accuracy(model, TASK.test_set("id", 4).tokens, batch_size=0)
     with pytest.raises(ConfigError, match="n_ctx"):
         evaluate(model, AdditionTask.preset("paper"), size=4)
+
+
+def test_count_correct_matches_position_loop(model):
+    """The one answer-token count (training loop, evaluation) against the brute-force position loop."""
+    batch = TASK.test_set("interp", size=40, seed=4)
+    with torch.no_grad():
+        logits = model(batch.tokens)
+    for eos in (True, False):
+        right, total = count_correct(logits, batch.tokens, include_eos=eos)
+        assert right / total == pytest.approx(brute_force_per_token(model, batch.tokens, include_eos=eos), abs=1e-12)
+        n_answer = sum(len(p.answer) - (0 if eos else 1) for p in batch.problems)  # ']' is the answer's last char
+        assert total == n_answer
+
+
+def test_trim_padding_drops_only_columns_that_are_padding_everywhere():
+    batch = TASK.test_set("extrap", size=16, seed=2)
+    wide = T.pad_batch(list(batch.tokens), length=batch.tokens.shape[1] + 5)
+    trimmed = trim_padding(wide)
+    longest = max(len(T.encode(p.question + p.answer)) for p in batch.problems)
+    assert trimmed.shape == (16, longest) and torch.equal(trimmed, wide[:, :longest])
+    assert (wide[:, longest:] == T.PAD_ID).all() and not (trimmed[:, -1] == T.PAD_ID).all()

@@ -1,8 +1,10 @@
-"""Kill -9 at any moment, resume, and end bit-identical to a run that was never interrupted.
+"""Kill -9 or Ctrl-C at any moment, resume, and end bit-identical to a run that was never interrupted.
 
-A real process, ``python -m interp_norm.cli train``, is SIGKILLed (no cleanup handlers run) at a
-random moment after its first checkpoint; then death is simulated in-process at each commit point
-inside checkpoint writing. All runs are compared bit-for-bit with an uninterrupted run.
+A real process, ``python -m interp_norm.cli train``, is SIGKILLed (no cleanup handlers run) or
+sent SIGINT at a random moment after its first checkpoint; then death is simulated in-process at
+each commit point inside checkpoint writing. All runs are compared bit-for-bit with an
+uninterrupted run. The subprocesses run with the environment's default thread settings (no
+``OMP_NUM_THREADS``): training fixes its own thread count, so the default path is deterministic.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ ARGS = [
     "--steps", "100", "--batch-size", "16", "--steps-per-epoch", "40", "--checkpoint-every", "10",
     "--log-every", "10", "--eval-every", "25", "--eval-size", "32", "--final-eval-size", "32", "--no-progress",
 ]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# the default path: whatever thread settings the user's shell has, none imposed here
+ENV = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
 FINAL = "step-00000100"
 
 
@@ -45,7 +48,7 @@ def finish(proc: subprocess.Popen) -> None:
 
 def resume_in_process(out: Path, resume: bool = True) -> None:
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the subprocesses run single-threaded: same kernels, same bits
+    torch.set_num_threads(2)  # as a default-configured process on a 2+ core machine: training sets its own
     try:
         assert main([*ARGS, "--out", str(out), *(["--resume"] if resume else [])]) == 0
     finally:
@@ -64,18 +67,30 @@ def assert_same_run(a: Path, b: Path) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference") / "run"
-    resume_in_process(out, resume=False)  # same bits as a subprocess: both single-threaded
+    resume_in_process(out, resume=False)
     return out
 
 
-def test_sigkill_at_a_random_moment_then_resume_is_bit_identical(reference, tmp_path):
+def test_default_thread_setting_trains_bit_identically_in_a_fresh_process(reference, tmp_path):
+    """The same run in a subprocess with the default environment (training twice)."""
+    assert "OMP_NUM_THREADS" not in ENV
     out = tmp_path / "run"
-    proc = cli(out)
+    finish(cli(out))
+    assert_same_run(reference, out)
+
+
+def wait_for_first_checkpoint(proc: subprocess.Popen, out: Path) -> None:
     deadline = time.time() + 120
     while not (out / "LATEST").exists():
         assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
         assert time.time() < deadline, "no checkpoint appeared"
         time.sleep(0.01)
+
+
+def test_sigkill_at_a_random_moment_then_resume_is_bit_identical(reference, tmp_path):
+    out = tmp_path / "run"
+    proc = cli(out)
+    wait_for_first_checkpoint(proc, out)
     delay = random.uniform(0.0, 0.3)
     time.sleep(delay)
     assert proc.poll() is None, "the run finished before it could be killed; make it longer"
@@ -89,23 +104,42 @@ def test_sigkill_at_a_random_moment_then_resume_is_bit_identical(reference, tmp_
     assert_same_run(reference, out)
 
 
+def test_ctrl_c_at_a_random_moment_saves_the_current_step_then_resume_is_bit_identical(reference, tmp_path):
+    out = tmp_path / "run"
+    proc = cli(out)
+    wait_for_first_checkpoint(proc, out)
+    delay = random.uniform(0.0, 0.3)
+    time.sleep(delay)
+    assert proc.poll() is None, "the run finished before it could be interrupted; make it longer"
+    periodic = int((out / "LATEST").read_text().strip().split("-")[1])
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err.decode()[-2000:]  # the CLI's exit code for an interrupt
+    assert "interrupted" in err.decode()
+    _, info = load_checkpoint(out)  # complete and verified: the step in progress (usually not a multiple of 10)
+    assert periodic <= info.step <= 100, (delay, periodic, info.step)
+    finish(cli(out, "--resume"))
+    assert_same_run(reference, out)
+
+
 class Killed(BaseException):
     """Stands for SIGKILL in-process: nothing after it runs, and no cleanup either (see below)."""
 
 
 @pytest.mark.parametrize(
-    "what, n, latest",
+    "what, target, n, latest",
     [
-        ("replace", 3, "step-00000010"),  # second checkpoint fully written in its temp folder, not renamed
-        ("replace", 4, "step-00000010"),  # renamed into place, LATEST not yet updated
-        ("rmtree", 1, "step-00000020"),  # LATEST updated, older step not yet pruned
+        ("replace", "step-00000020", 1, "step-00000010"),  # second checkpoint fully written in its temp folder, not renamed
+        ("replace", "LATEST", 2, "step-00000010"),  # renamed into place, LATEST not yet updated
+        ("rmtree", "step-00000010", 1, "step-00000020"),  # LATEST updated, older step not yet pruned
     ],
 )
-def test_death_at_each_commit_point_then_resume_is_bit_identical(reference, tmp_path, monkeypatch, what, n, latest):
+def test_death_at_each_commit_point_then_resume_is_bit_identical(reference, tmp_path, monkeypatch, what, target, n, latest):
     """Deterministic kill points inside checkpoint writing (the random SIGKILL above hits them by chance).
 
-    At the n-th call of os.replace / shutil.rmtree the "process dies": :class:`Killed` is raised and
-    every later rmtree/unlink is a no-op, so the except-cleanup a SIGKILL would skip does not run.
+    At the n-th call of os.replace / shutil.rmtree whose destination is ``target`` the "process
+    dies": :class:`Killed` is raised and every later rmtree/unlink is a no-op, so the except-cleanup
+    a SIGKILL would skip does not run.
     """
     import shutil
 
@@ -116,7 +150,8 @@ def test_death_at_each_commit_point_then_resume_is_bit_identical(reference, tmp_
         def f(*a, **k):
             if count["dead"]:
                 return None
-            if name == what:
+            dst = Path(a[1] if name == "replace" else a[0]).name
+            if name == what and dst == target:
                 count["n"] += 1
                 if count["n"] == n:
                     count["dead"] = True

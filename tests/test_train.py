@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+import signal
+import warnings
 
 import pandas as pd
 import pytest
@@ -51,8 +54,13 @@ def test_same_seed_gives_identical_weights_and_other_seed_differs(reference, tmp
     assert not torch.equal(ref.W_E, untrained.W_E)
 
 
+class Crash(BaseException):
+    """A failure that saves nothing (as SIGKILL would): resuming starts from the last periodic checkpoint."""
+
+
 @pytest.mark.parametrize("interrupt_at", [6, 13])  # just after a checkpoint; mid-epoch, mid-log-window
-def test_resume_after_interrupt_equals_uninterrupted(reference, tmp_path, monkeypatch, interrupt_at):
+@pytest.mark.parametrize("error", [Crash, KeyboardInterrupt])
+def test_resume_after_interrupt_equals_uninterrupted(reference, tmp_path, monkeypatch, interrupt_at, error):
     ref, ref_curve, ref_out = reference
     real = train_mod.training_loss
     calls = {"n": 0}
@@ -60,14 +68,17 @@ def test_resume_after_interrupt_equals_uninterrupted(reference, tmp_path, monkey
     def interrupt(model, tokens, pos_offset):
         calls["n"] += 1
         if calls["n"] == interrupt_at:
-            raise KeyboardInterrupt
+            raise error
         return real(model, tokens, pos_offset)
 
     monkeypatch.setattr(train_mod, "training_loss", interrupt)
     cfg = ModelConfig.preset("tiny", attn_norm="qkv")
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(error):
         train(cfg, EASY, quick_cfg(), tmp_path, progress=False)
-    assert load_train_state(tmp_path)["step"] == 5 * ((interrupt_at - 1) // 5)
+    # Ctrl-C saves the last completed step; a crash leaves the last periodic checkpoint (every 5 steps)
+    expected_step = interrupt_at - 1 if error is KeyboardInterrupt else 5 * ((interrupt_at - 1) // 5)
+    assert load_train_state(tmp_path)["step"] == expected_step
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", f"step-{expected_step:08d}"]
     monkeypatch.setattr(train_mod, "training_loss", real)
     model, curve = train(cfg, EASY, quick_cfg(), tmp_path, resume=True, progress=False)
     assert_bit_identical(ref, model)
@@ -77,6 +88,71 @@ def test_resume_after_interrupt_equals_uninterrupted(reference, tmp_path, monkey
     _, info = load_checkpoint(tmp_path)
     assert info.step == 14 and info.metrics["final"]
     pd.testing.assert_frame_equal(info.curve, ref_curve, check_exact=True)
+
+
+def test_ctrl_c_during_a_weight_update_is_held_until_the_step_is_complete(reference, tmp_path, monkeypatch):
+    """A real SIGINT delivered inside the AdamW update: the step finishes, then it is saved and re-raised."""
+    ref, ref_curve, _ = reference
+    real = train_mod._update
+    calls = {"n": 0}
+
+    def sigint_mid_update(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 8:  # the update of step index 7, i.e. the 8th step
+            signal.raise_signal(signal.SIGINT)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(train_mod, "_update", sigint_mid_update)
+    cfg = ModelConfig.preset("tiny", attn_norm="qkv")
+    with pytest.raises(KeyboardInterrupt) as e:
+        train(cfg, EASY, quick_cfg(), tmp_path, progress=False)
+    assert "saved a checkpoint at step 8" in "".join(getattr(e.value, "__notes__", []))
+    assert load_train_state(tmp_path)["step"] == 8 and calls["n"] == 8
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is restored
+    monkeypatch.setattr(train_mod, "_update", real)
+    model, curve = train(cfg, EASY, quick_cfg(), tmp_path, resume=True, progress=False)
+    assert_bit_identical(ref, model)
+    pd.testing.assert_frame_equal(curve, ref_curve, check_exact=True)
+
+
+def test_ctrl_c_that_cannot_be_held_back_saves_nothing_mid_update(reference, tmp_path, monkeypatch):
+    """With a custom SIGINT handler installed the trainer leaves it alone; an interrupt landing inside
+    an update then finds a half-updated state, so the last periodic checkpoint is kept instead."""
+    ref, _, _ = reference
+    real = train_mod._update
+    calls = {"n": 0}
+
+    def raise_now(signum, frame):
+        raise KeyboardInterrupt
+
+    def sigint_mid_update(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 8:
+            signal.raise_signal(signal.SIGINT)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(train_mod, "_update", sigint_mid_update)
+    previous = signal.signal(signal.SIGINT, raise_now)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train(ModelConfig.preset("tiny", attn_norm="qkv"), EASY, quick_cfg(), tmp_path, progress=False)
+        assert signal.getsignal(signal.SIGINT) is raise_now
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert load_train_state(tmp_path)["step"] == 5
+    monkeypatch.setattr(train_mod, "_update", real)
+    model, _ = train(ModelConfig.preset("tiny", attn_norm="qkv"), EASY, quick_cfg(), tmp_path, resume=True, progress=False)
+    assert_bit_identical(ref, model)
+
+
+def test_ctrl_c_before_the_first_step_writes_nothing(tmp_path, monkeypatch):
+    def interrupt(model, tokens, pos_offset):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_mod, "training_loss", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        train(ModelConfig.preset("tiny"), EASY, quick_cfg(), tmp_path, progress=False)
+    assert not any(tmp_path.iterdir())  # nothing to keep: a rerun needs no --resume
 
 
 def test_extending_a_finished_run_equals_a_longer_run(reference, tmp_path):
@@ -113,6 +189,140 @@ def test_existing_run_needs_resume_and_matching_options(reference):
         train(cfg.replace(attn_norm="pre"), EASY, quick_cfg(), out, resume=True, progress=False)
     with pytest.raises(ConfigError, match="task"):
         train(cfg, AdditionTask.preset("cpu"), quick_cfg(), out, resume=True, progress=False)
+
+
+# ----------------------------------------------------------------------------- threads
+
+
+def test_training_runs_on_the_configured_threads_and_restores_the_setting(tmp_path, monkeypatch):
+    seen = []
+    real = train_mod.training_loss
+
+    def spy(model, tokens, pos_offset):
+        seen.append(torch.get_num_threads())
+        return real(model, tokens, pos_offset)
+
+    monkeypatch.setattr(train_mod, "training_loss", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        train(ModelConfig.preset("tiny"), EASY, quick_cfg(max_steps=2), tmp_path / "a", progress=False)
+        assert seen == [1, 1] and torch.get_num_threads() == 2  # default 1 during the run, then restored
+        assert load_train_state(tmp_path / "a")["threads"] == 1
+        seen.clear()
+        train(ModelConfig.preset("tiny"), EASY, quick_cfg(max_steps=2, threads=None), tmp_path / "b", progress=False)
+        assert seen == [2, 2] and load_train_state(tmp_path / "b")["threads"] == 2  # None: torch's setting, recorded
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_resume_with_another_thread_count_is_refused(reference):
+    _, _, out = reference
+    cfg = ModelConfig.preset("tiny", attn_norm="qkv")
+    with pytest.raises(ConfigError, match=r"trained with 1 CPU thread.*--threads 1"):
+        train(cfg, EASY, quick_cfg(threads=2, max_steps=20), out, resume=True, progress=False)
+    with pytest.raises(ConfigError, match="threads"):
+        quick_cfg(threads=0)
+
+
+def _make_old(ckpt, drop_train=("threads",), drop_state=("threads", "schedule_total_steps")):
+    """Rewrite a checkpoint as the code before these fields wrote it (manifest re-recorded)."""
+    from interp_norm.checkpoint_format import manifest_entry
+
+    state = torch.load(ckpt / "train_state.pt", weights_only=True)
+    for k in drop_state:
+        del state[k]
+    torch.save(state, ckpt / "train_state.pt")
+    config = json.loads((ckpt / "config.json").read_text())
+    for k in drop_train:
+        del config["train"][k]
+    config["files"]["train_state.pt"] = manifest_entry(ckpt / "train_state.pt")
+    (ckpt / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("schedule", ["plateau", "cosine"])
+def test_checkpoint_from_before_threads_and_schedule_length_still_resumes_exactly(tmp_path, monkeypatch, schedule):
+    cfg = ModelConfig.preset("tiny", attn_norm="qkv")
+    tcfg = quick_cfg(schedule=schedule, min_lr=1e-4)
+    clean, clean_curve = train(cfg, EASY, tcfg, tmp_path / "clean", progress=False)
+    real = train_mod.training_loss
+    calls = {"n": 0}
+
+    def crash_at_8(model, tokens, pos_offset):
+        calls["n"] += 1
+        if calls["n"] == 8:
+            raise Crash
+        return real(model, tokens, pos_offset)
+
+    monkeypatch.setattr(train_mod, "training_loss", crash_at_8)
+    with pytest.raises(Crash):
+        train(cfg, EASY, tcfg, tmp_path / "old", progress=False)
+    monkeypatch.setattr(train_mod, "training_loss", real)
+    _make_old(tmp_path / "old" / "step-00000005")
+    with pytest.warns(UserWarning, match="does not record the CPU thread count"):
+        model, curve = train(cfg, EASY, tcfg, tmp_path / "old", resume=True, progress=False)
+    assert_bit_identical(clean, model)
+    pd.testing.assert_frame_equal(curve, clean_curve, check_exact=True)
+
+
+# ----------------------------------------------------------------------------- extending a run
+
+
+def expected_cosine_lr(step, total, peak, warm, floor):
+    """The documented schedule, written out: linear warm-up over `warm` steps, cosine to `floor` at `total`."""
+    if step < warm:
+        return peak * (step + 1) / warm
+    return floor + (peak - floor) * (1 + math.cos(math.pi * min(1.0, (step - warm) / (total - warm)))) / 2
+
+
+def test_extending_a_cosine_run_continues_its_decayed_schedule(tmp_path):
+    cfg = ModelConfig.preset("tiny", attn_norm="qkv")
+    tcfg = quick_cfg(schedule="cosine", warmup_frac=0.25, min_lr=1e-4, max_steps=8, log_every=1)
+    at_8, first = train(cfg, EASY, tcfg, tmp_path, progress=False)
+    assert load_train_state(tmp_path)["schedule_total_steps"] == 8
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, curve = train(cfg, EASY, tcfg.replace(max_steps=12), tmp_path, resume=True, progress=False)
+    assert not [w for w in caught if "min_lr" in str(w.message)]  # min_lr > 0: the extension trains
+    # row k holds the lr of step k-1 (log_every=1); warm-up of round(0.25 * 8) = 2 steps
+    expected = [expected_cosine_lr(s, 8, 3e-3, 2, 1e-4) for s in range(12)]
+    assert curve["lr"].tolist() == pytest.approx(expected, rel=1e-12, abs=0)
+    assert curve["lr"].iloc[8:].tolist() == [1e-4] * 4  # the extra steps: at min_lr, no jump back up
+    pd.testing.assert_frame_equal(curve.iloc[:8], first, check_exact=True)
+    assert load_train_state(tmp_path)["schedule_total_steps"] == 8  # extending twice keeps the first length
+    assert not torch.equal(at_8.W_E, model.W_E)  # the extra steps did train
+
+
+def test_extending_a_cosine_run_with_min_lr_zero_warns_that_it_cannot_train(tmp_path):
+    cfg = ModelConfig.preset("tiny")
+    tcfg = quick_cfg(schedule="cosine", max_steps=6, log_every=1)
+    before, _ = train(cfg, EASY, tcfg, tmp_path, progress=False)
+    with pytest.warns(UserWarning, match="run at min_lr=0 and will not change the weights"):
+        after, curve = train(cfg, EASY, tcfg.replace(max_steps=9), tmp_path, resume=True, progress=False)
+    assert curve["lr"].iloc[6:].tolist() == [0.0] * 3
+    assert_bit_identical(before, after)
+
+
+def test_interrupted_cosine_run_resumes_bit_identically(tmp_path, monkeypatch):
+    cfg = ModelConfig.preset("tiny", attn_norm="qkv")
+    tcfg = quick_cfg(schedule="cosine", warmup_frac=0.25)
+    clean, clean_curve = train(cfg, EASY, tcfg, tmp_path / "clean", progress=False)
+    real = train_mod.training_loss
+    calls = {"n": 0}
+
+    def interrupt(model, tokens, pos_offset):
+        calls["n"] += 1
+        if calls["n"] == 9:
+            raise KeyboardInterrupt
+        return real(model, tokens, pos_offset)
+
+    monkeypatch.setattr(train_mod, "training_loss", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, EASY, tcfg, tmp_path / "run", progress=False)
+    monkeypatch.setattr(train_mod, "training_loss", real)
+    model, curve = train(cfg, EASY, tcfg, tmp_path / "run", resume=True, progress=False)
+    assert_bit_identical(clean, model)
+    pd.testing.assert_frame_equal(curve, clean_curve, check_exact=True)
 
 
 def test_nan_loss_raises_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
