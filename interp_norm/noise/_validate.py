@@ -7,10 +7,10 @@ from typing import Optional, Sequence
 import numpy as np
 from torch import Tensor
 
-from interp_norm import task as T
 from interp_norm import theory
 from interp_norm._checks import require_norm_model
 from interp_norm.errors import ConfigError, NoiseSpecError
+from interp_norm.evaluate import trim_padding
 from interp_norm.hooks import VARIANT_LABELS
 from interp_norm.model import HookedNormTransformer, ModelConfig
 from interp_norm.task import Batch
@@ -147,4 +147,4 @@ def trimmed_tokens(tokens: Tensor | Batch, model: HookedNormTransformer) -> Tens
         tokens = tokens.tokens
     if not isinstance(tokens, Tensor) or tokens.ndim != 2:
         raise ConfigError("tokens must be a Batch or a [batch, pos] token tensor")
-    return tokens[:, : int((tokens != T.PAD_ID).sum(-1).max())].to(model.W_E.device)
+    return trim_padding(tokens).to(model.W_E.device)

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from interp_norm import task as T
 from interp_norm import theory
 from interp_norm.errors import ConfigError, NoiseSpecError
+from interp_norm.evaluate import count_correct
 from interp_norm.hooks import NONSPARSE_THRESHOLD, NOISED_ROWS, SPARSE_THRESHOLD, act_name
 from interp_norm.model import HookedNormTransformer
 from interp_norm.noise import _validate as V
@@ -141,12 +142,6 @@ def noised_row_counts(
     return pd.DataFrame(rows)
 
 
-def _count_correct(logits: Tensor, tokens: Tensor) -> tuple[int, int]:
-    targets = T.next_token_targets(tokens.to(logits.device))
-    mask = targets != -100
-    return int(((logits.argmax(-1) == targets) & mask).sum()), int(mask.sum())
-
-
 def pass_seed(seed: int, dataset: int, group: int, chunk: int) -> int:
     """The noise seed of one forward pass of :func:`accuracy_under_noise`: it differs per dataset,
     noised group (index in ``NOISE_GROUPS``) and batch chunk, but not per level (common random numbers)."""
@@ -235,7 +230,7 @@ def accuracy_under_noise(
                         gate = {l: gates[ci][l] for l in layers}
                         noise = NormNoise(model, level, qk, seed=noise_seed, row_gate=gate, **kw)
                     logits = model.run_with_hooks(chunk, fwd_hooks=noise.hooks())
-                    c, n = _count_correct(logits, chunk)
+                    c, n = count_correct(logits, chunk)
                     correct, total = correct + c, total + n
                 rows.append(dict(
                     variant=V.variant_label(cfg, variant), attn_norm=cfg.attn_norm, noised=g, level=level,
