@@ -24,7 +24,7 @@ EPS = 1e-4
 
 @pytest.fixture(scope="module")
 def pairs():
-    return make_pairs(AdditionTask.preset("cpu"), 6, "id", seed=7, aligned=True)
+    return make_pairs(AdditionTask.preset("cpu-small"), 6, "id", seed=7, aligned=True)
 
 
 def model64(attn_norm="pre", **kw):
