@@ -107,6 +107,28 @@ def test_three_layer_model_middle_and_last_layers(pairs):
         assert (ours.values - ref).abs().max() <= TOL, act
 
 
+@pytest.mark.parametrize("act", ["resid_pre", "k", "z", "pattern", "mlp_out"])
+def test_dead_cells_from_tokens_full_cache_or_filtered_cache(act, pairs):
+    """Cells before the first differing input are skipped: known from the clean tokens, from the
+    clean cache's layer-0 residual, or (a cache holding only the patched activation) by comparing
+    bit-exact activations. Each way equals TransformerLens; chunks of one or many layers too."""
+    model = make_model(attn_norm="qkv")
+    metric = LogitDiff(pairs)
+    _, cache = model.run_with_cache(pairs.clean_tokens)
+    ref = tl(TL_BY_POS[act], model, pairs.corrupted_tokens, cache, metric.mean)
+    names = [act_name(act, l) for l in range(model.cfg.n_layers)]
+    only = {nm: cache[nm] for nm in names}
+    runs = {
+        "tokens": activation_patch(model, pairs, only, metric, act),
+        "full cache": activation_patch(model, pairs.corrupted_tokens, cache, metric, act),
+        "filtered cache": activation_patch(model, pairs.corrupted_tokens, only, metric, act),
+        "one cell per pass": activation_patch(model, pairs.corrupted_tokens, cache, metric, act, batch_size=1),
+    }
+    for how, res in runs.items():
+        assert res.method == "exact-incremental"
+        assert (res.values - ref).abs().max() <= TOL, how
+
+
 def test_explicit_cells_and_dest_src_pattern_equal_transformer_lens(pairs):
     model = make_model(attn_norm="qk", norm_kind="rms")
     metric = LogitDiff(pairs, positions=0)  # only the first answer token

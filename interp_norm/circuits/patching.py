@@ -11,9 +11,12 @@ cell, and the metric is read per copy. Two methods compute those copies:
   forward passes of the stacked batch with one hook per activation name that writes each copy's
   clean slice (for our model each pass starts at the patched layer: ``model(resid, start_at_layer=l)``).
 
-Cells that cannot change the metric -- the clean and corrupted activations agree in the cell
-for every example (e.g. positions before the corrupted token), or (incremental engine) the position
-comes after the last one the metric reads -- are the corrupted baseline without a forward pass.
+Cells that cannot change the metric are the corrupted baseline without a forward pass: the clean
+and corrupted activations agree in the cell for every example, or (incremental engine) the position
+comes after the last one the metric reads. Agreement is exact: positions before an example's first
+differing input (known from the clean tokens, or the clean cache's layer-0 residual) agree by
+causality, and so do the layer-0 activations before attention that compare equal; without either,
+the engine reproduces the clean cache's arithmetic bit for bit and the activations are compared.
 
 Both equal ``transformer_lens.patching`` on the same model, inputs and metric (tests check
 every cell to 1e-5). ``benchmarks/bench_patching.py`` measures the speed-up.
@@ -50,6 +53,9 @@ from interp_norm.errors import HookNameError, PatchingError
 from interp_norm.hooks import act_name
 
 # ----------------------------------------------------------------------------- cells
+
+# activations computed before layer 0's softmax: the engine's corrupted values equal the model's bit for bit
+_PRE_ATTENTION = ("resid_pre", "q", "k", "v")
 
 
 def _row_axis(kind: str, by: str) -> Optional[int]:
@@ -115,6 +121,40 @@ def _cell_differs(kind: str, by: str, cells: Tensor, clean_acts: list, corr_acts
     return M[l, :, cells[:, 1], cells[:, 2], cells[:, 3]]
 
 
+def _after_first_difference(kind: str, by: str, cells: Tensor, first: Tensor, n: int) -> Tensor:
+    """[n_cells, batch] bool: is the cell's (destination) position at or after the example's first
+    differing input position? Before it the clean and corrupted runs agree exactly (causality)."""
+    first = first.cpu()
+    col = _row_axis(kind, by)
+    if col is None:
+        return (first < n).unsqueeze(0).repeat(len(cells), 1)
+    return cells[:, col].unsqueeze(1) >= first.unsqueeze(0)
+
+
+def _first_difference(corrupted: Tensor, clean_tokens: Optional[Tensor], clean_cache, corrupted_resid0) -> Optional[Tensor]:
+    """Per example, the first position where the clean and corrupted inputs differ (``n`` if none):
+    from the tokens, or from the clean cache's layer-0 residual; None if neither is known."""
+    b, n = corrupted.shape
+    if clean_tokens is not None and tuple(clean_tokens.shape) == (b, n):
+        diff = clean_tokens.to(corrupted.device) != corrupted
+    elif corrupted_resid0 is not None and _resid0(clean_cache, b, n) is not None:
+        clean0 = _resid0(clean_cache, b, n)
+        diff = (clean0.to(corrupted_resid0.device, corrupted_resid0.dtype) != corrupted_resid0).any(-1)
+    else:
+        return None
+    pos = torch.arange(n, device=diff.device).expand(b, n)
+    return torch.where(diff, pos, n).amin(-1)
+
+
+def _resid0(clean_cache, b: int, n: int) -> Optional[Tensor]:
+    """The clean run's residual entering layer 0, if the cache holds it."""
+    try:
+        t = clean_cache[act_name("resid_pre", 0)]
+    except (KeyError, TypeError):
+        return None
+    return t if tuple(t.shape[:2]) == (b, n) else None
+
+
 def _cells_from_df(cells: pd.DataFrame, axes: Sequence[str], sizes: dict[str, int]) -> Tensor:
     df = cells.rename(columns={"head_index": "head"})
     missing = [a for a in axes if a not in df.columns]
@@ -135,6 +175,19 @@ def _cells_from_df(cells: pd.DataFrame, axes: Sequence[str], sizes: dict[str, in
     return t
 
 
+def _pack(order: np.ndarray, cost: np.ndarray, budget: int) -> list[np.ndarray]:
+    """Consecutive runs of ``order`` whose ``cost`` adds up to at most ``budget`` (at least one each)."""
+    chunks, start, total = [], 0, 0
+    for i, c in enumerate(cost):
+        if i > start and total + c > budget:
+            chunks.append(order[start:i])
+            start, total = i, 0
+        total += c
+    if start < len(order):
+        chunks.append(order[start:])
+    return chunks
+
+
 def _clean_act(clean_cache: Mapping[str, Tensor], name: str) -> Tensor:
     try:
         return clean_cache[name]
@@ -147,25 +200,32 @@ def _clean_act(clean_cache: Mapping[str, Tensor], name: str) -> Tensor:
 # ----------------------------------------------------------------------------- the two methods
 
 
-def _engine_chunk(engine: IncrementalEngine, kind: str, by: str, activation: str, cc: Tensor, clean: Tensor,
+def _engine_chunk(engine: IncrementalEngine, kind: str, by: str, activation: str, cc: Tensor, clean_acts: list,
                   live: Tensor, n_heads: int) -> Optional[Tensor]:
-    """Logits of the copies patched in cells ``cc`` (one layer), or None where no read row changes."""
+    """Logits of the copies patched in cells ``cc`` (sorted by layer), or None where no read row changes."""
     K, ne = cc.shape[0], engine.n_eff
-    dev = clean.device
+    dev = clean_acts[0].device
     m = _cell_mask(kind, by, cc, ne, n_heads, ne).to(dev)
-    src = clean[:, :, :ne, :ne] if kind == "pattern" else clean[:, :ne]
+    m_rows = (m[:, 0].transpose(1, 2) if kind == "pattern" else m[:, 0]).contiguous()  # [K, rows, ...]
+    m_rows = m_rows.reshape(K * ne, *m_rows.shape[2:])
+    n = clean_acts[0].shape[1 if kind != "pattern" else 2]
 
-    def patch(X: Tensor, idx: tuple) -> Tensor:
-        k_, b_, r_ = idx
-        if kind == "pattern":  # query rows [M, h, keys]
-            return torch.where(m[:, 0][k_, :, r_], src[b_, :, r_].to(X.dtype), X)
-        return torch.where(m[k_, 0, r_], src[b_, r_].to(X.dtype), X)
+    def patch_at(layer: int):
+        clean = clean_acts[layer]
+        src = clean[..., :ne].transpose(1, 2).contiguous() if kind == "pattern" else clean  # [b, n, ...]
+        src = src.reshape(-1, *src.shape[2:])
+
+        def patch(X: Tensor, idx: tuple) -> Tensor:  # rows idx = (copy, example, position)
+            k_, b_, r_ = idx
+            return torch.where(m_rows.index_select(0, k_ * ne + r_), src.index_select(0, b_ * n + r_).to(X.dtype), X)
+
+        return patch
 
     P = live.unsqueeze(-1).expand(K, live.shape[1], ne).clone()  # [K, b, n]: rows each copy changes
     rowcol = _row_axis(kind, by)
     if rowcol is not None:
         P &= torch.arange(ne).view(1, 1, ne) == cc[:, rowcol].view(K, 1, 1)
-    return engine.run(int(cc[0, 0]), activation, patch, P.to(dev))
+    return engine.run(cc[:, 0], activation, patch_at, P.to(dev))
 
 
 def _hooks_chunk(model, kind: str, by: str, activation: str, cc: Tensor, clean: Tensor, corrupted: Tensor,
@@ -186,7 +246,7 @@ def _hooks_chunk(model, kind: str, by: str, activation: str, cc: Tensor, clean: 
         return model(start.repeat(K, 1, 1), start_at_layer=layer)
 
 
-def _make_engine(model, corrupted: Tensor, read: Optional[Tensor], method: str) -> Optional[IncrementalEngine]:
+def _make_engine(model, corrupted: Tensor, read: Optional[Tensor], method: str, exact: bool) -> Optional[IncrementalEngine]:
     if method not in ("auto", "incremental"):
         return None
     if not is_ours(model):
@@ -194,7 +254,7 @@ def _make_engine(model, corrupted: Tensor, read: Optional[Tensor], method: str) 
             raise PatchingError("method='incremental' needs a HookedNormTransformer; use method='hooks' for other models")
         return None
     try:
-        return IncrementalEngine(model, corrupted, read)
+        return IncrementalEngine(model, corrupted, read, exact_pattern=exact)
     except (PatchingError, AttributeError, KeyError, TypeError, RuntimeError) as e:
         if method == "incremental":
             raise e if isinstance(e, PatchingError) else PatchingError(
@@ -230,8 +290,10 @@ def activation_patch(
     values). ``by``: ``"pos"`` (per position; per destination position for ``pattern``),
     ``"all"`` (all positions at once) or ``"dest_src"`` (``pattern`` only). ``cells``: a
     DataFrame of explicit cells (columns = the axis names); the result is then flat, one
-    value per row, as in TransformerLens. ``batch_size`` bounds the rows per forward pass
-    (copies x examples) and with it the memory.
+    value per row, as in TransformerLens. ``batch_size`` bounds the work per forward pass and with
+    it the memory: ``batch_size`` rows (copies x examples) for the hooks method; for the incremental
+    engine, which keeps only the positions a patch changes, as many changed positions as
+    ``batch_size`` whole sequences have (one pass may then hold cells of several layers).
     """
     pairs = corrupted_tokens if isinstance(corrupted_tokens, PatchingPairs) else None
     dev = device(model)
@@ -273,7 +335,13 @@ def activation_patch(
     read = getattr(metric, "read_mask", None)
     if read is None and getattr(metric, "read_positions", None) is not None:
         read = torch.as_tensor(metric.read_positions).expand(b, -1)
-    engine = _make_engine(model, corrupted, None if read is None else torch.as_tensor(read).to(dev), method)
+    # where the inputs first differ, per example: cells before it are dead by causality, so the
+    # engine need not reproduce the clean cache bit for bit to find them
+    knows_first = clean_tokens is not None or _resid0(clean_cache, b, n) is not None
+    engine = _make_engine(model, corrupted, None if read is None else torch.as_tensor(read).to(dev), method, not knows_first)
+    first = None
+    if engine is not None and knows_first:
+        first = _first_difference(corrupted, clean_tokens, clean_cache, engine.acts[0]["resid_pre"])
     start_cache = None
     if engine is not None:
         corrupted_logits = engine.logits
@@ -304,7 +372,13 @@ def activation_patch(
     # cells that cannot change the metric are the corrupted baseline, without a forward pass:
     # clean == corrupted there for every example (e.g. positions before the corrupted token),
     # or (incremental engine) the position comes after the last one the metric reads
-    differs = _cell_differs(kind, by, cell_t, clean_acts, corr_acts)  # [cells, b]
+    if engine is not None and not engine.exact_pattern:
+        differs = _after_first_difference(kind, by, cell_t, first, n)
+        if activation in _PRE_ATTENTION:  # layer 0 before any softmax: the engine's values are the model's
+            at0 = cell_t[:, 0] == 0
+            differs[at0] &= _cell_differs(kind, by, cell_t[at0], clean_acts[:1], corr_acts[:1])
+    else:
+        differs = _cell_differs(kind, by, cell_t, clean_acts, corr_acts)  # [cells, b]
     live = differs.any(-1).numpy()
     if engine is not None and rowcol is not None:
         live &= rowkey < engine.n_eff
@@ -312,25 +386,30 @@ def activation_patch(
     if len(dead):
         store[torch.from_numpy(dead)] = baseline.to(torch.float64).cpu()
         order = order[live[order]]
-    K_max = max(1, batch_size // b)
-    layers = cells_np[order, 0]
-    chunks = []
-    for layer in np.unique(layers):
-        sel = order[layers == layer]
-        chunks += [sel[i : i + K_max] for i in range(0, len(sel), K_max)]
+    if engine is not None:  # chunks span layers; as many recomputed positions as batch_size sequences
+        ne = engine.n_eff
+        cost = differs.sum(-1).numpy()[order] * (ne - np.minimum(rowkey[order], ne - 1) if rowcol is not None else ne)
+        chunks = _pack(order, np.maximum(cost, 1), batch_size * n)
+    else:
+        K_max = max(1, batch_size // b)
+        layers = cells_np[order, 0]
+        chunks = []
+        for layer in np.unique(layers):
+            sel = order[layers == layer]
+            chunks += [sel[i : i + K_max] for i in range(0, len(sel), K_max)]
 
-    for chunk in tqdm(chunks, disable=not progress, desc=f"patching {activation}"):
+    for chunk in (tqdm(chunks, desc=f"patching {activation}") if progress else chunks):
         idx = torch.from_numpy(chunk)
         cc = cell_t[idx]
         K = len(chunk)
-        clean = clean_acts[int(cc[0, 0])]
         if engine is not None:
-            logits = _engine_chunk(engine, kind, by, activation, cc, clean.to(dev), differs[idx], H)
+            logits = _engine_chunk(engine, kind, by, activation, cc, clean_acts, differs[idx], H)
             if logits is None:
                 vals = baseline.unsqueeze(0).expand(K, *baseline.shape)
             else:
                 vals = metric_per_copy(metric, logits.reshape(K * b, n, -1), K, b)
         else:
+            clean = clean_acts[int(cc[0, 0])]
             start = None if start_cache is None else start_cache[act_name("resid_pre", int(cc[0, 0]))]
             vals = metric_per_copy(metric, _hooks_chunk(model, kind, by, activation, cc, clean, corrupted, start), K, b)
         store[idx] = vals.to(torch.float64).cpu()
