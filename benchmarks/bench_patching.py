@@ -1,13 +1,20 @@
-"""Batched exact patching vs TransformerLens's patching on the same cells, in one run.
+"""Batched exact patching vs TransformerLens 4.3's ``transformer_lens.patching``, every activation, same cells.
 
-Patches every (layer, position, head) cell of ``z`` (TransformerLens's
-``get_act_patch_attn_head_out_by_pos``) on ``ModelConfig.preset("cpu")`` with a realistic batch of
-clean/corrupted addition pairs -- aligned pairs (one token layout, what per-position tables use)
-and unaligned ones (mixed lengths) -- checks that both give the same table (max |diff| <= 1e-5),
-and prints both times and the speed ratio (target >= 20x). Single-threaded for fairness; the
-ratio uses process CPU time (robust on a shared machine), wall time is printed too:
+1. **Ratio table** -- ``ModelConfig.preset("cpu")``, 32 aligned clean/corrupted addition pairs of the
+   cpu task (``run_circuits``'s defaults), logit-difference metric. For every activation (resid_pre,
+   resid_mid, resid_post, attn_out, mlp_out, z, q, k, v, pattern; by position) both tables are
+   computed and checked equal (max |diff| <= 1e-5) first; then TransformerLens and ours are timed
+   alternately in each repeat, so machine load hits both alike. Time is this process's CPU time
+   (median); the ratio is TransformerLens / ours. Target >= 30x.
+2. **Scaling** (``z`` by position): time and peak memory as the number of cells (explicit cell
+   subsets), pairs, and the model size grow, up to the paper's size (10 layers, d_model 512,
+   12 heads of 64). TransformerLens is timed on the same cells (or, for the larger models, on a
+   sample of cells, checked equal there: its cost is one forward pass per cell). Memory is the peak
+   of the tensors a call allocates (from the profiler's allocation events, in a separate untimed run).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_patching.py [--pairs 32] [--repeats 5]
+Single-threaded for fairness:
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_patching.py [--pairs 32] [--repeats 3] [--no-scaling]
 """
 
 from __future__ import annotations
@@ -21,80 +28,197 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
 import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from transformer_lens import patching  # noqa: E402
 
 from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig  # noqa: E402
 from interp_norm.circuits import LogitDiff, activation_patch, make_pairs  # noqa: E402
 
+TOL = 1e-5
 TL_FN = {
+    "resid_pre": patching.get_act_patch_resid_pre,
+    "resid_mid": patching.get_act_patch_resid_mid,
+    "resid_post": lambda m, x, c, f: patching.generic_activation_patch(
+        m, x, c, f, patching.layer_pos_patch_setter, "resid_post", index_axis_names=("layer", "pos")),
+    "attn_out": patching.get_act_patch_attn_out,
+    "mlp_out": patching.get_act_patch_mlp_out,
     "z": patching.get_act_patch_attn_head_out_by_pos,
     "q": patching.get_act_patch_attn_head_q_by_pos,
+    "k": patching.get_act_patch_attn_head_k_by_pos,
     "v": patching.get_act_patch_attn_head_v_by_pos,
-    "resid_pre": patching.get_act_patch_resid_pre,
+    "pattern": patching.get_act_patch_attn_head_pattern_by_pos,
+}
+SIZES = {  # model size series for the scaling section
+    "tiny": ModelConfig.preset("tiny"),
+    "cpu": ModelConfig.preset("cpu"),
+    "mid": ModelConfig(d_model=256, d_head=32, n_heads=8, n_layers=6, d_mlp=512, n_freq=32, head_hidden=(256,), n_ctx=40),
+    "paper": ModelConfig.preset("paper", n_ctx=40),
 }
 
 
-def bench(model, pairs, activation: str, repeats: int, batch_size: int) -> dict:
+def quiet(fn, *args, **kw):
+    with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):  # TL's tqdm bar
+        return fn(*args, **kw)
+
+
+def cpu_time(fn) -> tuple[float, object]:
+    c = time.process_time()
+    out = fn()
+    return time.process_time() - c, out
+
+
+def peak_mb(fn) -> float:
+    """Peak memory allocated by tensors while ``fn`` runs, in MB: the running sum of the profiler's
+    allocation and free events (the allocator's reuse of freed memory hides this from the RSS)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    cur = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        cur += e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        peak = max(peak, cur)
+    return peak / 2**20
+
+
+def interleaved(runs: dict, repeats: int, ours_per_round: int = 3, first: dict | None = None) -> dict[str, float]:
+    """Median CPU time of each run, TransformerLens and ours alternating within each round
+    (``first``: times of a round already measured)."""
+    times: dict[str, list[float]] = {k: list(first.get(k, [])) if first else [] for k in runs}
+    for _ in range(repeats - (1 if first else 0)):
+        for key, fn in runs.items():
+            for _ in range(1 if key == "tl" else ours_per_round):
+                times[key].append(cpu_time(fn)[0])
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def checked_round(tl, ours, compare) -> tuple[dict, float]:
+    """One timed round (ours warmed up first) whose results are checked equal: (times, max |diff|)."""
+    ours()
+    t_tl, ref = cpu_time(tl)
+    t_ours, res = cpu_time(ours)
+    diff = compare(res, ref)
+    assert res.method == "exact-incremental" and diff <= TOL, f"differs from TransformerLens by {diff}"
+    return {"tl": [t_tl], "ours": [t_ours]}, diff
+
+
+def fmt_mb(x: float) -> str:
+    return f"{x:6.1f}"
+
+
+# ----------------------------------------------------------------------------- 1. ratio table
+
+
+def ratio_table(model, pairs, repeats: int, batch_size: int) -> list[float]:
     metric = LogitDiff(pairs)
-    with torch.no_grad():
-        _, clean_cache = model.run_with_cache(pairs.clean_tokens)
+    _, cache = model.run_with_cache(pairs.clean_tokens)
+    x = pairs.corrupted_tokens
+    print(f"\n1. every activation by position: ModelConfig.preset('cpu', attn_norm={model.cfg.attn_norm!r}), "
+          f"{len(pairs)} aligned pairs, {pairs.n_pos} positions; CPU ms (median of {repeats} rounds)")
+    print(f"   {'activation':<11}{'cells':>6}{'max|diff|':>11}{'TransformerLens':>17}{'ours':>9}{'ratio':>9}"
+          f"{'ours MB':>9}")
+    ratios = []
+    for act, fn in TL_FN.items():
+        def tl():
+            return quiet(fn, model, x, cache, metric.mean)
 
-    def run_tl():
-        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):  # TL's tqdm bar
-            return TL_FN[activation](model, pairs.corrupted_tokens, clean_cache, metric.mean)
+        def ours():
+            return activation_patch(model, x, cache, metric, act, batch_size=batch_size)
 
-    def run_ours(method):
-        return activation_patch(
-            model, pairs.corrupted_tokens, clean_cache, metric, activation, method=method, batch_size=batch_size
-        ).values
+        first, diff = checked_round(tl, ours, lambda res, ref: float((res.values - ref).abs().max()))
+        n_cells = model.cfg.n_layers * pairs.n_pos * (1 if act in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out") else model.cfg.n_heads)
+        t = interleaved({"tl": tl, "ours": ours}, repeats, first=first)
+        mb = peak_mb(ours)
+        ratios.append(t["tl"] / t["ours"])
+        print(f"   {act:<11}{n_cells:>6}{diff:>11.1e}{t['tl'] * 1e3:>17.1f}{t['ours'] * 1e3:>9.2f}"
+              f"{ratios[-1]:>8.1f}x{fmt_mb(mb):>9}")
+    return ratios
 
-    ref = run_tl()  # also warms up
-    for method in ("incremental", "hooks"):
-        diff = float((run_ours(method) - ref).abs().max())
-        assert diff <= 1e-5, f"{method} differs from TransformerLens by {diff}"
-    keys = ("tl", "incremental", "hooks")
-    cpu: dict[str, list[float]] = {k: [] for k in keys}
-    wall: dict[str, list[float]] = {k: [] for k in keys}
-    for _ in range(repeats):  # interleaved, so all three see the same machine load
-        for key in keys:
-            c0, w0 = time.process_time(), time.perf_counter()
-            run_tl() if key == "tl" else run_ours(key)
-            cpu[key].append(time.process_time() - c0)
-            wall[key].append(time.perf_counter() - w0)
-    return dict(
-        cells=ref.numel(), n_pos=pairs.n_pos,
-        cpu={k: statistics.median(v) for k, v in cpu.items()}, wall={k: statistics.median(v) for k, v in wall.items()},
-    )
+
+# ----------------------------------------------------------------------------- 2. scaling
+
+
+def z_cells(model, n_pos: int) -> pd.DataFrame:
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    g = np.stack(np.meshgrid(np.arange(L), np.arange(n_pos), np.arange(H), indexing="ij"), -1).reshape(-1, 3)
+    return pd.DataFrame(g, columns=["layer", "pos", "head_index"])
+
+
+def tl_cells(model, x, cache, metric, cells: pd.DataFrame):
+    return quiet(patching.generic_activation_patch, model, x, cache, metric.mean,
+                 patch_setter=patching.layer_pos_head_vector_patch_setter, activation_name="z", index_df=cells)
+
+
+def scaling_point(model, pairs, cells: pd.DataFrame, tl_sample: int, batch_size: int) -> dict:
+    """Our z patching of ``cells``, and TransformerLens's on all of them (or a sample: time per cell)."""
+    metric = LogitDiff(pairs)
+    x = pairs.corrupted_tokens
+    _, cache = model.run_with_cache(pairs.clean_tokens)
+
+    def ours():
+        return activation_patch(model, x, cache, metric, "z", cells=cells, batch_size=batch_size)
+
+    sample = cells if len(cells) <= tl_sample else cells.sample(tl_sample, random_state=0).sort_index()
+    rows = torch.tensor(sample.index.to_numpy())
+    first, diff = checked_round(lambda: tl_cells(model, x, cache, metric, sample), ours,
+                                lambda res, ref: float((res.values[rows] - ref).abs().max()))
+    few = sample.iloc[: min(len(sample), 8)]  # TransformerLens's memory does not grow with the cells
+    return dict(cells=len(cells), ours=first["ours"][0], tl=first["tl"][0] * len(cells) / len(sample),
+                sampled=len(sample) < len(cells), mb=peak_mb(ours), tl_mb=peak_mb(lambda: tl_cells(model, x, cache, metric, few)),
+                diff=diff)
+
+
+def print_point(label: str, r: dict) -> None:
+    est = "~" if r["sampled"] else " "
+    print(f"   {label:<28}{r['cells']:>6}{r['ours'] * 1e3:>11.1f}{r['ours'] / r['cells'] * 1e3:>9.3f}"
+          f"{est}{r['tl'] * 1e3:>10.0f}{r['tl'] / r['ours']:>8.1f}x{fmt_mb(r['mb']):>9}{fmt_mb(r['tl_mb']):>8}")
+
+
+def scaling(args) -> None:
+    task = AdditionTask.preset("cpu")
+    head = (f"   {'':<28}{'cells':>6}{'ours ms':>11}{'ms/cell':>9} {'TL ms':>10}{'ratio':>9}{'ours MB':>9}{'TL MB':>8}")
+    print(f"\n2. scaling, z by position (~ = TransformerLens timed on {args.tl_sample} sampled cells, scaled up; "
+          "MB = peak tensor memory of one call)")
+    model = HookedNormTransformer(ModelConfig.preset("cpu", attn_norm=args.attn_norm)).eval()
+    pairs = make_pairs(task, args.pairs, "id", seed=0, aligned=True)
+    all_cells = z_cells(model, pairs.n_pos)
+    print(f"   cells (cpu model, {args.pairs} pairs):\n{head}")
+    for frac in (0.125, 0.25, 0.5, 1.0):
+        cells = all_cells.sample(frac=frac, random_state=1).sort_values(["layer", "pos", "head_index"]).reset_index(drop=True)
+        print_point(f"{frac:.0%} of the cells", scaling_point(model, pairs, cells, 10**9, args.batch_size))
+    print(f"   pairs (cpu model, all cells):\n{head}")
+    for n_pairs in (8, 16, 32, 64, 128):
+        p = make_pairs(task, n_pairs, "id", seed=0, aligned=True)
+        print_point(f"{n_pairs} pairs", scaling_point(model, p, z_cells(model, p.n_pos), 10**9, args.batch_size))
+    print(f"   model size ({args.size_pairs} pairs, all cells):\n{head}")
+    p = make_pairs(task, args.size_pairs, "id", seed=0, aligned=True)
+    for name, cfg in SIZES.items():
+        m = HookedNormTransformer(cfg.replace(attn_norm=args.attn_norm)).eval()
+        label = f"{name}: L{cfg.n_layers} d{cfg.d_model} H{cfg.n_heads}x{cfg.d_head}"
+        print_point(label, scaling_point(m, p, z_cells(m, p.n_pos), args.tl_sample, args.batch_size))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of interleaved timing for the ratio table")
     ap.add_argument("--attn-norm", default="pre")
-    ap.add_argument("--activation", default="z", choices=sorted(TL_FN))
-    ap.add_argument("--batch-size", type=int, default=512)
+    ap.add_argument("--batch-size", type=int, default=1024, help="activation_patch's batch_size (its default)")
+    ap.add_argument("--no-scaling", action="store_true", help="only the ratio table")
+    ap.add_argument("--size-pairs", type=int, default=8, help="pairs for the model-size series (default 8)")
+    ap.add_argument("--tl-sample", type=int, default=24, help="cells TransformerLens runs for the larger models")
     args = ap.parse_args()
     torch.set_num_threads(1)
-
+    w0, c0 = time.perf_counter(), time.process_time()
     model = HookedNormTransformer(ModelConfig.preset("cpu", attn_norm=args.attn_norm)).eval()
-    task = AdditionTask.preset("cpu")
-    print(f"model: ModelConfig.preset('cpu', attn_norm={args.attn_norm!r}); {args.pairs} pairs; activation "
-          f"{args.activation!r} by position; every table checked equal to TransformerLens (max |diff| <= 1e-5)")
-    ratios = []
-    for aligned in (True, False):
-        pairs = make_pairs(task, args.pairs, "id", seed=0, aligned=aligned)
-        r = bench(model, pairs, args.activation, args.repeats, args.batch_size)
-        label = "aligned pairs  " if aligned else "unaligned pairs"
-        print(f"\n{label}: {r['cells']} cells ({r['n_pos']} positions)")
-        for key, name in (("tl", "TransformerLens patching"), ("incremental", "batched, incremental"), ("hooks", "batched, hooks")):
-            c, w = r["cpu"][key], r["wall"][key]
-            extra = "" if key == "tl" else f"   speed-up {r['cpu']['tl'] / c:5.1f}x cpu, {r['wall']['tl'] / w:5.1f}x wall"
-            print(f"  {name:<26} cpu {c:7.3f} s  wall {w:7.3f} s  ({c / r['cells'] * 1e3:6.3f} ms/cell){extra}")
-        ratios.append(r["cpu"]["tl"] / r["cpu"]["incremental"])
-    print(f"\nSPEED RATIO (TransformerLens / batched incremental, cpu time): aligned {ratios[0]:.1f}x, "
-          f"unaligned {ratios[1]:.1f}x  (target >= 20x)")
+    pairs = make_pairs(AdditionTask.preset("cpu"), args.pairs, "id", seed=0, aligned=True)
+    ratios = ratio_table(model, pairs, args.repeats, args.batch_size)
+    print(f"   SPEED RATIO (TransformerLens / ours, CPU time): min {min(ratios):.1f}x, median "
+          f"{statistics.median(ratios):.1f}x over {len(ratios)} activations (target >= 30x each)")
+    if not args.no_scaling:
+        scaling(args)
+    print(f"\ntotal: {time.perf_counter() - w0:.0f} s wall, {time.process_time() - c0:.0f} s CPU")
 
 
 if __name__ == "__main__":

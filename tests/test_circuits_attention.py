@@ -8,6 +8,7 @@ import torch
 from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig
 from interp_norm.circuits import attention_map, attention_map_split, sparse_attention_events, token_roles
 from interp_norm.errors import PatchingError
+from interp_norm.hooks import act_name
 from interp_norm.task import parse_problem
 
 TASK = AdditionTask.preset("cpu")
@@ -41,7 +42,7 @@ def test_events_match_a_brute_force_loop():
         for j in range(len(p.answer)):
             q = eq + j
             for l in range(2):
-                row = cache[f"blocks.{l}.attn.hook_pattern"][0, :, q]  # [head, key]
+                row = cache[act_name("pattern", l)][0, :, q]  # [head, key]
                 for h in range(4):
                     if row[h].max() >= thr:
                         expected.add((i, roles[q + 1]["label"], l, h, roles[int(row[h].argmax())]["label"], round(float(row[h].max()), 5)))

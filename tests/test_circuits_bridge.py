@@ -23,6 +23,7 @@ from interp_norm.circuits import (
     sparse_attention_events,
 )
 from interp_norm.errors import PatchingError
+from interp_norm.hooks import act_name
 
 
 @pytest.fixture(scope="module")
@@ -85,5 +86,5 @@ def test_attention_events_on_the_bridge(bridge, pairs):
     _, cache = bridge.run_with_cache(pairs.clean_tokens)
     assert len(ev) > 0
     for r in ev.itertuples():
-        row = cache[f"blocks.{r.layer}.attn.hook_pattern"][r.problem, r.head, r.query_pos]
+        row = cache[act_name("pattern", r.layer)][r.problem, r.head, r.query_pos]
         assert r.key_pos == int(row.argmax()) and r.strength == pytest.approx(float(row.max()))

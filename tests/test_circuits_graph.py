@@ -18,6 +18,7 @@ from interp_norm.circuits import (
     make_pairs,
 )
 from interp_norm.errors import PatchingError
+from interp_norm.hooks import act_name
 
 
 def make_model(seed=0, **kw):
@@ -55,8 +56,27 @@ def test_full_and_empty_circuits(setup):
     zero_logits = model.head(model.ln_final(b_O.expand(*pairs.clean_tokens.shape, -1)))
     assert f.loc[(1, "zero"), "metric_circuit"] == pytest.approx(float(metric(zero_logits).mean()), abs=1e-5)
     _, cache = model.run_with_cache(pairs.clean_tokens)
-    final = cache["blocks.1.hook_resid_post"].mean(0, keepdim=True).expand_as(cache["blocks.1.hook_resid_post"])
+    final = cache[act_name("resid_post", 1)].mean(0, keepdim=True).expand_as(cache[act_name("resid_post", 1)])
     mean_logits = model.head(model.ln_final(final))
+    assert f.loc[(1, "mean"), "metric_circuit"] == pytest.approx(float(metric(mean_logits).mean()), abs=1e-5)
+
+
+@torch.no_grad()
+def test_full_and_empty_circuits_of_a_calibrated_model(setup):
+    """Head outputs include the block's calibration factor: ablating every edge to its corrupted
+    value reproduces the corrupted run, keeping all reproduces the clean one."""
+    _, pairs = setup
+    model = HookedNormTransformer(ModelConfig.preset("tiny", attn_norm="pre", calibration="paper", calib_update_std=0.5)).eval()
+    model.calibrate(make_pairs(AdditionTask.preset("cpu"), 16, "id", seed=11).clean_tokens)
+    metric = LogitDiff(pairs)
+    f = faithfulness(model, pairs, [Circuit.full(2, 4), Circuit.empty(2, 4)], metric, ablations=["resample", "mean"])
+    f = f.set_index(["circuit", "ablation"])
+    assert f.loc[(0, "resample"), "metric_circuit"] == pytest.approx(float(metric(model(pairs.clean_tokens)).mean()), abs=1e-5)
+    assert f.loc[(1, "resample"), "metric_circuit"] == pytest.approx(float(metric(model(pairs.corrupted_tokens)).mean()), abs=1e-5)
+    # every sender at its clean-batch mean: the last residual is the mean one (the senders sum to it)
+    _, cache = model.run_with_cache(pairs.clean_tokens)
+    last = cache[act_name("resid_post", 1)]
+    mean_logits = model(last.mean(0, keepdim=True).expand_as(last), start_at_layer=2)
     assert f.loc[(1, "mean"), "metric_circuit"] == pytest.approx(float(metric(mean_logits).mean()), abs=1e-5)
 
 
@@ -80,7 +100,7 @@ def test_node_circuit_equals_ablating_the_other_nodes_with_hooks(setup):
         hooks = []
         for l in range(2):
             drop = [h for h in range(4) if f"a{l}.h{h}" not in keep]
-            zname = f"blocks.{l}.attn.hook_z"
+            zname = act_name("z", l)
 
             def hz(z, hook, drop=drop, zname=zname):
                 z = z.clone()
@@ -89,7 +109,7 @@ def test_node_circuit_equals_ablating_the_other_nodes_with_hooks(setup):
 
             hooks.append((zname, hz))
             if f"m{l}" not in keep:
-                mname = f"blocks.{l}.hook_mlp_out"
+                mname = act_name("mlp_out", l)
                 hooks.append((mname, lambda x, hook, mname=mname: value(mname)))
         ref = float(metric(model.run_with_hooks(pairs.clean_tokens, fwd_hooks=hooks)).mean())
         assert f.loc[abl, "metric_circuit"] == pytest.approx(ref, abs=1e-5), abl

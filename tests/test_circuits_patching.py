@@ -17,11 +17,11 @@ from interp_norm.circuits import (
     CorrectProb,
     PatchResult,
     activation_patch,
-    forward_from,
     make_pairs,
     patch_sweep,
 )
 from interp_norm.errors import HookNameError, PatchingError
+from interp_norm.hooks import act_name
 
 TL_BY_POS = {
     "resid_pre": patching.get_act_patch_resid_pre,
@@ -107,6 +107,28 @@ def test_three_layer_model_middle_and_last_layers(pairs):
         assert (ours.values - ref).abs().max() <= TOL, act
 
 
+@pytest.mark.parametrize("act", ["resid_pre", "k", "z", "pattern", "mlp_out"])
+def test_dead_cells_from_tokens_full_cache_or_filtered_cache(act, pairs):
+    """Cells before the first differing input are skipped: known from the clean tokens, from the
+    clean cache's layer-0 residual, or (a cache holding only the patched activation) by comparing
+    bit-exact activations. Each way equals TransformerLens; chunks of one or many layers too."""
+    model = make_model(attn_norm="qkv")
+    metric = LogitDiff(pairs)
+    _, cache = model.run_with_cache(pairs.clean_tokens)
+    ref = tl(TL_BY_POS[act], model, pairs.corrupted_tokens, cache, metric.mean)
+    names = [act_name(act, l) for l in range(model.cfg.n_layers)]
+    only = {nm: cache[nm] for nm in names}
+    runs = {
+        "tokens": activation_patch(model, pairs, only, metric, act),
+        "full cache": activation_patch(model, pairs.corrupted_tokens, cache, metric, act),
+        "filtered cache": activation_patch(model, pairs.corrupted_tokens, only, metric, act),
+        "one cell per pass": activation_patch(model, pairs.corrupted_tokens, cache, metric, act, batch_size=1),
+    }
+    for how, res in runs.items():
+        assert res.method == "exact-incremental"
+        assert (res.values - ref).abs().max() <= TOL, how
+
+
 def test_explicit_cells_and_dest_src_pattern_equal_transformer_lens(pairs):
     model = make_model(attn_norm="qk", norm_kind="rms")
     metric = LogitDiff(pairs, positions=0)  # only the first answer token
@@ -157,7 +179,9 @@ def test_user_metrics_per_example_and_scalar(pairs):
     assert scalar.per_example is None and (scalar.values - ref).abs().max() <= TOL
 
 
-def test_result_table_baselines_and_normalisation(pairs):
+def test_result_table_baselines_and_normalisation():
+    # pairs whose clean and corrupted logit differences are far apart: normalized() divides by it
+    pairs = make_pairs(AdditionTask.preset("cpu"), 4, "id", seed=7)
     model = make_model()
     res = activation_patch(model, pairs, activation="resid_pre")  # clean cache + logit diff from the pairs
     metric = LogitDiff(pairs)
@@ -165,6 +189,7 @@ def test_result_table_baselines_and_normalisation(pairs):
         clean = metric(model(pairs.clean_tokens)).double()
         corr = metric(model(pairs.corrupted_tokens)).double()
     assert torch.allclose(res.clean, clean) and torch.allclose(res.baseline, corr)
+    assert abs(float(clean.mean() - corr.mean())) > 0.1
     # patching the whole residual stream at layer 0, every position at once, gives the clean run
     full = activation_patch(model, pairs, activation="resid_pre", by="all")
     assert abs(float(full.values[0]) - float(clean.mean())) < TOL
@@ -181,12 +206,39 @@ def test_patch_sweep_shares_one_cache(pairs):
     assert isinstance(out["z_all"], PatchResult) and out["z_all"].values.shape == (2, 4)
 
 
-def test_forward_from_reproduces_the_model(pairs):
+def test_start_at_layer_reproduces_the_model(pairs):
+    """The hooks method starts each pass at the patched layer: model(resid_pre, start_at_layer=l)."""
     model = make_model()
     _, cache = model.run_with_cache(pairs.clean_tokens)
     for layer in range(model.cfg.n_layers):
-        out = forward_from(model, layer, cache[f"blocks.{layer}.hook_resid_pre"])
+        out = model(cache[act_name("resid_pre", layer)], start_at_layer=layer)
         assert torch.allclose(out, model(pairs.clean_tokens), atol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(attn_norm="qkv"), dict(attn_norm="pre", calib_score_std=3.0, calib_update_std=1.0)],
+                         ids=["qkv", "pre-large-stds"])
+def test_calibrated_model_equals_transformer_lens(kw, pairs):
+    """The paper's Checkpoint factors (on embeddings, attention inputs, scores and residual updates)
+    are applied only by the model's own steps, which the incremental engine calls. (With the
+    paper's stds -- scores 0.1, updates 0.05 -- the untrained attention is nearly uniform and q/k
+    patches change almost nothing; the second model's larger stds make them matter.)"""
+    model = HookedNormTransformer(ModelConfig.preset("tiny", calibration="paper", **kw)).eval()
+    model.calibrate(make_pairs(AdditionTask.preset("cpu"), 16, "id", seed=11).clean_tokens)
+    factors = model.calibration_factors()
+    assert any(abs(f - 1.0) > 0.05 for f in factors.values()), "calibration should change some factor"
+    metric = LogitDiff(pairs)
+    _, cache = model.run_with_cache(pairs.clean_tokens)
+    for act, fn in TL_BY_POS.items():
+        ref = tl(fn, model, pairs.corrupted_tokens, cache, metric.mean)
+        if act not in ("q", "k") or "calib_score_std" in kw:
+            assert ref.std() > 1e-5, f"{act}: the test needs cells with different effects"
+        for method in ("incremental", "hooks"):
+            ours = activation_patch(model, pairs.corrupted_tokens, cache, metric, act, method=method, batch_size=24)
+            assert (ours.values - ref).abs().max() <= TOL, (act, method)
+    for act in ("z", "pattern"):
+        ref = tl(TL_ALL_POS[act], model, pairs.corrupted_tokens, cache, metric.mean)
+        ours = activation_patch(model, pairs.corrupted_tokens, cache, metric, act, by="all", method="incremental")
+        assert (ours.values - ref).abs().max() <= TOL, act
 
 
 def test_bad_inputs_raise_typed_errors(pairs):
@@ -201,7 +253,7 @@ def test_bad_inputs_raise_typed_errors(pairs):
         activation_patch(model.train(), pairs, activation="z")
     model.eval()
     with pytest.raises(HookNameError, match="hook_z"):
-        activation_patch(model, pairs.corrupted_tokens, {"blocks.0.hook_resid_pre": cache["blocks.0.hook_resid_pre"]}, metric, "z")
+        activation_patch(model, pairs.corrupted_tokens, {act_name("resid_pre", 0): cache[act_name("resid_pre", 0)]}, metric, "z")
     with pytest.raises(PatchingError, match="batch"):
         activation_patch(model, pairs.corrupted_tokens[:2], cache, metric, "z")
     with pytest.raises(PatchingError, match="metric"):

@@ -8,7 +8,7 @@ predict an answer token; they are labelled by what they predict (``place``: ``an
 ``ans.sign`` / ``eos``, aligned across answer lengths; or ``index``: ``a{j}``, j-th answer token).
 
 A head attends *sparsely* when its largest attention weight from the query is at least
-``threshold`` (default 0.95); the key it attends to is then recorded by role. Counting those events
+``threshold`` (default :data:`~interp_norm.hooks.SPARSE_THRESHOLD`, 0.95); the key it attends to is then recorded by role. Counting those events
 over problems gives how often (``frequency`` = events / problems with that query) and how strongly
 (``mean_strength`` = mean of the max weight) each head moves each role to each answer position.
 """
@@ -22,8 +22,9 @@ import torch
 from tqdm.auto import tqdm
 
 from interp_norm import task as T
-from interp_norm.circuits.patching import _device, _require_eval
+from interp_norm.circuits._types import device, require_eval
 from interp_norm.errors import PatchingError
+from interp_norm.hooks import SPARSE_THRESHOLD, act_name
 
 ROLE_ORDER = ("bos", "operand", "sign", "operator", "eq", "answer", "answer_sign", "eos")
 
@@ -66,10 +67,10 @@ def _problems(data) -> list[T.Problem]:
 
 
 @torch.no_grad()
-def sparse_attention_events(model, problems, threshold: float = 0.95, query: str = "place") -> pd.DataFrame:
+def sparse_attention_events(model, problems, threshold: float = SPARSE_THRESHOLD, query: str = "place") -> pd.DataFrame:
     """One row per (problem, answer query, layer, head) whose max attention is >= ``threshold``:
     the query label, the key position and role it attends to, and the weight."""
-    _require_eval(model)
+    require_eval(model)
     if not 0 < threshold <= 1:
         raise PatchingError(f"threshold must be in (0, 1], got {threshold!r}")
     if query not in ("place", "index"):
@@ -78,12 +79,12 @@ def sparse_attention_events(model, problems, threshold: float = 0.95, query: str
     if not probs:
         raise PatchingError("no problems given")
     L = model.cfg.n_layers
-    tokens = T.pad_batch([T.encode(p.text) for p in probs]).to(_device(model))
+    tokens = T.pad_batch([T.encode(p.text) for p in probs]).to(device(model))
     if tokens.shape[1] > model.cfg.n_ctx:
         raise PatchingError(f"problems are {tokens.shape[1]} tokens long but the model's context is {model.cfg.n_ctx}")
-    names = {f"blocks.{l}.attn.hook_pattern" for l in range(L)}
+    names = [act_name("pattern", l) for l in range(L)]
     _, cache = model.run_with_cache(tokens, names_filter=lambda nm: nm in names)
-    pat = torch.stack([cache[f"blocks.{l}.attn.hook_pattern"] for l in range(L)])  # [L, b, H, q, k]
+    pat = torch.stack([cache[nm] for nm in names])  # [L, b, H, q, k]
     roles = [token_roles(p) for p in probs]
     eq = [len(p.question) - 1 for p in probs]
     n_ans = [len(p.answer) for p in probs]
@@ -135,7 +136,7 @@ def _aggregate(events: pd.DataFrame, query_counts: dict) -> pd.DataFrame:
     return agg[cols].sort_values(["query", "layer", "head", "frequency"], ascending=[True, True, True, False]).reset_index(drop=True)
 
 
-def attention_map(model, problems, threshold: float = 0.95, query: str = "place") -> pd.DataFrame:
+def attention_map(model, problems, threshold: float = SPARSE_THRESHOLD, query: str = "place") -> pd.DataFrame:
     """For every answer query, the heads that attend sparsely (max weight >= ``threshold``) and to
     which role, with ``count``, ``frequency`` (of the problems having that query) and ``mean_strength``.
 
@@ -148,7 +149,7 @@ def attention_map(model, problems, threshold: float = 0.95, query: str = "place"
 
 def attention_map_split(
     model, task: T.AdditionTask, split: Union[str, T.Split] = "id", n: int = 512, *, batch_size: int = 128,
-    seed: int = 0, threshold: float = 0.95, query: str = "place", progress: bool = False,
+    seed: int = 0, threshold: float = SPARSE_THRESHOLD, query: str = "place", progress: bool = False,
 ) -> pd.DataFrame:
     """:func:`attention_map` over ``n`` seeded problems of a split, in batches."""
     if not isinstance(n, int) or n < 1 or not isinstance(batch_size, int) or batch_size < 1:

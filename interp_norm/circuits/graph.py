@@ -1,7 +1,7 @@
 """Circuits as edge sets, built from any score table; faithfulness under three ablations; drawing.
 
 A :class:`Circuit` is a set of edges (sender -> receiver, named as in
-:mod:`interp_norm.circuits.attribution`: ``embed``, ``a{l}.h{h}``, ``m{l}`` -> ``a{l}.h{h}.q|k|v``,
+:mod:`interp_norm.circuits.edges`: ``embed``, ``a{l}.h{h}``, ``m{l}`` -> ``a{l}.h{h}.q|k|v``,
 ``m{l}``, ``logits``). Node circuits (a set of heads/MLPs) become every edge among the kept nodes,
 the embedding and the logits -- which is the same as ablating every other node's output.
 
@@ -29,9 +29,10 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from interp_norm.circuits.attribution import EdgeGraph, MetricFn, _EdgeRunner, _metric_values, receiver_node
-from interp_norm.circuits.pairs import LogitDiff, PatchingPairs
-from interp_norm.circuits.patching import PatchResult, _device
+from interp_norm.circuits._types import MetricFn, PatchResult, device, metric_values
+from interp_norm.circuits.edges import EdgeGraph, EdgeRunner, receiver_node
+from interp_norm.circuits.metrics import LogitDiff
+from interp_norm.circuits.pairs import PatchingPairs
 from interp_norm.errors import PatchingError
 
 ABLATIONS = ("resample", "mean", "zero")
@@ -94,9 +95,17 @@ class Circuit:
         return m
 
     def to_dataframe(self) -> pd.DataFrame:
+        """One row per edge: ``sender``, ``receiver``, ``receiver_node``, ``score`` (NaN if unscored)."""
         rows = [dict(sender=u, receiver=r, receiver_node=receiver_node(r), score=self.scores.get((u, r), math.nan)) for u, r in self.edges]
         df = pd.DataFrame(rows, columns=["sender", "receiver", "receiver_node", "score"])
         return df.sort_values(["sender", "receiver"]).reset_index(drop=True)
+
+    def to_json(self) -> dict:
+        """A JSON-able dict: ``n_layers``, ``n_heads`` and the sorted ``edges`` (sender, receiver, score or None)."""
+        return dict(
+            n_layers=self.n_layers, n_heads=self.n_heads,
+            edges=[dict(sender=u, receiver=r, score=self.scores.get((u, r))) for u, r in sorted(self.edges)],
+        )
 
     # -- constructors ------------------------------------------------------------------------
     @classmethod
@@ -106,6 +115,16 @@ class Circuit:
     @classmethod
     def empty(cls, n_layers: int, n_heads: int) -> "Circuit":
         return cls(n_layers, n_heads, frozenset())
+
+    @classmethod
+    def from_dataframe(cls, df: pd.DataFrame, n_layers: int, n_heads: int) -> "Circuit":
+        """The circuit of an edge table (:meth:`to_dataframe`'s columns ``sender``, ``receiver``, ``score``)."""
+        for col in ("sender", "receiver"):
+            if col not in df.columns:
+                raise PatchingError(f"a circuit table needs columns sender and receiver; missing {col!r}")
+        edges = list(zip(df["sender"].astype(str), df["receiver"].astype(str)))
+        scores = df["score"] if "score" in df.columns else [math.nan] * len(df)
+        return cls(n_layers, n_heads, frozenset(edges), {e: float(v) for e, v in zip(edges, scores) if not pd.isna(v)})
 
     @classmethod
     def from_nodes(cls, nodes: Iterable[str], n_layers: int, n_heads: int, node_scores: Optional[dict] = None) -> "Circuit":
@@ -242,8 +261,8 @@ def run_with_circuit(
 ) -> Tensor:
     """Logits ``[len(circuits), batch, pos, vocab]`` of ``tokens`` with every edge outside each
     circuit ablated to the sender values ``ablated`` ``[n_senders, batch, pos, d_model]``."""
-    runner = _runner or _EdgeRunner(model, backend)
-    dev = _device(model)
+    runner = _runner or EdgeRunner(model, backend)
+    dev = device(model)
     valid = runner.valid
     W = torch.stack([valid & ~c.mask() for c in circuits]).to(dev)
     G = len(circuits)
@@ -278,20 +297,20 @@ def faithfulness(
                 f"{cfg.n_layers} x {cfg.n_heads}"
             )
     metric = metric if metric is not None else LogitDiff(pairs)
-    runner = _EdgeRunner(model, backend)
-    dev = _device(model)
+    runner = EdgeRunner(model, backend)
+    dev = device(model)
     clean, corr = pairs.clean_tokens.to(dev), pairs.corrupted_tokens.to(dev)
     b = clean.shape[0]
     clean_logits, s_clean = runner.sender_cache(clean)
     corr_logits, s_corr = runner.sender_cache(corr)
-    m_clean = float(_metric_values(metric, clean_logits, b).mean())
-    m_corr = float(_metric_values(metric, corr_logits, b).mean())
+    m_clean = float(metric_values(metric, clean_logits, b).mean())
+    m_corr = float(metric_values(metric, corr_logits, b).mean())
     empty = Circuit.empty(cfg.n_layers, cfg.n_heads)
     rows = []
     for kind in ablations:
         abl = _ablation_values(kind, s_clean, s_corr)
         logits = run_with_circuit(model, clean, [empty, *circuits], abl, _runner=runner)
-        vals = _metric_values(metric, logits.reshape(-1, *logits.shape[2:]), b).view(len(circuits) + 1, b).mean(-1)
+        vals = metric_values(metric, logits.reshape(-1, *logits.shape[2:]), b).view(len(circuits) + 1, b).mean(-1)
         m_empty = float(vals[0])
         for i, c in enumerate(circuits):
             mc = float(vals[i + 1])

@@ -1,0 +1,388 @@
+"""The edge graph of a model (senders -> receivers) and forward passes that intervene on single edges.
+
+Edges (Syed et al.; Hanna et al.) connect *senders* -- the token+position embedding (``embed``),
+each head's output ``z_h W_O[h]`` (``a{l}.h{h}``) and each MLP's output (``m{l}``) -- to
+*receivers*: each head's query, key and value input separately (``a{l}.h{h}.q`` / ``.k`` /
+``.v``), each MLP's input (``m{l}``) and the unembedding (``logits``, the last residual).
+Because the residual stream is a sum, a receiver's input is the sum of the senders before it
+(plus constant biases), so an intervention on edge ``u -> r`` shifts ``r``'s input alone.
+
+:class:`EdgeRunner` reaches the per-receiver inputs with one of two backends:
+
+* ``"split"``: a twin of our model built with ``use_split_qkv_input=True`` (same weights), whose
+  ``hook_q_input/k_input/v_input`` hold one copy of the residual per head; MLP inputs are reached
+  by subtracting at ``hook_resid_mid`` and adding back at ``hook_resid_post``.
+* ``"copies"``: any TransformerLens-protocol model (e.g. ``TransformerBridge.boot_native``, which
+  cannot split its q/k/v inputs): the batch is repeated ``1 + 3*n_heads`` times per pass; copy
+  ``1 + 3h + j`` carries the residual seen by head ``h``'s q/k/v input ``j`` and the main copy's
+  ``hook_q/k/v`` take head ``h`` from it. Exact, at ``1 + 3*n_heads`` times the compute.
+
+A head's output is ``z_h W_O[h]`` through the block's update calibration (models with
+``cfg.calibration == "paper"`` scale what attention adds to the residual), so the head outputs
+sum to ``hook_attn_out`` minus the scaled bias.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from interp_norm.circuits._types import device, is_ours, require_eval
+from interp_norm.errors import PatchingError
+from interp_norm.hooks import act_name
+from interp_norm.model import HookedNormTransformer
+
+QKV = ("q", "k", "v")
+
+
+@dataclass(frozen=True)
+class EdgeGraph:
+    """Sender and receiver names of a model shape, and which (sender, receiver) pairs are edges."""
+
+    n_layers: int
+    n_heads: int
+
+    @property
+    def senders(self) -> list[str]:
+        out = ["embed"]
+        for l in range(self.n_layers):
+            out += [f"a{l}.h{h}" for h in range(self.n_heads)] + [f"m{l}"]
+        return out
+
+    @property
+    def receivers(self) -> list[str]:
+        out = []
+        for l in range(self.n_layers):
+            out += [f"a{l}.h{h}.{j}" for h in range(self.n_heads) for j in QKV] + [f"m{l}"]
+        return out + ["logits"]
+
+    def sender_index(self, layer: int, what: str, head: int = 0) -> int:
+        """Index of ``embed`` / head ``(layer, head)`` (what='head') / MLP ``layer`` (what='mlp')."""
+        if what == "embed":
+            return 0
+        base = 1 + layer * (self.n_heads + 1)
+        return base + head if what == "head" else base + self.n_heads
+
+    def receiver_index(self, layer: int, what: str, head: int = 0, j: int = 0) -> int:
+        if what == "logits":
+            return self.n_layers * (3 * self.n_heads + 1)
+        base = layer * (3 * self.n_heads + 1)
+        return base + 3 * head + j if what == "head" else base + 3 * self.n_heads
+
+    def n_senders_before(self, layer: int, what: str) -> int:
+        """How many senders are computed before the attention ('attn') or MLP ('mlp') of ``layer``."""
+        base = 1 + layer * (self.n_heads + 1)
+        return base if what == "attn" else base + self.n_heads
+
+    def valid(self) -> Tensor:
+        """[n_senders, n_receivers] bool: u writes into the residual stream before r reads it."""
+        U, R = len(self.senders), len(self.receivers)
+        v = torch.zeros(U, R, dtype=torch.bool)
+        for l in range(self.n_layers):
+            r0 = self.receiver_index(l, "head")
+            v[: self.n_senders_before(l, "attn"), r0 : r0 + 3 * self.n_heads] = True
+            v[: self.n_senders_before(l, "mlp"), self.receiver_index(l, "mlp")] = True
+        v[:, -1] = True
+        return v
+
+    def edges(self) -> list[tuple[str, str]]:
+        s, r, v = self.senders, self.receivers, self.valid()
+        return [(s[i], r[j]) for i, j in zip(*np.nonzero(v.numpy()))]
+
+
+def receiver_node(receiver: str) -> str:
+    """``a1.h2.q`` -> ``a1.h2``; MLP and logits receivers are their own node."""
+    return receiver.rsplit(".", 1)[0] if receiver.count(".") == 2 else receiver
+
+
+# ----------------------------------------------------------------------------- edge runner
+
+
+@torch.no_grad()
+def _resid_mid_feeds_mlp_only(model) -> bool:
+    """Probe: does a change written at layer 0's ``hook_resid_mid`` reach the residual stream?
+
+    In our models it does (the hook sits on the residual); in a TransformerBridge the name is an
+    alias of ``ln2.hook_in`` and only the MLP sees the change.
+    """
+    tokens = torch.arange(min(3, model.cfg.d_vocab, model.cfg.n_ctx), device=device(model)).unsqueeze(0)
+    seen: dict[str, Tensor] = {}
+
+    def mid(x: Tensor, hook: Any) -> Tensor:
+        seen["mid"] = x.clone()
+        return x + 1.0
+
+    def keep(name: str):
+        def f(x: Tensor, hook: Any) -> Tensor:
+            seen[name] = x.clone()
+            return x
+
+        return f
+
+    model.run_with_hooks(tokens, fwd_hooks=[
+        (act_name("resid_mid", 0), mid), (act_name("mlp_out", 0), keep("mlp")), (act_name("resid_post", 0), keep("post")),
+    ])
+    residual = seen["post"] - seen["mlp"]
+    if torch.allclose(residual, seen["mid"] + 1.0, atol=1e-4):
+        return False
+    if torch.allclose(residual, seen["mid"], atol=1e-4):
+        return True
+    raise PatchingError("cannot tell how this model's hook_resid_mid feeds its residual stream; edge interventions need that")
+
+
+class EdgeRunner:
+    """Forward passes with per-receiver interventions (see module docstring for the backends)."""
+
+    def __init__(self, model, backend: str = "auto"):
+        require_eval(model)
+        cfg = model.cfg
+        self.model = model
+        self.L, self.H = cfg.n_layers, cfg.n_heads
+        self.graph = EdgeGraph(self.L, self.H)
+        self.valid = self.graph.valid()
+        if backend not in ("auto", "split", "copies"):
+            raise PatchingError(f"backend must be 'auto', 'split' or 'copies', got {backend!r}")
+        ours = is_ours(model)
+        if backend == "auto":
+            backend = "split" if ours or getattr(cfg, "use_split_qkv_input", False) else "copies"
+        if backend == "split" and not ours and not getattr(cfg, "use_split_qkv_input", False):
+            raise PatchingError(
+                "backend='split' needs per-head q/k/v input hooks (use_split_qkv_input); this model has none -- use backend='copies'"
+            )
+        self.backend = backend
+        self.run_model = model
+        if backend == "split" and ours and not cfg.use_split_qkv_input:
+            p0 = next(model.parameters())
+            twin = HookedNormTransformer(cfg.replace(use_split_qkv_input=True)).to(p0.device, p0.dtype)
+            twin.load_state_dict(model.state_dict())
+            self.run_model = twin.eval()
+        self.W_O = torch.stack([model.blocks[l].attn.W_O.detach() for l in range(self.L)])  # [L, H, dh, d]
+        # what attention adds to the residual is attn.out(z) through the block's update calibration
+        self.update_calib = [getattr(blk, "calib_attn_out", None) for blk in model.blocks]
+        self.mid_feeds_mlp_only = _resid_mid_feeds_mlp_only(self.run_model)
+
+    # -- sender outputs --------------------------------------------------------------------
+    def senders_from_cache(self, cache) -> Tensor:
+        """[U, b, n, d] sender outputs from an ActivationCache of a plain run."""
+        outs = [cache[act_name("embed")] + cache[act_name("pos_embed")]]
+        for l in range(self.L):
+            outs += list(self.head_outputs(l, cache[act_name("z", l)]))
+            outs.append(cache[act_name("mlp_out", l)])
+        return torch.stack(outs)
+
+    def head_outputs(self, layer: int, z: Tensor) -> Tensor:
+        """[H, b, n, d]: what each head of ``layer`` adds to the residual stream, from its ``z``."""
+        res = torch.einsum("bphd,hdm->hbpm", z, self.W_O[layer].to(z.dtype))
+        calib = self.update_calib[layer]
+        return res if calib is None else calib(res)
+
+    def sender_cache(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """(logits, senders [U, b, n, d]) of a plain run."""
+        names = {act_name("embed"), act_name("pos_embed")} | {act_name("z", l) for l in range(self.L)} | {
+            act_name("mlp_out", l) for l in range(self.L)
+        }
+        with torch.no_grad():
+            logits, cache = self.model.run_with_cache(tokens, names_filter=lambda nm: nm in names)
+        return logits, self.senders_from_cache(cache)
+
+    # -- one intervened pass ---------------------------------------------------------------
+    def run(
+        self,
+        tokens: Tensor,
+        weights: Optional[Tensor] = None,
+        ablated: Optional[Tensor] = None,
+        leaves: bool = False,
+        embed_mix: Optional[tuple[Tensor, Tensor, Tensor]] = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Logits of ``tokens`` [B, n] with receiver inputs corrected by ablated senders.
+
+        ``weights`` [G, U, R] (G groups of B // G rows, one circuit/edge set each) and ``ablated``
+        [U, B // G, n, d]: receiver ``r`` of group ``g`` sees its input minus
+        ``sum_u weights[g, u, r] * (u_now - ablated_u)``, where ``u_now`` is sender ``u``'s output
+        in this very pass. ``leaves``: add zero tensors requiring grad at every receiver input and
+        return them (``[R, B, n, d]`` after stacking) to read ``dM/d(receiver input)``.
+        ``embed_mix`` = (e_corr, e_clean, alphas [m]): the token embedding of the m blocks of
+        rows is ``e_corr + alpha (e_clean - e_corr)`` (integrated gradients).
+        """
+        L, H, g = self.L, self.H, self.graph
+        B, n = tokens.shape
+        copies = self.backend == "copies"
+        C = 1 + 3 * H if copies else 1
+        G = 1 if weights is None else weights.shape[0]
+        if B % G:
+            raise PatchingError("rows must split evenly into the weight groups")
+        Bg = B // G
+        U = len(g.senders)
+        # (u_now - ablated_u) for each sender, filled in as the pass computes the senders
+        diffs: Optional[Tensor] = None
+        embed_now: list[Tensor] = []
+        leaf: dict[str, Tensor] = {}
+
+        def corr_for(r_slice: slice, u_avail: int) -> Optional[Tensor]:
+            """[len(r), B, n, d] corrections for receivers r_slice from the first u_avail senders."""
+            if weights is None:
+                return None
+            w = weights[:, :u_avail, r_slice]
+            if not w.any():
+                return None
+            d = diffs[:u_avail]
+            return torch.einsum("gur,ugbnd->rgbnd", w.to(d.dtype), d).reshape(w.shape[-1], B, n, -1)
+
+        def put(u: int, now: Tensor) -> None:
+            """Record sender u's output in this pass (only needed when there are corrections)."""
+            nonlocal diffs
+            if weights is None:
+                return
+            if diffs is None:
+                diffs = now.new_empty(U, G, Bg, n, now.shape[-1])
+            diffs[u] = now.view(G, Bg, n, -1) - ablated[u].to(now.dtype)
+
+        def new_leaf(key: str, like: Tensor) -> Tensor:
+            t = torch.zeros_like(like, requires_grad=True)
+            leaf[key] = t
+            return t
+
+        def main(x: Tensor) -> Tensor:
+            return x.view(C, B, *x.shape[1:])[0] if copies else x
+
+        def hook_embed(x: Tensor, hook: Any) -> Tensor:
+            if embed_mix is not None:
+                e_corr, e_clean, al = embed_mix
+                m = len(al)
+                mix = e_corr.unsqueeze(0) + al.view(m, 1, 1, 1).to(e_corr.dtype) * (e_clean - e_corr).unsqueeze(0)
+                x = mix.reshape(1, B, n, -1).expand(C, B, n, mix.shape[-1]).reshape(x.shape)
+            embed_now[:] = [main(x)]
+            return x
+
+        def hook_pos(x: Tensor, hook: Any) -> Tensor:
+            put(0, embed_now[0] + main(x))
+            return x
+
+        hooks: list[tuple[str, Callable]] = [(act_name("embed"), hook_embed), (act_name("pos_embed"), hook_pos)]
+        for l in range(L):
+            r_attn = slice(g.receiver_index(l, "head"), g.receiver_index(l, "head") + 3 * H)
+            r_mlp = g.receiver_index(l, "mlp")
+            u_attn, u_mlp = g.n_senders_before(l, "attn"), g.n_senders_before(l, "mlp")
+            state: dict[str, Any] = {}
+
+            if copies:
+
+                def h_resid_pre(x: Tensor, hook: Any, l=l, r_attn=r_attn, u_attn=u_attn) -> Tensor:
+                    xv = x.view(C, B, n, -1)
+                    m0 = xv[0]
+                    corr = corr_for(r_attn, u_attn)
+                    rest = m0.unsqueeze(0).expand(3 * H, B, n, m0.shape[-1])
+                    if corr is not None:
+                        rest = rest - corr
+                    if leaves:
+                        rest = rest + new_leaf(f"attn{l}", rest)
+                    return torch.cat([m0.unsqueeze(0), rest]).reshape(x.shape)
+
+                hooks.append((act_name("resid_pre", l), h_resid_pre))
+                for j, nm in enumerate(QKV):
+
+                    def h_qkv(x: Tensor, hook: Any, j=j) -> Tensor:
+                        xv = x.view(C, B, *x.shape[1:])  # [C, B, n, H, dh]
+                        heads = torch.arange(H, device=x.device)
+                        picked = xv[1 + 3 * heads + j, :, :, heads]  # [H, B, n, dh]
+                        return torch.cat([picked.permute(1, 2, 0, 3).unsqueeze(0), xv[1:]]).reshape(x.shape)
+
+                    hooks.append((act_name(nm, l), h_qkv))
+            else:
+                for j, nm in enumerate(QKV):
+
+                    def h_input(x: Tensor, hook: Any, l=l, j=j, r_attn=r_attn, u_attn=u_attn, state=state) -> Tensor:
+                        # x [B, n, H, d]; corrections for receivers (h, j) over h
+                        if "attn" not in state:
+                            c = corr_for(r_attn, u_attn)
+                            state["attn"] = None if c is None else c.view(H, 3, B, n, -1)
+                        c = state["attn"]
+                        if c is not None:
+                            x = x - c[:, j].permute(1, 2, 0, 3)
+                        if leaves:
+                            x = x + new_leaf(f"attn{l}.{j}", x)
+                        return x
+
+                    hooks.append((act_name(f"{nm}_input", l), h_input))
+
+            def h_z(x: Tensor, hook: Any, l=l) -> Tensor:
+                if weights is not None:
+                    z = main(x)
+                    res = self.head_outputs(l, z)
+                    base = g.sender_index(l, "head")
+                    for h in range(H):
+                        put(base + h, res[h])
+                return x
+
+            def h_resid_mid(x: Tensor, hook: Any, l=l, r_mlp=r_mlp, u_mlp=u_mlp, state=state) -> Tensor:
+                c = corr_for(slice(r_mlp, r_mlp + 1), u_mlp)
+                shift = None if c is None else -c[0]
+                if leaves:
+                    d = new_leaf(f"mlp{l}", main(x))
+                    shift = d if shift is None else shift + d
+                state["mlp_shift"] = shift
+                if shift is None:
+                    return x
+                if copies:
+                    xv = x.view(C, B, n, -1)
+                    return torch.cat([(xv[0] + shift).unsqueeze(0), xv[1:]]).reshape(x.shape)
+                return x + shift
+
+            def h_mlp_out(x: Tensor, hook: Any, l=l) -> Tensor:
+                put(g.sender_index(l, "mlp"), main(x))
+                return x
+
+            def h_resid_post(x: Tensor, hook: Any, l=l, state=state) -> Tensor:
+                shift = state.get("mlp_shift")
+                # the residual path must not see the MLP receiver's shift: undo it, unless the model's
+                # hook_resid_mid only feeds the MLP (a TransformerBridge aliases it to ln2.hook_in)
+                out_shift = None if shift is None or self.mid_feeds_mlp_only else -shift
+                if l == L - 1:
+                    c = corr_for(slice(-1, None), U)
+                    s2 = None if c is None else -c[0]
+                    if leaves:
+                        d = new_leaf("logits", main(x))
+                        s2 = d if s2 is None else s2 + d
+                    if s2 is not None:
+                        out_shift = s2 if out_shift is None else out_shift + s2
+                if out_shift is None:
+                    return x
+                if copies:
+                    xv = x.view(C, B, n, -1)
+                    return torch.cat([(xv[0] + out_shift).unsqueeze(0), xv[1:]]).reshape(x.shape)
+                return x + out_shift
+
+            hooks += [
+                (act_name("z", l), h_z),
+                (act_name("resid_mid", l), h_resid_mid),
+                (act_name("mlp_out", l), h_mlp_out),
+                (act_name("resid_post", l), h_resid_post),
+            ]
+        toks = tokens.repeat(C, 1) if copies else tokens
+        logits = self.run_model.run_with_hooks(toks, fwd_hooks=hooks)
+        if copies:
+            logits = logits.view(C, B, *logits.shape[1:])[0]
+        return logits, leaf
+
+    def receiver_grads(self, leaf: dict[str, Tensor], grads: Sequence[Tensor]) -> Tensor:
+        """Stack leaf gradients into [R, B, n, d] in receiver order."""
+        gd = dict(zip(leaf.keys(), grads))
+        L, H = self.L, self.H
+        out = []
+        for l in range(L):
+            if self.backend == "copies":
+                a = gd[f"attn{l}"]  # [3H, B, n, d], index 3h + j
+                out += list(a)
+            else:
+                per_j = [gd[f"attn{l}.{j}"] for j in range(3)]  # [B, n, H, d]
+                out += [per_j[j][:, :, h] for h in range(H) for j in range(3)]
+            out.append(gd[f"mlp{l}"])
+        out.append(gd["logits"])
+        return torch.stack(out)
+
+
+__all__ = ["EdgeGraph", "EdgeRunner", "receiver_node", "QKV"]
