@@ -1,39 +1,59 @@
-"""The ``interp-norm`` command line: orchestration only, no science.
+"""The ``interp-norm`` command line: every subcommand, registered in one place; orchestration only.
 
-Each subcommand is one function that adds its parser and returns the function that runs it,
-registered with :func:`command`::
+A subcommand is a :class:`Command`: a name, a help line, ``add_arguments(parser)`` (declares the
+options, imports nothing heavy) and ``run(args) -> exit code`` (imports what it needs, calls the
+library, writes through :mod:`interp_norm.io`). :func:`command` registers one::
 
-    @command("noise", help="accuracy under norm noise")
-    def _noise(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-        p.add_argument("ckpt")
-        def run(args): ...; return 0
-        return run
+    def _noise_args(p): p.add_argument("ckpt"); ...
 
-Subcommands appear in ``--help`` in registration order. Any :class:`InterpNormError` becomes
-one line ``interp-norm: error: ...`` on stderr and exit code 2 (no traceback); so do bad
-arguments. Heavy imports happen inside ``run`` so ``--help`` stays fast.
+    @command("noise", help="accuracy under norm noise", add_arguments=_noise_args)
+    def _noise(args): ...; return 0
+
+Subcommands appear in ``--help`` in registration order. Only the parser of the subcommand being
+run is built, and heavy modules (torch, TransformerLens, plotly, pandas) load inside ``run``, so
+``interp-norm --help`` stays fast. Any :class:`InterpNormError` becomes one line
+``interp-norm: error: ...`` on stderr and exit code 2 (no traceback); so do bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from interp_norm.errors import InterpNormError, OutputDirError
 
-Runner = Callable[[argparse.Namespace], int]
-COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], Runner]]] = {}
 PROG = "interp-norm"
+#: The task's splits (the task module imports torch; --help must not).
+SPLITS = ("id", "interp", "extrap")
+#: The analyses ``reproduce`` can run (reproduce.ANALYSES; that module imports pandas).
+ANALYSES = ("evaluate", "circuits", "noise", "collapse", "geometry", "attention")
+
+Runner = Callable[[argparse.Namespace], int]
 
 
-def command(name: str, help: str) -> Callable:
-    """Register a subcommand: ``add(parser) -> run(args) -> exit code``."""
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: ``add_arguments`` declares its options, ``run`` does the work."""
 
-    def deco(add: Callable[[argparse.ArgumentParser], Runner]) -> Callable[[argparse.ArgumentParser], Runner]:
-        COMMANDS[name] = (help, add)
-        return add
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Runner
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None
+            ) -> Callable[[Runner], Runner]:
+    """Register the decorated ``run(args) -> exit code`` as subcommand ``name``."""
+
+    def deco(run: Runner) -> Runner:
+        COMMANDS[name] = Command(name, help, add_arguments, run)
+        return run
 
     return deco
 
@@ -49,7 +69,7 @@ def _check_csv_out(path: Optional[str]) -> Optional[Path]:
     """Fail before any work if a --out CSV cannot be written."""
     if path is None:
         return None
-    from interp_norm.checkpoints import ensure_writable_dir
+    from interp_norm.io import ensure_writable_dir
 
     p = Path(path)
     if p.is_dir():
@@ -58,17 +78,20 @@ def _check_csv_out(path: Optional[str]) -> Optional[Path]:
     return p
 
 
-def _load_any(ckpt: str, device: str = "cpu"):
+def _load_any(ckpt: str, device: str = "cpu") -> tuple[Any, Any]:
     from interp_norm.checkpoints import load_any
 
     return load_any(ckpt, device=device)
 
 
+def _ckpt_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ckpt", help="checkpoint or run folder, or a pretrained name (see 'interp-norm list')")
+
+
 # ----------------------------------------------------------------------------- train
 
 
-@command("train", help="train a model (resumable; checkpoints into --out)")
-def _train(p: argparse.ArgumentParser) -> Runner:
+def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="run folder (checkpoints step-*/ and LATEST go here)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its last checkpoint, with its saved options unless given here")
@@ -93,93 +116,167 @@ def _train(p: argparse.ArgumentParser) -> Runner:
     p.add_argument("--checkpoint-every", type=int)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
-    def run(args: argparse.Namespace) -> int:
-        import pandas as pd
 
-        from interp_norm.checkpoints import ensure_writable_dir, latest_checkpoint, read_checkpoint_info
-        from interp_norm.model import ModelConfig
-        from interp_norm.task import AdditionTask
-        from interp_norm.train import TrainConfig, resolve_device, train
+@command("train", help="train a model (resumable; checkpoints into --out)", add_arguments=_train_args)
+def _train(args: argparse.Namespace) -> int:
+    import pandas as pd
 
-        # --resume without options continues with the saved ones; options given here must agree
-        # with them (train() says which differ), except those that cannot change the weights.
-        saved = None
-        if args.resume and Path(args.out).is_dir() and latest_checkpoint(args.out) is not None:
-            saved = read_checkpoint_info(args.out, verify=False)
-        reuse = saved is not None and args.preset is None
-        preset = args.preset or "cpu"
-        model_changes = {k: v for k, v in dict(attn_norm=args.attn_norm, norm_kind=args.norm_kind, seed=args.seed).items()
-                         if v is not None}
-        if reuse and args.model_preset is None:
-            model_cfg = saved.model_cfg.replace(**model_changes)
-        else:
-            model_cfg = ModelConfig.preset(args.model_preset or preset, **model_changes)
-        task = saved.task if reuse and args.task_preset is None else AdditionTask.preset(args.task_preset or preset)
-        overrides = {
-            k: v for k, v in dict(
-                max_steps=args.steps, n_epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
-                batch_size=args.batch_size, lr=args.lr, device=args.device, log_every=args.log_every,
-                eval_every=args.eval_every, eval_size=args.eval_size, final_eval_size=args.final_eval_size,
-                checkpoint_every=args.checkpoint_every, seed=args.seed,
-            ).items() if v is not None
-        }
-        if args.grad_clip is not None:
-            overrides["grad_clip"] = args.grad_clip or None
-        if reuse and saved.train_cfg is not None:
-            train_cfg = saved.train_cfg.replace(**overrides)
-        else:
-            train_cfg = TrainConfig.preset(preset, **{"seed": model_cfg.seed, **overrides})
-        resolve_device(train_cfg.device)  # hardware and output folder are checked before any work
-        ensure_writable_dir(args.out)
-        train(model_cfg, task, train_cfg, args.out, resume=args.resume, progress=not args.no_progress)
-        info = read_checkpoint_info(args.out)
-        print(f"trained {info.step} steps; checkpoint: {info.path}")
-        print(pd.DataFrame(info.metrics.get("evaluation", [])).to_string(index=False))
-        return 0
+    from interp_norm.checkpoints import latest_checkpoint, read_checkpoint_info
+    from interp_norm.io import ensure_writable_dir
+    from interp_norm.model import ModelConfig
+    from interp_norm.task import AdditionTask
+    from interp_norm.train import TrainConfig, resolve_device, train
 
-    return run
+    # --resume without options continues with the saved ones; options given here must agree
+    # with them (train() says which differ), except those that cannot change the weights.
+    saved = None
+    if args.resume and Path(args.out).is_dir() and latest_checkpoint(args.out) is not None:
+        saved = read_checkpoint_info(args.out, verify=False)
+    reuse = saved is not None and args.preset is None
+    preset = args.preset or "cpu"
+    model_changes = {k: v for k, v in dict(attn_norm=args.attn_norm, norm_kind=args.norm_kind, seed=args.seed).items()
+                     if v is not None}
+    if reuse and args.model_preset is None:
+        model_cfg = saved.model_cfg.replace(**model_changes)
+    else:
+        model_cfg = ModelConfig.preset(args.model_preset or preset, **model_changes)
+    task = saved.task if reuse and args.task_preset is None else AdditionTask.preset(args.task_preset or preset)
+    overrides = {
+        k: v for k, v in dict(
+            max_steps=args.steps, n_epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
+            batch_size=args.batch_size, lr=args.lr, device=args.device, log_every=args.log_every,
+            eval_every=args.eval_every, eval_size=args.eval_size, final_eval_size=args.final_eval_size,
+            checkpoint_every=args.checkpoint_every, seed=args.seed,
+        ).items() if v is not None
+    }
+    if args.grad_clip is not None:
+        overrides["grad_clip"] = args.grad_clip or None
+    if reuse and saved.train_cfg is not None:
+        train_cfg = saved.train_cfg.replace(**overrides)
+    else:
+        train_cfg = TrainConfig.preset(preset, **{"seed": model_cfg.seed, **overrides})
+    resolve_device(train_cfg.device)  # hardware and output folder are checked before any work
+    ensure_writable_dir(args.out)
+    train(model_cfg, task, train_cfg, args.out, resume=args.resume, progress=not args.no_progress)
+    info = read_checkpoint_info(args.out)
+    print(f"trained {info.step} steps; checkpoint: {info.path}")
+    print(pd.DataFrame(info.metrics.get("evaluation", [])).to_string(index=False))
+    return 0
 
 
 # ----------------------------------------------------------------------------- evaluate
 
 
-@command("evaluate", help="per-token and exact-match accuracy of a checkpoint per split")
-def _evaluate(p: argparse.ArgumentParser) -> Runner:
-    p.add_argument("ckpt", help="checkpoint or run folder, or a pretrained name (see 'interp-norm list')")
+def _evaluate_args(p: argparse.ArgumentParser) -> None:
+    _ckpt_arg(p)
     p.add_argument("--size", type=int, default=2048, help="problems per split (default 2048)")
     p.add_argument("--seed", type=int, default=1234, help="test-set seed (default 1234)")
-    p.add_argument("--splits", nargs="+", default=["id", "interp", "extrap"], choices=["id", "interp", "extrap"])
+    p.add_argument("--splits", nargs="+", default=list(SPLITS), choices=SPLITS)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--no-exact-match", action="store_true", help="skip greedy generation (faster)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", help="also write the table to this CSV file")
 
-    def run(args: argparse.Namespace) -> int:
-        from interp_norm.evaluate import evaluate
-        from interp_norm.train import resolve_device
 
-        out = _check_csv_out(args.out)
-        resolve_device(args.device)
-        model, info = _load_any(args.ckpt, device=args.device)
-        df = evaluate(model, info.task, splits=args.splits, size=args.size, seed=args.seed,
-                      batch_size=args.batch_size, exact_match=not args.no_exact_match)
-        df.insert(0, "checkpoint", args.ckpt)
-        print(df.to_string(index=False))
-        if out is not None:
-            df.to_csv(out, index=False)
-        return 0
+@command("evaluate", help="per-token and exact-match accuracy of a checkpoint per split", add_arguments=_evaluate_args)
+def _evaluate(args: argparse.Namespace) -> int:
+    from interp_norm.evaluate import evaluate
+    from interp_norm.io import write_csv
+    from interp_norm.train import resolve_device
 
-    return run
+    out = _check_csv_out(args.out)
+    resolve_device(args.device)
+    model, info = _load_any(args.ckpt, device=args.device)
+    df = evaluate(model, info.task, splits=args.splits, size=args.size, seed=args.seed,
+                  batch_size=args.batch_size, exact_match=not args.no_exact_match)
+    df.insert(0, "checkpoint", args.ckpt)
+    print(df.to_string(index=False))
+    if out is not None:
+        write_csv(out, df)
+    return 0
+
+
+# ----------------------------------------------------------------------------- list
+
+
+@command("list", help="list the pretrained checkpoints shipped in data/checkpoints")
+def _list(args: argparse.Namespace) -> int:
+    from interp_norm.checkpoints import list_pretrained, pretrained_dir
+
+    df = list_pretrained()
+    if df.empty:
+        print(f"no pretrained checkpoints in {pretrained_dir()} (set INTERP_NORM_DATA to another data folder)")
+    else:
+        print(df.drop(columns=["path"]).to_string(index=False))
+    return 0
+
+
+# ----------------------------------------------------------------------------- circuits
+
+
+def _circuits_args(p: argparse.ArgumentParser) -> None:
+    from interp_norm.circuits.pairs import METRICS
+
+    _ckpt_arg(p)
+    p.add_argument("--out", default=None, help="output folder (default: ./circuits-<checkpoint name>)")
+    p.add_argument("--pairs", type=int, default=32, help="clean/corrupted pairs (default 32)")
+    p.add_argument("--split", default="id", help="id, interp or extrap (default id)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corrupt", choices=["digit", "operator", "any"], default="digit")
+    p.add_argument("--unaligned", action="store_true", help="do not force one token layout for all pairs")
+    p.add_argument("--metric", choices=list(METRICS), default="logit_diff")
+    p.add_argument("--top-n", type=int, default=20, help="edges kept in the circuit (default 20)")
+    p.add_argument("--ig-steps", type=int, default=5, help="EAP-IG integration steps (default 5)")
+    p.add_argument("--attention-problems", type=int, default=256)
+    p.add_argument("--progress", action="store_true")
+
+
+@command("circuits", help="patching tables, EAP-IG edges, circuit graph and faithfulness for a checkpoint",
+         add_arguments=_circuits_args)
+def _circuits(args: argparse.Namespace) -> int:
+    from interp_norm.circuits import run_circuits
+    from interp_norm.io import ensure_writable_dir
+
+    out = ensure_writable_dir(args.out or f"circuits-{Path(str(args.ckpt).rstrip('/')).name}")  # before any work
+    model, info = _load_any(args.ckpt)
+    tables = run_circuits(
+        model, info.task, n_pairs=args.pairs, split=args.split, seed=args.seed, corrupt=args.corrupt,
+        aligned=not args.unaligned, metric=args.metric, top_n=args.top_n, ig_steps=args.ig_steps,
+        attention_problems=args.attention_problems, progress=args.progress,
+    )
+    write_circuit_tables(out, tables, model.cfg.n_layers, model.cfg.n_heads)
+    f = tables["faithfulness"]
+    print(f"wrote {len(tables)} tables, circuit.html and circuit.json to {out}")
+    print(f"circuit: {len(tables['circuit'])} edges; recovered fraction of {args.metric}: "
+          + ", ".join(f"{a} {v:.3f}" for a, v in zip(f["ablation"], f["faithfulness"])))
+    return 0
+
+
+def write_circuit_tables(out: Path, tables: dict, n_layers: int, n_heads: int) -> None:
+    """One CSV per table of ``run_circuits``, the circuit as ``circuit.html`` (plotly, offline) and ``circuit.json``."""
+    import math
+
+    from interp_norm.io import write_atomic, write_json, write_tables
+    from interp_norm.plots import plot_circuit_graph
+
+    write_tables(out, tables)
+    edges = tables["circuit"]
+    fig = plot_circuit_graph(edges, n_layers=n_layers, n_heads=n_heads)
+    write_atomic(out / "circuit.html", lambda p: fig.write_html(p, include_plotlyjs=True))
+    scores = [None if s is None or math.isnan(s) else float(s) for s in edges["score"]]
+    write_json(out / "circuit.json", dict(n_layers=n_layers, n_heads=n_heads, edges=[
+        dict(sender=u, receiver=r, score=s) for u, r, s in zip(edges["sender"], edges["receiver"], scores)
+    ]))
 
 
 # ----------------------------------------------------------------------------- noise and collapse
 
 
-def _noise_args(p: argparse.ArgumentParser, default_levels: Sequence[float], default_n: int) -> None:
-    p.add_argument("ckpt", help="checkpoint or run folder, or a pretrained name (see 'interp-norm list')")
+def _noise_common_args(p: argparse.ArgumentParser, default_levels: Sequence[float], default_n: int) -> None:
+    _ckpt_arg(p)
     p.add_argument("--out", required=True, help="folder for the CSV tables")
     p.add_argument("--levels", type=float, nargs="+", default=list(default_levels), help="noise RMS levels")
-    p.add_argument("--split", default="id", choices=["id", "interp", "extrap"])
+    p.add_argument("--split", default="id", choices=SPLITS)
     p.add_argument("--n-examples", type=int, default=default_n)
     p.add_argument("--placement", default="before_norm", choices=["before_norm", "after_norm"],
                    help="for QK/QKV-Norm models: noise before the norm (removed by it) or after it")
@@ -187,121 +284,184 @@ def _noise_args(p: argparse.ArgumentParser, default_levels: Sequence[float], def
     p.add_argument("--seed", type=int, default=0, help="noise seed")
 
 
-@command("noise", help="per-token accuracy under multiplicative norm noise (the paper's noise-sensitivity sweep)")
-def _noise(p: argparse.ArgumentParser) -> Runner:
-    from interp_norm.noise import DEFAULT_NOISE_LEVELS
+def _noise_args(p: argparse.ArgumentParser) -> None:
+    from interp_norm.noise import DEFAULT_NOISE_LEVELS  # the defaults shown in --help are the module's
 
-    _noise_args(p, DEFAULT_NOISE_LEVELS, 512)
+    _noise_common_args(p, DEFAULT_NOISE_LEVELS, 512)
     p.add_argument("--n-datasets", type=int, default=3, help="independent datasets for the standard error")
 
-    def run(args: argparse.Namespace) -> int:
-        from interp_norm.checkpoints import ensure_writable_dir
-        from interp_norm.noise import run_noise
 
-        out = ensure_writable_dir(args.out)
-        model, info = _load_any(args.ckpt)
-        df = run_noise(model, info.task, args.levels, split=args.split, n_datasets=args.n_datasets,
-                       n_examples=args.n_examples, placement=args.placement, distribution=args.distribution,
-                       seed=args.seed, progress=True)
-        df.to_csv(out / "noise_accuracy.csv", index=False)
-        print(df.to_string(index=False))
-        print(f"wrote {out / 'noise_accuracy.csv'}")
-        return 0
+@command("noise", help="per-token accuracy under multiplicative norm noise (the paper's noise-sensitivity sweep)",
+         add_arguments=_noise_args)
+def _noise(args: argparse.Namespace) -> int:
+    from interp_norm.io import ensure_writable_dir, write_csv
+    from interp_norm.noise import run_noise
 
-    return run
+    out = ensure_writable_dir(args.out)
+    model, info = _load_any(args.ckpt)
+    df = run_noise(model, info.task, args.levels, split=args.split, n_datasets=args.n_datasets,
+                   n_examples=args.n_examples, placement=args.placement, distribution=args.distribution,
+                   seed=args.seed, progress=True)
+    write_csv(out / "noise_accuracy.csv", df)
+    print(df.to_string(index=False))
+    print(f"wrote {out / 'noise_accuracy.csv'}")
+    return 0
 
 
-@command("collapse", help="circuit-collapse probability vs noise, measured and predicted by the theory")
-def _collapse(p: argparse.ArgumentParser) -> Runner:
+def _collapse_args(p: argparse.ArgumentParser) -> None:
     from interp_norm.noise import DEFAULT_COLLAPSE_LEVELS
 
-    _noise_args(p, DEFAULT_COLLAPSE_LEVELS, 256)
-
-    def run(args: argparse.Namespace) -> int:
-        from interp_norm.checkpoints import ensure_writable_dir
-        from interp_norm.noise import collapse_thresholds, run_collapse
-
-        out = ensure_writable_dir(args.out)
-        model, info = _load_any(args.ckpt)
-        curves = run_collapse(model, info.task, args.levels, split=args.split, n_examples=args.n_examples,
-                              placement=args.placement, distribution=args.distribution, seed=args.seed, progress=True)
-        thresholds = collapse_thresholds(curves)
-        curves.to_csv(out / "collapse_curves.csv", index=False)
-        thresholds.to_csv(out / "collapse_thresholds.csv", index=False)
-        print(thresholds.to_string(index=False))
-        print(f"wrote {out / 'collapse_curves.csv'} and {out / 'collapse_thresholds.csv'}")
-        return 0
-
-    return run
+    _noise_common_args(p, DEFAULT_COLLAPSE_LEVELS, 256)
 
 
-@command("geometry", help="norm spread, orthogonal spheres, subspace angles, interference, sparsity, LayerNorm ellipsoids")
-def _geometry(p: argparse.ArgumentParser) -> Runner:
-    p.add_argument("ckpt", help="checkpoint or run folder, or a pretrained name (see 'interp-norm list')")
+@command("collapse", help="circuit-collapse probability vs noise, measured and predicted by the theory",
+         add_arguments=_collapse_args)
+def _collapse(args: argparse.Namespace) -> int:
+    from interp_norm.io import ensure_writable_dir, write_csv
+    from interp_norm.noise import collapse_thresholds, run_collapse
+
+    out = ensure_writable_dir(args.out)
+    model, info = _load_any(args.ckpt)
+    curves = run_collapse(model, info.task, args.levels, split=args.split, n_examples=args.n_examples,
+                          placement=args.placement, distribution=args.distribution, seed=args.seed, progress=True)
+    thresholds = collapse_thresholds(curves)
+    write_csv(out / "collapse_curves.csv", curves)
+    write_csv(out / "collapse_thresholds.csv", thresholds)
+    print(thresholds.to_string(index=False))
+    print(f"wrote {out / 'collapse_curves.csv'} and {out / 'collapse_thresholds.csv'}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- geometry
+
+
+def _geometry_args(p: argparse.ArgumentParser) -> None:
+    _ckpt_arg(p)
     p.add_argument("--out", required=True, help="folder for the CSV tables")
     p.add_argument("--n", type=int, default=256, help="problems analysed (default 256)")
-    p.add_argument("--split", default="id", choices=["id", "interp", "extrap"])
+    p.add_argument("--split", default="id", choices=SPLITS)
     p.add_argument("--seed", type=int, default=0)
 
-    def run(args: argparse.Namespace) -> int:
-        from interp_norm.checkpoints import ensure_writable_dir
-        from interp_norm.geometry import geometry_summary, run_geometry
 
-        out = ensure_writable_dir(args.out)
-        model, info = _load_any(args.ckpt)
-        results = run_geometry(model, info.task, n=args.n, split=args.split, seed=args.seed, progress=True)
-        for name, df in results.items():
-            df.to_csv(out / f"geometry_{name}.csv", index=False)
-        print(geometry_summary(results, per_layer=False).to_string(index=False))
-        print(f"wrote {len(results)} tables geometry_*.csv to {out}")
-        return 0
+@command("geometry", help="norm spread, orthogonal spheres, subspace angles, interference, sparsity, LayerNorm ellipsoids",
+         add_arguments=_geometry_args)
+def _geometry(args: argparse.Namespace) -> int:
+    from interp_norm.geometry import geometry_summary, run_geometry
+    from interp_norm.io import ensure_writable_dir, write_tables
 
-    return run
-
-
-# ----------------------------------------------------------------------------- list
+    out = ensure_writable_dir(args.out)
+    model, info = _load_any(args.ckpt)
+    results = run_geometry(model, info.task, n=args.n, split=args.split, seed=args.seed, progress=True)
+    write_tables(out, {f"geometry_{name}": df for name, df in results.items()})
+    print(geometry_summary(results, per_layer=False).to_string(index=False))
+    print(f"wrote {len(results)} tables geometry_*.csv to {out}")
+    return 0
 
 
-@command("list", help="list the pretrained checkpoints shipped in data/checkpoints")
-def _list(p: argparse.ArgumentParser) -> Runner:
-    def run(args: argparse.Namespace) -> int:
-        from interp_norm.checkpoints import list_pretrained, pretrained_dir
+# ----------------------------------------------------------------------------- reproduce and dashboard
 
-        df = list_pretrained()
-        if df.empty:
-            print(f"no pretrained checkpoints in {pretrained_dir()} (set INTERP_NORM_DATA to another data folder)")
-        else:
-            print(df.drop(columns=["path"]).to_string(index=False))
-        return 0
 
-    return run
+def _settings_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``reproduce`` and ``dashboard``."""
+    p.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for tests and smoke checks)")
+    p.add_argument("--analyse", nargs="+", metavar="NAME",
+                   help="checkpoints for circuits/noise/collapse/geometry/attention ('all' = every one; "
+                        "default: one per architecture for the shipped set, every given checkpoint otherwise)")
+    p.add_argument("--problems", nargs="+", metavar="PROBLEM",
+                   help="problems for the attention figure, e.g. '[12+N7=' (default: one per split)")
+    p.add_argument("--only", nargs="+", choices=ANALYSES, help="run only these analyses")
+    p.add_argument("--seed", type=int, default=0, help="seed for data and noise draws (default 0)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: these small models run fastest on one thread)")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from interp_norm.reproduce import Settings
+    from interp_norm.task import parse_problem
+
+    kw: dict[str, Any] = dict(seed=args.seed)
+    if args.problems:
+        kw["problems"] = tuple(parse_problem(p).text for p in args.problems)  # typed error on a bad string
+    if args.only:
+        kw["analyses"] = tuple(args.only)
+    return Settings.quick(**kw) if args.quick else Settings.full(**kw)
+
+
+def _analyse(args: argparse.Namespace) -> Optional[Any]:
+    if not args.analyse:
+        return None
+    return "all" if args.analyse == ["all"] else list(args.analyse)
+
+
+def _reproduce_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="report", help="report folder (default: report/)")
+    p.add_argument("--checkpoints", nargs="+", metavar="CKPT",
+                   help="checkpoint folders or pretrained names (default: every shipped checkpoint)")
+    _settings_args(p)
+
+
+@command("reproduce", help="run the paper's whole analysis on the shipped checkpoints -> CSVs + offline dashboard",
+         add_arguments=_reproduce_args)
+def _reproduce(args: argparse.Namespace) -> int:
+    from interp_norm.io import ensure_writable_dir
+    from interp_norm.reproduce import reproduce
+
+    ensure_writable_dir(args.out)  # before any work
+    report = reproduce(args.out, args.checkpoints, settings=_settings(args), analyse=_analyse(args),
+                       progress=not args.no_progress, threads=args.threads)
+    print(f"wrote {len(report.tables)} tables and {Path(args.out) / 'dashboard.html'} in {report.timings['total']:.0f} s")
+    for note in report.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def _dashboard_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ckpt", nargs="+", help="checkpoint or run folders, or pretrained names (see 'interp-norm list')")
+    p.add_argument("--out", default="dashboard.html", help="HTML file to write (default: dashboard.html)")
+    _settings_args(p)
+
+
+@command("dashboard", help="analyse any checkpoints and write their offline HTML dashboard", add_arguments=_dashboard_args)
+def _dashboard(args: argparse.Namespace) -> int:
+    import time
+
+    from interp_norm.reproduce import make_dashboard
+
+    t = time.perf_counter()
+    path = make_dashboard(args.ckpt, args.out, settings=_settings(args), analyse=_analyse(args),
+                          progress=not args.no_progress, threads=args.threads)
+    print(f"wrote {path} in {time.perf_counter() - t:.0f} s")
+    return 0
 
 
 # ----------------------------------------------------------------------------- main
 
 
-from interp_norm import dashboard as _dashboard, reproduce as _reproduce  # noqa: E402  (register their commands)
-from interp_norm.circuits import cli_command as _circuits_command  # noqa: E402
-
-command("circuits", help="patching tables, EAP-IG edges, circuit graph and faithfulness for a checkpoint")(_circuits_command)
-
-_reproduce.register_cli(command)
-_dashboard.register_cli(command)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
+    """The parser; with ``only``, just that subcommand's options are declared (the others stay names)."""
     parser = _Parser(prog=PROG, description="Pre-Norm vs QKV-Norm addition transformers: train, evaluate, analyse.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    for name, (help_text, add) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_run=add(p))
+    for name, cmd in COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        if only is None or only == name:
+            cmd.add_arguments(p)
+        p.set_defaults(_run=cmd.run)
     return parser
+
+
+def _command_in(argv: Sequence[str]) -> Optional[str]:
+    """The subcommand named in ``argv`` (the first word not starting with '-'), if registered."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first if first in COMMANDS else None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``interp-norm``; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name = _command_in(argv)
+    args = build_parser(only=name or "").parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except InterpNormError as e:

@@ -136,18 +136,16 @@ def test_train_maps_options_and_resumes(tmp_path, capsys):
 
 
 def test_commands_can_be_registered_and_library_errors_are_caught(capsys):
-    @cli.command("hello", help="say hello")
-    def _hello(p):
+    def hello_args(p):
         p.add_argument("--name", default="world")
         p.add_argument("--fail", action="store_true")
 
-        def go(args):
-            if args.fail:
-                raise ConfigError("bad name\nsecond line")
-            print(f"hello {args.name}")
-            return 0
-
-        return go
+    @cli.command("hello", help="say hello", add_arguments=hello_args)
+    def _hello(args):
+        if args.fail:
+            raise ConfigError("bad name\nsecond line")
+        print(f"hello {args.name}")
+        return 0
 
     try:
         code, out, _ = run(capsys, "hello", "--name", "QKV")
@@ -156,3 +154,59 @@ def test_commands_can_be_registered_and_library_errors_are_caught(capsys):
         assert "hello" in cli.build_parser().format_help()
     finally:
         cli.COMMANDS.pop("hello")
+
+
+def test_every_subcommand_is_registered_in_cli_and_library_modules_hold_no_argparse():
+    from pathlib import Path
+
+    import interp_norm
+
+    assert list(cli.COMMANDS) == ["train", "evaluate", "list", "circuits", "noise", "collapse", "geometry",
+                                  "reproduce", "dashboard"]
+    root = Path(interp_norm.__file__).parent
+    for path in root.rglob("*.py"):
+        if path.name == "cli.py":
+            continue
+        text = path.read_text(encoding="utf-8")
+        assert "argparse" not in text and "register_cli" not in text, path
+    parser = cli.build_parser()  # every subcommand's options build without error
+    for name in cli.COMMANDS:
+        assert name in parser.format_help()
+
+
+HEAVY = ("torch", "transformer_lens", "plotly", "pandas")
+
+
+def _modules_after(code: str) -> set:
+    p = subprocess.run([sys.executable, "-c", code + "\nimport sys, json; print(json.dumps(sorted(sys.modules)))"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return set(json.loads(p.stdout.strip().splitlines()[-1]))
+
+
+def test_help_imports_no_heavy_module():
+    """``interp-norm --help`` (and ``import interp_norm``) load neither torch nor TransformerLens, plotly, pandas."""
+    code = ("import contextlib, io\nfrom interp_norm import cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    try:\n        cli.main(['--help'])\n    except SystemExit as e:\n        assert e.code == 0\n")
+    loaded = _modules_after(code)
+    assert "interp_norm.cli" in loaded
+    assert not {m for m in loaded if m.split(".")[0] in HEAVY}, sorted(m for m in loaded if m.split(".")[0] in HEAVY)[:5]
+    loaded = _modules_after("import interp_norm; interp_norm.__version__")
+    assert not {m for m in loaded if m.split(".")[0] in HEAVY}
+    p = subprocess.run([sys.executable, "-m", "interp_norm.cli", "--help"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and all(name in p.stdout for name in cli.COMMANDS)
+
+
+def test_lazy_package_names_resolve():
+    import interp_norm
+
+    for name in interp_norm.__all__:
+        assert getattr(interp_norm, name) is not None
+        assert name in dir(interp_norm)
+    from interp_norm import AdditionTask as A
+    from interp_norm.task import AdditionTask as B
+
+    assert A is B
+    with pytest.raises(AttributeError):
+        interp_norm.no_such_name
