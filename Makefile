@@ -15,8 +15,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $@
 
+# --force: `make reproduce` regenerates the report, replacing the tables of the last run.
 reproduce: setup
-	$(VENV)/bin/interp-norm reproduce --out $(OUT)
+	$(VENV)/bin/interp-norm reproduce --out $(OUT) --force
 
 # Compare the CSV tables of two reports (e.g. before and after a change): make compare OLD=report-old NEW=report
 compare: setup

@@ -1,8 +1,8 @@
 """The ``interp-norm`` command line: every subcommand, registered in one place; orchestration only.
 
 A subcommand is a :class:`Command`: a name, a help line, ``add_arguments(parser)`` (declares the
-options, imports nothing heavy) and ``run(args) -> exit code`` (imports what it needs, calls the
-library, writes through :mod:`interp_norm.io`). :func:`command` registers one::
+options) and ``run(args) -> exit code`` (imports what it needs, calls the library, writes through
+:mod:`interp_norm.io`). :func:`command` registers one::
 
     def _noise_args(p): p.add_argument("ckpt"); ...
 
@@ -10,72 +10,45 @@ library, writes through :mod:`interp_norm.io`). :func:`command` registers one::
     def _noise(args): ...; return 0
 
 Subcommands appear in ``--help`` in registration order. Only the parser of the subcommand being
-run is built, and heavy modules (torch, TransformerLens, plotly, pandas) load inside ``run``, so
-``interp-norm --help`` stays fast. Any :class:`InterpNormError` becomes one line
-``interp-norm: error: ...`` on stderr and exit code 2 (no traceback); so do bad arguments.
+run is built and heavy modules load inside ``run``, so ``interp-norm --help`` imports neither torch
+nor pandas; a subcommand whose shown defaults belong to an analysis module (noise levels, circuit
+metrics) imports that module for its own ``--help``.
+
+Conventions every subcommand follows: ``--out`` is a folder, and result files already in it are
+kept unless ``--force``; progress bars are on (``--no-progress``); every option's help shows its
+default. Any :class:`InterpNormError` becomes one line ``interp-norm CMD: error: ...`` on stderr
+with exit code 2 (no traceback), naming flags rather than Python parameters; so do bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from interp_norm.errors import InterpNormError, OutputDirError
+from interp_norm._cli_support import (
+    COMMANDS,
+    PROG,
+    Command,
+    Parser,
+    command,
+    flag_map,
+    nonnegative_float,
+    positive_int,
+    prepare_out,
+    threshold_display,
+    with_flag_names,
+)
+from interp_norm.errors import InterpNormError
 
-PROG = "interp-norm"
+__all__ = ["COMMANDS", "Command", "command", "build_parser", "main"]
+
 #: The task's splits (the task module imports torch; --help must not).
 SPLITS = ("id", "interp", "extrap")
 #: The analyses ``reproduce`` can run (reproduce.ANALYSES; that module imports pandas).
 ANALYSES = ("evaluate", "circuits", "noise", "collapse", "geometry", "attention")
-
-Runner = Callable[[argparse.Namespace], int]
-
-
-@dataclass(frozen=True)
-class Command:
-    """One subcommand: ``add_arguments`` declares its options, ``run`` does the work."""
-
-    name: str
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Runner
-
-
-COMMANDS: dict[str, Command] = {}
-
-
-def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None
-            ) -> Callable[[Runner], Runner]:
-    """Register the decorated ``run(args) -> exit code`` as subcommand ``name``."""
-
-    def deco(run: Runner) -> Runner:
-        COMMANDS[name] = Command(name, help, add_arguments, run)
-        return run
-
-    return deco
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but errors are one line (usage is behind --help)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
-
-
-def _check_csv_out(path: Optional[str]) -> Optional[Path]:
-    """Fail before any work if a --out CSV cannot be written."""
-    if path is None:
-        return None
-    from interp_norm.io import ensure_writable_dir
-
-    p = Path(path)
-    if p.is_dir():
-        raise OutputDirError(f"--out {path!r} is a folder; give a file name such as results.csv")
-    ensure_writable_dir(p.parent if str(p.parent) else Path("."))
-    return p
+CKPT_HELP = "checkpoint or run folder, or a pretrained name (see 'interp-norm list')"
 
 
 def _load_any(ckpt: str, device: str = "cpu") -> tuple[Any, Any]:
@@ -84,41 +57,57 @@ def _load_any(ckpt: str, device: str = "cpu") -> tuple[Any, Any]:
     return load_any(ckpt, device=device)
 
 
-def _ckpt_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("ckpt", help="checkpoint or run folder, or a pretrained name (see 'interp-norm list')")
+def _out_args(p: argparse.ArgumentParser, what: str, default: Optional[str] = None) -> None:
+    p.add_argument("--out", required=default is None, default=default, help=f"folder for {what}")
+    p.add_argument("--force", action="store_true", help="overwrite result files already in --out")
+
+
+def _progress_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
 
 # ----------------------------------------------------------------------------- train
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, help="run folder (checkpoints step-*/ and LATEST go here)")
+    p.add_argument("--out", required=True,
+                   help="run folder (checkpoints step-*/ and LATEST); an existing run is continued with --resume, "
+                        "never overwritten")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its last checkpoint, with its saved options unless given here")
     p.add_argument("--preset", choices=["cpu", "paper"],
-                   help="model, task and training recipe together (default: cpu)")
-    p.add_argument("--model-preset", choices=["tiny", "cpu", "paper"], help="override the model preset")
-    p.add_argument("--task-preset", choices=["cpu", "paper"], help="override the task preset")
-    p.add_argument("--attn-norm", choices=["pre", "qkv", "qk", "none"], help="default: pre")
-    p.add_argument("--norm-kind", choices=["rms", "ln"], help="default: rms")
+                   help="model, task and training recipe together (default: cpu, or the saved run's on --resume)")
+    p.add_argument("--model-preset", choices=["tiny", "cpu", "paper"], help="override the model preset (default: --preset)")
+    p.add_argument("--task-preset", choices=["cpu", "paper"], help="override the task preset (default: --preset)")
+    p.add_argument("--attn-norm", choices=["pre", "qkv", "qk", "none"],
+                   help="where attention normalises: Pre-Norm, QKV-Norm, QK-Norm or none (default: pre)")
+    p.add_argument("--norm-kind", choices=["rms", "ln"], help="RMSNorm or LayerNorm (default: rms)")
     p.add_argument("--seed", type=int, help="seeds both the model init and the data stream (default: the preset's)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: the preset's)")
-    p.add_argument("--steps", type=int, help="total optimizer steps (overrides --epochs)")
-    p.add_argument("--epochs", type=int, help="number of epochs")
-    p.add_argument("--steps-per-epoch", type=int)
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--grad-clip", type=float, help="gradient-norm clip (0 = none)")
-    p.add_argument("--log-every", type=int)
-    p.add_argument("--eval-every", type=int)
-    p.add_argument("--eval-size", type=int)
-    p.add_argument("--final-eval-size", type=int)
-    p.add_argument("--checkpoint-every", type=int)
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--threads", type=positive_int,
+                   help="torch CPU threads for training; results are reproducible for a given thread count "
+                        "(default: the training config's)")
+    p.add_argument("--steps", type=positive_int, help="total optimizer steps (overrides --epochs; default: the preset's)")
+    p.add_argument("--epochs", type=positive_int, help="number of epochs (default: the preset's)")
+    p.add_argument("--steps-per-epoch", type=positive_int, help="optimizer steps per epoch (default: the preset's)")
+    p.add_argument("--batch-size", type=positive_int, help="problems per optimizer step (default: the preset's)")
+    p.add_argument("--lr", type=float, help="peak learning rate of AdamW (default: the preset's)")
+    p.add_argument("--grad-clip", type=nonnegative_float, help="gradient-norm clip, 0 = none (default: the preset's)")
+    p.add_argument("--log-every", type=positive_int, help="steps between training-curve rows (default: the preset's)")
+    p.add_argument("--eval-every", type=positive_int, help="steps between held-out evaluations (default: the preset's)")
+    p.add_argument("--eval-size", type=positive_int, help="problems per split in those evaluations (default: the preset's)")
+    p.add_argument("--final-eval-size", type=positive_int,
+                   help="problems per split in the final evaluation (default: the preset's)")
+    p.add_argument("--checkpoint-every", type=positive_int, help="steps between checkpoints (default: the preset's)")
+    _progress_arg(p)
 
 
-@command("train", help="train a model (resumable; checkpoints into --out)", add_arguments=_train_args)
+@command("train", help="train a model (resumable; checkpoints into --out)", add_arguments=_train_args,
+         flags=dict(max_steps="--steps", n_epochs="--epochs", lr="--lr", seed="--seed", device="--device",
+                    attn_norm="--attn-norm", norm_kind="--norm-kind", threads="--threads"))
 def _train(args: argparse.Namespace) -> int:
+    import dataclasses
+
     import pandas as pd
 
     from interp_norm.checkpoints import latest_checkpoint, read_checkpoint_info
@@ -151,6 +140,15 @@ def _train(args: argparse.Namespace) -> int:
     }
     if args.grad_clip is not None:
         overrides["grad_clip"] = args.grad_clip or None
+    if args.threads is not None:
+        if "threads" in {f.name for f in dataclasses.fields(TrainConfig)}:
+            overrides["threads"] = args.threads  # recorded in the checkpoint; train() sets torch's threads
+        else:
+            # Until TrainConfig has its `threads` field (persist branch), the thread count is set here
+            # for this process only and not recorded in the checkpoint. Remove after the merge.
+            import torch
+
+            torch.set_num_threads(args.threads)
     if reuse and saved.train_cfg is not None:
         train_cfg = saved.train_cfg.replace(**overrides)
     else:
@@ -168,14 +166,16 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _evaluate_args(p: argparse.ArgumentParser) -> None:
-    _ckpt_arg(p)
-    p.add_argument("--size", type=int, default=2048, help="problems per split (default 2048)")
-    p.add_argument("--seed", type=int, default=1234, help="test-set seed (default 1234)")
-    p.add_argument("--splits", nargs="+", default=list(SPLITS), choices=SPLITS)
-    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("ckpt", help=CKPT_HELP)
+    p.add_argument("--size", type=positive_int, default=2048, help="problems per split")
+    p.add_argument("--seed", type=int, default=1234, help="test-set seed")
+    p.add_argument("--splits", nargs="+", default=list(SPLITS), choices=SPLITS, help="splits to evaluate")
+    p.add_argument("--batch-size", type=positive_int, default=512, help="problems per forward pass")
     p.add_argument("--no-exact-match", action="store_true", help="skip greedy generation (faster)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--out", help="also write the table to this CSV file")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    p.add_argument("--out", help="also write evaluation.csv into this folder (default: print only)")
+    p.add_argument("--force", action="store_true", help="overwrite evaluation.csv already in --out")
+    _progress_arg(p)
 
 
 @command("evaluate", help="per-token and exact-match accuracy of a checkpoint per split", add_arguments=_evaluate_args)
@@ -184,15 +184,15 @@ def _evaluate(args: argparse.Namespace) -> int:
     from interp_norm.io import write_csv
     from interp_norm.train import resolve_device
 
-    out = _check_csv_out(args.out)
+    out = prepare_out(args.out, ["evaluation.csv"], args.force) if args.out is not None else None
     resolve_device(args.device)
     model, info = _load_any(args.ckpt, device=args.device)
     df = evaluate(model, info.task, splits=args.splits, size=args.size, seed=args.seed,
-                  batch_size=args.batch_size, exact_match=not args.no_exact_match)
+                  batch_size=args.batch_size, exact_match=not args.no_exact_match, progress=not args.no_progress)
     df.insert(0, "checkpoint", args.ckpt)
     print(df.to_string(index=False))
     if out is not None:
-        write_csv(out, df)
+        print(f"wrote {write_csv(out / 'evaluation.csv', df)}")
     return 0
 
 
@@ -214,35 +214,43 @@ def _list(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- circuits
 
 
-def _circuits_args(p: argparse.ArgumentParser) -> None:
-    from interp_norm.circuits.pairs import METRICS
+CIRCUIT_FILES = ("*.csv", "circuit.html", "circuit.json")
 
-    _ckpt_arg(p)
-    p.add_argument("--out", default=None, help="output folder (default: ./circuits-<checkpoint name>)")
-    p.add_argument("--pairs", type=int, default=32, help="clean/corrupted pairs (default 32)")
-    p.add_argument("--split", default="id", help="id, interp or extrap (default id)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--corrupt", choices=["digit", "operator", "any"], default="digit")
+
+def _circuits_args(p: argparse.ArgumentParser) -> None:
+    from interp_norm.circuits.pairs import METRICS  # the choices shown are the library's
+
+    p.add_argument("ckpt", help=CKPT_HELP)
+    p.add_argument("--out", help="folder for the tables, circuit.html and circuit.json "
+                                 "(default: ./circuits-<checkpoint name>)")
+    p.add_argument("--force", action="store_true", help="overwrite result files already in --out")
+    p.add_argument("--pairs", type=positive_int, default=32, help="clean/corrupted problem pairs")
+    p.add_argument("--split", default="id", choices=SPLITS, help="split the pairs are drawn from")
+    p.add_argument("--seed", type=int, default=0, help="seed of the pairs and the attention problems")
+    p.add_argument("--corrupt", choices=["digit", "operator", "any"], default="digit",
+                   help="what the corrupted problem changes: one operand digit, the operator, or either")
     p.add_argument("--unaligned", action="store_true", help="do not force one token layout for all pairs")
-    p.add_argument("--metric", choices=list(METRICS), default="logit_diff")
-    p.add_argument("--top-n", type=int, default=20, help="edges kept in the circuit (default 20)")
-    p.add_argument("--ig-steps", type=int, default=5, help="EAP-IG integration steps (default 5)")
-    p.add_argument("--attention-problems", type=int, default=256)
-    p.add_argument("--progress", action="store_true")
+    p.add_argument("--metric", choices=list(METRICS), default="logit_diff",
+                   help="patching metric: logit difference clean vs corrupted answer, probability of the "
+                        "correct token, or KL divergence to the clean distribution")
+    p.add_argument("--top-n", type=positive_int, default=20, help="edges kept in the circuit")
+    p.add_argument("--ig-steps", type=positive_int, default=5, help="EAP-IG integration steps (1 = plain EAP)")
+    p.add_argument("--attention-problems", type=positive_int, default=256,
+                   help="problems for the sparse-attention map")
+    _progress_arg(p)
 
 
 @command("circuits", help="patching tables, EAP-IG edges, circuit graph and faithfulness for a checkpoint",
-         add_arguments=_circuits_args)
+         add_arguments=_circuits_args, flags=dict(n="--pairs", n_pairs="--pairs"))
 def _circuits(args: argparse.Namespace) -> int:
     from interp_norm.circuits import run_circuits
-    from interp_norm.io import ensure_writable_dir
 
-    out = ensure_writable_dir(args.out or f"circuits-{Path(str(args.ckpt).rstrip('/')).name}")  # before any work
+    out = prepare_out(args.out or f"circuits-{Path(str(args.ckpt).rstrip('/')).name}", CIRCUIT_FILES, args.force)
     model, info = _load_any(args.ckpt)
     tables = run_circuits(
         model, info.task, n_pairs=args.pairs, split=args.split, seed=args.seed, corrupt=args.corrupt,
         aligned=not args.unaligned, metric=args.metric, top_n=args.top_n, ig_steps=args.ig_steps,
-        attention_problems=args.attention_problems, progress=args.progress,
+        attention_problems=args.attention_problems, progress=not args.no_progress,
     )
     write_circuit_tables(out, tables, model.cfg.n_layers, model.cfg.n_heads)
     f = tables["faithfulness"]
@@ -273,35 +281,37 @@ def write_circuit_tables(out: Path, tables: dict, n_layers: int, n_heads: int) -
 
 
 def _noise_common_args(p: argparse.ArgumentParser, default_levels: Sequence[float], default_n: int) -> None:
-    _ckpt_arg(p)
-    p.add_argument("--out", required=True, help="folder for the CSV tables")
-    p.add_argument("--levels", type=float, nargs="+", default=list(default_levels), help="noise RMS levels")
-    p.add_argument("--split", default="id", choices=SPLITS)
-    p.add_argument("--n-examples", type=int, default=default_n)
+    p.add_argument("ckpt", help=CKPT_HELP)
+    _out_args(p, "the CSV tables")
+    p.add_argument("--levels", type=nonnegative_float, nargs="+", default=list(default_levels),
+                   help="noise levels: the RMS of κ in the factor (1+κ) on the q/k/v norms")
+    p.add_argument("--split", default="id", choices=SPLITS, help="split the problems are drawn from")
+    p.add_argument("--n-examples", type=positive_int, default=default_n, help="problems per dataset")
     p.add_argument("--placement", default="before_norm", choices=["before_norm", "after_norm"],
                    help="for QK/QKV-Norm models: noise before the norm (removed by it) or after it")
-    p.add_argument("--distribution", default="uniform", choices=["uniform", "normal"])
-    p.add_argument("--seed", type=int, default=0, help="noise seed")
+    p.add_argument("--distribution", default="uniform", choices=["uniform", "normal"], help="distribution of κ")
+    p.add_argument("--seed", type=int, default=0, help="seed of the problems and the noise")
+    _progress_arg(p)
 
 
 def _noise_args(p: argparse.ArgumentParser) -> None:
     from interp_norm.noise import DEFAULT_NOISE_LEVELS  # the defaults shown in --help are the module's
 
     _noise_common_args(p, DEFAULT_NOISE_LEVELS, 512)
-    p.add_argument("--n-datasets", type=int, default=3, help="independent datasets for the standard error")
+    p.add_argument("--n-datasets", type=positive_int, default=3, help="independent datasets for the standard error")
 
 
 @command("noise", help="per-token accuracy under multiplicative norm noise (the paper's noise-sensitivity sweep)",
-         add_arguments=_noise_args)
+         add_arguments=_noise_args, flags=dict(levels="--levels"))
 def _noise(args: argparse.Namespace) -> int:
-    from interp_norm.io import ensure_writable_dir, write_csv
+    from interp_norm.io import write_csv
     from interp_norm.noise import run_noise
 
-    out = ensure_writable_dir(args.out)
+    out = prepare_out(args.out, ["noise_accuracy.csv"], args.force)
     model, info = _load_any(args.ckpt)
     df = run_noise(model, info.task, args.levels, split=args.split, n_datasets=args.n_datasets,
                    n_examples=args.n_examples, placement=args.placement, distribution=args.distribution,
-                   seed=args.seed, progress=True)
+                   seed=args.seed, progress=not args.no_progress)
     write_csv(out / "noise_accuracy.csv", df)
     print(df.to_string(index=False))
     print(f"wrote {out / 'noise_accuracy.csv'}")
@@ -314,21 +324,30 @@ def _collapse_args(p: argparse.ArgumentParser) -> None:
     _noise_common_args(p, DEFAULT_COLLAPSE_LEVELS, 256)
 
 
+#: Table names shared with ``interp-norm reproduce``.
+COLLAPSE_FILES = ("collapse.csv", "collapse_thresholds.csv")
+
+
 @command("collapse", help="circuit-collapse probability vs noise, measured and predicted by the theory",
-         add_arguments=_collapse_args)
+         add_arguments=_collapse_args, flags=dict(levels="--levels"))
 def _collapse(args: argparse.Namespace) -> int:
-    from interp_norm.io import ensure_writable_dir, write_csv
+    from interp_norm.io import write_csv
     from interp_norm.noise import collapse_thresholds, run_collapse
 
-    out = ensure_writable_dir(args.out)
+    out = prepare_out(args.out, COLLAPSE_FILES, args.force)
     model, info = _load_any(args.ckpt)
     curves = run_collapse(model, info.task, args.levels, split=args.split, n_examples=args.n_examples,
-                          placement=args.placement, distribution=args.distribution, seed=args.seed, progress=True)
+                          placement=args.placement, distribution=args.distribution, seed=args.seed,
+                          progress=not args.no_progress)
     thresholds = collapse_thresholds(curves)
-    write_csv(out / "collapse_curves.csv", curves)
-    write_csv(out / "collapse_thresholds.csv", thresholds)
-    print(thresholds.to_string(index=False))
-    print(f"wrote {out / 'collapse_curves.csv'} and {out / 'collapse_thresholds.csv'}")
+    write_csv(out / COLLAPSE_FILES[0], curves)
+    write_csv(out / COLLAPSE_FILES[1], thresholds)
+    shown, notes = threshold_display(thresholds, curves)
+    print("noise level at which 1% of sparse attention rows collapse:")
+    print(shown.to_string(index=False))
+    for note in notes:
+        print(note)
+    print(f"wrote {out / COLLAPSE_FILES[0]} and {out / COLLAPSE_FILES[1]}")
     return 0
 
 
@@ -336,22 +355,24 @@ def _collapse(args: argparse.Namespace) -> int:
 
 
 def _geometry_args(p: argparse.ArgumentParser) -> None:
-    _ckpt_arg(p)
-    p.add_argument("--out", required=True, help="folder for the CSV tables")
-    p.add_argument("--n", type=int, default=256, help="problems analysed (default 256)")
-    p.add_argument("--split", default="id", choices=SPLITS)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("ckpt", help=CKPT_HELP)
+    _out_args(p, "the CSV tables geometry_*.csv")
+    p.add_argument("--n", type=positive_int, default=256, help="problems analysed")
+    p.add_argument("--split", default="id", choices=SPLITS, help="split the problems are drawn from")
+    p.add_argument("--seed", type=int, default=0, help="seed of the problems")
+    _progress_arg(p)
 
 
 @command("geometry", help="norm spread, orthogonal spheres, subspace angles, interference, sparsity, LayerNorm ellipsoids",
-         add_arguments=_geometry_args)
+         add_arguments=_geometry_args, flags=dict(n="--n"))
 def _geometry(args: argparse.Namespace) -> int:
     from interp_norm.geometry import geometry_summary, run_geometry
-    from interp_norm.io import ensure_writable_dir, write_tables
+    from interp_norm.io import write_tables
 
-    out = ensure_writable_dir(args.out)
+    out = prepare_out(args.out, ["geometry_*.csv"], args.force)
     model, info = _load_any(args.ckpt)
-    results = run_geometry(model, info.task, n=args.n, split=args.split, seed=args.seed, progress=True)
+    results = run_geometry(model, info.task, n=args.n, split=args.split, seed=args.seed,
+                           progress=not args.no_progress)
     write_tables(out, {f"geometry_{name}": df for name, df in results.items()})
     print(geometry_summary(results, per_layer=False).to_string(index=False))
     print(f"wrote {len(results)} tables geometry_*.csv to {out}")
@@ -369,11 +390,11 @@ def _settings_args(p: argparse.ArgumentParser) -> None:
                         "default: one per architecture for the shipped set, every given checkpoint otherwise)")
     p.add_argument("--problems", nargs="+", metavar="PROBLEM",
                    help="problems for the attention figure, e.g. '[12+N7=' (default: one per split)")
-    p.add_argument("--only", nargs="+", choices=ANALYSES, help="run only these analyses")
-    p.add_argument("--seed", type=int, default=0, help="seed for data and noise draws (default 0)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: these small models run fastest on one thread)")
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--only", nargs="+", choices=ANALYSES, help="run only these analyses (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed for data and noise draws")
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="torch threads (these small models run fastest on one thread)")
+    _progress_arg(p)
 
 
 def _settings(args: argparse.Namespace) -> Any:
@@ -394,23 +415,25 @@ def _analyse(args: argparse.Namespace) -> Optional[Any]:
     return "all" if args.analyse == ["all"] else list(args.analyse)
 
 
+REPORT_FILES = ("*.csv", "run.json", "dashboard.html")
+
+
 def _reproduce_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="report", help="report folder (default: report/)")
+    _out_args(p, "the report: one CSV per table, run.json and dashboard.html", default="report")
     p.add_argument("--checkpoints", nargs="+", metavar="CKPT",
                    help="checkpoint folders or pretrained names (default: every shipped checkpoint)")
     _settings_args(p)
 
 
 @command("reproduce", help="run the paper's whole analysis on the shipped checkpoints -> CSVs + offline dashboard",
-         add_arguments=_reproduce_args)
+         add_arguments=_reproduce_args, flags=dict(threads="--threads", analyse="--analyse"))
 def _reproduce(args: argparse.Namespace) -> int:
-    from interp_norm.io import ensure_writable_dir
     from interp_norm.reproduce import reproduce
 
-    ensure_writable_dir(args.out)  # before any work
-    report = reproduce(args.out, args.checkpoints, settings=_settings(args), analyse=_analyse(args),
+    out = prepare_out(args.out, REPORT_FILES, args.force)  # before any work
+    report = reproduce(out, args.checkpoints, settings=_settings(args), analyse=_analyse(args),
                        progress=not args.no_progress, threads=args.threads)
-    print(f"wrote {len(report.tables)} tables and {Path(args.out) / 'dashboard.html'} in {report.timings['total']:.0f} s")
+    print(f"wrote {len(report.tables)} tables and {out / 'dashboard.html'} in {report.timings['total']:.0f} s")
     for note in report.notes:
         print(f"note: {note}")
     return 0
@@ -418,18 +441,20 @@ def _reproduce(args: argparse.Namespace) -> int:
 
 def _dashboard_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt", nargs="+", help="checkpoint or run folders, or pretrained names (see 'interp-norm list')")
-    p.add_argument("--out", default="dashboard.html", help="HTML file to write (default: dashboard.html)")
+    _out_args(p, "dashboard.html", default=".")
     _settings_args(p)
 
 
-@command("dashboard", help="analyse any checkpoints and write their offline HTML dashboard", add_arguments=_dashboard_args)
+@command("dashboard", help="analyse any checkpoints and write their offline HTML dashboard (dashboard.html in --out)",
+         add_arguments=_dashboard_args, flags=dict(threads="--threads", analyse="--analyse"))
 def _dashboard(args: argparse.Namespace) -> int:
     import time
 
     from interp_norm.reproduce import make_dashboard
 
+    out = prepare_out(args.out, ["dashboard.html"], args.force)  # before any work
     t = time.perf_counter()
-    path = make_dashboard(args.ckpt, args.out, settings=_settings(args), analyse=_analyse(args),
+    path = make_dashboard(args.ckpt, out / "dashboard.html", settings=_settings(args), analyse=_analyse(args),
                           progress=not args.no_progress, threads=args.threads)
     print(f"wrote {path} in {time.perf_counter() - t:.0f} s")
     return 0
@@ -440,14 +465,14 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
     """The parser; with ``only``, just that subcommand's options are declared (the others stay names)."""
-    parser = _Parser(prog=PROG, description="Pre-Norm vs QKV-Norm addition transformers: train, evaluate, analyse.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    parser = Parser(prog=PROG, description="Pre-Norm vs QKV-Norm addition transformers: train, evaluate, analyse.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
     for name, cmd in COMMANDS.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)
         if only is None or only == name:
             cmd.add_arguments(p)
-        p.set_defaults(_run=cmd.run)
+        p.set_defaults(_run=cmd.run, _parser=p)
     return parser
 
 
@@ -462,13 +487,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     name = _command_in(argv)
     args = build_parser(only=name or "").parse_args(argv)
+    prog = f"{PROG} {args.command}"
     try:
         return int(args._run(args) or 0)
     except InterpNormError as e:
-        print(f"{PROG}: error: " + " ".join(str(e).split()), file=sys.stderr)
+        message = with_flag_names(" ".join(str(e).split()), flag_map(args._parser, COMMANDS[args.command].flags))
+        print(f"{prog}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted (a training run continues with --resume)", file=sys.stderr)
+        print(f"{prog}: interrupted (a training run continues with --resume)", file=sys.stderr)
         return 130
 
 

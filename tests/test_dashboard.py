@@ -252,13 +252,13 @@ def test_cli_reproduce_and_dashboard(ckpts, tmp_path, capsys):
     att = pd.read_csv(tmp_path / "rep" / "attention_patterns.csv")
     assert set(att["text"]) == {"[1+2=3]", "[3-N4=7]"}
     assert not (tmp_path / "rep" / "noise_accuracy.csv").exists()
-    code = cli.main(["dashboard", pre, "--out", str(tmp_path / "d.html"), "--quick", "--no-progress", "--only", "evaluate"])
-    assert code == 0 and (tmp_path / "d.html").stat().st_size > 1_000_000
+    code = cli.main(["dashboard", pre, "--out", str(tmp_path / "d"), "--quick", "--no-progress", "--only", "evaluate"])
+    assert code == 0 and (tmp_path / "d" / "dashboard.html").stat().st_size > 1_000_000
     capsys.readouterr()
     (tmp_path / "f").write_text("x")
     assert cli.main(["reproduce", "--out", str(tmp_path / "f"), "--checkpoints", pre, "--quick", "--no-progress"]) == 2
     assert "error" in capsys.readouterr().err
-    assert cli.main(["dashboard", "no/such/ckpt", "--out", str(tmp_path / "e.html"), "--quick", "--no-progress"]) == 2
+    assert cli.main(["dashboard", "no/such/ckpt", "--out", str(tmp_path / "e"), "--quick", "--no-progress"]) == 2
     assert cli.main(["reproduce", "--out", str(tmp_path / "g"), "--checkpoints", pre, "--problems", "[1+x="]) == 2
 
 
