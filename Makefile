@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 OUT ?= report
 
-.PHONY: setup reproduce test browser bench
+.PHONY: setup reproduce compare test browser bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -15,8 +15,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $@
 
+# --force: `make reproduce` regenerates the report, replacing the tables of the last run.
 reproduce: setup
-	$(VENV)/bin/interp-norm reproduce --out $(OUT)
+	$(VENV)/bin/interp-norm reproduce --out $(OUT) --force
+
+# Compare the CSV tables of two reports (e.g. before and after a change): make compare OLD=report-old NEW=report
+compare: setup
+	$(PY) scripts/compare_reports.py $(OLD) $(or $(NEW),$(OUT))
 
 # Headless Chromium (Debian's package) for the dashboard's browser check. Needs root (as in CI);
 # elsewhere, if it cannot be installed, the browser test is skipped with a message (in CI it fails).

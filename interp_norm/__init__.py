@@ -3,18 +3,35 @@
 Reproduces and extends Menary, Kaski & Freitas (2024), "Transformer Normalisation Layers and the
 Independence of Semantic Subspaces", on small addition transformers hooked like TransformerLens.
 
+The names below load on first use (PEP 562), so ``import interp_norm`` -- and with it
+``interp-norm --help`` -- does not import torch, TransformerLens, plotly or pandas.
+
 The functions ``train`` and ``evaluate`` live in the submodules of the same names
 (``from interp_norm.train import train``); they are not re-exported here so that the submodules
 stay reachable as attributes.
 """
 
-from interp_norm.checkpoints import list_pretrained, load_checkpoint, load_pretrained, save_checkpoint
-from interp_norm.errors import InterpNormError
-from interp_norm.model import HookedNormTransformer, ModelConfig
-from interp_norm.task import AdditionTask, Problem, parse_problem
-from interp_norm.train import TrainConfig
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+# public name -> the submodule that defines it
+_LAZY = {
+    "AdditionTask": "interp_norm.task",
+    "Problem": "interp_norm.task",
+    "parse_problem": "interp_norm.task",
+    "TrainConfig": "interp_norm.train",
+    "list_pretrained": "interp_norm.checkpoints",
+    "load_checkpoint": "interp_norm.checkpoints",
+    "load_pretrained": "interp_norm.checkpoints",
+    "save_checkpoint": "interp_norm.checkpoints",
+    "HookedNormTransformer": "interp_norm.model",
+    "ModelConfig": "interp_norm.model",
+    "InterpNormError": "interp_norm.errors",
+}
 
 __all__ = [
     "AdditionTask",
@@ -29,3 +46,16 @@ __all__ = [
     "Problem",
     "parse_problem",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'interp_norm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

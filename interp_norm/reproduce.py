@@ -1,9 +1,10 @@
-"""``interp-norm reproduce``: the paper's whole analysis on the shipped checkpoints, as CSVs and one dashboard.
+"""The paper's whole analysis on the shipped checkpoints, as CSVs and one dashboard (``interp-norm reproduce``).
 
 Orchestration only: every number comes from an analysis module's one-call function
 (:func:`~interp_norm.evaluate.evaluate`, :func:`~interp_norm.noise.run_noise`,
 :func:`~interp_norm.noise.run_collapse`, :func:`~interp_norm.geometry.run_geometry`, the circuits
-package); this module picks sizes, labels the models, times the stages and writes files.
+package); this module picks sizes, labels the models, times the stages and writes the report
+through :mod:`interp_norm.io`. Its command-line options live in :mod:`interp_norm.cli`.
 
 Which models get which analysis: evaluation, the model card and training curves cover every
 checkpoint; the heavier analyses (circuits, noise, collapse, geometry, attention) run on one
@@ -15,15 +16,13 @@ runs everything on every checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import pandas as pd
 
@@ -37,10 +36,23 @@ __all__ = [
     "run_analyses",
     "write_report",
     "reproduce",
-    "register_cli",
+    "make_dashboard",
 ]
 
 ANALYSES = ("evaluate", "circuits", "noise", "collapse", "geometry", "attention")
+
+
+def _noise_default(name: str) -> tuple[float, ...]:
+    """The noise module's default levels (one source; loaded when a Settings is made, not on import)."""
+    from interp_norm import noise
+
+    return tuple(getattr(noise, name))
+
+
+def _hooks_default(name: str) -> tuple[str, ...]:
+    from interp_norm import hooks
+
+    return tuple(getattr(hooks, name))
 
 
 @dataclass(frozen=True)
@@ -49,11 +61,11 @@ class Settings:
 
     eval_size: int = 2048
     exact_match: bool = True
-    noise_levels: tuple[float, ...] = (0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
+    noise_levels: tuple[float, ...] = field(default_factory=lambda: _noise_default("DEFAULT_NOISE_LEVELS"))
     noise_examples: int = 512
     noise_datasets: int = 3
-    noise_rows: tuple[str, ...] = ("all", "sparse", "nonsparse")
-    collapse_levels: tuple[float, ...] = (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.13, 0.17, 0.2, 0.3, 0.4, 0.5)
+    noise_rows: tuple[str, ...] = field(default_factory=lambda: _hooks_default("NOISED_ROWS"))
+    collapse_levels: tuple[float, ...] = field(default_factory=lambda: _noise_default("DEFAULT_COLLAPSE_LEVELS"))
     collapse_examples: int = 512
     collapse_draws: int = 64
     collapse_strict_samples: int = 128
@@ -277,10 +289,12 @@ def run_analyses(
             torch.set_num_threads(before)
     from tqdm.auto import tqdm
 
-    from interp_norm import plots
+    from interp_norm.card import model_card
+    from interp_norm.circuits.attention_maps import attention_patterns
     from interp_norm.evaluate import evaluate
     from interp_norm.geometry import geometry_summary, run_geometry
     from interp_norm.noise import collapse_thresholds, run_collapse, run_noise
+    from interp_norm.plots import variant_label
 
     settings = settings or Settings.full()
     report = Report(settings=settings, threads=torch.get_num_threads())
@@ -299,7 +313,7 @@ def run_analyses(
         unknown = [h for h in heavy if h not in models]
         if unknown:
             raise ConfigError(f"cannot analyse {unknown}: not among the loaded checkpoints {list(models)}")
-    labels = {n: plots.variant_label(n, info.model_cfg.attn_norm) for n, (_, info) in models.items()}
+    labels = {n: variant_label(n, info.model_cfg.attn_norm) for n, (_, info) in models.items()}
     report.checkpoints = pd.DataFrame([
         dict(checkpoint=n, label=labels[n], attn_norm=info.model_cfg.attn_norm, seed=info.model_cfg.seed,
              step=info.step, analysed=n in heavy, path=str(info.path))
@@ -322,7 +336,7 @@ def run_analyses(
                                   progress=progress)
                     evals.append(_front(ev, checkpoint=name, attn_norm=info.model_cfg.attn_norm))
         T["evaluation"] = _concat(evals)
-        T["model_card"] = plots.model_card(models, T["evaluation"] if len(T["evaluation"]) else None)
+        T["model_card"] = model_card(models, T["evaluation"] if len(T["evaluation"]) else None)
         T["training_curves"] = _concat(curves)
 
         noise, collapse, geo, attn, circ = [], [], {}, [], {}
@@ -359,7 +373,7 @@ def run_analyses(
             if "attention" in todo:
                 with clock.stage("attention"):
                     probs = list(settings.problems) or _default_problems(task, model.cfg.n_ctx, settings.seed)
-                    attn.append(plots.attention_patterns(model, probs, name=label).assign(checkpoint=name))
+                    attn.append(attention_patterns(model, probs, name=label).assign(checkpoint=name))
         T["noise_accuracy"] = _concat(noise)
         T["collapse"] = _concat(collapse)
         if len(T["collapse"]):
@@ -383,39 +397,26 @@ def run_analyses(
 # ----------------------------------------------------------------------------- writing
 
 
-def _write(path: Path, write: Callable[[Path], None]) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise OutputDirError(f"cannot write {str(path)!r} ({e.strerror or e}); choose a writable --out") from None
-    return path
+def _timings_table(report: Report) -> pd.DataFrame:
+    return pd.DataFrame([dict(stage=k, seconds=round(v, 3)) for k, v in report.timings.items()])
 
 
 def write_report(report: Report, out: Union[str, os.PathLike], dashboard: bool = True) -> dict[str, Path]:
     """Write every table as ``<key>.csv``, ``timings.csv``, ``run.json`` and ``dashboard.html`` into ``out``."""
-    from interp_norm.checkpoints import ensure_writable_dir
+    from interp_norm.io import ensure_writable_dir, write_csv, write_json, write_text_atomic
 
     out = ensure_writable_dir(out)
     written: dict[str, Path] = {}
     for key, df in report.tables.items():
-        written[key] = _write(out / f"{key}.csv", lambda p, df=df: df.to_csv(p, index=False))
-    timings = pd.DataFrame([dict(stage=k, seconds=round(v, 3)) for k, v in report.timings.items()])
-    written["timings"] = _write(out / "timings.csv", lambda p: timings.to_csv(p, index=False))
+        written[key] = write_csv(out / f"{key}.csv", df)
+    written["timings"] = write_csv(out / "timings.csv", _timings_table(report))
     if len(report.checkpoints):
-        written["checkpoints"] = _write(out / "checkpoints.csv", lambda p: report.checkpoints.to_csv(p, index=False))
-    meta = run_facts(report)
-    written["run"] = _write(out / "run.json", lambda p: p.write_text(json.dumps(meta, indent=2, default=str)))
+        written["checkpoints"] = write_csv(out / "checkpoints.csv", report.checkpoints)
+    written["run"] = write_json(out / "run.json", run_facts(report))
     if dashboard:
         from interp_norm.dashboard import dashboard_html
 
-        html = dashboard_html(report)
-        written["dashboard"] = _write(out / "dashboard.html", lambda p: p.write_text(html, encoding="utf-8"))
+        written["dashboard"] = write_text_atomic(out / "dashboard.html", dashboard_html(report), durable=False)
     return written
 
 
@@ -449,7 +450,7 @@ def reproduce(
 
     Fails with :class:`OutputDirError` before any work if ``out`` cannot be written.
     """
-    from interp_norm.checkpoints import ensure_writable_dir
+    from interp_norm.io import ensure_writable_dir
 
     ensure_writable_dir(out)
     settings = settings or (Settings.quick() if quick else Settings.full())
@@ -464,75 +465,37 @@ def reproduce(
 
 
 def write_report_meta(report: Report, out: Union[str, os.PathLike]) -> None:
+    """Rewrite ``timings.csv`` and ``run.json`` (after the write time is known)."""
+    from interp_norm.io import write_csv, write_json
+
     out = Path(out)
-    timings = pd.DataFrame([dict(stage=k, seconds=round(v, 3)) for k, v in report.timings.items()])
-    _write(out / "timings.csv", lambda p: timings.to_csv(p, index=False))
-    _write(out / "run.json", lambda p: p.write_text(json.dumps(run_facts(report), indent=2, default=str)))
+    write_csv(out / "timings.csv", _timings_table(report))
+    write_json(out / "run.json", run_facts(report))
 
 
-# ----------------------------------------------------------------------------- CLI
+def make_dashboard(
+    checkpoints: Sequence[str],
+    out: Union[str, os.PathLike] = "dashboard.html",
+    *,
+    quick: bool = False,
+    settings: Optional[Settings] = None,
+    analyse: Optional[Union[str, Sequence[str]]] = None,
+    progress: bool = True,
+    threads: Optional[int] = 1,
+) -> Path:
+    """Analyse any checkpoints and write their dashboard (one HTML file; no CSVs).
 
+    Fails with :class:`OutputDirError` before any work if ``out`` is a folder or cannot be written.
+    """
+    from interp_norm.dashboard import write_dashboard
+    from interp_norm.io import ensure_writable_dir
 
-HELP = "run the paper's whole analysis on the shipped checkpoints -> CSVs + offline dashboard"
-
-
-def add_settings_arguments(p: argparse.ArgumentParser) -> None:
-    """Options shared by ``reproduce`` and ``dashboard``."""
-    p.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for tests and smoke checks)")
-    p.add_argument("--analyse", nargs="+", metavar="NAME",
-                   help="checkpoints for circuits/noise/collapse/geometry/attention ('all' = every one; "
-                        "default: one per architecture for the shipped set, every given checkpoint otherwise)")
-    p.add_argument("--problems", nargs="+", metavar="PROBLEM",
-                   help="problems for the attention figure, e.g. '[12+N7=' (default: one per split)")
-    p.add_argument("--only", nargs="+", choices=ANALYSES, help="run only these analyses")
-    p.add_argument("--seed", type=int, default=0, help="seed for data and noise draws (default 0)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: these small models run fastest on one thread)")
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-
-
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    from interp_norm.task import parse_problem
-
-    kw: dict[str, Any] = dict(seed=args.seed)
-    if args.problems:
-        kw["problems"] = tuple(parse_problem(p).text for p in args.problems)  # typed error on a bad string
-    if args.only:
-        kw["analyses"] = tuple(args.only)
-    return Settings.quick(**kw) if args.quick else Settings.full(**kw)
-
-
-def _analyse_arg(args: argparse.Namespace) -> Optional[Union[str, list[str]]]:
-    if not args.analyse:
-        return None
-    return "all" if args.analyse == ["all"] else list(args.analyse)
-
-
-def add_cli(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-    """``interp-norm reproduce``: add the options, return the runner (cli.py's ``command`` protocol)."""
-    p.add_argument("--out", default="report", help="report folder (default: report/)")
-    p.add_argument("--checkpoints", nargs="+", metavar="CKPT",
-                   help="checkpoint folders or pretrained names (default: every shipped checkpoint)")
-    add_settings_arguments(p)
-
-    def run(args: argparse.Namespace) -> int:
-        from interp_norm.checkpoints import ensure_writable_dir
-
-        ensure_writable_dir(args.out)  # before any work
-        settings = settings_from_args(args)
-        report = reproduce(args.out, args.checkpoints, settings=settings, analyse=_analyse_arg(args),
-                           progress=not args.no_progress, threads=args.threads)
-        out = Path(args.out)
-        print(f"wrote {len(report.tables)} tables and {out / 'dashboard.html'} in {report.timings['total']:.0f} s")
-        for note in report.notes:
-            print(f"note: {note}")
-        return 0
-
-    return run
-
-
-def register_cli(command: Optional[Callable] = None) -> None:
-    """Register ``reproduce`` with cli.py's ``command`` decorator (idempotent)."""
-    if command is None:
-        from interp_norm.cli import command
-    command("reproduce", help=HELP)(add_cli)
+    if isinstance(checkpoints, (str, os.PathLike)):
+        checkpoints = [str(checkpoints)]
+    out = Path(out)
+    if out.is_dir():
+        raise OutputDirError(f"{str(out)!r} is a folder; give a file name such as dashboard.html")
+    ensure_writable_dir(out.parent if str(out.parent) else Path("."))  # before any work
+    settings = settings or (Settings.quick() if quick else Settings.full())
+    report = run_analyses(list(checkpoints), settings, analyse=analyse, progress=progress, threads=threads)
+    return write_dashboard(report, out, csv_links=False)

@@ -13,6 +13,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from _browser import ERROR_MARKER, browser_check, find_chromium
 
 from interp_norm import dashboard as D
 from interp_norm import reproduce as R
@@ -28,7 +29,7 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 @pytest.fixture(scope="module")
 def chromium():
-    path = D.find_chromium()
+    path = find_chromium()
     if path is None:
         if IN_CI:
             pytest.fail("chromium is not installed but CI=true: the browser check must run (make browser installs it)")
@@ -89,9 +90,9 @@ def read_png(path: Path) -> tuple[int, int, int, list[bytes]]:
 
 def test_dashboard_renders_every_figure_without_js_errors(chromium, page, tmp_path):
     shot = tmp_path / "shot.png"
-    check = D.browser_check(page, screenshot=shot, window=(1300, 1600), chromium=chromium)
+    check = browser_check(page, screenshot=shot, window=(1300, 1600), chromium=chromium)
     assert check.errors == 0, check.error_messages
-    assert not check.title.startswith(D.ERROR_MARKER)
+    assert not check.title.startswith(ERROR_MARKER)
     assert check.complete
     n_divs = check.dom.count('data-fig="fig-')
     assert n_divs >= 15
@@ -126,10 +127,10 @@ def test_the_check_catches_a_broken_page(chromium, tmp_path):
     broken = html.replace("</body>", "<script>undefinedFunction();</script></body>")
     p = tmp_path / "broken.html"
     p.write_text(broken, encoding="utf-8")
-    check = D.browser_check(p, chromium=chromium, budget_ms=5000)
-    assert check.errors >= 1 and check.title.startswith(D.ERROR_MARKER) and not check.ok
+    check = browser_check(p, chromium=chromium, budget_ms=5000)
+    assert check.errors >= 1 and check.title.startswith(ERROR_MARKER) and not check.ok
     # a figure whose JSON is damaged fails on its own
     bad_json = html.replace('<script type="application/json" id="fig-1-json">{', '<script type="application/json" id="fig-1-json">{{')
     p.write_text(bad_json, encoding="utf-8")
-    check = D.browser_check(p, chromium=chromium, budget_ms=5000)
+    check = browser_check(p, chromium=chromium, budget_ms=5000)
     assert check.errors >= 1 and check.rendered == 0 and "data-error" in check.figures["fig-1"]

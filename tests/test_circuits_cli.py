@@ -1,44 +1,80 @@
-"""run_circuits writes the patching tables and the circuit graph; the CLI runner drives it."""
+"""``interp-norm circuits``: run_circuits returns the tables and writes nothing; the CLI writes them,
+the circuit graph (circuit.html) and the edge list (circuit.json)."""
 
 from __future__ import annotations
 
-import argparse
 import json
+import math
+import re
 
 import pandas as pd
 import pytest
 
-from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig
-from interp_norm.circuits import cli_command, run_circuits
-from interp_norm.errors import OutputDirError
+from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig, cli
+from interp_norm.checkpoints import save_checkpoint
+from interp_norm.circuits import run_circuits
+
+TASK = AdditionTask.preset("cpu")
+EXPECTED = {"pairs", "answer_metrics", "patch_resid_pre", "patch_attn_out", "patch_mlp_out", "patch_z", "patch_z_all",
+            "eap_vs_exact", "edges", "circuit", "faithfulness", "attention_map"}
+ARGS = ["--pairs", "6", "--ig-steps", "2", "--top-n", "6", "--attention-problems", "16"]
 
 
-def test_run_circuits_writes_tables_and_graph(tmp_path):
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
     model = HookedNormTransformer(ModelConfig.preset("tiny")).eval()
-    tables = run_circuits(model, AdditionTask.preset("cpu"), tmp_path / "out", n_pairs=6, ig_steps=2, top_n=6,
-                          attention_problems=16)
-    expected = {"pairs", "answer_metrics", "patch_resid_pre", "patch_attn_out", "patch_mlp_out", "patch_z", "patch_z_all",
-                "eap_vs_exact", "edges", "circuit", "faithfulness", "attention_map"}
-    assert set(tables) == expected
-    for name in expected:
-        assert (tmp_path / "out" / f"{name}.csv").is_file()
-    z = pd.read_csv(tmp_path / "out" / "patch_z.csv")
-    assert {"layer", "pos", "head", "value", "effect", "normalized"} <= set(z.columns)
-    graph = json.loads((tmp_path / "out" / "circuit.json").read_text())
-    assert len(graph["edges"]) == len(tables["circuit"]) >= 6
-    assert "plotly" in (tmp_path / "out" / "circuit.html").read_text()[:20000].lower()
+    return save_checkpoint(model, tmp_path_factory.mktemp("ck") / "tiny", task=TASK)
+
+
+def test_run_circuits_returns_tables_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = HookedNormTransformer(ModelConfig.preset("tiny")).eval()
+    tables = run_circuits(model, TASK, n_pairs=6, ig_steps=2, top_n=6, attention_problems=16)
+    assert set(tables) == EXPECTED
+    assert all(isinstance(df, pd.DataFrame) for df in tables.values())
+    assert list(tmp_path.iterdir()) == []
     assert list(tables["faithfulness"].ablation) == ["resample", "mean", "zero"]
 
 
-def test_run_circuits_refuses_a_file_as_folder(tmp_path):
+def test_cli_writes_every_table_the_graph_and_the_edge_list(ckpt, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["circuits", str(ckpt), "--out", str(out), *ARGS]) == 0
+    assert "wrote 12 tables" in capsys.readouterr().out
+    from interp_norm.checkpoints import load_checkpoint
+
+    model, _ = load_checkpoint(ckpt)
+    tables = run_circuits(model, TASK, n_pairs=6, ig_steps=2, top_n=6, attention_problems=16)
+    for name in EXPECTED:  # the files hold exactly what the library returned
+        back = pd.read_csv(out / f"{name}.csv")
+        want = pd.read_csv(pd.io.common.StringIO(tables[name].to_csv(index=False)))
+        pd.testing.assert_frame_equal(back, want, check_exact=False, rtol=1e-12)
+    z = pd.read_csv(out / "patch_z.csv")
+    assert {"layer", "pos", "head", "value", "effect", "normalized"} <= set(z.columns)
+    graph = json.loads((out / "circuit.json").read_text())
+    assert (graph["n_layers"], graph["n_heads"]) == (model.cfg.n_layers, model.cfg.n_heads)
+    circuit = tables["circuit"]
+    assert len(graph["edges"]) == len(circuit) >= 6
+    assert [(e["sender"], e["receiver"]) for e in graph["edges"]] == list(zip(circuit["sender"], circuit["receiver"]))
+    for e, s in zip(graph["edges"], circuit["score"]):
+        assert (e["score"] is None and math.isnan(s)) or e["score"] == pytest.approx(s, rel=1e-12)
+    from plotly.offline import get_plotlyjs
+
+    html = (out / "circuit.html").read_text()
+    assert get_plotlyjs() in html  # offline: plotly.js inside
+    assert not re.search(r"<script[^>]*\bsrc\s*=", html.replace(get_plotlyjs(), ""), re.I)
+
+
+def test_cli_refuses_a_file_as_folder_before_loading(tmp_path, capsys):
     f = tmp_path / "x.csv"
     f.write_text("")
-    with pytest.raises(OutputDirError, match="not a folder"):
-        run_circuits(HookedNormTransformer(ModelConfig.preset("tiny")).eval(), None, f)
+    # the checkpoint does not exist either: the output error must come first
+    assert cli.main(["circuits", "no/such/checkpoint", "--out", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "is a file" in err and "--out" in err
 
 
-def test_cli_command_parses_its_arguments():
-    p = argparse.ArgumentParser()
-    run = cli_command(p)
-    args = p.parse_args(["some/ckpt", "--pairs", "8", "--top-n", "5", "--metric", "kl_to_clean", "--unaligned"])
-    assert callable(run) and args.pairs == 8 and args.top_n == 5 and args.unaligned and args.metric == "kl_to_clean"
+def test_circuits_options_parse():
+    args = cli.build_parser().parse_args(["circuits", "some/ckpt", "--pairs", "8", "--top-n", "5", "--metric",
+                                          "kl_to_clean", "--unaligned"])
+    assert args.pairs == 8 and args.top_n == 5 and args.unaligned and args.metric == "kl_to_clean"
+    assert args._run is cli.COMMANDS["circuits"].run

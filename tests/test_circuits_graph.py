@@ -12,13 +12,13 @@ from interp_norm.circuits import (
     Circuit,
     LogitDiff,
     activation_patch,
-    draw_circuit,
     edge_attribution,
     faithfulness,
     make_pairs,
 )
 from interp_norm.errors import PatchingError
 from interp_norm.hooks import act_name
+from interp_norm.plots import draw_circuit
 
 
 def make_model(seed=0, **kw):

@@ -223,7 +223,7 @@ def test_unwritable_out_fails_before_any_work(tmp_path):
     with pytest.raises(CheckpointNotFoundError):
         R.reproduce(tmp_path / "ok", ["no/such/checkpoint"], quick=True, progress=False)
     with pytest.raises(OutputDirError):
-        D.make_dashboard(["no/such/checkpoint"], tmp_path, quick=True, progress=False)  # a folder, not a file
+        R.make_dashboard(["no/such/checkpoint"], tmp_path, quick=True, progress=False)  # a folder, not a file
 
 
 def test_settings_and_selection_errors_are_typed(ckpts):
@@ -244,18 +244,7 @@ def test_default_analysed_picks_one_checkpoint_per_architecture():
     assert R.default_analysed(models) == ["pre", "qkv-s1", "mine"]
 
 
-@pytest.fixture
-def registered():
-    """Register the two subcommands as cli.py does, and leave the registry as it was."""
-    before = dict(cli.COMMANDS)
-    R.register_cli(cli.command)
-    D.register_cli(cli.command)
-    yield
-    cli.COMMANDS.clear()
-    cli.COMMANDS.update(before)
-
-
-def test_cli_reproduce_and_dashboard(ckpts, tmp_path, capsys, registered):
+def test_cli_reproduce_and_dashboard(ckpts, tmp_path, capsys):
     pre = str(ckpts["pre"])
     code = cli.main(["reproduce", "--out", str(tmp_path / "rep"), "--checkpoints", pre, "--quick", "--no-progress",
                      "--only", "evaluate", "attention", "--problems", "[1+2=", "[3-N4="])
@@ -263,13 +252,13 @@ def test_cli_reproduce_and_dashboard(ckpts, tmp_path, capsys, registered):
     att = pd.read_csv(tmp_path / "rep" / "attention_patterns.csv")
     assert set(att["text"]) == {"[1+2=3]", "[3-N4=7]"}
     assert not (tmp_path / "rep" / "noise_accuracy.csv").exists()
-    code = cli.main(["dashboard", pre, "--out", str(tmp_path / "d.html"), "--quick", "--no-progress", "--only", "evaluate"])
-    assert code == 0 and (tmp_path / "d.html").stat().st_size > 1_000_000
+    code = cli.main(["dashboard", pre, "--out", str(tmp_path / "d"), "--quick", "--no-progress", "--only", "evaluate"])
+    assert code == 0 and (tmp_path / "d" / "dashboard.html").stat().st_size > 1_000_000
     capsys.readouterr()
     (tmp_path / "f").write_text("x")
     assert cli.main(["reproduce", "--out", str(tmp_path / "f"), "--checkpoints", pre, "--quick", "--no-progress"]) == 2
     assert "error" in capsys.readouterr().err
-    assert cli.main(["dashboard", "no/such/ckpt", "--out", str(tmp_path / "e.html"), "--quick", "--no-progress"]) == 2
+    assert cli.main(["dashboard", "no/such/ckpt", "--out", str(tmp_path / "e"), "--quick", "--no-progress"]) == 2
     assert cli.main(["reproduce", "--out", str(tmp_path / "g"), "--checkpoints", pre, "--problems", "[1+x="]) == 2
 
 

@@ -11,7 +11,7 @@
 * :mod:`~interp_norm.circuits.edges` -- the sender -> receiver edge graph and edge-intervening
   passes; :mod:`~interp_norm.circuits.edge_scores` -- EAP / EAP-IG edge scores, exact edge patching.
 * :mod:`~interp_norm.circuits.graph` -- :class:`Circuit` from thresholds/top-n, faithfulness under
-  resample/mean/zero ablation.
+  resample/mean/zero ablation (drawn by :func:`interp_norm.plots.draw_circuit`).
 * :mod:`~interp_norm.circuits.attention_maps` -- which heads attend sparsely to which operand
   digit/operator/``=`` from each answer position.
 
@@ -30,7 +30,7 @@ from interp_norm.circuits.attention_maps import attention_map, attention_map_spl
 from interp_norm.circuits.attribution import attribution_patch, compare_scores
 from interp_norm.circuits.edge_scores import edge_attribution, exact_edge_patch
 from interp_norm.circuits.edges import EdgeGraph, receiver_node
-from interp_norm.circuits.graph import ABLATIONS, Circuit, draw_circuit, faithfulness, run_with_circuit
+from interp_norm.circuits.graph import ABLATIONS, Circuit, faithfulness, run_with_circuit
 from interp_norm.circuits.metrics import (
     METRICS,
     CorrectProb,
@@ -70,7 +70,7 @@ def run_circuits(
     Tables: ``pairs``, ``answer_metrics``, ``patch_<activation>`` (exact patching), ``eap_vs_exact``
     (node-level EAP and EAP-IG against exact ``z`` patching), ``edges`` (EAP-IG edge scores),
     ``circuit`` (top ``top_n`` edges, pruned; ``Circuit.from_dataframe(tables["circuit"], n_layers,
-    n_heads)`` rebuilds the :class:`Circuit`, for :func:`draw_circuit` and ``Circuit.to_json()``),
+    n_heads)`` rebuilds the :class:`Circuit`, for :func:`interp_norm.plots.draw_circuit` and ``Circuit.to_json()``),
     ``faithfulness`` (all ablations), ``attention_map``.
     """
     from interp_norm.task import AdditionTask
@@ -109,7 +109,7 @@ __all__ = [
     # attribution
     "attribution_patch", "edge_attribution", "exact_edge_patch", "compare_scores", "EdgeGraph", "receiver_node",
     # circuits
-    "Circuit", "faithfulness", "run_with_circuit", "draw_circuit", "ABLATIONS",
+    "Circuit", "faithfulness", "run_with_circuit", "ABLATIONS",
     # attention maps
     "token_roles", "sparse_attention_events", "attention_map", "attention_map_split",
     # orchestration

@@ -169,3 +169,53 @@ def attention_map_split(
 
 
 __all__ = ["token_roles", "sparse_attention_events", "attention_map", "attention_map_split"]
+
+
+# ----------------------------------------------------------------------------- attention patterns (for figures)
+
+
+def attention_patterns(model, problems, name=None) -> pd.DataFrame:
+    """The cached ``hook_pattern`` of each problem as a tidy table for the attention figures.
+
+    ``problems``: strings (``"[12+N7="`` or a full ``"[12+N7=5]"``) or :class:`~interp_norm.task.Problem`;
+    a question without answer is completed with the true answer, so the table shows the pattern
+    while the answer is produced (teacher forcing). One row per (problem, layer, head, query, key)
+    with ``key <= query``: ``weight``, ``q_token``, ``k_token``. ``name`` labels the model.
+    :mod:`interp_norm.plots.attention` draws it (this runs the model, so it lives with the analyses).
+    """
+    import numpy as np
+
+    from interp_norm.errors import ConfigError
+    from interp_norm.hooks import act_name
+
+    if isinstance(problems, (str, T.Problem)):
+        problems = [problems]
+    if not problems:
+        raise ConfigError("attention_patterns needs at least one problem, e.g. ['[12+N7=5]']")
+    probs = [p if isinstance(p, T.Problem) else T.parse_problem(p) for p in problems]
+    texts = [p.text for p in probs]
+    cfg = model.cfg
+    longest = max(len(t) for t in texts)
+    if longest > cfg.n_ctx:
+        raise ConfigError(f"a problem has {longest} tokens but the model's n_ctx is {cfg.n_ctx}; choose shorter problems")
+    frames = []
+    names = {act_name("pattern", l): l for l in range(cfg.n_layers)}
+    with torch.no_grad():
+        for i, text in enumerate(texts):
+            tokens = T.encode(text)[None].to(model.W_E.device)
+            _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
+            toks = list(text)
+            qi, ki = np.tril_indices(len(toks))
+            for hook, l in names.items():
+                pat = cache[hook][0].double().cpu().numpy()  # h q k
+                for h in range(cfg.n_heads):
+                    frames.append(pd.DataFrame(dict(
+                        problem=i, text=text, layer=l, head=h, query=qi, key=ki, weight=pat[h, qi, ki],
+                        q_token=[toks[j] for j in qi], k_token=[toks[j] for j in ki],
+                    )))
+    df = pd.concat(frames, ignore_index=True)
+    df.insert(0, "model", name if name is not None else cfg.attn_norm)
+    return df
+
+
+__all__ += ["attention_patterns"]

@@ -1,4 +1,6 @@
-"""Circuits as edge sets, built from any score table; faithfulness under three ablations; drawing.
+"""Circuits as edge sets, built from any score table; faithfulness under three ablations.
+
+Drawing lives in :func:`interp_norm.plots.draw_circuit` (analyses never plot).
 
 A :class:`Circuit` is a set of edges (sender -> receiver, named as in
 :mod:`interp_norm.circuits.edges`: ``embed``, ``a{l}.h{h}``, ``m{l}`` -> ``a{l}.h{h}.q|k|v``,
@@ -24,7 +26,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence, Union
 
-import numpy as np
 import pandas as pd
 import torch
 from torch import Tensor
@@ -323,61 +324,4 @@ def faithfulness(
     return pd.DataFrame(rows)
 
 
-# ----------------------------------------------------------------------------- drawing
-
-
-def draw_circuit(circuit: Circuit, title: Optional[str] = None):
-    """A plotly figure: embed at the bottom, one row per attention layer and per MLP, logits on top.
-
-    Edge colour = which input it enters (q blue, k green, v red, MLP grey, logits black);
-    width ~ |score| (uniform without scores). Hover shows names and scores.
-    """
-    import plotly.graph_objects as go
-
-    L, H = circuit.n_layers, circuit.n_heads
-
-    def pos(node: str) -> tuple[float, float]:
-        if node == "embed":
-            return (H - 1) / 2, 0.0
-        if node == "logits":
-            return (H - 1) / 2, 2 * L + 1.0
-        if node.startswith("a"):
-            l, h = node[1:].split(".h")
-            return float(int(h)), 2 * int(l) + 1.0
-        return float(H), 2 * int(node[1:]) + 1.6  # MLPs to the right of their layer's heads
-
-    colours = dict(q="#1f77b4", k="#2ca02c", v="#d62728", mlp="#7f7f7f", logits="#000000")
-    fig = go.Figure()
-    scores = [abs(v) for v in circuit.scores.values() if np.isfinite(v)]
-    smax = max(scores) if scores else 1.0
-    for u, r in sorted(circuit.edges):
-        inp = r.rsplit(".", 1)[1] if r.count(".") == 2 else ("logits" if r == "logits" else "mlp")
-        (x0, y0), (x1, y1) = pos(u), pos(receiver_node(r))
-        s = circuit.scores.get((u, r))
-        width = 1.5 if s is None or not np.isfinite(s) else 0.5 + 5.5 * abs(s) / smax
-        fig.add_trace(go.Scatter(
-            x=[x0, x1], y=[y0, y1], mode="lines", line=dict(color=colours[inp], width=width),
-            hoverinfo="text", text=f"{u} -> {r}" + ("" if s is None else f": {s:.4g}"), showlegend=False,
-        ))
-    nodes = sorted(circuit.nodes) or ["embed", "logits"]
-    xs, ys = zip(*(pos(nd) for nd in nodes))
-    fig.add_trace(go.Scatter(
-        x=xs, y=ys, mode="markers+text", text=nodes, textposition="top center",
-        marker=dict(size=14, color=["#ffbf00" if nd.startswith("m") else "#9467bd" if nd.startswith("a") else "#333" for nd in nodes]),
-        hovertext=[f"{nd}: {circuit.node_scores.get(nd, '')}" for nd in nodes], hoverinfo="text", showlegend=False,
-    ))
-    for name, col in colours.items():
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line=dict(color=col, width=3), name=f"into {name}"))
-    ticks = [0.0] + [y for l in range(L) for y in (2 * l + 1.0, 2 * l + 1.6)] + [2 * L + 1.0]
-    labels = ["embed"] + [t for l in range(L) for t in (f"attn {l}", f"mlp {l}")] + ["logits"]
-    fig.update_layout(
-        title=title or f"circuit: {len(circuit.edges)} edges, {len(circuit.components)} components",
-        xaxis=dict(title="head", tickmode="array", tickvals=list(range(H)) + [H], ticktext=[str(h) for h in range(H)] + ["MLP"],
-                   range=[-0.6, H + 0.6]),
-        yaxis=dict(tickmode="array", tickvals=ticks, ticktext=labels, range=[-0.5, 2 * L + 1.6]),
-        template="plotly_white", height=250 + 110 * L, width=350 + 90 * H,
-    )
-    return fig
-
-
-__all__ = ["Circuit", "faithfulness", "run_with_circuit", "draw_circuit", "ABLATIONS"]
+__all__ = ["Circuit", "faithfulness", "run_with_circuit", "ABLATIONS"]

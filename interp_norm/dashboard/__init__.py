@@ -1,0 +1,61 @@
+"""The offline dashboard: every figure of a :class:`~interp_norm.reproduce.Report` in one HTML file.
+
+:mod:`~interp_norm.dashboard.sections` chooses the figures and tables (from :mod:`interp_norm.plots`),
+:mod:`~interp_norm.dashboard.page` renders them as one self-contained page (plotly.js embedded once,
+user text escaped, a render status the browser test reads). This module ties them to a report (any object
+with ``tables``, ``checkpoints``, ``timings`` and ``notes``, e.g. a
+:class:`~interp_norm.reproduce.Report`) and writes the file through :mod:`interp_norm.io`;
+:func:`interp_norm.reproduce.make_dashboard` runs the analyses first. The headless-browser check
+lives in ``tests/_browser.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Union
+
+from interp_norm.dashboard.page import ERROR_MARKER, Panel, Section, render_html, table_html
+from interp_norm.dashboard.sections import figure_sections
+from interp_norm.errors import OutputDirError
+
+__all__ = [
+    "ERROR_MARKER",
+    "Panel",
+    "Section",
+    "figure_sections",
+    "render_html",
+    "table_html",
+    "dashboard_html",
+    "write_dashboard",
+]
+
+
+def dashboard_html(report: Any, title: str = "Pre-Norm vs QKV-Norm: interp_norm dashboard", strict: bool = False,
+                   csv_links: bool = True) -> str:
+    """The dashboard of a :class:`~interp_norm.reproduce.Report` as one HTML string."""
+    sections, problems = figure_sections(report, strict=strict)
+    facts: dict[str, Any] = {}
+    if len(report.checkpoints):
+        facts["checkpoints"] = ", ".join(map(str, report.checkpoints["checkpoint"]))
+    total = report.timings.get("total")
+    if total:
+        facts["analysis time"] = f"{total:.0f} s"
+    facts["generated"] = time.strftime("%Y-%m-%d %H:%M")
+    links = [f"{k}.csv" for k in report.tables] if csv_links else []
+    subtitle = ("Mechanistic interpretability of attention normalisation (Menary, Kaski & Freitas 2024): circuits, "
+                "norm noise and circuit collapse, and residual-stream geometry, on small addition transformers.")
+    return render_html(sections, title=title, subtitle=subtitle, facts=facts,
+                       notes=[*report.notes, *[f"figure skipped: {p}" for p in problems]], csv_links=links)
+
+
+def write_dashboard(report: Any, path: Union[str, os.PathLike], **kwargs: Any) -> Path:
+    """Write :func:`dashboard_html` to ``path`` (its folder is created; :class:`OutputDirError` if impossible)."""
+    from interp_norm.io import ensure_writable_dir, write_text_atomic
+
+    path = Path(path)
+    if path.is_dir():
+        raise OutputDirError(f"{str(path)!r} is a folder; give a file name such as dashboard.html")
+    ensure_writable_dir(path.parent if str(path.parent) else Path("."))
+    return write_text_atomic(path, dashboard_html(report, **kwargs), durable=False)

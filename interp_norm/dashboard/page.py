@@ -1,0 +1,269 @@
+"""The dashboard page: panels and sections rendered as one self-contained HTML file.
+
+Self-contained: plotly.js is embedded once (no CDN, no network), each figure's JSON sits in a
+``<script type="application/json">`` block, and a small script draws them. All user text
+(checkpoint names, problem strings, table cells) is HTML-escaped; figure JSON has ``<``, ``>``
+and ``&`` escaped so no string can close its ``<script>`` block.
+
+The page reports on itself, which is what the browser test reads: ``#render-status`` carries
+``data-expected`` / ``data-rendered`` / ``data-errors`` and the page title gains ``[JS ERROR]`` if
+any script error or failed figure occurs (``window.onerror`` is installed before plotly.js).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import pandas as pd
+import plotly.graph_objects as go
+
+__all__ = ["ERROR_MARKER", "Panel", "Section", "render_html", "table_html"]
+
+ERROR_MARKER = "[JS ERROR]"
+
+
+@dataclass
+class Panel:
+    """One figure (plotly) or one table (DataFrame) with a caption."""
+
+    title: str
+    figure: Optional[go.Figure] = None
+    table: Optional[pd.DataFrame] = None
+    caption: str = ""
+    kind: str = "figure"  # "figure", "table" or "attention" (the explorer with selectors)
+
+
+@dataclass
+class Section:
+    title: str
+    intro: str = ""
+    panels: list[Panel] = field(default_factory=list)
+    anchor: str = ""
+
+
+def _esc(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _escape_variants(df: pd.DataFrame, cols: Sequence[str] = ("variant",)) -> pd.DataFrame:
+    df = df.copy()
+    for c in cols:
+        if c in df.columns:
+            df[c] = df[c].map(lambda v: v if v is None or (isinstance(v, float) and math.isnan(v)) else _esc(v))
+    return df
+
+
+
+# ----------------------------------------------------------------------------- HTML
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;margin:0;color:#222;background:#fafafa}
+header{background:#1f3b63;color:#fff;padding:18px 28px}
+header h1{margin:0 0 6px 0;font-size:24px} header p{margin:2px 0;opacity:.9}
+nav{background:#fff;border-bottom:1px solid #ddd;padding:8px 28px;position:sticky;top:0;z-index:10}
+nav a{margin-right:16px;color:#1f3b63;text-decoration:none;font-weight:600}
+main{max-width:1280px;margin:0 auto;padding:10px 24px 40px}
+section{margin-top:26px} section h2{border-bottom:2px solid #1f3b63;padding-bottom:4px}
+.panel{background:#fff;border:1px solid #e2e2e2;border-radius:6px;margin:14px 0;padding:10px}
+.panel h3{margin:4px 0 8px 0;font-size:16px} .caption{color:#555;font-size:13px;margin:4px 0}
+.figure{width:100%;min-height:360px}
+table.data{border-collapse:collapse;font-size:12px;width:100%;display:block;overflow-x:auto}
+table.data th,table.data td{border:1px solid #ddd;padding:3px 6px;text-align:right;white-space:nowrap}
+table.data th{background:#eef2f8} table.data td.s{text-align:left}
+.selectors label{margin-right:14px;font-size:14px} .selectors select{margin-left:4px}
+.note{color:#8a4b00;font-size:13px} footer{color:#666;font-size:12px;max-width:1280px;margin:0 auto;padding:0 24px 30px}
+#render-status{font-size:12px;color:#666}
+"""
+
+# Installed before plotly.js so errors while loading it are caught too.
+_ERROR_JS = """
+window.__errors = [];
+function __markError(msg) {
+  window.__errors.push(String(msg));
+  if (document.title.indexOf('%(marker)s') !== 0) document.title = '%(marker)s ' + document.title;
+  var st = document.getElementById('render-status');
+  if (st) { st.setAttribute('data-errors', String(window.__errors.length)); st.setAttribute('data-error-messages', window.__errors.join(' | ')); }
+}
+window.addEventListener('error', function (e) { __markError((e && e.message) || 'script error'); });
+(function () {  // console.error counts as an error too (plotly reports some failures only there)
+  var orig = console.error;
+  console.error = function () { __markError('console.error: ' + Array.prototype.join.call(arguments, ' ')); return orig.apply(console, arguments); };
+})();
+window.addEventListener('unhandledrejection', function (e) { __markError('unhandled rejection: ' + (e && e.reason)); });
+""" % {"marker": ERROR_MARKER}
+
+_DRAW_JS = """
+(function () {
+  var figs = document.querySelectorAll('div.figure[data-fig]');
+  var st = document.getElementById('render-status');
+  var done = 0, ok = 0;
+  st.setAttribute('data-expected', String(figs.length));
+  function finish() {
+    done += 1;
+    st.setAttribute('data-rendered', String(ok));
+    if (done === figs.length) {
+      st.setAttribute('data-complete', '1');
+      st.textContent = ok + ' of ' + figs.length + ' figures rendered' + (window.__errors.length ? ', ' + window.__errors.length + ' errors' : '');
+    }
+  }
+  function fail(div, err) { div.setAttribute('data-error', String(err)); __markError('figure ' + div.id + ': ' + err); finish(); }
+  figs.forEach(function (div) {
+    try {
+      var spec = JSON.parse(document.getElementById(div.getAttribute('data-fig')).textContent);
+      var cfg = {responsive: true, displaylogo: false, toImageButtonOptions: {format: 'png'}};
+      Plotly.newPlot(div, spec.data, spec.layout, cfg).then(function () {
+        var n = div.querySelectorAll('svg.main-svg').length;
+        if (n === 0) { fail(div, 'no svg drawn'); return; }
+        div.setAttribute('data-rendered', String(n)); ok += 1;
+        if (div.getAttribute('data-kind') === 'attention') setupExplorer(div, spec.layout.meta.explorer);
+        finish();
+      }, function (err) { fail(div, err); });
+    } catch (err) { fail(div, err); }
+  });
+  if (figs.length === 0) { st.setAttribute('data-complete', '1'); st.textContent = 'no figures'; }
+
+  function setupExplorer(div, ex) {
+    var box = document.getElementById(div.id + '-selectors');
+    if (!box || !ex) return;
+    var sel = {};
+    function add(name, options) {
+      var label = document.createElement('label'); label.textContent = name;
+      var s = document.createElement('select'); s.setAttribute('data-axis', name);
+      options.forEach(function (o, i) { var op = document.createElement('option'); op.value = String(i); op.textContent = o; s.appendChild(op); });
+      label.appendChild(s); box.appendChild(label); sel[name] = s; s.addEventListener('change', update);
+    }
+    function range(n, p) { var a = []; for (var i = 0; i < n; i++) a.push(p + i); return a; }
+    // option texts are set with textContent: the escaped names are decoded once for display
+    function decode(t) { var d = document.createElement('textarea'); d.innerHTML = t; return d.value; }
+    add('model', ex.models.map(decode)); add('problem', ex.problems.map(decode));
+    add('layer', range(ex.n_layers, 'layer ')); add('head', range(ex.n_heads, 'head '));
+    function update() {
+      var key = [sel.model.value, sel.problem.value, sel.layer.value, sel.head.value].join(',');
+      var idx = ex.index[key];
+      var n = div.data.length, vis = [];
+      for (var i = 0; i < n; i++) vis.push(i === idx);
+      div.setAttribute('data-selected', idx === undefined ? 'none' : String(idx));
+      if (idx === undefined) return Promise.resolve(undefined);
+      return Plotly.restyle(div, {visible: vis}).then(function () { return Plotly.relayout(div, {'title.text': ex.labels[idx]}); })
+        .then(function () { return idx; })
+        .catch(function (err) { __markError('explorer: ' + err); });
+    }
+    // '#selftest' in the URL: pick the last model/problem/layer/head and record whether exactly
+    // that heatmap is shown (the browser test reads data-selftest from the DOM)
+    if (window.location.hash === '#selftest') {
+      ['model', 'problem', 'layer', 'head'].forEach(function (k) { sel[k].selectedIndex = sel[k].options.length - 1; });
+      update().then(function (idx) {
+        var shown = [];
+        div.data.forEach(function (t, i) { if (t.visible === true) shown.push(i); });
+        var title = div.layout.title && div.layout.title.text;
+        var ok = idx !== undefined && shown.length === 1 && shown[0] === idx && title === ex.labels[idx];
+        div.setAttribute('data-selftest', ok ? 'ok' : 'fail: shown ' + shown.join(',') + ' expected ' + idx);
+      });
+    }
+  }
+})();
+"""
+
+
+def _json_for_script(fig: go.Figure) -> str:
+    """Figure JSON that is safe inside <script>: no '<', '>' or '&' survive unescaped."""
+    s = fig.to_json()
+    return s.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
+
+
+def _fmt_cell(v: Any, col: str) -> tuple[str, bool]:
+    """(escaped text, is_string)."""
+    if v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA:
+        return "–", False
+    if isinstance(v, float):
+        if col.endswith("_acc") or col.endswith("_exact") or col in ("accuracy", "per_token_acc", "exact_match"):
+            return f"{100 * v:.1f}%", False
+        return _esc(f"{v:.4g}"), False
+    if isinstance(v, (int,)) or hasattr(v, "dtype"):
+        try:
+            f = float(v)
+            if f.is_integer():
+                return _esc(f"{int(f):,}" if abs(f) >= 10_000 else str(int(f))), False
+            return _esc(f"{f:.4g}"), False
+        except (TypeError, ValueError):
+            pass
+    return _esc(v), True
+
+
+def table_html(df: pd.DataFrame, max_rows: int = 200) -> str:
+    """An escaped HTML table (numbers formatted, strings left-aligned)."""
+    head = "".join(f"<th>{_esc(c)}</th>" for c in df.columns)
+    rows = []
+    for rec in df.head(max_rows).itertuples(index=False):
+        cells = []
+        for c, v in zip(df.columns, rec):
+            text, is_str = _fmt_cell(v, str(c))
+            cells.append(f'<td class="s">{text}</td>' if is_str else f"<td>{text}</td>")
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    more = f'<p class="caption">{len(df) - max_rows} more rows in the CSV.</p>' if len(df) > max_rows else ""
+    return f'<table class="data"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>{more}'
+
+
+def render_html(
+    sections: Sequence[Section],
+    title: str = "interp_norm dashboard",
+    subtitle: str = "",
+    facts: Optional[dict] = None,
+    notes: Sequence[str] = (),
+    csv_links: Sequence[str] = (),
+) -> str:
+    """The self-contained page: CSS, error hooks, plotly.js (once), figures as JSON, the draw script."""
+    from plotly.offline import get_plotlyjs
+
+    body, nav, n = [], [], 0
+    for si, sec in enumerate(sections):
+        anchor = sec.anchor or f"section-{si}"
+        nav.append(f'<a href="#{_esc(anchor)}">{_esc(sec.title)}</a>')
+        parts = [f'<section id="{_esc(anchor)}"><h2>{_esc(sec.title)}</h2>']
+        if sec.intro:
+            parts.append(f'<p class="caption">{_esc(sec.intro)}</p>')
+        for p in sec.panels:
+            if p is None:
+                continue
+            parts.append(f'<div class="panel"><h3>{_esc(p.title)}</h3>')
+            if p.table is not None:
+                parts.append(table_html(p.table))
+            if p.figure is not None:
+                n += 1
+                fid = f"fig-{n}"
+                fig = go.Figure(p.figure)
+                if p.kind == "attention":
+                    fig.layout.updatemenus = ()  # the page's selectors replace the notebook dropdown
+                    parts.append(f'<div class="selectors" id="{fid}-selectors"></div>')
+                parts.append(f'<div class="figure" id="{fid}" data-fig="{fid}-json" data-kind="{_esc(p.kind)}"></div>')
+                parts.append(f'<script type="application/json" id="{fid}-json">{_json_for_script(fig)}</script>')
+            if p.caption:
+                parts.append(f'<p class="caption">{_esc(p.caption)}</p>')
+            parts.append("</div>")
+        parts.append("</section>")
+        body.append("".join(parts))
+    fact_html = ""
+    if facts:
+        fact_html = " · ".join(f"{_esc(k)}: {_esc(v)}" for k, v in facts.items())
+    note_html = "".join(f'<p class="note">{_esc(x)}</p>' for x in notes)
+    links = ""
+    if csv_links:
+        links = "<p>Tables (CSV, next to this file): " + ", ".join(
+            f'<a href="{_esc(c)}">{_esc(c)}</a>' for c in csv_links) + "</p>"
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{_esc(title)}</title>"
+        f"<style>{_CSS}</style><script>{_ERROR_JS}</script>"
+        f"<script>{get_plotlyjs()}</script></head><body>"
+        f"<header><h1>{_esc(title)}</h1><p>{_esc(subtitle)}</p><p>{fact_html}</p></header>"
+        f"<nav>{''.join(nav)}<span id=\"render-status\" data-expected=\"{n}\" data-rendered=\"0\" data-errors=\"0\">"
+        "rendering…</span></nav>"
+        f"<main>{note_html}{''.join(body)}</main><footer>{links}<p>Generated by interp_norm "
+        "(offline: plotly.js is embedded; no network access is needed).</p></footer>"
+        f"<script>{_DRAW_JS}</script></body></html>\n"
+    )
+

@@ -1,0 +1,87 @@
+"""One function per figure: DataFrames in, plotly figures out (the dashboard and the notebooks share them).
+
+Figures only draw tables that analyses computed; nothing here runs a model. By concern:
+
+* :mod:`~interp_norm.plots.models` -- model card, accuracy per split, training curves;
+* :mod:`~interp_norm.plots.attention` -- attention patterns and the attention explorer;
+* :mod:`~interp_norm.plots.circuits` -- patching heatmaps and the one circuit drawer;
+* :mod:`~interp_norm.plots.noise` -- accuracy and circuit collapse under norm noise;
+* :mod:`~interp_norm.plots.geometry` -- norm spread, spheres, subspaces, interference, ellipsoids.
+
+Everything is re-exported here (``from interp_norm import plots``). Two table builders that used
+to live here are still reachable under their old names: :func:`model_card` (now
+:mod:`interp_norm.card`) and :func:`attention_patterns`, which runs the model and so lives in
+:mod:`interp_norm.circuits.attention_maps` (loaded on first use).
+
+Labels that come from users (checkpoint names, problem strings) are HTML-escaped before they
+reach plotly, which would otherwise interpret tags like ``<b>`` inside them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from interp_norm.card import PAPER_PER_TOKEN_ACCURACY, model_card
+from interp_norm.plots._style import SPLITS, VARIANT_LABELS, escape, variant_label
+from interp_norm.plots.attention import plot_attention_explorer, plot_attention_pattern, plot_attention_patterns
+from interp_norm.plots.circuits import draw_circuit, plot_circuit_graph, plot_patching_heatmap
+from interp_norm.plots.geometry import (
+    plot_attention_sparsity,
+    plot_component_cosines,
+    plot_ellipsoid_axes,
+    plot_interference,
+    plot_norm_distribution,
+    plot_norm_spread,
+    plot_sphere_scores,
+    plot_subspace_angles,
+)
+from interp_norm.plots.models import plot_accuracy_by_split, plot_model_card, plot_training_curves
+from interp_norm.plots.noise import plot_accuracy_vs_noise, plot_collapse_thresholds, plot_collapse_vs_noise
+
+__all__ = [
+    "PAPER_PER_TOKEN_ACCURACY",
+    "VARIANT_LABELS",
+    "SPLITS",
+    "escape",
+    "variant_label",
+    # model card
+    "model_card",
+    "plot_model_card",
+    "plot_accuracy_by_split",
+    "plot_training_curves",
+    # attention
+    "attention_patterns",
+    "plot_attention_pattern",
+    "plot_attention_patterns",
+    "plot_attention_explorer",
+    # circuits
+    "plot_patching_heatmap",
+    "plot_circuit_graph",
+    "draw_circuit",
+    # noise
+    "plot_accuracy_vs_noise",
+    "plot_collapse_vs_noise",
+    "plot_collapse_thresholds",
+    # geometry
+    "plot_norm_spread",
+    "plot_norm_distribution",
+    "plot_attention_sparsity",
+    "plot_sphere_scores",
+    "plot_component_cosines",
+    "plot_subspace_angles",
+    "plot_interference",
+    "plot_ellipsoid_axes",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # attention_patterns runs a model: it lives with the analyses and is loaded only when asked for
+    if name == "attention_patterns":
+        from interp_norm.circuits.attention_maps import attention_patterns
+
+        return attention_patterns
+    raise AttributeError(f"module 'interp_norm.plots' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,248 @@
+"""Circuit figures: patching heatmaps and the one circuit drawer.
+
+:func:`plot_circuit_graph` is the entry point for every circuit figure. A
+:class:`~interp_norm.circuits.Circuit` or its edge table (``sender``/``receiver``) is drawn by
+:func:`draw_circuit` (embed at the bottom, one row per attention layer and MLP); any other edge
+table (``source``/``target``/``score``) as a layered graph, left to right.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from interp_norm.errors import ConfigError
+from interp_norm.plots._style import escape
+
+__all__ = ["plot_patching_heatmap", "plot_circuit_graph", "draw_circuit"]
+
+
+def plot_patching_heatmap(
+    patching: pd.DataFrame,
+    value: str = "normalized",
+    pos_labels: Optional[Sequence[str]] = None,
+    title: Optional[str] = None,
+) -> go.Figure:
+    """Activation- (or attribution-) patching results as heatmaps, one panel per activation.
+
+    ``patching``: rows of ``PatchResult.to_dataframe()`` (several activations may be
+    concatenated; an optional ``variant`` column gives one row of panels per model). The grid is
+    layer × position, layer × head, or (per-position head results) layer.head × position;
+    ``value`` is ``normalized`` (0 = no effect, 1 = clean restored), ``effect`` or ``value``.
+    """
+    if not isinstance(patching, pd.DataFrame) or not {"activation", "layer", value} <= set(patching.columns):
+        raise ConfigError(f"expected PatchResult.to_dataframe() rows with columns 'activation', 'layer' and {value!r}")
+    df = patching if "variant" in patching.columns else patching.assign(variant="")
+    if "by" not in df.columns:
+        df = df.assign(by="")
+    panels = list(dict.fromkeys(zip(df["variant"], df["activation"], df["by"])))
+    variants = list(dict.fromkeys(df["variant"]))
+    acts = list(dict.fromkeys(zip(df["activation"], df["by"])))
+    fig = make_subplots(
+        rows=len(variants), cols=len(acts), horizontal_spacing=0.06, vertical_spacing=0.12,
+        subplot_titles=[
+            (f"{escape(v)}: " if v else "") + f"{escape(a)}" + (f" ({escape(b)})" if b else "")
+            for v in variants for a, b in acts
+        ],
+    )
+    vals = df[value].to_numpy(dtype=float)
+    lim = float(np.nanmax(np.abs(vals))) if np.isfinite(vals).any() else 1.0
+    lim = lim if lim > 0 else 1.0
+    for v, a, b in panels:
+        g = df[(df["variant"] == v) & (df["activation"] == a) & (df["by"] == b)]
+        has_pos = "pos" in g.columns and g["pos"].notna().any()
+        has_head = "head" in g.columns and g["head"].notna().any()
+        if has_pos and has_head:
+            rows_key = g["layer"].astype(int).astype(str).radd("L") + g["head"].astype(int).astype(str).radd("H")
+            x_key = g["pos"].astype(int)
+        elif has_pos:
+            rows_key, x_key = g["layer"].astype(int).astype(str).radd("L"), g["pos"].astype(int)
+        elif has_head:
+            rows_key, x_key = g["layer"].astype(int).astype(str).radd("L"), g["head"].astype(int).astype(str).radd("H")
+        else:
+            rows_key, x_key = g["layer"].astype(int).astype(str).radd("L"), pd.Series("all", index=g.index)
+        mat = pd.DataFrame({"r": rows_key, "c": x_key, "v": g[value]}).pivot_table(index="r", columns="c", values="v", aggfunc="mean", sort=False)
+        cols = list(mat.columns)
+        if has_pos and pos_labels is not None:
+            xt = [f"{escape(pos_labels[c])}·{c}" if isinstance(c, (int, np.integer)) and c < len(pos_labels) else str(c) for c in cols]
+        else:
+            xt = [str(c) for c in cols]
+        fig.add_trace(
+            go.Heatmap(z=mat.to_numpy(), x=xt, y=list(mat.index), coloraxis="coloraxis",
+                       hovertemplate="%{y} @ %{x}<br>" + value + " %{z:.3f}<extra></extra>"),
+            row=variants.index(v) + 1, col=acts.index((a, b)) + 1,
+        )
+    fig.update_layout(
+        title=title or f"Activation patching (clean → corrupted), {value}",
+        coloraxis=dict(colorscale="RdBu", cmid=0, cmin=-lim, cmax=lim, colorbar=dict(title=value)),
+        height=max(320, 300 * len(variants)),
+    )
+    fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+def _node_layer(name: str) -> float:
+    """Column of a node in the graph: embeddings left, layer l in column l+1, output right."""
+    import re
+
+    s = str(name)
+    m = re.search(r"(?:^|[^0-9])(?:L|blocks\.|a|m|layer)(\d+)", s)
+    if s.lower() in ("embed", "input", "tokens", "hook_embed", "hook_pos_embed", "pos_embed") or s.lower().startswith("embed"):
+        return 0.0
+    if s.lower() in ("logits", "output", "unembed", "head", "resid_post") or s.lower().startswith("logit"):
+        return math.inf
+    if m:
+        base = 1.0 + int(m.group(1))
+        return base + (0.5 if ("mlp" in s.lower() or s.startswith("m")) else 0.0)
+    return 0.5
+
+
+def plot_circuit_graph(
+    circuit: Any,
+    nodes: Optional[pd.DataFrame] = None,
+    *,
+    n_layers: Optional[int] = None,
+    n_heads: Optional[int] = None,
+    source: str = "source",
+    target: str = "target",
+    score: str = "score",
+    title: Optional[str] = None,
+    max_edges: int = 60,
+) -> go.Figure:
+    """A circuit as a graph.
+
+    ``circuit`` is a :class:`interp_norm.circuits.Circuit`, or its edge table (``Circuit.to_dataframe()``:
+    ``sender``, ``receiver``, ``score``, with ``n_layers``/``n_heads`` given or as columns): both are drawn
+    by :func:`draw_circuit` (embed at the bottom, one row per attention layer and
+    MLP, edge colour = the input it enters). Any other edge table with ``source``/``target``/``score``
+    columns is drawn as a layered graph, left to right: nodes by layer (names like ``L1H2``,
+    ``a1.2``, ``m1``, ``blocks.1...``; ``embed`` first, ``logits`` last, or ``nodes`` with ``node`` and
+    ``layer`` columns), edges coloured by sign, width by |score|, the ``max_edges`` strongest drawn.
+    """
+    from interp_norm.circuits import Circuit
+
+    if isinstance(circuit, Circuit):
+        return draw_circuit(circuit, title=title)
+    if not isinstance(circuit, pd.DataFrame):
+        raise ConfigError("plot_circuit_graph expects a circuits.Circuit or an edge DataFrame")
+    if {"sender", "receiver"} <= set(circuit.columns):
+        L = n_layers if n_layers is not None else (int(circuit["n_layers"].iloc[0]) if "n_layers" in circuit and len(circuit) else None)
+        H = n_heads if n_heads is not None else (int(circuit["n_heads"].iloc[0]) if "n_heads" in circuit and len(circuit) else None)
+        if L is None or H is None:
+            raise ConfigError("a Circuit edge table needs n_layers and n_heads (arguments or columns)")
+        sc = circuit["score"] if "score" in circuit else pd.Series(math.nan, index=circuit.index)
+        edges = list(zip(circuit["sender"].astype(str), circuit["receiver"].astype(str)))
+        c = Circuit(L, H, frozenset(edges), {e: float(v) for e, v in zip(edges, sc) if not pd.isna(v)})
+        return draw_circuit(c, title=title)
+    return _layered_graph(circuit, nodes, source=source, target=target, score=score, title=title, max_edges=max_edges)
+
+
+def _layered_graph(
+    edges: pd.DataFrame,
+    nodes: Optional[pd.DataFrame],
+    *,
+    source: str,
+    target: str,
+    score: str,
+    title: Optional[str],
+    max_edges: int,
+) -> go.Figure:
+    if not isinstance(edges, pd.DataFrame) or not {source, target, score} <= set(edges.columns):
+        raise ConfigError(f"expected an edge table with columns {source!r}, {target!r}, {score!r}")
+    e = edges.assign(_abs=edges[score].abs()).sort_values("_abs", ascending=False).head(max_edges)
+    names = list(dict.fromkeys(list(e[source].astype(str)) + list(e[target].astype(str))))
+    if nodes is not None and {"node", "layer"} <= set(nodes.columns):
+        layer_of = {str(n): float(l) for n, l in zip(nodes["node"], nodes["layer"])}
+    else:
+        layer_of = {}
+    col = {n: layer_of.get(n, _node_layer(n)) for n in names}
+    finite = [c for c in col.values() if math.isfinite(c)]
+    last = (max(finite) if finite else 0.0) + 1.0
+    col = {n: (c if math.isfinite(c) else last) for n, c in col.items()}
+    pos: dict[str, tuple[float, float]] = {}
+    for c in sorted(set(col.values())):
+        members = sorted(n for n in names if col[n] == c)
+        for i, n in enumerate(members):
+            pos[n] = (c, (i + 1) / (len(members) + 1))
+    fig = go.Figure()
+    wmax = float(e["_abs"].max()) if len(e) else 1.0
+    wmax = wmax if wmax > 0 else 1.0
+    for r in e.to_dict("records"):
+        (x0, y0), (x1, y1) = pos[str(r[source])], pos[str(r[target])]
+        s = float(r[score])
+        fig.add_trace(go.Scatter(
+            x=[x0, x1], y=[y0, y1], mode="lines", showlegend=False,
+            line=dict(width=0.5 + 5 * abs(s) / wmax, color="rgba(31,119,180,0.6)" if s >= 0 else "rgba(214,39,40,0.6)"),
+            hovertemplate=f"{escape(r[source])} → {escape(r[target])}<br>{escape(score)} {s:.4g}<extra></extra>",
+        ))
+    fig.add_trace(go.Scatter(
+        x=[pos[n][0] for n in names], y=[pos[n][1] for n in names], mode="markers+text",
+        text=[escape(n) for n in names], textposition="top center", showlegend=False,
+        marker=dict(size=14, color="#444", line=dict(color="white", width=1)), hoverinfo="text",
+    ))
+    fig.update_layout(
+        title=title or f"Circuit graph: {len(e)} strongest edges (blue: positive, red: negative; width ∝ |{escape(score)}|)",
+        xaxis=dict(showgrid=False, zeroline=False, title="layer (embed → logits)"),
+        yaxis=dict(showgrid=False, zeroline=False, showticklabels=False), height=520, plot_bgcolor="white",
+    )
+    return fig
+
+
+def draw_circuit(circuit: Any, title: Optional[str] = None) -> go.Figure:
+    """A :class:`~interp_norm.circuits.Circuit` as a plotly figure: embed at the bottom, one row per
+    attention layer and per MLP, logits on top.
+
+    Edge colour = which input it enters (q blue, k green, v red, MLP grey, logits black);
+    width ~ |score| (uniform without scores). Hover shows names and scores.
+    """
+    from interp_norm.circuits.attribution import receiver_node
+
+    L, H = circuit.n_layers, circuit.n_heads
+
+    def pos(node: str) -> tuple[float, float]:
+        if node == "embed":
+            return (H - 1) / 2, 0.0
+        if node == "logits":
+            return (H - 1) / 2, 2 * L + 1.0
+        if node.startswith("a"):
+            l, h = node[1:].split(".h")
+            return float(int(h)), 2 * int(l) + 1.0
+        return float(H), 2 * int(node[1:]) + 1.6  # MLPs to the right of their layer's heads
+
+    colours = dict(q="#1f77b4", k="#2ca02c", v="#d62728", mlp="#7f7f7f", logits="#000000")
+    fig = go.Figure()
+    scores = [abs(v) for v in circuit.scores.values() if np.isfinite(v)]
+    smax = max(scores) if scores else 1.0
+    for u, r in sorted(circuit.edges):
+        inp = r.rsplit(".", 1)[1] if r.count(".") == 2 else ("logits" if r == "logits" else "mlp")
+        (x0, y0), (x1, y1) = pos(u), pos(receiver_node(r))
+        s = circuit.scores.get((u, r))
+        width = 1.5 if s is None or not np.isfinite(s) else 0.5 + 5.5 * abs(s) / smax
+        fig.add_trace(go.Scatter(
+            x=[x0, x1], y=[y0, y1], mode="lines", line=dict(color=colours[inp], width=width),
+            hoverinfo="text", text=f"{u} -> {r}" + ("" if s is None else f": {s:.4g}"), showlegend=False,
+        ))
+    nodes = sorted(circuit.nodes) or ["embed", "logits"]
+    xs, ys = zip(*(pos(nd) for nd in nodes))
+    fig.add_trace(go.Scatter(
+        x=xs, y=ys, mode="markers+text", text=nodes, textposition="top center",
+        marker=dict(size=14, color=["#ffbf00" if nd.startswith("m") else "#9467bd" if nd.startswith("a") else "#333" for nd in nodes]),
+        hovertext=[f"{nd}: {circuit.node_scores.get(nd, '')}" for nd in nodes], hoverinfo="text", showlegend=False,
+    ))
+    for name, col in colours.items():
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line=dict(color=col, width=3), name=f"into {name}"))
+    ticks = [0.0] + [y for l in range(L) for y in (2 * l + 1.0, 2 * l + 1.6)] + [2 * L + 1.0]
+    labels = ["embed"] + [t for l in range(L) for t in (f"attn {l}", f"mlp {l}")] + ["logits"]
+    fig.update_layout(
+        title=title or f"circuit: {len(circuit.edges)} edges, {len(circuit.components)} components",
+        xaxis=dict(title="head", tickmode="array", tickvals=list(range(H)) + [H], ticktext=[str(h) for h in range(H)] + ["MLP"],
+                   range=[-0.6, H + 0.6]),
+        yaxis=dict(tickmode="array", tickvals=ticks, ticktext=labels, range=[-0.5, 2 * L + 1.6]),
+        template="plotly_white", height=250 + 110 * L, width=350 + 90 * H,
+    )
+    return fig
