@@ -218,7 +218,7 @@ CIRCUIT_FILES = ("*.csv", "circuit.html", "circuit.json")
 
 
 def _circuits_args(p: argparse.ArgumentParser) -> None:
-    from interp_norm.circuits.pairs import METRICS  # the choices shown are the library's
+    from interp_norm.circuits.metrics import METRICS  # the choices shown are the library's
 
     p.add_argument("ckpt", help=CKPT_HELP)
     p.add_argument("--out", help="folder for the tables, circuit.html and circuit.json "

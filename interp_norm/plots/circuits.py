@@ -200,7 +200,7 @@ def draw_circuit(circuit: Any, title: Optional[str] = None) -> go.Figure:
     Edge colour = which input it enters (q blue, k green, v red, MLP grey, logits black);
     width ~ |score| (uniform without scores). Hover shows names and scores.
     """
-    from interp_norm.circuits.attribution import receiver_node
+    from interp_norm.circuits.edges import receiver_node
 
     L, H = circuit.n_layers, circuit.n_heads
 
