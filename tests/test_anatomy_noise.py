@@ -58,7 +58,10 @@ def test_level_zero_is_bit_identical(models, name, placement):
     clean = model(tokens)
     noise = HeadNoise(model, level=0.0, placement=placement)
     assert torch.equal(model.run_with_hooks(tokens, fwd_hooks=noise.hooks()), clean)
-    assert len(noise.last_kappa) == 3 * anatomy(model).n_layers
+    an = anatomy(model)
+    shared = sum(la.shares_kv for la in an.layers)  # KV-sharing layers have only q of their own
+    k_is_v = sum(la.v_from_k and not la.shares_kv for la in an.layers) if placement == "before_norm" else 0
+    assert len(noise.last_kappa) == len(noise.sites) == 3 * an.n_layers - 2 * shared - k_is_v
 
 
 def _normed_cases():
@@ -114,7 +117,7 @@ def test_gemma4_gainless_v_norm_removes_noise_before_it(models):
     assert (model.run_with_hooks(tokens, fwd_hooks=after.hooks()) - clean).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "olmo2", "gemma4"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "olmo2", "gemma4", "gemma4-shared"])
 @torch.no_grad()
 def test_grouped_kv_heads_get_one_kappa_per_key_value_head(models, name):
     model = models[name]
@@ -165,6 +168,8 @@ def test_collapse_from_clean_scores_equals_brute_force(models, name, placement):
     for la in an.layers:
         kq = (torch.rand(draws, b, n, la.n_heads, generator=g) * 2 - 1) * 0.8
         kk = (torch.rand(draws, b, n, la.n_kv_heads, generator=g) * 2 - 1) * 0.8
+        if la.shares_kv:  # its keys are another layer's: only q can be noised for this layer alone
+            kk.zero_()
         mask = attention_mask(la, n)
         scores = attention_scores(model, cache, la.layer, softcap=False)
         fq, fk = collapse_factors(model, cache, la.layer, kq, kk, placement)
@@ -173,7 +178,8 @@ def test_collapse_from_clean_scores_equals_brute_force(models, name, placement):
         clean_top = cache[la.hooks["pattern"]].argmax(-1)
         ties = _near_ties(scores, mask, fq, fk, la.kv_head_of)
         for d in range(draws):
-            noise = HeadNoise(model, {(la.layer, "q"): kq[d], (la.layer, "k"): kk[d]}, placement=placement)
+            kappa = {(la.layer, "q"): kq[d]} if la.shares_kv else {(la.layer, "q"): kq[d], (la.layer, "k"): kk[d]}
+            noise = HeadNoise(model, kappa, placement=placement)
             _, noised = _cached(model, tokens, noise.hooks())
             brute = noised[la.hooks["pattern"]].argmax(-1) != clean_top
             ok = ~ties[d]
@@ -183,3 +189,19 @@ def test_collapse_from_clean_scores_equals_brute_force(models, name, placement):
     removed = placement == "before_norm" and all(
         la.norms["q"] is not None and la.norms["q"].axis == "per_head" for la in an.layers)
     assert (moved == 0) if removed else (moved > 0)
+
+
+def test_gemma4_kv_sharing_and_k_equals_v_restrict_where_noise_can_go(models):
+    from interp_norm.errors import NoiseSpecError
+
+    model = models["gemma4-shared"]
+    an = anatomy(model)
+    with pytest.raises(NoiseSpecError, match="KV sharing"):
+        HeadNoise(model, level=0.1, targets=("k",), layers=[3])
+    with pytest.raises(NoiseSpecError, match="no v projection"):
+        HeadNoise(model, level=0.1, targets=("v",), layers=[1], placement="before_norm")
+    sites = HeadNoise(model, level=0.1, placement="before_norm").sites
+    assert sites == [(0, "q"), (0, "k"), (0, "v"), (1, "q"), (1, "k"), (2, "q"), (3, "q")]
+    assert [la.kv_layer for la in an.layers] == [0, 1, 0, 1]
+    # k noise at a source layer reaches the layer that shares its keys: layer 2's k hook is layer 0's
+    assert an[2].hooks["k_normed"] == an[0].hooks["k_normed"]

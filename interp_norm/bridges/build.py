@@ -4,8 +4,9 @@ Nothing is downloaded: each architecture is instantiated from its ``transformers
 at toy size, so tests and tutorials can exercise the real modelling code of GPT-2 (Pre-LN),
 Llama (Pre-RMSNorm, grouped k/v heads), Qwen3 (per-head RMS QK-Norm before RoPE), OLMo-2 (RMS
 QK-Norm over all heads at once, post-norm blocks) and Gemma 4 (per-head q, k and gainless v
-norms, score scale 1.0, sliding and full layers with partial "proportional" RoPE). GPT-2 has no
-grouped-query attention, so its k/v heads equal its query heads.
+norms, score scale 1.0, sliding and full layers with partial "proportional" RoPE; "gemma4-shared"
+adds the E2B/31B features: KV-sharing layers and k = v full layers). GPT-2 has no grouped-query
+attention, so its k/v heads equal its query heads.
 
 The HF initialisation (std 0.02) gives nearly uniform attention, which makes collapse tests
 meaningless; :func:`tiny_hf_model` re-initialises every matrix with std ``1/√fan_in`` and moves
@@ -29,14 +30,18 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "Pre-RMSNorm + per-head RMS QK-Norm before RoPE, grouped k/v heads",
     "olmo2": "RMS QK-Norm over all heads at once, post-norm blocks, RoPE, grouped k/v heads",
     "gemma4": "per-head q/k norms with gain + gainless v norm, score scale 1.0, sliding + full layers, partial RoPE",
+    "gemma4-shared": "Gemma 4 with the E2B/31B features: KV-sharing last layers, k = v full layers with wider heads "
+                     "and one k/v head, per-layer embeddings (4 layers)",
 }
 
 
-def tiny_config(arch: str, *, n_layers: int = 2, d_model: int = 64, n_heads: int = 4, n_kv_heads: int = 2,
+def tiny_config(arch: str, *, n_layers: Optional[int] = None, d_model: int = 64, n_heads: int = 4, n_kv_heads: int = 2,
                 d_head: int = 16, vocab: int = 128, n_ctx: int = 64, sliding_window: int = 4) -> Any:
     """The ``transformers`` config of a tiny ``arch`` model (see :data:`ARCHITECTURES`)."""
     import transformers as tf
 
+    if n_layers is None:
+        n_layers = 4 if arch == "gemma4-shared" else 2
     special = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)  # inside the tiny vocabulary
     common = dict(vocab_size=vocab, hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
                   num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, max_position_embeddings=n_ctx, **special)
@@ -51,13 +56,18 @@ def tiny_config(arch: str, *, n_layers: int = 2, d_model: int = 64, n_heads: int
         if d_model != n_heads * d_head:
             raise ArchitectureError(f"OLMo-2 has head_dim = hidden_size / n_heads; use d_head={d_model // n_heads}")
         return tf.Olmo2Config(**common)
-    if arch == "gemma4":
+    if arch in ("gemma4", "gemma4-shared"):
         if not hasattr(tf, "Gemma4TextConfig"):
-            raise ArchitectureError(f"transformers {tf.__version__} has no Gemma 4; upgrade transformers to >= 5.5")
+            raise ArchitectureError(f"transformers {tf.__version__} has no Gemma 4; upgrade transformers")
         types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
-        return tf.Gemma4TextConfig(**common, head_dim=d_head, global_head_dim=d_head, layer_types=types,
-                                   sliding_window=sliding_window, hidden_size_per_layer_input=8,
-                                   vocab_size_per_layer_input=vocab)
+        extra: dict = dict(global_head_dim=d_head)
+        if arch == "gemma4-shared":
+            if n_layers < 4:
+                raise ArchitectureError("gemma4-shared needs n_layers >= 4 (the last half share keys and values)")
+            extra = dict(global_head_dim=2 * d_head, num_global_key_value_heads=1, attention_k_eq_v=True,
+                         num_kv_shared_layers=n_layers // 2)
+        return tf.Gemma4TextConfig(**common, head_dim=d_head, layer_types=types, sliding_window=sliding_window,
+                                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab, **extra)
     raise ArchitectureError(f"unknown tiny architecture {arch!r}; choose one of {sorted(ARCHITECTURES)}")
 
 
@@ -82,7 +92,8 @@ def tiny_hf_model(arch: str, *, seed: int = 0, reinit: bool = True, **config_kw:
 
     cfg = tiny_config(arch, **config_kw)
     cls = {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
-           "olmo2": tf.Olmo2ForCausalLM, "gemma4": getattr(tf, "Gemma4ForCausalLM", None)}[arch]
+           "olmo2": tf.Olmo2ForCausalLM, "gemma4": getattr(tf, "Gemma4ForCausalLM", None),
+           "gemma4-shared": getattr(tf, "Gemma4ForCausalLM", None)}[arch]
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = cls(cfg)

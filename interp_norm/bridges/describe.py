@@ -6,6 +6,10 @@ config, :mod:`interp_norm.hooks` and its module tree) and of a TransformerLens 4
 module tree: the ``q_norm``/``k_norm``/``v_norm`` children of each attention, identified by what
 they compute, and their weight shapes). Nothing is read from a per-architecture table.
 
+Hook names are never spelled here: they are read from the ``HookPoint`` objects of the module tree
+(``.name``), or for our models from :mod:`interp_norm.hooks`. The bridge part lives in
+:mod:`interp_norm.bridges.bridge_anatomy`.
+
 Why a probe forward: a bridge's hook does not always mean what its name says (on Gemma 4,
 ``hook_attn_scores`` fires the post-softmax pattern; ``hook_rot_q`` exists but never fires), and
 hook tensors come in three layouts ([b, p, h, d], [b, h, p, d], [b, p, h·d]) that cannot be told
@@ -18,9 +22,8 @@ scores it rebuilds from q and k reproduce the model's own attention pattern
 
 from __future__ import annotations
 
-import math
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 import pandas as pd
@@ -74,7 +77,9 @@ class LayerAnatomy:
     whether the rotated ones are read from ``q_rot``/``k_rot`` (else recomputed from the model's
     rotary module); ``sliding_window`` the local-attention width or None. ``scores_hook`` says
     what ``hooks["attn_scores"]`` holds: "pre_softmax" (softmax of it is the pattern),
-    "not_pre_softmax" (do not use it), or "unverified".
+    "not_pre_softmax" (do not use it), "absent", or "unverified". ``kv_layer``/``v_from_k``
+    describe Gemma 4's KV sharing and shared k/v projection; then ``hooks["k"]`` etc. name the
+    hooks that really hold the keys and values this layer reads.
     """
 
     layer: int
@@ -94,6 +99,14 @@ class LayerAnatomy:
     sliding_window: Optional[int] = None
     scores_hook: str = "unverified"
     pattern_error: Optional[float] = None  # max |softmax(our scores) − pattern| on the probe
+    pattern_ok: Optional[bool] = None  # pattern_error within the dtype's tolerance (None: not checked)
+    kv_layer: Optional[int] = None  # layer whose k/v this one reads (Gemma 4 KV sharing); None = itself
+    v_from_k: bool = False  # no v projection: v = v_norm(raw k) (Gemma 4 "k = v" global layers)
+
+    @property
+    def shares_kv(self) -> bool:
+        """Whether this layer reads another layer's keys and values (hooks k/v are that layer's)."""
+        return self.kv_layer is not None and self.kv_layer != self.layer
 
     @property
     def kv_head_of(self) -> tuple[int, ...]:
@@ -137,7 +150,8 @@ class Anatomy:
                 n_heads=la.n_heads, n_kv_heads=la.n_kv_heads, d_head=la.d_head,
                 pre_norm=None if la.pre_norm is None else la.pre_norm.kind,
                 score_scale=la.score_scale, rope=la.rope, rope_from_hooks=la.rope_from_hooks,
-                sliding_window=la.sliding_window, scores_hook=la.scores_hook, pattern_error=la.pattern_error,
+                sliding_window=la.sliding_window, kv_layer=la.layer if la.kv_layer is None else la.kv_layer,
+                v_from_k=la.v_from_k, scores_hook=la.scores_hook, pattern_error=la.pattern_error,
             )
             for t in TARGETS:
                 n = la.norms.get(t)
@@ -252,197 +266,6 @@ def _own_anatomy(model: Any) -> Anatomy:
     return Anatomy("interp_norm", f"HookedNormTransformer[{cfg.attn_norm}]", tuple(layers))
 
 
-# ----------------------------------------------------------------------------- bridges
-
-
-def _is_bridge(model: Any) -> bool:
-    try:
-        from transformer_lens.model_bridge import TransformerBridge
-    except ImportError:  # pragma: no cover - TL 4 is a dependency
-        return False
-    return isinstance(model, TransformerBridge)
-
-
-def _original(component: Any) -> Optional[nn.Module]:
-    """The HF module a bridge component wraps (or the module itself if it is not a bridge)."""
-    orig = getattr(component, "_modules", {}).get("_original_component") if component is not None else None
-    return orig if orig is not None else component
-
-
-def _hook(component: Any, attr: str) -> Optional[str]:
-    hp = component._modules.get(attr) if component is not None and attr in getattr(component, "_modules", {}) else None
-    if hp is None:
-        try:
-            hp = getattr(component, attr)  # bridge aliases (hook_q -> q.hook_out) resolve here
-        except AttributeError:
-            return None
-    name = getattr(hp, "name", None)
-    return name if isinstance(name, str) else None
-
-
-def _placement(norms: Mapping[str, Optional[NormSpec]], pre: Optional[NormSpec]) -> str:
-    normed = tuple(t for t in TARGETS if norms[t] is not None)
-    if normed == ("q", "k", "v"):
-        return "qkv"
-    if normed == ("q", "k"):
-        return "qk"
-    if normed:
-        raise ArchitectureError(f"only {normed} are normalised; interp_norm knows q+k (QK-Norm) and q+k+v (QKV-Norm)")
-    return "pre" if pre is not None else "none"
-
-
-def _bridge_layer(model: Any, l: int, block: Any) -> tuple[LayerAnatomy, dict[str, nn.Module]]:
-    """Static part of a bridge layer's anatomy (before the probe), and its norm modules."""
-    cfg = model.cfg
-    attn = block._modules.get("attn")
-    hf = _original(attn)
-    if attn is None or hf is None:
-        raise ArchitectureError(f"block {l} has no attention component 'attn' wrapping an HF attention module")
-    d_head = int(getattr(hf, "head_dim", 0) or getattr(cfg, "d_head", 0))
-    n_heads = int(getattr(cfg, "n_heads", 0))
-    groups = getattr(hf, "num_key_value_groups", None)
-    n_kv = n_heads // int(groups) if groups else int(getattr(cfg, "n_key_value_heads", None) or n_heads)
-    if d_head < 1 or n_heads < 1 or n_heads % n_kv:
-        raise ArchitectureError(f"layer {l}: cannot read head counts (n_heads={n_heads}, n_kv_heads={n_kv}, d_head={d_head})")
-    scale = getattr(hf, "scaling", None)
-    if not isinstance(scale, (int, float)):
-        raise ArchitectureError(
-            f"layer {l}: the HF attention {type(hf).__name__} has no numeric 'scaling' attribute, so the factor "
-            "q·k is multiplied by is unknown"
-        )
-    softcap = getattr(hf, "attn_logit_softcapping", None) or getattr(getattr(hf, "config", None), "attn_logit_softcapping", None)
-    if getattr(hf, "sinks", None) is not None:
-        raise ArchitectureError(f"layer {l}: attention sinks ({type(hf).__name__}.sinks) join the softmax; not supported")
-    norm_mods: dict[str, nn.Module] = {}
-    norms: dict[str, Optional[NormSpec]] = {}
-    hooks: dict[str, Optional[str]] = {}
-    known = set()
-    for t in TARGETS:
-        comp = attn._modules.get(f"{t}_norm") or getattr(hf, f"{t}_norm", None)
-        hooks[t] = _hook(attn, f"hook_{t}")
-        if hooks[t] is None:
-            raise ArchitectureError(f"layer {l}: the bridge attention has no hook on the {t} projection (hook_{t})")
-        if comp is None:
-            norms[t] = None
-            hooks[f"{t}_normed"] = None
-            continue
-        mod = _original(comp)
-        known |= {id(comp), id(mod)}
-        norm_mods[t] = mod
-        weight = next((p for p in mod.parameters() if p.ndim == 1), None)
-        n_t = n_heads if t == "q" else n_kv
-        if weight is None:
-            axis, dim = "per_head", d_head  # confirmed against the probe's hook shape
-        elif weight.numel() == d_head:
-            axis, dim = "per_head", d_head
-        elif weight.numel() == n_t * d_head:
-            axis, dim = "all_heads", n_t * d_head
-        else:
-            raise ArchitectureError(f"layer {l}: {t}_norm has a gain of {weight.numel()} entries, neither d_head={d_head} nor {n_t}·d_head")
-        norms[t] = identify_norm(mod, dim, f"{_module_path(model, attn)}.{t}_norm", axis)
-        hooks[f"{t}_normed"] = _hook(attn, f"hook_{t}_normed") or _hook(comp, "hook_out")
-        if hooks[f"{t}_normed"] is None:
-            raise ArchitectureError(f"layer {l}: {t}_norm found in the module tree but no hook holds its output")
-    for name, child in hf.named_children():  # a norm we cannot attribute to q, k or v
-        if id(child) not in known and _computes_a_norm(_original(child)):
-            raise ArchitectureError(
-                f"layer {l}: attention child {name!r} ({type(_original(child)).__name__}) computes a norm but is "
-                "none of q_norm/k_norm/v_norm; interp_norm cannot tell whether it normalises q, k or v"
-            )
-    pre = post = None
-    for key, which in (("ln1", "pre"), ("ln1_post", "post")):
-        comp = block._modules.get(key)
-        if comp is not None and _original(comp) is not None:
-            spec = identify_norm(_original(comp), int(cfg.d_model), _module_path(model, comp), "residual")
-            pre, post = (spec, post) if which == "pre" else (pre, spec)
-    rope = getattr(cfg, "positional_embedding_type", None) == "rotary"
-    hooks.update(q_rot=_hook(attn, "hook_rot_q") if rope else None, k_rot=_hook(attn, "hook_rot_k") if rope else None,
-                 attn_scores=_hook(attn, "hook_attn_scores"), pattern=_hook(attn, "hook_pattern"), z=_hook(attn, "hook_z"))
-    if hooks["pattern"] is None:
-        raise ArchitectureError(f"layer {l}: the bridge attention has no hook_pattern")
-    window = getattr(hf, "sliding_window", None)
-    la = LayerAnatomy(
-        layer=l, n_heads=n_heads, n_kv_heads=n_kv, d_head=d_head, placement=_placement(norms, pre), norms=norms,
-        pre_norm=pre, post_norm=post, hooks=hooks, layouts={}, score_scale=float(scale),
-        softcap=float(softcap) if softcap else None, rope=rope,
-        sliding_window=int(window) if isinstance(window, int) and window > 0 else None,
-    )
-    return la, norm_mods
-
-
-def _probe_length(layers: list[LayerAnatomy]) -> int:
-    taken = {x for la in layers for x in (la.n_heads, la.n_kv_heads, la.d_head)}
-    n = 5
-    while n in taken:
-        n += 1
-    return n
-
-
-def _layout(shape: tuple[int, ...], n: int, heads: int, d_head: int) -> Optional[str]:
-    if shape == (1, n, heads, d_head):
-        return "bphd"
-    if shape == (1, heads, n, d_head):
-        return "bhpd"
-    if shape == (1, n, heads * d_head):
-        return "flat"
-    return None
-
-
-def _bridge_anatomy(model: Any, strict: bool) -> Anatomy:
-    from interp_norm.bridges import scores as S  # scores imports this module
-
-    blocks = getattr(model, "blocks", None)
-    if blocks is None or len(blocks) == 0:
-        raise ArchitectureError(f"{type(model).__name__} has no 'blocks'; is it a decoder-only TransformerBridge?")
-    static = [_bridge_layer(model, l, b) for l, b in enumerate(blocks)]
-    layers = [s[0] for s in static]
-    n = _probe_length(layers)
-    tokens = torch.randint(0, int(model.cfg.d_vocab), (1, n), generator=torch.Generator().manual_seed(0))
-    wanted = {h for la in layers for h in la.hooks.values() if h}
-    with torch.no_grad():
-        _, cache = model.run_with_cache(tokens.to(model.cfg.device or "cpu"), names_filter=lambda name: name in wanted)
-    out = []
-    for (la, norm_mods) in static:
-        hooks, layouts = dict(la.hooks), {}
-        for key in ("q", "k", "v", "q_normed", "k_normed", "v_normed", "q_rot", "k_rot"):
-            name = hooks.get(key)
-            if name is None:
-                continue
-            if name not in cache:
-                if key in ("q_rot", "k_rot"):
-                    hooks[key] = None  # exists but never fires (Gemma 4): rotate ourselves
-                    continue
-                raise ArchitectureError(f"layer {la.layer}: hook {name!r} ({key}) exists but did not fire on a forward pass")
-            heads = la.n_heads_of(key[0])
-            layout = _layout(tuple(cache[name].shape), n, heads, la.d_head)
-            if layout is None:
-                raise ArchitectureError(
-                    f"layer {la.layer}: hook {name!r} ({key}) has shape {tuple(cache[name].shape)}; expected "
-                    f"{heads} heads of {la.d_head} over {n} positions"
-                )
-            layouts[key] = layout
-        for key in ("attn_scores", "pattern"):
-            if hooks[key] is not None and hooks[key] not in cache:
-                hooks[key] = None
-        if hooks["pattern"] is None:
-            raise ArchitectureError(f"layer {la.layer}: hook_pattern never fires (sdpa attention?); load the model with attn_implementation='eager'")
-        la = replace(la, hooks=hooks, layouts=layouts, rope_from_hooks=bool(hooks["q_rot"] and hooks["k_rot"]))
-        if la.rope and not la.rope_from_hooks and _original(getattr(model, "rotary_emb", None)) is None:
-            raise ArchitectureError(f"layer {la.layer}: rotary model whose rotated q/k hooks do not fire and no 'rotary_emb' module to recompute them")
-        for t, mod in norm_mods.items():  # the normed hook must hold norm(raw hook)
-            raw = S.canonical(cache[hooks[t]], layouts[t], la.n_heads_of(t), la.d_head)
-            normed = S.canonical(cache[hooks[f"{t}_normed"]], layouts[f"{t}_normed"], la.n_heads_of(t), la.d_head)
-            with torch.no_grad():
-                ref = mod(raw) if la.norms[t].axis == "per_head" else mod(raw.flatten(-2)).view_as(raw)
-            err = float((ref - normed).abs().max() / (normed.abs().max() + 1e-12))
-            if err > 1e-4:
-                raise ArchitectureError(f"layer {la.layer}: {hooks[f'{t}_normed']!r} does not hold {t}_norm({hooks[t]}) (relative error {err:.2g})")
-        out.append(la)
-    arch = str(getattr(model.cfg, "architecture", None) or type(_original(model) or model).__name__)
-    result = Anatomy("bridge", arch, tuple(out))
-    return S.verify_anatomy(model, result, cache, tokens, strict=strict)
-
-
 # ----------------------------------------------------------------------------- entry point
 
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, Anatomy]" = weakref.WeakKeyDictionary()
@@ -456,13 +279,18 @@ def anatomy(model: Any, *, strict: bool = True, refresh: bool = False) -> Anatom
     pattern; ``strict=False`` records the error in ``pattern_error`` instead.
     """
     if not refresh and model in _CACHE:
-        return _CACHE[model]
+        result = _CACHE[model]
+        bad = [la.layer for la in result.layers if la.pattern_ok is False]
+        if strict and bad:
+            raise ArchitectureError(f"layers {bad}: the rebuilt scores do not reproduce the pattern (see anatomy(model, strict=False).table())")
+        return result
+    from interp_norm.bridges import bridge_anatomy as B
     from interp_norm.model import HookedNormTransformer
 
     if isinstance(model, HookedNormTransformer):
         result = _own_anatomy(model)
-    elif _is_bridge(model):
-        result = _bridge_anatomy(model, strict)
+    elif B.is_bridge(model):
+        result = B.bridge_anatomy(model, strict)
     else:
         raise ArchitectureError(
             f"cannot describe the attention of a {type(model).__name__}: pass a HookedNormTransformer or a "

@@ -34,12 +34,14 @@ PLACEMENTS = ("before_norm", "after_norm")
 Sampler = Callable[[int, str, tuple, int], Tensor]
 
 
-def uniform_sampler(level: float, seed: int = 0, distribution: str = "uniform") -> Sampler:
+def seeded_sampler(level: float, seed: int = 0, distribution: str = "uniform") -> Sampler:
     """κ = level·z, z of unit RMS (uniform on ±√3, or standard normal), seeded per (layer, target, pass)."""
     if not (isinstance(level, (int, float)) and math.isfinite(level) and level >= 0):
         raise NoiseSpecError(f"noise level must be a non-negative number, got {level!r}")
     if distribution not in ("uniform", "normal"):
         raise NoiseSpecError(f"distribution must be 'uniform' or 'normal', got {distribution!r}")
+    if distribution == "uniform" and level >= 1 / math.sqrt(3):
+        raise NoiseSpecError(f"uniform noise of level {level} can make 1+κ ≤ 0; use a level below 1/√3 ≈ 0.577")
 
     def draw(layer: int, target: str, shape: tuple, call: int) -> Tensor:
         state = np.random.SeedSequence([int(seed), int(layer), "qkv".index(target), int(call)]).generate_state(1, dtype=np.uint64)[0]
@@ -54,10 +56,16 @@ class HeadNoise:
     """Hooks multiplying q, k and/or v of chosen layers by (1+κ) per (example, position, head).
 
     ``kappa``: explicit κ per ``(layer, target)``, each [batch, pos, heads of that target] (k/v:
-    key/value heads); or a ``sampler`` (default :func:`uniform_sampler` at ``level``).
+    key/value heads); or a ``sampler`` (default :func:`seeded_sampler` at ``level``).
     ``placement`` "before_norm" (the projection output) or "after_norm" (what attention uses;
     the same hook where the target has no norm). After a forward pass ``last_kappa`` holds the κ
     used. Use as ``model.run_with_hooks(tokens, fwd_hooks=noise.hooks())``.
+
+    Gemma 4: a KV-sharing layer has no keys of its own, so with ``layers=None`` its k/v noise is
+    the noise of its source layer (noised once); naming such a layer's k/v explicitly is an error.
+    In a k = v layer, v before its norm *is* k's projection (k noise there reaches v too), so
+    "before_norm" v noise is skipped with ``layers=None`` and refused when named. ``sites`` lists
+    the (layer, target) pairs actually noised.
     """
 
     def __init__(
@@ -79,15 +87,34 @@ class HeadNoise:
         bad = [t for t in targets if t not in ("q", "k", "v")]
         if bad or not targets:
             raise NoiseSpecError(f"targets must be among 'q', 'k', 'v', got {tuple(targets)!r}")
+        n = self.anat.n_layers
         if kappa is not None:
-            layers = sorted({l for l, _ in kappa})
-            targets = tuple(t for t in ("q", "k", "v") if any(tt == t for _, tt in kappa))
-        layers = list(range(self.anat.n_layers)) if layers is None else list(layers)
-        for l in layers:
-            self.anat[l]  # range check
-        self.layers, self.targets, self.placement = layers, tuple(targets), placement
+            sites = sorted(kappa, key=lambda lt: (lt[0], "qkv".index(lt[1]) if lt[1] in ("q", "k", "v") else 3))
+            explicit = True
+        else:
+            explicit = layers is not None
+            layers = list(range(n)) if layers is None else list(layers)
+            sites = [(l, t) for l in layers for t in ("q", "k", "v") if t in targets]
+        self.sites: list[tuple[int, str]] = []
+        for l, t in sites:
+            if isinstance(l, bool) or not isinstance(l, int) or not 0 <= l < n or t not in ("q", "k", "v"):
+                raise NoiseSpecError(f"noise site {(l, t)!r}: layer must lie in [0, {n}) and target be 'q', 'k' or 'v'")
+            la = self.anat[l]
+            if t != "q" and la.shares_kv:
+                if explicit:
+                    raise NoiseSpecError(
+                        f"layer {l} reads the keys and values of layer {la.kv_layer} (KV sharing); noise {t} there, "
+                        f"which changes both layers"
+                    )
+                continue  # all layers noised: the shared k/v is noised once, at its source layer
+            if t == "v" and la.v_from_k and placement == "before_norm":
+                if explicit:
+                    raise NoiseSpecError(f"layer {l} has no v projection (v = v_norm(raw k)); noise before the norm on 'k' or after it on 'v'")
+                continue  # before its norm, v is k's projection: k noise there already reaches v
+            self.sites.append((l, t))
+        self.placement = placement
         self.kappa = dict(kappa) if kappa is not None else None
-        self.sampler = sampler or uniform_sampler(level, seed)
+        self.sampler = sampler or seeded_sampler(level, seed)
         self.last_kappa: dict[tuple[int, str], Tensor] = {}
         self._calls: dict[tuple[int, str], int] = {}
 
@@ -123,15 +150,14 @@ class HeadNoise:
 
     def hooks(self) -> list[tuple[str, Callable]]:
         out = []
-        for l in self.layers:
-            for t in self.targets:
-                name, layout = self.site(l, t)
-                out.append((name, self._hook(l, t, layout)))
+        for l, t in self.sites:
+            name, layout = self.site(l, t)
+            out.append((name, self._hook(l, t, layout)))
         return out
 
 
 def effective_factors(la: LayerAnatomy, target: str, kappa: Tensor, raw: Tensor) -> Tensor:
-    """What (1+κ) applied *before* ``target``'s norm leaves on its output, per head.
+    """What (1+κ) applied *before* ``target``'s norm leaves on its output, per head (float64).
 
     ``raw`` is the clean projection output [b, p, h, d] (canonical), ``kappa`` [..., b, p, h]
     (leading draw dimensions allowed). With m the clean mean square (variance for LayerNorm):
@@ -139,7 +165,7 @@ def effective_factors(la: LayerAnatomy, target: str, kappa: Tensor, raw: Tensor)
     all-heads RMS norm f_h = (1+κ_h)·√(M+eps)/√(M'+eps), M = mean_h m_h, M' = mean_h (1+κ_h)² m_h.
     No norm: 1+κ.
     """
-    one = 1.0 + kappa
+    one = 1.0 + kappa.to(torch.float64)
     norm = la.norms.get(target)
     if norm is None:
         return one
@@ -149,14 +175,13 @@ def effective_factors(la: LayerAnatomy, target: str, kappa: Tensor, raw: Tensor)
             raise ArchitectureError("per-head noise before a LayerNorm over all heads is not a per-head factor (the mean mixes heads)")
         x = x - x.mean(-1, keepdim=True)
     m = x.pow(2).mean(-1)  # [b, p, h]
-    one = one.to(torch.float64)
     if norm.axis == "per_head":
         f = one * (m + norm.eps).sqrt() / (one * one * m + norm.eps).sqrt()
     else:
         M = m.mean(-1, keepdim=True)
         M_noised = (one * one * m).mean(-1, keepdim=True)
         f = one * (M + norm.eps).sqrt() / (M_noised + norm.eps).sqrt()
-    return f.to(kappa.dtype)
+    return f  # float64: f − 1 is often below float32 resolution
 
 
 def collapse_factors(model: Any, cache: Any, layer: int, kappa_q: Tensor, kappa_k: Tensor,
@@ -199,4 +224,4 @@ def argmax_changes(scores: Tensor, mask: Tensor, f_q: Tensor, f_k: Tensor, kv_he
     return out
 
 
-__all__ = ["PLACEMENTS", "HeadNoise", "uniform_sampler", "effective_factors", "collapse_factors", "argmax_changes"]
+__all__ = ["PLACEMENTS", "HeadNoise", "seeded_sampler", "effective_factors", "collapse_factors", "argmax_changes"]

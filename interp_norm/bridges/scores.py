@@ -20,7 +20,8 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from interp_norm.bridges.describe import Anatomy, ArchitectureError, LayerAnatomy, _original, anatomy
+from interp_norm.bridges.bridge_anatomy import original
+from interp_norm.bridges.describe import Anatomy, ArchitectureError, LayerAnatomy, anatomy
 
 
 def canonical(x: Tensor, layout: str, heads: int, d_head: int) -> Tensor:
@@ -64,8 +65,8 @@ def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
 
 def _rotate(model: Any, la: LayerAnatomy, x: Tensor) -> Tensor:
     """RoPE on canonical q or k [b, p, h, d] from the model's own rotary module (HF's rotate-half)."""
-    rotary = _original(getattr(model, "rotary_emb", None))
-    hf_attn = _original(model.blocks[la.layer]._modules["attn"])
+    rotary = original(getattr(model, "rotary_emb", None))
+    hf_attn = original(model.blocks[la.layer]._modules["attn"])
     n = x.shape[1]
     positions = torch.arange(n, device=x.device)[None, :]
     kwargs = {}
@@ -153,7 +154,7 @@ def verify_anatomy(model: Any, anat: Anatomy, cache: Any, tokens: Tensor, strict
                 "misses something this architecture does"
             )
         status = "absent" if row["scores_hook"] is None else ("pre_softmax" if row["scores_hook_ok"] else "not_pre_softmax")
-        layers.append(replace(la, scores_hook=status, pattern_error=row["pattern_error"]))
+        layers.append(replace(la, scores_hook=status, pattern_error=row["pattern_error"], pattern_ok=row["ok"]))
     return replace(anat, layers=tuple(layers))
 
 
