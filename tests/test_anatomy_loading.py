@@ -57,6 +57,24 @@ def test_load_a_save_pretrained_folder(tmp_path, arch):
     assert bridge.tokenizer is None
 
 
+@torch.no_grad()
+def test_load_a_multimodal_gemma4_folder(tmp_path):
+    """Real Gemma 4 checkpoints are Gemma4ForConditionalGeneration (text decoder under
+    model.language_model, a vision tower beside it): the anatomy and the pattern check hold."""
+    from interp_norm.bridges import tiny_gemma4_conditional
+
+    hf = tiny_gemma4_conditional(seed=1)
+    tokens = random_tokens(120, 2, 9, seed=2)  # ids 120-126 are media tokens in this config
+    ref = hf(tokens).logits
+    hf.save_pretrained(tmp_path / "g4")
+    bridge = load_model(tmp_path / "g4")
+    assert torch.allclose(bridge(tokens), ref, atol=1e-5)
+    an = anatomy(bridge)
+    assert an.architecture == "Gemma4ForConditionalGeneration"
+    assert [la.placement for la in an.layers] == ["qkv"] * 4 and [la.kv_layer for la in an.layers] == [0, 1, 0, 1]
+    assert verify_scores(bridge, tokens)["ok"].all()
+
+
 def _populate_hub_cache(root, repo_id: str, hf, tokenizer=None) -> str:
     """The huggingface_hub cache layout: models--org--name/{refs/main, snapshots/<commit>/...}."""
     commit = "0123456789abcdef0123456789abcdef01234567"

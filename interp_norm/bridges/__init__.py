@@ -42,7 +42,7 @@ _EXPORTS = {
     "canonical": "scores", "attention_mask": "scores", "masked_softmax": "scores", "query_key": "scores",
     "attention_scores": "scores", "verify_scores": "scores",
     "ARCHITECTURES": "build", "tiny_config": "build", "tiny_hf_model": "build", "bridge_from_hf": "build",
-    "tiny_bridge": "build",
+    "tiny_bridge": "build", "tiny_gemma4_conditional": "build",
     "load_model": "loading", "load_hf_model": "loading", "folder_kind": "loading",
     "HeadNoise": "noise", "seeded_sampler": "noise", "effective_factors": "noise", "argmax_changes": "noise",
     "collapse_factors": "noise",

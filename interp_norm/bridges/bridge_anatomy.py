@@ -196,6 +196,32 @@ def _probe_length(layers: list[LayerAnatomy]) -> int:
     return n
 
 
+def _special_ids(config: Any) -> set[int]:
+    """Every ``*_token_id(s)`` / ``*_token_index`` of an HF config and its sub-configs (BOS, image, audio ...)."""
+
+    def walk(d: dict) -> set[int]:
+        out: set[int] = set()
+        for key, value in d.items():
+            if isinstance(value, dict):
+                out |= walk(value)
+            elif isinstance(key, str) and ("_token_id" in key or key.endswith("_token_index")):
+                values = value if isinstance(value, list) else [value]
+                out |= {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
+        return out
+
+    return walk(config.to_dict()) if hasattr(config, "to_dict") else set()
+
+
+def probe_tokens(model: Any, batch: int, n: int, seed: int = 0) -> torch.Tensor:
+    """Seeded ordinary token ids [batch, n]: below 1000 and none of the config's special or media
+    tokens (an image token without pixels would send a multimodal Gemma 4 down its vision path)."""
+    vocab = int(model.cfg.d_vocab)
+    special = _special_ids(getattr(getattr(model, "original_model", None), "config", None))
+    ordinary = torch.tensor([i for i in range(min(vocab, 1000)) if i not in special] or [0])
+    pick = torch.randint(0, len(ordinary), (batch, n), generator=torch.Generator().manual_seed(seed))
+    return ordinary[pick]
+
+
 def _layout(shape: tuple[int, ...], n: int, heads: int, d_head: int) -> Optional[str]:
     if shape == (1, n, heads, d_head):
         return "bphd"
@@ -234,9 +260,7 @@ def bridge_anatomy(model: Any, strict: bool = True) -> Anatomy:
         raise ArchitectureError(f"{type(model).__name__} has no 'blocks'; is it a decoder-only TransformerBridge?")
     static = _resolve_kv_sharing(model, [_static_layer(model, l, b) for l, b in enumerate(blocks)])
     n = _probe_length([s[0] for s in static])
-    vocab = int(model.cfg.d_vocab)
-    low, high = min(3, vocab - 1), min(vocab, 1000)  # ordinary ids: avoid specials and image/audio tokens
-    tokens = torch.randint(low, high, (1, n), generator=torch.Generator().manual_seed(0))
+    tokens = probe_tokens(model, 1, n)
     wanted = {h for la, _ in static for h in la.hooks.values() if h}
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens.to(model.cfg.device or "cpu"), names_filter=lambda name: name in wanted)
@@ -274,4 +298,4 @@ def bridge_anatomy(model: Any, strict: bool = True) -> Anatomy:
     return verify_anatomy(model, Anatomy("bridge", arch, tuple(out)), cache, tokens, strict=strict)
 
 
-__all__ = ["is_bridge", "original", "bridge_anatomy"]
+__all__ = ["is_bridge", "original", "bridge_anatomy", "probe_tokens"]

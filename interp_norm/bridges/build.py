@@ -102,6 +102,24 @@ def tiny_hf_model(arch: str, *, seed: int = 0, reinit: bool = True, **config_kw:
     return model.eval()
 
 
+def tiny_gemma4_conditional(*, seed: int = 0, **config_kw: Any) -> nn.Module:
+    """A tiny ``Gemma4ForConditionalGeneration`` — the class real Gemma 4 checkpoints load as — with
+    the "gemma4-shared" text decoder and a one-layer vision tower; media token ids 120–126."""
+    import transformers as tf
+
+    text = tiny_config("gemma4-shared", **config_kw)
+    vision = tf.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=2, head_dim=16, position_embedding_size=64)
+    media = dict(image_token_id=120, boi_token_id=121, eoi_token_id=122, video_token_id=123, boa_token_id=124,
+                 eoa_token_index=125, audio_token_id=126)
+    cfg = tf.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None, **media)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = tf.Gemma4ForConditionalGeneration(cfg)
+    _reinit(model, seed)
+    return model.eval()
+
+
 def bridge_from_hf(hf_model: nn.Module, tokenizer: Optional[Any] = None, name: str = "local") -> Any:
     """A TransformerLens 4 ``TransformerBridge`` around an HF model already in memory.
 
@@ -138,4 +156,4 @@ def tiny_bridge(arch: str, *, seed: int = 0, **config_kw: Any) -> Any:
     return bridge_from_hf(tiny_hf_model(arch, seed=seed, **config_kw), name=f"tiny-{arch}")
 
 
-__all__ = ["ARCHITECTURES", "tiny_config", "tiny_hf_model", "bridge_from_hf", "tiny_bridge"]
+__all__ = ["ARCHITECTURES", "tiny_config", "tiny_hf_model", "tiny_gemma4_conditional", "bridge_from_hf", "tiny_bridge"]
