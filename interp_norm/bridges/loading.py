@@ -1,0 +1,157 @@
+"""Load any model an analysis accepts: our checkpoints, or a Hugging Face model as a bridge.
+
+:func:`load_model` takes what a user types after ``interp-norm collapse``:
+
+* one of our checkpoint or run folders, or a shipped pretrained name -> a
+  :class:`~interp_norm.model.HookedNormTransformer` (through ``checkpoints.load_any``);
+* a local Hugging Face folder (``save_pretrained`` output: ``config.json`` with a ``model_type``)
+  -> a TransformerLens ``TransformerBridge``;
+* a Hugging Face name such as ``Qwen/Qwen3-0.6B`` that is already in the local cache -> a bridge.
+  Nothing is ever downloaded (``local_files_only``): weights come from a machine with network,
+  via ``hf download NAME`` and a copy of the cache (``HF_HUB_CACHE`` / ``HF_HOME``).
+
+A folder that is neither gets a :class:`~interp_norm.errors.CheckpointError` saying what it holds,
+instead of being read as one of our checkpoints ("config.json has format_version None").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from interp_norm.bridges.describe import ArchitectureError
+from interp_norm.errors import CheckpointError, CheckpointNotFoundError
+
+
+def _hub_cache_dir() -> Optional[str]:
+    """The cache folder, read from the environment at call time (huggingface_hub reads it once at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return str(Path(os.environ["HF_HOME"]) / "hub")
+    return None
+
+
+def folder_kind(path: Path) -> str:
+    """"interp_norm" (our checkpoint or run folder), "hf" (a transformers folder) or "unknown"."""
+    from interp_norm import checkpoints as C
+
+    if (path / C.LATEST).is_file():
+        return "interp_norm"
+    config = path / "config.json"
+    if not config.is_file():
+        return "unknown"
+    try:
+        data = json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        return "unknown"
+    if not isinstance(data, dict):
+        return "unknown"
+    if "format_version" in data:
+        return "interp_norm"
+    if "model_type" in data or "architectures" in data:
+        return "hf"
+    return "unknown"
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def load_hf_model(folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                  name: Optional[str] = None) -> Any:
+    """A bridge around the HF model saved in ``folder`` (weights, optional tokenizer; no network)."""
+    import transformers
+    from transformer_lens.model_bridge.sources._hf_format import determine_architecture_from_hf_config
+    from transformer_lens.model_bridge.sources.transformers import get_hf_model_class_for_architecture
+
+    from interp_norm.bridges.build import bridge_from_hf
+
+    folder = Path(folder)
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, KeyError, OSError) as e:
+        raise ArchitectureError(f"{str(folder)!r} holds a config.json transformers {transformers.__version__} cannot read: {e}") from None
+    try:
+        architecture = determine_architecture_from_hf_config(config)
+        model_class = get_hf_model_class_for_architecture(architecture)
+    except (ValueError, KeyError) as e:
+        raise ArchitectureError(f"{str(folder)!r}: TransformerLens has no bridge for this model ({e})") from None
+    try:
+        model = model_class.from_pretrained(folder, config=config, local_files_only=True, dtype=dtype,
+                                            attn_implementation="eager")
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"cannot load the weights in {str(folder)!r}: {e}") from None
+    model = model.to(device).eval()
+    tokenizer = None
+    # transformers 5 builds an empty tokenizer from config.json alone; only load one that was saved
+    if any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{str(folder)!r} holds tokenizer files that transformers cannot read: {e}") from None
+    return bridge_from_hf(model, tokenizer=tokenizer, name=name or str(folder))
+
+
+def _hf_snapshot(name: str, cache_dir: Optional[str]) -> Optional[Path]:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id=name, local_files_only=True, cache_dir=cache_dir or _hub_cache_dir()))
+    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError):
+        return None
+
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def load_model(spec: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               cache_dir: Optional[str] = None) -> Any:
+    """Our checkpoint/run folder or pretrained name -> HookedNormTransformer; an HF folder or a
+    cached HF name -> TransformerBridge (module docstring). ``cache_dir`` overrides the HF cache.
+
+    An existing folder wins over a cached name of the same spelling (``org/name``).
+    """
+    from interp_norm import checkpoints as C
+
+    text = str(spec)
+    path = Path(text)
+    if path.exists():
+        if not path.is_dir():
+            raise CheckpointError(f"{text!r} is a file; pass the folder holding config.json")
+        kind = folder_kind(path)
+        if kind == "interp_norm":
+            return C.load_any(path, device=device)[0]
+        if kind == "hf":
+            return load_hf_model(path, dtype=dtype, device=device)
+        held = sorted(p.name for p in path.iterdir())[:8]
+        raise CheckpointError(
+            f"{text!r} is not a supported model folder: it holds {held}. Expected an interp_norm checkpoint "
+            "(config.json with format_version), an interp_norm run folder (LATEST), or a Hugging Face "
+            "save_pretrained folder (config.json with model_type, plus weights)"
+        )
+    ours = ""
+    if not C.looks_like_path(text):
+        try:
+            return C.load_any(text, device=device)[0]
+        except CheckpointNotFoundError as e:
+            ours = f"{e}; "
+    elif not _REPO_ID.match(text):
+        raise CheckpointNotFoundError(f"no model at {text!r}: the folder does not exist")
+    snapshot = _hf_snapshot(text, cache_dir)
+    if snapshot is not None:
+        return load_hf_model(snapshot, dtype=dtype, device=device, name=text)
+    raise CheckpointNotFoundError(
+        f"{ours}{text!r} is not in the Hugging Face cache "
+        f"({cache_dir or _hub_cache_dir() or 'the default ~/.cache/huggingface/hub'}) nor a local folder. interp_norm "
+        f"never downloads: run 'hf download {text}' on a machine with network and copy the cache here (set "
+        "HF_HUB_CACHE), or pass a local save_pretrained folder"
+    )
+
+
+__all__ = ["load_model", "load_hf_model", "folder_kind"]

@@ -1,0 +1,162 @@
+"""Loading real checkpoints offline: save_pretrained folders, the Hugging Face cache, our own
+checkpoints, and typed errors for everything else. Plus the text inputs for text models."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from interp_norm import AdditionTask, HookedNormTransformer
+from interp_norm.bridges import (
+    anatomy,
+    load_model,
+    random_tokens,
+    sample_text,
+    text_tokens,
+    tiny_hf_model,
+    verify_scores,
+)
+from interp_norm.checkpoints import save_checkpoint
+from interp_norm.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+
+from _models import make_model
+
+
+def _word_tokenizer(vocab_size: int):
+    """A word-level fast tokenizer built offline from the sample text's commonest words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = collections.Counter(re.findall(r"\w+|[^\w\s]", sample_text()))
+    vocab = {"[UNK]": 0}
+    for w, _ in words.most_common(vocab_size - 1):
+        vocab[w] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma4"])
+@torch.no_grad()
+def test_load_a_save_pretrained_folder(tmp_path, arch):
+    hf = tiny_hf_model(arch, seed=2)
+    tokens = random_tokens(128, 2, 9, seed=1)
+    ref = hf(tokens).logits
+    hf.save_pretrained(tmp_path / arch)
+    bridge = load_model(tmp_path / arch)
+    assert type(bridge).__name__ == "TransformerBridge"
+    assert torch.allclose(bridge(tokens), ref, atol=1e-5)
+    assert verify_scores(bridge, tokens)["ok"].all()
+    assert bridge.tokenizer is None
+
+
+@torch.no_grad()
+def test_load_a_multimodal_gemma4_folder(tmp_path):
+    """Real Gemma 4 checkpoints are Gemma4ForConditionalGeneration (text decoder under
+    model.language_model, a vision tower beside it): the anatomy and the pattern check hold."""
+    from interp_norm.bridges import tiny_gemma4_conditional
+
+    hf = tiny_gemma4_conditional(seed=1)
+    tokens = random_tokens(120, 2, 9, seed=2)  # ids 120-126 are media tokens in this config
+    ref = hf(tokens).logits
+    hf.save_pretrained(tmp_path / "g4")
+    bridge = load_model(tmp_path / "g4")
+    assert torch.allclose(bridge(tokens), ref, atol=1e-5)
+    an = anatomy(bridge)
+    assert an.architecture == "Gemma4ForConditionalGeneration"
+    assert [la.placement for la in an.layers] == ["qkv"] * 4 and [la.kv_layer for la in an.layers] == [0, 1, 0, 1]
+    assert verify_scores(bridge, tokens)["ok"].all()
+
+
+def _populate_hub_cache(root, repo_id: str, hf, tokenizer=None) -> str:
+    """The huggingface_hub cache layout: models--org--name/{refs/main, snapshots/<commit>/...}."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    hf.save_pretrained(snapshot)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(snapshot)
+    return commit
+
+
+@torch.no_grad()
+def test_load_a_cached_name_with_the_hub_offline(tmp_path, monkeypatch):
+    hub = tmp_path / "hub"
+    hf = tiny_hf_model("olmo2", seed=4)
+    tokens = random_tokens(128, 2, 9, seed=3)
+    ref = hf(tokens).logits
+    _populate_hub_cache(hub, "tiny-org/tiny-olmo2", hf, tokenizer=_word_tokenizer(128))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    bridge = load_model("tiny-org/tiny-olmo2")
+    assert torch.allclose(bridge(tokens), ref, atol=1e-5)
+    assert anatomy(bridge)[0].norms["q"].axis == "all_heads"
+    # the tokenizer came along: the sample text becomes windows of real token ids
+    windows = text_tokens(bridge, n_ctx=16, max_windows=4)
+    assert windows.shape == (4, 16) and int(windows.max()) < 128
+    assert (windows != 0).float().mean() > 0.5  # mostly known words, not [UNK]
+
+
+def test_a_name_that_is_not_cached_says_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(CheckpointNotFoundError, match="hf download nobody/no-such-model"):
+        load_model("nobody/no-such-model")
+    with pytest.raises(CheckpointNotFoundError, match="not in the Hugging Face cache"):
+        load_model("no-such-name")
+
+
+def test_a_folder_that_is_no_model_is_a_typed_error(tmp_path):
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "config.json").write_text(json.dumps({"hello": 1}))
+    (junk / "notes.txt").write_text("x")
+    with pytest.raises(CheckpointError, match="not a supported model folder") as e:
+        load_model(junk)
+    assert "format_version None" not in str(e.value)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="not a supported model folder"):
+        load_model(empty)
+    with pytest.raises(CheckpointNotFoundError, match="does not exist"):
+        load_model(tmp_path / "missing")
+    with pytest.raises(CheckpointError, match="is a file"):
+        load_model(junk / "notes.txt")
+
+
+def test_an_hf_folder_with_an_unknown_model_type_is_a_typed_error(tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "no_such_architecture_xyz"}))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_model(bad)
+
+
+@torch.no_grad()
+def test_our_checkpoint_folders_still_load_as_our_models(tmp_path):
+    model = make_model(attn_norm="qk")
+    path = save_checkpoint(model, tmp_path / "ck", task=AdditionTask.preset("cpu"))
+    loaded = load_model(path)
+    assert isinstance(loaded, HookedNormTransformer)
+    tokens = random_tokens(loaded, 2, 8, seed=0)
+    assert torch.equal(loaded(tokens), model(tokens))
+
+
+def test_text_inputs():
+    text = sample_text()
+    assert len(text.split()) >= 300
+    a, b = random_tokens(128, 3, 7, seed=5), random_tokens(128, 3, 7, seed=5)
+    assert a.shape == (3, 7) and a.dtype == torch.long and torch.equal(a, b)
+    assert 0 <= int(a.min()) and int(a.max()) < 128
+    with pytest.raises(ConfigError, match="positive integer"):
+        random_tokens(128, 0, 7)
+    with pytest.raises(ConfigError, match="no tokenizer"):
+        text_tokens(make_model(), "some text")

@@ -1,0 +1,206 @@
+"""Multiplicative norm noise on bridges and on our own variants.
+
+Level 0 is bit-identical; noise before a per-head norm is removed (exactly, up to eps — Gemma 4's
+gainless v-norm included) and what survives equals the effective-factor formula (OLMo-2's
+all-heads norm keeps a mix of the heads' factors); grouped k/v heads get one κ per key/value
+head; and collapse decisions computed from the clean scores equal a brute-force re-run of the
+model with the same κ, draw by draw.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from interp_norm.bridges import (
+    ARCHITECTURES,
+    HeadNoise,
+    anatomy,
+    argmax_changes,
+    attention_mask,
+    attention_scores,
+    canonical,
+    collapse_factors,
+    effective_factors,
+    random_tokens,
+    tiny_bridge,
+)
+
+from _models import make_model
+
+MODELS = sorted(ARCHITECTURES) + ["own-pre", "own-qkv", "own-qk", "own-none", "own-qkv-ln"]
+
+
+@pytest.fixture(scope="module")
+def models():
+    out = {a: tiny_bridge(a, seed=5) for a in ARCHITECTURES}
+    out.update({f"own-{v}": make_model(attn_norm=v) for v in ("pre", "qkv", "qk", "none")})
+    out["own-qkv-ln"] = make_model(attn_norm="qkv", norm_kind="ln")
+    return out
+
+
+def _cached(model, tokens, fwd_hooks=()):
+    with model.hooks(fwd_hooks=list(fwd_hooks)):
+        return model.run_with_cache(tokens)
+
+
+@pytest.mark.parametrize("placement", ["before_norm", "after_norm"])
+@pytest.mark.parametrize("name", MODELS)
+@torch.no_grad()
+def test_level_zero_is_bit_identical(models, name, placement):
+    model = models[name]
+    tokens = random_tokens(model, 2, 10, seed=1)
+    clean = model(tokens)
+    noise = HeadNoise(model, level=0.0, placement=placement)
+    assert torch.equal(model.run_with_hooks(tokens, fwd_hooks=noise.hooks()), clean)
+    an = anatomy(model)
+    shared = sum(la.shares_kv for la in an.layers)  # KV-sharing layers have only q of their own
+    k_is_v = sum(la.v_from_k and not la.shares_kv for la in an.layers) if placement == "before_norm" else 0
+    assert len(noise.last_kappa) == len(noise.sites) == 3 * an.n_layers - 2 * shared - k_is_v
+
+
+# which targets pass through a norm after their projection (what each architecture is known to do)
+NORMED = {"qwen3": "qk", "olmo2": "qk", "gemma4": "qkv", "gemma4-shared": "qkv",
+          "own-qkv": "qkv", "own-qk": "qk", "own-qkv-ln": "qkv"}
+
+
+@pytest.mark.parametrize("name,target", [(n, t) for n, ts in NORMED.items() for t in ts])
+@torch.no_grad()
+def test_noise_before_a_norm_leaves_the_effective_factor(models, name, target):
+    """After the norm, noised = f · clean with f from the formula; f ≈ 1 for a per-head norm."""
+    model = models[name]
+    an = anatomy(model)
+    assert all(la.norms[target] is not None for la in an.layers)
+    assert all(la.norms[t] is None for la in an.layers for t in "qkv" if t not in NORMED[name])
+    tokens = random_tokens(model, 2, 10, seed=3)
+    _, clean = model.run_with_cache(tokens)
+    noise = HeadNoise(model, level=0.3, targets=(target,), placement="before_norm", seed=9)
+    logits_noised, noised = _cached(model, tokens, noise.hooks())
+    logits_clean = model(tokens)
+    for la in an.layers:
+        heads = la.n_heads_of(target)
+        key = f"{target}_normed"
+        before = canonical(clean[la.hooks[key]], la.layouts[key], heads, la.d_head).double()
+        after = canonical(noised[la.hooks[key]], la.layouts[key], heads, la.d_head).double()
+        if la.layer > 0:  # later layers see noised residuals, so their raw inputs differ
+            continue
+        raw = canonical(clean[la.hooks[target]], la.layouts[target], heads, la.d_head)
+        f = effective_factors(la, target, noise.last_kappa[(0, target)], raw).double()
+        assert torch.allclose(after, f[..., None] * before, rtol=1e-5, atol=1e-6)
+        if la.norms[target].axis == "per_head":  # removed up to the norm's eps: |f − 1| ≲ |κ|·eps/m
+            m = raw.double().pow(2).mean(-1).min()
+            assert (f - 1).abs().max() <= la.norms[target].eps / m + 1e-6
+    if all(la.norms[target].axis == "per_head" for la in an.layers):
+        assert (logits_noised - logits_clean).abs().max() <= 1e-4 * logits_clean.abs().max()
+    else:  # OLMo-2: one divisor over all heads cannot remove per-head factors
+        assert (logits_noised - logits_clean).abs().max() > 1e-2
+
+
+@torch.no_grad()
+def test_gemma4_gainless_v_norm_removes_noise_before_it(models):
+    model = models["gemma4"]
+    la = anatomy(model)[0]
+    assert la.norms["v"].gain is False
+    tokens = random_tokens(model, 2, 10, seed=4)
+    clean = model(tokens)
+    for level in (0.1, 0.5):
+        noise = HeadNoise(model, level=level, targets=("v",), placement="before_norm", seed=1)
+        out = model.run_with_hooks(tokens, fwd_hooks=noise.hooks())
+        assert (out - clean).abs().max() <= 1e-5 * max(1.0, float(clean.abs().max()))
+    after = HeadNoise(model, level=0.1, targets=("v",), placement="after_norm", seed=1)
+    assert (model.run_with_hooks(tokens, fwd_hooks=after.hooks()) - clean).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "olmo2", "gemma4", "gemma4-shared"])
+@torch.no_grad()
+def test_grouped_kv_heads_get_one_kappa_per_key_value_head(models, name):
+    model = models[name]
+    la = anatomy(model)[0]
+    assert la.n_kv_heads < la.n_heads
+    tokens = random_tokens(model, 2, 9, seed=6)
+    _, clean = model.run_with_cache(tokens)
+    noise = HeadNoise(model, level=0.3, targets=("k",), placement="after_norm", layers=[0], seed=2)
+    _, noised = _cached(model, tokens, noise.hooks())
+    kappa = noise.last_kappa[(0, "k")]
+    assert kappa.shape == (2, 9, la.n_kv_heads)
+    key = la.used("k")
+    before = canonical(clean[la.hooks[key]], la.layouts[key], la.n_kv_heads, la.d_head)
+    after = canonical(noised[la.hooks[key]], la.layouts[key], la.n_kv_heads, la.d_head)
+    assert torch.allclose(after, before * (1 + kappa)[..., None], rtol=1e-6, atol=1e-6)
+
+
+def _near_ties(scores, mask, fq, fk, kv_head_of, gap=1e-4):
+    """[D, b, h, q] rows whose clean or noised top-2 gap is below ``gap`` (float ties may differ)."""
+    w = scores.double().masked_fill(~mask, -math.inf)
+    idx = torch.as_tensor(kv_head_of)
+    noised = w * fq.double().permute(0, 1, 3, 2)[..., None] * fk.double()[..., idx].permute(0, 1, 3, 2)[..., None, :]
+    noised = noised.masked_fill(~mask, -math.inf)
+
+    def small_gap(x):
+        top = x.topk(min(2, x.shape[-1]), -1).values
+        if top.shape[-1] < 2:
+            return torch.zeros(top.shape[:-1], dtype=torch.bool)
+        g = top[..., 0] - top[..., 1]
+        return torch.nan_to_num(g, nan=math.inf) < gap * (1 + top[..., 0].abs())
+
+    return small_gap(noised) | small_gap(w)[None]
+
+
+@pytest.mark.parametrize("placement", ["after_norm", "before_norm"])
+@pytest.mark.parametrize("name", MODELS)
+@torch.no_grad()
+def test_collapse_from_clean_scores_equals_brute_force(models, name, placement):
+    """For each draw: argmax changes predicted from clean scores × f_q·f_k == argmax changes of
+    the pattern when the model is re-run with that κ on one layer."""
+    model = models[name]
+    an = anatomy(model)
+    b, n, draws = 2, 10, 6
+    tokens = random_tokens(model, b, n, seed=8)
+    _, cache = model.run_with_cache(tokens)
+    g = torch.Generator().manual_seed(0)
+    moved = 0
+    for la in an.layers:
+        kq = (torch.rand(draws, b, n, la.n_heads, generator=g) * 2 - 1) * 0.8
+        kk = (torch.rand(draws, b, n, la.n_kv_heads, generator=g) * 2 - 1) * 0.8
+        if la.shares_kv:  # its keys are another layer's: only q can be noised for this layer alone
+            kk.zero_()
+        mask = attention_mask(la, n)
+        scores = attention_scores(model, cache, la.layer, softcap=False)
+        fq, fk = collapse_factors(model, cache, la.layer, kq, kk, placement)
+        predicted = argmax_changes(scores, mask, fq, fk, la.kv_head_of)
+        assert torch.equal(predicted, argmax_changes(scores, mask, fq, fk, la.kv_head_of, max_elements=1))
+        clean_top = cache[la.hooks["pattern"]].argmax(-1)
+        ties = _near_ties(scores, mask, fq, fk, la.kv_head_of)
+        for d in range(draws):
+            kappa = {(la.layer, "q"): kq[d]} if la.shares_kv else {(la.layer, "q"): kq[d], (la.layer, "k"): kk[d]}
+            noise = HeadNoise(model, kappa, placement=placement)
+            _, noised = _cached(model, tokens, noise.hooks())
+            brute = noised[la.hooks["pattern"]].argmax(-1) != clean_top
+            ok = ~ties[d]
+            assert torch.equal(predicted[d][ok], brute[ok]), (la.layer, d)
+        assert ties.double().mean() < 0.05
+        moved += int(predicted.sum())
+    removed = placement == "before_norm" and all(
+        la.norms["q"] is not None and la.norms["q"].axis == "per_head" for la in an.layers)
+    assert (moved == 0) if removed else (moved > 0)
+
+
+def test_gemma4_kv_sharing_and_k_equals_v_restrict_where_noise_can_go(models):
+    from interp_norm.errors import NoiseSpecError
+
+    model = models["gemma4-shared"]
+    an = anatomy(model)
+    with pytest.raises(NoiseSpecError, match="KV sharing"):
+        HeadNoise(model, level=0.1, targets=("k",), layers=[3])
+    with pytest.raises(NoiseSpecError, match="no v projection"):
+        HeadNoise(model, level=0.1, targets=("v",), layers=[1], placement="before_norm")
+    sites = HeadNoise(model, level=0.1, placement="before_norm").sites
+    assert sites == [(0, "q"), (0, "k"), (0, "v"), (1, "q"), (1, "k"), (2, "q"), (3, "q")]
+    assert [la.kv_layer for la in an.layers] == [0, 1, 0, 1]
+    # k noise at a source layer reaches the layer that shares its keys: layer 2's k hook is layer 0's
+    assert an[2].hooks["k_normed"] == an[0].hooks["k_normed"]
