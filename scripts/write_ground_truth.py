@@ -31,6 +31,15 @@ reach the logits only through the final LayerNorm's scale. Regenerate with
 files equal the code, that each model computes its function on 300 random inputs, and that
 exact patching ranks every circuit node first (AUROC 1).
 
+The `tracr:` models are RASP programs compiled by tracr (`scripts/compile_tracr.py`, run once in a
+separate environment with JAX) and loaded as TransformerLens 4 `TransformerBridge`s by
+`interp_norm.circuits.tracr_suite`; their circuit is the compiler's (which labelled residual
+subspaces each head/MLP reads and writes, see `tracr/<name>.json`). Nodes marked `fixed` compute
+something independent of the tokens at a fixed length (e.g. the input length in `reverse`) and are
+left out like fixed edges. Their metric is the program-output difference; AtP* needs our own
+attention steps and is not run on them (NaN). Node AUROC is NaN where every component of the
+model is in the circuit (no negatives).
+
 """
 
 
@@ -55,6 +64,15 @@ def main() -> None:
                            token_edges=", ".join(f"{u}->{r}" for u, r, k in g.edges if k == "token"),
                            fixed_edges=", ".join(f"{u}->{r}" for u, r, k in g.edges if k == "fixed") or "-",
                            pairs=g.pairs))
+    from interp_norm.circuits.tracr_suite import TRACR_SUITE
+
+    for name, g in TRACR_SUITE.items():
+        spec = g.spec
+        models.append(dict(model=f"tracr:{name}", function=spec["program"],
+                           nodes=", ".join(g.nodes) + ("; fixed: " + ", ".join(sorted(g.fixed_nodes)) if g.fixed_nodes else ""),
+                           token_edges=", ".join(f"{u}->{r}" for u, r, k in g.edges if k == "token"),
+                           fixed_edges=", ".join(f"{u}->{r}" for u, r, k in g.edges if k == "fixed") or "-",
+                           pairs="one input token changes (tracr/<name>.npz)"))
     text = HEADER + "## Models\n\n" + _md(pd.DataFrame(models))
     if not args.no_benchmark:
         from interp_norm.circuits.benchmark import run_benchmark
@@ -63,7 +81,7 @@ def main() -> None:
         table = df.pivot_table(index=["model", "method"], columns="level", values=["precision", "recall", "auroc"], sort=False)
         table.columns = [f"{lvl} {m}" for m, lvl in table.columns]
         table = table[[f"{lvl} {m}" for lvl in ("node", "edge") for m in ("precision", "recall", "auroc")]].reset_index()
-        text += ("\n## Benchmark (measured: `run_benchmark()`, 32 pairs per model, seed 0, logit difference)\n\n"
+        text += ("\n## Benchmark (measured: `run_benchmark()`, 32 pairs per model, seed 0)\n\n"
                  "Selection threshold for precision/recall: |score| >= 5 % of the clean-corrupted metric gap. "
                  "AUROC over all heads and MLPs (nodes) or all non-fixed edges (edges).\n\n" + _md(table))
     write_text_atomic(out / "README.md", text, durable=False)

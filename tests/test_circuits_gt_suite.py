@@ -88,7 +88,7 @@ def test_the_shipped_json_states_the_construction(name):
 
 
 def test_exact_patching_recovers_every_ground_truth_node_with_auroc_1():
-    df = run_benchmark(methods=("exact",), n_pairs=16)
+    df = run_benchmark(NAMES, methods=("exact",), n_pairs=16)
     nodes = df[df.level == "node"]
     assert len(nodes) == len(SUITE)
     assert (nodes.auroc == 1.0).all() and (nodes.recall == 1.0).all(), nodes

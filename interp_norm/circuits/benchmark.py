@@ -5,7 +5,12 @@ scores are compared with the construction's circuit: precision and recall of the
 selects, and AUROC of its scores (the probability that a circuit element outranks a non-circuit
 one, ties counting half -- threshold-free, like InterpBench's).
 
-Methods (all on the model's clean/corrupted pairs, logit-difference metric):
+The suite is the hand-weighted models of :mod:`~interp_norm.circuits.ground_truth` and the
+tracr-compiled programs of :mod:`~interp_norm.circuits.tracr_suite` (``tracr:<name>``, TransformerLens
+bridges; their metric is the program-output difference, and AtP* does not apply to them -- its
+rows are NaN -- because it recomputes attention with our model's own steps).
+
+Methods (all on the model's clean/corrupted pairs; logit difference for the hand-weighted models):
 
 * ``exact`` -- exact activation patching (nodes: ``z`` and ``mlp_out``, whole head/MLP at every
   position, ``by="all"``) and exact edge patching.
@@ -17,8 +22,9 @@ Methods (all on the model's clean/corrupted pairs, logit-difference metric):
   the pruned circuit, scored by the largest kept edge touching it (0 if none).
 
 Selection threshold (precision/recall): ``|score| >= rel_threshold * |m(clean) - m(corrupted)|``
-(default 5 % of the metric gap the pairs open). Nodes are the heads and MLPs; edges are all edges
-except the circuit's *fixed* ones (they carry the same value in clean and corrupted runs, so no
+(default 5 % of the metric gap the pairs open). Nodes are the heads and MLPs except the circuit's
+*fixed* nodes (tracr nodes whose output does not depend on the tokens, e.g. the length of the
+input); edges are all edges except the circuit's *fixed* ones (they carry the same value in clean and corrupted runs, so no
 resample-based method can see them -- see the ground-truth module), which are left out.
 """
 
@@ -33,14 +39,13 @@ import torch
 from interp_norm.circuits import (
     Circuit,
     EdgeGraph,
-    LogitDiff,
     activation_patch,
     attribution_patch,
     edge_attribution,
     exact_edge_patch,
 )
 from interp_norm.circuits.atp_star import atp_star, edge_atp_star
-from interp_norm.circuits.ground_truth import SUITE, GroundTruth, make_gt_pairs
+from interp_norm.circuits.ground_truth import SUITE, GroundTruth
 from interp_norm.errors import PatchingError
 
 METHODS: tuple[str, ...] = ("exact", "eap", "eap-ig", "atp*", "pruning")
@@ -99,12 +104,18 @@ def edge_scores(model, pairs, metric: Callable, method: str, *, ig_steps: int = 
 
 def _rows(truth: GroundTruth, method: str, nodes: dict[str, float], edges: dict, threshold: float, L: int, H: int) -> list[dict]:
     rows = []
-    candidates = {"node": _heads_mlps(L, H), "edge": [e for e in EdgeGraph(L, H).edges() if e not in truth.fixed_edges]}
+    candidates = {"node": [n for n in _heads_mlps(L, H) if n not in truth.fixed_nodes],
+                  "edge": [e for e in EdgeGraph(L, H).edges() if e not in truth.fixed_edges]}
     positives = {"node": set(truth.nodes), "edge": truth.token_edges}
     for level, scores in (("node", nodes), ("edge", edges)):
         items = candidates[level]
-        s = [scores.get(x, 0.0) for x in items]
+        s = [scores.get(x, 0.0) for x in items] if scores is not None else []
         y = [x in positives[level] for x in items]
+        if scores is None:  # the method does not apply to this model
+            rows.append(dict(model=truth.name, method=method, level=level, n_true=len(positives[level]),
+                             n_candidates=len(items), n_selected=0, precision=float("nan"), recall=float("nan"),
+                             auroc=float("nan"), threshold=threshold))
+            continue
         pred = {x for x, v in zip(items, s) if v >= threshold}
         tp = len(pred & positives[level])
         rows.append(dict(
@@ -123,15 +134,20 @@ def score_model(
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise PatchingError(f"unknown methods {unknown}; choose from {METHODS}")
+    from interp_norm.model import HookedNormTransformer
+
     model = model if model is not None else truth.build()
-    pairs = make_gt_pairs(truth.name, n_pairs, seed)
-    metric = LogitDiff(pairs)
+    pairs = truth.make_pairs(n_pairs, seed)
+    metric = truth.metric(pairs)
     with torch.no_grad():
         gap = float(metric(model(pairs.clean_tokens)).mean() - metric(model(pairs.corrupted_tokens)).mean())
     threshold = rel_threshold * abs(gap)
     L, H = model.cfg.n_layers, model.cfg.n_heads
     rows = []
     for method in methods:
+        if method == "atp*" and not isinstance(model, HookedNormTransformer):
+            rows += _rows(truth, method, None, None, threshold, L, H)  # AtP* needs our attention's steps
+            continue
         if method == "pruning":
             df = edge_scores(model, pairs, metric, "eap-ig", ig_steps=ig_steps)
             circuit = Circuit.from_edge_scores(df, L, H, threshold=threshold)
@@ -146,18 +162,28 @@ def score_model(
     return pd.DataFrame(rows)
 
 
+def all_ground_truth() -> dict:
+    """The hand-weighted suite, then the tracr-compiled programs whose files are present."""
+    from interp_norm.circuits.tracr_suite import TRACR_SUITE, tracr_dir
+
+    out: dict = dict(SUITE)
+    out.update({f"tracr:{n}": g for n, g in TRACR_SUITE.items() if (tracr_dir() / f"{n}.npz").is_file()})
+    return out
+
+
 def run_benchmark(
     models: Optional[Sequence[str]] = None, methods: Sequence[str] = METHODS, *, n_pairs: int = 32,
     seed: int = 0, ig_steps: int = 5, rel_threshold: float = 0.05,
 ) -> pd.DataFrame:
     """Node and edge precision, recall and AUROC of every method on every suite model: one row
     per (model, method, level), columns as :func:`score_model`."""
-    names = list(models) if models is not None else list(SUITE)
-    missing = [n for n in names if n not in SUITE]
+    suite = all_ground_truth()
+    names = list(models) if models is not None else list(suite)
+    missing = [n for n in names if n not in suite]
     if missing:
-        raise PatchingError(f"unknown suite models {missing}; choose from {list(SUITE)}")
-    return pd.concat([score_model(SUITE[n], methods, n_pairs=n_pairs, seed=seed, ig_steps=ig_steps,
-                                  rel_threshold=rel_threshold) for n in names], ignore_index=True)
+        raise PatchingError(f"unknown suite models {missing}; choose from {list(suite)}")
+    return pd.concat([score_model(suite[n], methods, n_pairs=n_pairs, seed=seed, ig_steps=ig_steps,
+                                  rel_threshold=rel_threshold).assign(model=n) for n in names], ignore_index=True)
 
 
-__all__ = ["METHODS", "auroc", "node_scores", "edge_scores", "score_model", "run_benchmark"]
+__all__ = ["METHODS", "auroc", "node_scores", "edge_scores", "score_model", "all_ground_truth", "run_benchmark"]

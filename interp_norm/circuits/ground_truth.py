@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from interp_norm.circuits import Circuit, PatchingPairs
+from interp_norm.circuits import Circuit, LogitDiff, PatchingPairs
 from interp_norm.hooks import act_name
 from interp_norm.model import HookedNormTransformer, ModelConfig
 
@@ -337,8 +337,17 @@ class GroundTruth:
     def fixed_edges(self) -> set[tuple[str, str]]:
         return {(u, r) for u, r, reads in self.edges if reads == "fixed"}
 
+    shape: tuple[int, int] = (2, 2)  # (n_layers, n_heads)
+    fixed_nodes: frozenset = frozenset()  # every circuit node of these models writes token information
+
     def circuit(self) -> Circuit:
-        return Circuit(2, 2, frozenset((u, r) for u, r, _ in self.edges))
+        return Circuit(*self.shape, frozenset((u, r) for u, r, _ in self.edges))
+
+    def make_pairs(self, n: int = 32, seed: int = 0) -> PatchingPairs:
+        return make_gt_pairs(self.name, n, seed)
+
+    def metric(self, pairs: PatchingPairs) -> LogitDiff:
+        return LogitDiff(pairs)
 
     def spec(self) -> dict:
         """The readable statement written to ``data/ground_truth/<name>.json``."""
