@@ -625,9 +625,16 @@ NB03 = [
     code("""
     th = collapse_thresholds(collapse)
     overall = th[th["layer"].astype(str) == "all"][["variant", "definition", "level_measured", "level_predicted"]]
-    never = overall["level_measured"].isna()
-    print(f"tested noise levels {levels}: {int(never.sum())} of {len(overall)} thresholds are NaN, "
-          f"i.e. below 1% collapse even at {max(levels):.0%} noise")
+    curves = collapse[collapse["layer"].astype(str) == "all"]
+
+    def why_nan(r):  # which of the two reasons makes a measured threshold NaN
+        if pd.notna(r.level_measured):
+            return ""
+        rate = curves[(curves["variant"] == r.variant) & (curves["definition"] == r.definition)]["measured"]
+        return f"below 1% up to {max(levels):.0%} noise" if rate.max() < 0.01 else f"above 1% already at {min(levels):.0%}"
+
+    overall = overall.assign(why_nan=[why_nan(r) for r in overall.itertuples()])
+    print(f"tested noise levels {levels}: {int(overall['level_measured'].isna().sum())} of {len(overall)} measured thresholds are NaN")
     overall
     """),
     md("""
@@ -925,14 +932,14 @@ def main(argv=None) -> None:
                         help="with --execute: only these notebooks (e.g. 01_quickstart)")
     parser.add_argument("--html-dir", type=Path, default=HERE / "html", help="where --execute writes the HTML pages")
     args = parser.parse_args(argv)
+    names = [n for n in NOTEBOOKS if args.only is None or any(n.startswith(o) for o in args.only)]
+    if not names:
+        parser.error(f"--only {args.only} matches none of {list(NOTEBOOKS)}")
     for p in build():
         print("wrote", p)
     if args.execute:
         from _export import execute_all
 
-        names = [n for n in NOTEBOOKS if args.only is None or any(n.startswith(o) for o in args.only)]
-        if not names:
-            parser.error(f"--only {args.only} matches none of {list(NOTEBOOKS)}")
         execute_all(names, args.html_dir)
 
 

@@ -90,6 +90,12 @@ def execute_notebook(path: Path, timeout: int = 600) -> nbformat.NotebookNode:
             else:
                 os.environ[k] = v
     del nb.cells[0]
+    for cell in nb.cells:  # number the cells as if the renderer cell had never run
+        if cell.cell_type == "code" and cell.get("execution_count"):
+            cell.execution_count -= 1
+            for out in cell.outputs:
+                if out.get("execution_count"):
+                    out.execution_count -= 1
     return nb
 
 
