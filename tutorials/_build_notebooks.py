@@ -1,16 +1,34 @@
 """Build tutorials/*.ipynb from the cell lists below (edit here, then run this file).
 
-    .venv/bin/python tutorials/_build_notebooks.py
+    .venv/bin/python tutorials/_build_notebooks.py             # write the five .ipynb (no outputs)
+    .venv/bin/python tutorials/_build_notebooks.py --execute   # also run them and write tutorials/html/*.html
 
 Notebooks are written without outputs; CI executes them top to bottom (tests/test_tutorials.py).
-Conventions (ARENA-style): each section opens with "What you will learn"; an exercise is a
-markdown cell with the task and collapsed hints, a code cell for your attempt (it runs as is and
-says so when the attempt is still empty), then a solution cell whose source is collapsed in
-JupyterLab (``jupyter.source_hidden``) and which CI executes and checks.
+``--execute`` runs each in a fresh kernel and, if nbconvert is installed, writes an offline HTML page
+per notebook (plotly.js embedded once, no CDN; see ``_export.py``) so the figures show without Jupyter.
+
+Exercise convention (ARENA-style; every section opens with "What you will learn"):
+
+1. a markdown cell: the task, ``Difficulty: 🔴🔴⚪⚪⚪ · ~10 min``, collapsed hints;
+2. one code cell with the learner's function — a stub returning ``None`` — followed by the call
+   ``check_<name>(<name>, ...)``. The checks live in ``_checks.py`` (imported by the setup cell):
+   each compares the learner's output with an independent computation and prints ✅ / ❌ / ⬜
+   "not attempted yet"; it never raises for an unattempted or broken attempt;
+3. the solution as *text*: a collapsed ``<details>`` markdown block showing the source of the
+   function of the same name in ``_solutions.py``.
+
+So Run All never redefines the learner's function (no executable cell after the stub defines that
+name; a test parses every cell to make sure), and the notebooks never depend on the learner's
+answer: cells after an exercise use the library (e.g. ``circuits.faithfulness``) for what comes next.
+CI executes the notebooks with the stubs unattempted (each check prints ⬜), and the fast tests run
+every check on its ``_solutions.py`` function (must pass) and on a deliberately wrong one (must fail).
 """
 
 from __future__ import annotations
 
+import argparse
+import inspect
+import sys
 import textwrap
 from pathlib import Path
 
@@ -18,12 +36,19 @@ import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import _solutions  # noqa: E402  (the solution sources shown in the notebooks)
 
 SETUP = """\
 import os
+import sys
 import warnings
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 warnings.filterwarnings("ignore", message="IProgress not found")  # progress bars fall back to text
+if not os.path.exists("_checks.py") and os.path.exists("tutorials/_checks.py"):
+    sys.path.insert(0, "tutorials")  # the kernel was started in the repository root, not in tutorials/
 import numpy as np
 import pandas as pd
 import torch
@@ -35,6 +60,11 @@ from interp_norm.checkpoints import list_pretrained, load_pretrained
 """
 
 
+def setup(*checks: str) -> str:
+    """The setup cell, importing this notebook's exercise checks from tutorials/_checks.py."""
+    return SETUP + f"from _checks import {', '.join(f'check_{c}' for c in checks)}  # tutorials/_checks.py\n"
+
+
 def md(text: str):
     return new_markdown_cell(textwrap.dedent(text).strip("\n"))
 
@@ -43,19 +73,36 @@ def code(text: str):
     return new_code_cell(textwrap.dedent(text).strip("\n"))
 
 
-def solution(text: str):
-    cell = code(text)
-    cell.metadata["jupyter"] = {"source_hidden": True}
-    cell.metadata["tags"] = ["solution"]
-    return cell
-
-
 def hints(*items: str) -> str:
     """Collapsed hints for a markdown f-string; continuation lines carry the cell's 4-space indent so
     that :func:`md`'s dedent still applies to the whole cell."""
     text = "\n".join(f"<details><summary>Hint {i + 1}</summary>\n\n{textwrap.dedent(h).strip()}\n\n</details>\n"
                       for i, h in enumerate(items))
     return text.replace("\n", "\n    ")
+
+
+def difficulty(level: int, minutes: int) -> str:
+    """ARENA-style badge: ``Difficulty: 🔴🔴⚪⚪⚪ · ~10 min``."""
+    return f"> **Difficulty:** {'🔴' * level}{'⚪' * (5 - level)} · **~{minutes} min**"
+
+
+def exercise(name: str, stub: str):
+    """The learner's cell: the stub of ``name`` and the call of its check (``stub`` must contain both)."""
+    cell = code(stub)
+    assert f"def {name}(" in cell.source and f"check_{name}({name}," in cell.source, name
+    cell.metadata["tags"] = ["exercise"]
+    return cell
+
+
+def solution(name: str):
+    """A collapsed markdown block with the source of ``_solutions.<name>`` (text, never executed)."""
+    source = inspect.getsource(getattr(_solutions, name)).strip("\n")
+    cell = new_markdown_cell(
+        f"<details><summary>Solution: <code>{name}</code> (try first!)</summary>\n\n"
+        f"```python\n{source}\n```\n\n</details>"
+    )
+    cell.metadata["tags"] = ["solution"]
+    return cell
 
 
 # ============================================================================= 01 quickstart
@@ -72,12 +119,16 @@ NB01 = [
 
     **What you will learn**
     1. load a shipped checkpoint and read what it is;
-    2. how problems become tokens, and how the model answers;
+    2. how problems become tokens (including the `N` for negative numbers), and how the model answers;
     3. `run_with_cache`: every activation by its TransformerLens name;
     4. hooks: change a forward pass, and have the change undone automatically;
     5. read attention patterns, with an exercise on finding a previous-token head.
+
+    **Exercises** (each checked by `check_<name>(...)`, which prints ✅, ❌ with the first mismatch, or ⬜ if
+    not attempted yet; solutions are collapsed below each exercise): 1 · recompute the attention scores,
+    2 · the most important head, 3 · previous-token heads.
     """),
-    code(SETUP),
+    code(setup("my_scores", "most_important_head", "prev_token_scores")),
     md("""
     ## 1. Load a shipped model
     **What you will learn:** what is shipped, and what a checkpoint tells you about itself.
@@ -97,16 +148,23 @@ NB01 = [
     """),
     md("""
     ## 2. Tokens
-    **What you will learn:** the 17-token vocabulary and the problem format.
-    A problem is `[` + terms + `=` + answer + `]`; negative numbers are written with `N` (so `-7` is `N7`), and
-    batches are right-padded with `*`. The model reads the question and must produce the answer.
+    **What you will learn:** the vocabulary and the problem format.
+    A problem is `[` + terms + `=` + answer + `]`, one character per token; batches are right-padded with `*`.
+    The model reads the question and must produce the answer.
+
+    **The `N` notation.** A negative number is written with a leading `N` (`N7` is −7), so that `-` is always
+    the subtraction *operator* and never a sign: `[7-N3=10]` reads 7 − (−3) = 10, `[N2+5=3]` is −2 + 5 = 3,
+    and a negative answer looks like `[2-9=N7]`. The same holds everywhere in the package (`interp_norm.task`).
     """),
     code("""
     from interp_norm.task import VOCAB, encode, decode, parse_problem
 
-    print("vocabulary:", "".join(VOCAB))
+    print("vocabulary:", "".join(VOCAB), f"({len(VOCAB)} tokens)")
+    for text in ("[7-N3=10]", "[N2+5=3]", "[2-9=N7]"):
+        p = parse_problem(text)
+        print(f"{text:12s} terms {p.terms} -> result {p.result}")
     problem = info.task.sample_problems(1, "id", seed=3)[0]
-    print("problem:", problem.text, " terms:", problem.terms, " result:", problem.result)
+    print("a test problem:", problem.text, " terms:", problem.terms, " result:", problem.result)
     tokens = model.to_tokens(problem.question)
     print("question tokens:", tokens.tolist(), "=", model.to_str_tokens(tokens[0]))
     print("the model answers:", model.generate([problem.question])[0], " (true answer:", problem.answer + ")")
@@ -114,9 +172,10 @@ NB01 = [
     md("""
     ## 3. `run_with_cache`
     **What you will learn:** where every activation lives. The names are TransformerLens's
-    (`blocks.{l}.attn.hook_q`, `hook_pattern`, `hook_resid_pre` ...), so TransformerLens tools work unchanged.
-    We run the *full* problem (question and answer): the logits at position p predict token p+1, and only
-    answer tokens are scored.
+    (`blocks.{l}.attn.hook_q`, `hook_pattern`, `hook_resid_pre` ...), so TransformerLens tools work unchanged;
+    `interp_norm.hooks.act_name("q", 0)` builds them like TransformerLens's `utils.get_act_name`, plus the
+    QK/QKV-Norm hooks (`act_name("q_normed", 0)`). We run the *full* problem (question and answer): the
+    logits at position p predict token p+1, and only answer tokens are scored.
     """),
     code("""
     logits, cache = model.run_with_cache(encode(problem.text)[None])
@@ -126,40 +185,26 @@ NB01 = [
     """),
     md(f"""
     ### Exercise 1 — recompute the attention scores
-    In a Pre-Norm model the scores of layer 0 are `q · k / attn_scale` with `q = hook_q`, `k = hook_k`
-    (shape `[batch, pos, head, d_head]`), and the causal mask sets keys after the query to `-inf`.
-    Compute `scores[b, h, q, k]` from the cache and compare with `blocks.0.attn.hook_attn_scores`;
-    then check that the softmax over keys gives `hook_pattern`.
+    {difficulty(2, 10)}
+
+    Write `my_scores(model, cache, layer)`. In a Pre-Norm model the scores of layer `l` are
+    `q · k / attn_scale` with `q = cache[f"blocks.{{l}}.attn.hook_q"]`, `k = ...hook_k` (shape
+    `[batch, pos, head, d_head]`) and `attn_scale = model.cfg.attn_scale`; the causal mask sets the keys after
+    each query to `-inf`. Return `scores[b, h, q, k]`. The check compares your scores with
+    `blocks.{{l}}.attn.hook_attn_scores` in every layer, and their softmax with `hook_pattern`.
+    (QK/QKV-Norm models score the *normalised* q and k, `hook_q_normed`: the solution handles both.)
 
     {hints("`torch.einsum('bqhd,bkhd->bhqk', q, k)` contracts the head dimension.",
-           "`torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)` marks the keys after each query.")}
+           "`torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)` marks the keys after each query; `scores.masked_fill(mask, float('-inf'))`.")}
     """),
-    code("""
-    def my_scores(cache, layer):
-        # YOUR CODE HERE: return scores [batch, head, query, key] with -inf above the diagonal
+    exercise("my_scores", """
+    def my_scores(model, cache, layer):
+        # YOUR CODE HERE: return the scores [batch, head, query, key], -inf above the diagonal
         return None
 
-    attempt = my_scores(cache, 0)
-    if attempt is None:
-        print("not attempted yet: the solution follows")
-    else:
-        torch.testing.assert_close(attempt, cache["blocks.0.attn.hook_attn_scores"])
-        print("correct!")
+    check_my_scores(my_scores, model, cache)
     """),
-    solution("""
-    # Solution
-    def scores_from_cache(cache, layer):
-        q, k = cache[f"blocks.{layer}.attn.hook_q"], cache[f"blocks.{layer}.attn.hook_k"]
-        s = torch.einsum("bqhd,bkhd->bhqk", q, k) / model.cfg.attn_scale
-        n = s.shape[-1]
-        return s.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1), float("-inf"))
-
-    for layer in range(model.cfg.n_layers):
-        s = scores_from_cache(cache, layer)
-        torch.testing.assert_close(s, cache[f"blocks.{layer}.attn.hook_attn_scores"])
-        torch.testing.assert_close(s.softmax(-1), cache[f"blocks.{layer}.attn.hook_pattern"])
-    print("scores and patterns match the cache in every layer")
-    """),
+    solution("my_scores"),
     md("""
     ## 4. Hooks
     **What you will learn:** how to intervene. A hook is a function `(activation, hook) -> activation`
@@ -168,6 +213,8 @@ NB01 = [
     (its `hook_z`, the per-head output before W_O) and measure how much the answer loss rises.
     """),
     code("""
+    from interp_norm.hooks import act_name
+
     batch = info.task.test_set("id", size=256)
     with torch.no_grad():
         clean_loss = model(batch.tokens, return_type="loss").item()
@@ -182,38 +229,33 @@ NB01 = [
     with torch.no_grad():
         for layer in range(cfg.n_layers):
             for head in range(cfg.n_heads):
-                with model.hooks(fwd_hooks=[(f"blocks.{layer}.attn.hook_z", zero_head(head))]):
+                with model.hooks(fwd_hooks=[(act_name("z", layer), zero_head(head))]):
                     loss = model(batch.tokens, return_type="loss").item()
                 rows.append(dict(layer=layer, head=head, loss_increase=loss - clean_loss))
     ablation = pd.DataFrame(rows)
-    print(f"clean loss {clean_loss:.3f}; hooks left on the model afterwards: {len(model.hook_dict['blocks.0.attn.hook_z'].fwd_hooks)}")
+    print(f"clean loss {clean_loss:.3f}; hooks left on the model afterwards: {len(model.hook_dict[act_name('z', 0)].fwd_hooks)}")
     import plotly.express as px
     px.imshow(ablation.pivot(index="layer", columns="head", values="loss_increase"), color_continuous_scale="Reds",
               title="Loss increase when one head is zero-ablated", labels=dict(color="Δ loss"))
     """),
     md(f"""
     ### Exercise 2 — the most important head
-    Which (layer, head) raises the loss most when ablated? Return it as a tuple.
+    {difficulty(1, 5)}
 
-    {hints("`DataFrame.idxmax()` gives the row label of the largest value.")}
+    Write `most_important_head(ablation)`: which (layer, head) raises the loss most when ablated? Return it as a
+    tuple of two ints. The check compares with a plain loop over the rows, on this table and on a shuffled
+    synthetic one.
+
+    {hints("`DataFrame.idxmax()` gives the row label of the largest value; `.loc[label]` reads that row.")}
     """),
-    code("""
+    exercise("most_important_head", """
     def most_important_head(ablation):
-        # YOUR CODE HERE
+        # YOUR CODE HERE: return (layer, head)
         return None
 
-    print(most_important_head(ablation) or "not attempted yet")
+    check_most_important_head(most_important_head, ablation)
     """),
-    solution("""
-    # Solution
-    def most_important_head(ablation):
-        row = ablation.loc[ablation["loss_increase"].idxmax()]
-        return int(row["layer"]), int(row["head"])
-
-    top = most_important_head(ablation)
-    assert ablation.set_index(["layer", "head"])["loss_increase"].max() == ablation.set_index(["layer", "head"]).loc[top, "loss_increase"]
-    print("most important head:", top)
-    """),
+    solution("most_important_head"),
     md("""
     ## 5. Attention patterns
     **What you will learn:** reading attention with token labels. `plots.attention_patterns` runs the model
@@ -227,40 +269,25 @@ NB01 = [
     """),
     md(f"""
     ### Exercise 3 — find the previous-token heads
-    A *previous-token head* puts its attention on the token just before the query. For every head, compute
-    the mean attention from each query position p ≥ 1 to p−1 over a batch (ignore padding rows), and
-    return a DataFrame with columns `layer, head, prev_token_score`.
+    {difficulty(2, 15)}
+
+    A *previous-token head* puts its attention on the token just before the query. Write
+    `prev_token_scores(model, tokens)`: for every head, the mean attention from each query position p ≥ 1 to
+    p−1, over every (example, p) whose token at p is not padding. Return a DataFrame with columns
+    `layer, head, prev_token_score` (one row per head). The check compares with a loop over examples and
+    positions.
 
     {hints("`pattern.diagonal(offset=-1, dim1=-2, dim2=-1)` gives `pattern[..., p, p-1]` with shape `[batch, head, pos-1]`.",
-           "Padding rows are where `tokens[:, 1:] == PAD_ID` (`from interp_norm.task import PAD_ID`).")}
+           "The query positions to keep are where `tokens[:, 1:] != PAD_ID` (`from interp_norm.task import PAD_ID`).")}
     """),
-    code("""
+    exercise("prev_token_scores", """
     def prev_token_scores(model, tokens):
-        # YOUR CODE HERE
+        # YOUR CODE HERE: return a DataFrame with columns layer, head, prev_token_score
         return None
 
-    print("not attempted yet" if prev_token_scores(model, batch.tokens[:64]) is None else "attempted")
+    check_prev_token_scores(prev_token_scores, model, batch.tokens[:64])
     """),
-    solution("""
-    # Solution
-    from interp_norm.task import PAD_ID
-
-    def prev_token_scores(model, tokens):
-        names = [f"blocks.{l}.attn.hook_pattern" for l in range(model.cfg.n_layers)]
-        with torch.no_grad():
-            _, c = model.run_with_cache(tokens, names_filter=lambda n: n in names)
-        valid = (tokens[:, 1:] != PAD_ID)                      # [batch, pos-1]
-        rows = []
-        for l in range(model.cfg.n_layers):
-            diag = c[names[l]].diagonal(offset=-1, dim1=-2, dim2=-1)  # [batch, head, pos-1]
-            for h in range(model.cfg.n_heads):
-                rows.append(dict(layer=l, head=h, prev_token_score=float(diag[:, h][valid].mean())))
-        return pd.DataFrame(rows)
-
-    scores = prev_token_scores(model, batch.tokens[:64])
-    assert scores["prev_token_score"].between(0, 1).all()
-    scores.sort_values("prev_token_score", ascending=False).head()
-    """),
+    solution("prev_token_scores"),
     md("""
     **Next:** `02_finding_the_addition_circuit.ipynb` turns these interventions into activation patching.
     """),
@@ -274,12 +301,15 @@ NB02 = [
 
     **What you will learn**
     1. clean/corrupted pairs and the logit-difference metric;
-    2. exact activation patching, batched (and how to check a cell by hand);
+    2. exact activation patching, batched (and how to compute a cell by hand);
     3. attribution patching: a gradient approximation of every head's patching effect in one backward pass;
     4. circuits and faithfulness: how much of the behaviour a few heads carry;
     5. the library's one-call circuit pipeline (edge attribution, pruned circuits, faithfulness).
+
+    **Exercises:** 1 · one patching cell by hand (checked against `transformer_lens.patching`),
+    2 · attribution scores for every head, 3 · faithfulness of a set of heads.
     """),
-    code(SETUP),
+    code(setup("patch_one", "attribution_scores", "head_faithfulness")),
     code("""
     from interp_norm import circuits
 
@@ -322,41 +352,25 @@ NB02 = [
     """),
     md(f"""
     ### Exercise 1 — one cell by hand
-    Patch `blocks.{{l}}.hook_resid_pre` at one position `p` from the clean run into the corrupted run with a
-    hook, and compute the normalised logit difference. It must equal the sweep's value for that cell.
+    {difficulty(2, 10)}
+
+    Write `patch_one(model, pairs, metric, layer, pos)`: run the corrupted tokens with
+    `blocks.{{layer}}.hook_resid_pre` at position `pos` replaced by its value from the clean run, and return the
+    normalised logit difference `(patched − corrupted) / (clean − corrupted)` of the batch means. The check
+    compares a few cells with `transformer_lens.patching.get_act_patch_resid_pre`.
 
     {hints("Cache the clean run: `_, clean_cache = model.run_with_cache(pairs.clean_tokens)`.",
-           "Inside the hook: `x[:, p] = clean_cache[hook.name][:, p]; return x`.",
-           "normalised = (patched − corrupted) / (clean − corrupted).")}
+           "Inside the hook: `x[:, pos] = clean_cache[hook.name][:, pos]; return x`, and run it with `model.run_with_hooks(pairs.corrupted_tokens, fwd_hooks=[(name, hook)])`.",
+           "`metric(logits).mean().item()` is the batch-mean logit difference of any run.")}
     """),
-    code("""
-    def patch_one(layer, pos):
-        # YOUR CODE HERE: return the normalised logit difference
+    exercise("patch_one", """
+    def patch_one(model, pairs, metric, layer, pos):
+        # YOUR CODE HERE: return the normalised logit difference (a float)
         return None
 
-    print("not attempted yet" if patch_one(1, 3) is None else patch_one(1, 3))
+    check_patch_one(patch_one, model, pairs, metric)
     """),
-    solution("""
-    # Solution
-    with torch.no_grad():
-        _, clean_cache = model.run_with_cache(pairs.clean_tokens)
-
-    def patch_one(layer, pos):
-        def hook(x, hook):
-            x[:, pos] = clean_cache[hook.name][:, pos]
-            return x
-        with torch.no_grad():
-            logits = model.run_with_hooks(pairs.corrupted_tokens, fwd_hooks=[(f"blocks.{layer}.hook_resid_pre", hook)])
-        return (metric(logits).mean().item() - corrupted_ld) / (clean_ld - corrupted_ld)
-
-    resid = sweep["resid_pre"].to_dataframe().set_index(["layer", "pos"])["normalized"]
-    # the most informative cell: the largest effect that is not a full restoration
-    partial = resid[(resid - 1).abs() > 0.02]
-    layer, pos = partial.abs().idxmax() if len(partial) else resid.abs().idxmax()
-    mine = patch_one(layer, pos)
-    print(f"layer {layer}, position {pos}: by hand {mine:.5f}, sweep {resid.loc[(layer, pos)]:.5f}")
-    assert abs(mine - resid.loc[(layer, pos)]) < 1e-4
-    """),
+    solution("patch_one"),
     md(f"""
     ## 3. Attribution patching
     **What you will learn:** the first-order shortcut. Instead of one forward pass per cell, take the
@@ -365,101 +379,81 @@ NB02 = [
     backward pass score every head. The estimate is exact for linear effects and can miss saturating ones.
 
     ### Exercise 2 — attribution scores for every head
-    Return a DataFrame `layer, head, attribution` (the estimated change of the *mean* logit difference).
+    {difficulty(4, 25)}
+
+    Write `attribution_scores(model, pairs, metric)`, returning a DataFrame `layer, head, attribution` (the
+    estimated change of the *mean* logit difference when that head's `hook_z` is patched at every position).
+    The check compares with the library's EAP, `circuits.attribution_patch(..., ig_steps=1)`.
 
     {hints("Keep the hooked activations with a forward hook that stores them and calls `.retain_grad()`; the model must not be under `torch.no_grad()`.",
-           "Differentiate the batch mean of the metric; then sum `(clean_z - corr_z) * grad` over batch, positions and d_head: `.sum(dim=(0, 1, 3))` on `[batch, pos, head, d_head]`.")}
+           "Differentiate the batch mean of the metric; then sum `(clean_z - corr_z) * grad` over batch, positions and d_head: `.sum(dim=(0, 1, 3))` on `[batch, pos, head, d_head]`.",
+           "Call `model.zero_grad(set_to_none=True)` at the end so later cells start clean.")}
     """),
-    code("""
+    exercise("attribution_scores", """
     def attribution_scores(model, pairs, metric):
-        # YOUR CODE HERE
+        # YOUR CODE HERE: return a DataFrame with columns layer, head, attribution
         return None
 
-    print("not attempted yet" if attribution_scores(model, pairs, metric) is None else "attempted")
+    check_attribution_scores(attribution_scores, model, pairs, metric)
     """),
-    solution("""
-    # Solution
-    def attribution_scores(model, pairs, metric):
-        names = [f"blocks.{l}.attn.hook_z" for l in range(model.cfg.n_layers)]
-        with torch.no_grad():
-            _, clean = model.run_with_cache(pairs.clean_tokens, names_filter=lambda n: n in names)
-        saved = {}
-        def keep(z, hook):
-            z.retain_grad()
-            saved[hook.name] = z
-            return z
-        logits = model.run_with_hooks(pairs.corrupted_tokens, fwd_hooks=[(n, keep) for n in names])
-        metric(logits).mean().backward()
-        rows = []
-        for l, n in enumerate(names):
-            z = saved[n]
-            # the gradient of the batch *mean* already carries 1/batch: sum over batch, positions, d_head
-            attr = ((clean[n] - z.detach()) * z.grad).sum(dim=(0, 1, 3))  # [head]
-            rows += [dict(layer=l, head=h, attribution=float(a)) for h, a in enumerate(attr)]
-        model.zero_grad(set_to_none=True)
-        return pd.DataFrame(rows)
-
-    attribution = attribution_scores(model, pairs, metric)
-    exact = sweep["z_all"].to_dataframe()[["layer", "head", "effect"]]
-    both = attribution.merge(exact, on=["layer", "head"])
-    r = np.corrcoef(both["attribution"], both["effect"])[0, 1]
-    print(f"correlation between attribution and exact patching over {len(both)} heads: {r:.3f}")
-    import plotly.express as px
-    px.scatter(both, x="effect", y="attribution", text=both["layer"].astype(str).radd("L") + both["head"].astype(str).radd("H"),
-               title="Attribution patching vs exact patching (per head)")
-    """),
+    solution("attribution_scores"),
     md("""
     The library does the same, batched, per cell, and with integrated gradients (EAP-IG: average the gradient
     along the straight path from corrupted to clean activations, which fixes much of the first-order error):
-    `circuits.attribution_patch(model, pairs, metric, "z", by="all", ig_steps=...)`. Check that plain EAP
-    (`ig_steps=1`) equals your scores, and see how EAP-IG compares with exact patching.
+    `circuits.attribution_patch(model, pairs, metric, "z", by="all", ig_steps=...)`. How well does each
+    estimate track exact patching?
     """),
     code("""
-    eap = circuits.attribution_patch(model, pairs, metric, "z", by="all", ig_steps=1)
-    np.testing.assert_allclose(eap.effect().reshape(-1).numpy(), attribution["attribution"].to_numpy(), atol=1e-4)
-    exact_all = sweep["z_all"]
-    pd.concat([circuits.compare_scores(circuits.attribution_patch(model, pairs, metric, "z", by="all", ig_steps=k), exact_all)
-               .assign(method="EAP" if k == 1 else f"EAP-IG ({k} steps)") for k in (1, 5)])
+    import plotly.express as px
+
+    exact = sweep["z_all"].to_dataframe()[["layer", "head", "effect"]]
+    eap = circuits.attribution_patch(model, pairs, metric, "z", by="all", ig_steps=1).to_dataframe()
+    both = eap[["layer", "head", "effect"]].rename(columns={"effect": "attribution"}).merge(exact, on=["layer", "head"])
+    r = np.corrcoef(both["attribution"], both["effect"])[0, 1]
+    print(f"correlation between attribution and exact patching over {len(both)} heads: {r:.3f}")
+    display(pd.concat([circuits.compare_scores(circuits.attribution_patch(model, pairs, metric, "z", by="all", ig_steps=k), sweep["z_all"])
+                       .assign(method="EAP" if k == 1 else f"EAP-IG ({k} steps)") for k in (1, 5)]))
+    px.scatter(both, x="effect", y="attribution", text="L" + both["layer"].astype(str) + "H" + both["head"].astype(str),
+               title="Attribution patching vs exact patching (per head)")
     """),
     md(f"""
     ## 4. Circuits and faithfulness
-    **What you will learn:** whether a handful of heads *is* the mechanism. Keep the k heads with the largest
-    exact patching effect and replace every other head's output by its corrupted value while running the
-    clean input. Faithfulness = (metric − corrupted) / (clean − corrupted): 1 means the k heads alone keep the
-    clean behaviour (the MLPs and embeddings stay intact here: this is a head-level circuit).
+    **What you will learn:** whether a handful of heads *is* the mechanism. Keep a set of heads and replace
+    every other head's output by its corrupted value while running the clean input. Faithfulness =
+    (metric − corrupted) / (clean − corrupted): 1 means the kept heads alone keep the clean behaviour (the
+    MLPs and embeddings stay intact here: this is a head-level circuit).
 
-    ### Exercise 3 — faithfulness of the top-k heads
-    {hints("Cache the corrupted `hook_z` of every layer and, in a hook on the clean run, overwrite the heads outside the circuit.")}
+    ### Exercise 3 — faithfulness of a set of heads
+    {difficulty(3, 20)}
+
+    Write `head_faithfulness(model, pairs, metric, heads_in_circuit)` where `heads_in_circuit` is a set of
+    `(layer, head)` tuples. The check compares four head sets (all, none, one, a random half) with a
+    computation that never touches `hook_z`: it adds each replaced head's change, through W_O, to
+    `hook_attn_out`.
+
+    {hints("Cache the corrupted `hook_z` of every layer and, in a hook on the clean run, overwrite the heads outside the circuit: `z[:, :, h] = corr[hook.name][:, :, h]`.",
+           "With every head kept nothing is replaced, so `head_faithfulness(..., all_heads)` must be 1. With none kept it need not be 0: the MLPs still see the clean input.")}
     """),
-    code("""
-    def faithfulness(model, pairs, heads_in_circuit):
-        # YOUR CODE HERE
+    exercise("head_faithfulness", """
+    def head_faithfulness(model, pairs, metric, heads_in_circuit):
+        # YOUR CODE HERE: return the faithfulness (a float)
         return None
 
-    print("not attempted yet" if faithfulness(model, pairs, set()) is None else "attempted")
+    check_head_faithfulness(head_faithfulness, model, pairs, metric)
     """),
-    solution("""
-    # Solution
-    def faithfulness(model, pairs, heads_in_circuit):
-        names = [f"blocks.{l}.attn.hook_z" for l in range(model.cfg.n_layers)]
-        with torch.no_grad():
-            _, corr = model.run_with_cache(pairs.corrupted_tokens, names_filter=lambda n: n in names)
-        def knock_out(z, hook):
-            l = int(hook.name.split(".")[1])
-            for h in range(model.cfg.n_heads):
-                if (l, h) not in heads_in_circuit:
-                    z[:, :, h] = corr[hook.name][:, :, h]
-            return z
-        with torch.no_grad():
-            logits = model.run_with_hooks(pairs.clean_tokens, fwd_hooks=[(n, knock_out) for n in names])
-        return (metric(logits).mean().item() - corrupted_ld) / (clean_ld - corrupted_ld)
-
+    solution("head_faithfulness"),
+    md("""
+    The library computes the same quantity at the level of edges: a *node* circuit (the kept heads, every MLP,
+    the embedding and the logits) run with every other edge resample-ablated replaces exactly the outputs of
+    the heads left out. So the faithfulness of the top-k heads, ranked by exact patching, is one library call
+    for all k at once:
+    """),
+    code("""
     ranked = exact.assign(size=exact["effect"].abs()).sort_values("size", ascending=False)
-    heads = list(zip(ranked["layer"], ranked["head"]))
-    all_heads = set(heads)
-    assert abs(faithfulness(model, pairs, all_heads) - 1.0) < 1e-4   # nothing knocked out: the clean run
-    curve = pd.DataFrame([dict(k=k, faithfulness=faithfulness(model, pairs, set(heads[:k]))) for k in range(len(heads) + 1)])
-    import plotly.express as px
+    heads = [f"a{l}.h{h}" for l, h in zip(ranked["layer"], ranked["head"])]
+    mlps = [f"m{l}" for l in range(cfg.n_layers)]
+    top_k = [circuits.Circuit.from_nodes(heads[:k] + mlps, cfg.n_layers, cfg.n_heads) for k in range(len(heads) + 1)]
+    curve = circuits.faithfulness(model, pairs, top_k, metric, ablations=("resample",)).assign(k=range(len(top_k)))
     px.line(curve, x="k", y="faithfulness", markers=True, title="Faithfulness of the top-k heads (by exact patching)")
     """),
     md("""
@@ -497,11 +491,14 @@ NB03 = [
     1. the `NormNoise` hooks, and how to check what they do;
     2. accuracy under noise for both models;
     3. the exact collapse condition and the theory's collapse probability (with a Monte Carlo check);
-    4. measured collapse vs the theory's prediction.
+    4. measured collapse vs the theory's prediction, and how to read the 1%-collapse thresholds (and their NaNs).
+
+    **Exercises:** 1 · the noise factor on |q|, 2 · a Monte Carlo estimate of the collapse probability.
     """),
-    code(SETUP),
+    code(setup("query_norm_ratio", "mc_collapse_probability")),
     code("""
     from interp_norm import theory
+    from interp_norm.hooks import act_name
     from interp_norm.noise import NormNoise, collapse_thresholds, run_collapse, run_noise
 
     pre, pre_info = load_pretrained("pre")
@@ -513,31 +510,28 @@ NB03 = [
     ## 1. The noise hooks
     **What you will learn:** how noise enters. `NormNoise(model, level)` multiplies every query, key and
     value vector by (1+κ), κ uniform with RMS `level` (the paper's choice), independently per example,
-    position, layer and head. It works as a context manager, or as a hook list (`noise.hooks()`).
+    position, layer and head. It works as a context manager, or as a hook list (`noise.hooks()`); after a
+    forward pass, `noise.last_kappa[(layer, "q")]` holds the κ it used.
 
-    ### Exercise 1 — check the factor
-    Run the Pre-Norm model with `NormNoise(pre, 0.05, targets="q", layers=[0])` and cache `blocks.0.attn.hook_q`.
-    Show that the ratio of noisy to clean query norms is 1+κ, with κ from `noise.last_kappa[(0, "q")]`,
-    and that the RMS of κ is close to 0.05.
+    ### Exercise 1 — the factor on |q|
+    {difficulty(2, 10)}
 
-    {hints("Enter the noise context first, then `run_with_cache`: the cache then records the noised q.",
-           "`last_kappa[(0, 'q')]` has shape `[batch, pos, head, 1]`.")}
+    Write `query_norm_ratio(model, tokens, level, seed)`: run the model once clean and once under
+    `NormNoise(model, level, targets="q", layers=[0], seed=seed)`, cache `blocks.0.attn.hook_q` in both, and
+    return the ratio of noisy to clean query norms, shape `[batch, pos, head]`. It should be exactly 1+κ: the
+    check compares it with `last_kappa` of the same seeded noise, at two levels.
+
+    {hints("Enter the noise context, then `run_with_cache`: the cache then records the noised q.",
+           "`.norm(dim=-1)` takes the norm over d_head.")}
     """),
-    code("""
-    tokens = batch.tokens[:64]
-    # YOUR CODE HERE
+    exercise("query_norm_ratio", """
+    def query_norm_ratio(model, tokens, level, seed):
+        # YOUR CODE HERE: return |q_noisy| / |q_clean| in layer 0, shape [batch, pos, head]
+        return None
+
+    check_query_norm_ratio(query_norm_ratio, pre, batch.tokens[:64])
     """),
-    solution("""
-    # Solution
-    with torch.no_grad():
-        _, clean = pre.run_with_cache(tokens, names_filter="blocks.0.attn.hook_q")
-        with NormNoise(pre, 0.05, targets="q", layers=[0], seed=1) as noise:
-            _, noisy = pre.run_with_cache(tokens, names_filter="blocks.0.attn.hook_q")
-    ratio = noisy["blocks.0.attn.hook_q"].norm(dim=-1) / clean["blocks.0.attn.hook_q"].norm(dim=-1)
-    kappa = noise.last_kappa[(0, "q")][..., 0]
-    torch.testing.assert_close(ratio, 1 + kappa, atol=1e-5, rtol=1e-5)
-    print(f"|q| ratio = 1 + κ everywhere; RMS of κ = {kappa.pow(2).mean().sqrt():.4f} (asked for 0.05)")
-    """),
+    solution("query_norm_ratio"),
     md("""
     ## 2. Accuracy under noise
     **What you will learn:** how fragile each model is. Noise hits all layers at once, so errors compound
@@ -558,42 +552,47 @@ NB03 = [
     turns score w_t into (1+κ_q)(1+κ_t)w_t. The query factor rescales the whole row, so it cannot change the
     argmax: a sparse row collapses exactly when some t ≠ t* has (1+κ_t)·w_t > (1+κ_t*)·w_t*
     (`theory.collapse_condition_exact`). `theory.predicted_collapse_probability` integrates that over the
-    noise law exactly.
-
-    ### Exercise 2 — Monte Carlo check of the prediction
-    Take the clean scores of one sparse row of the Pre-Norm model, draw 20 000 sets of key factors κ_t
-    (uniform, RMS 0.2: half-width √3·0.2), and estimate P(collapse); compare with the prediction.
-
-    {hints("`theory.NoiseLaw(0.2).sample(shape, generator)` draws κ.",
-           "Broadcast the row `[T]` against `κ` of shape `[draws, T]` and call `theory.collapse_condition_exact`.")}
+    noise law exactly. Below we take the clean scores of the sparse rows of every layer and pick the most
+    fragile one.
     """),
     code("""
     with torch.no_grad():
         _, cache = pre.run_with_cache(batch.tokens[:64])
-    layer = pre.cfg.n_layers - 1
-    scores = cache[f"blocks.{layer}.attn.hook_attn_scores"]          # [batch, head, query, key]
-    pattern = cache[f"blocks.{layer}.attn.hook_pattern"]
-    sparse = theory.sparse_mask(pattern)                             # max weight >= 95%
-    sparse[:, :, 0] = False                                          # row 0 ('[') can only attend to itself
     law = theory.NoiseLaw(0.2)
-    rows = scores[sparse].double()                                   # [n_sparse, key]
-    p_all = theory.predicted_collapse_probability(rows, law)         # one probability per sparse row
-    i = int(p_all.argmax())                                          # the most fragile sparse row
-    row, predicted = rows[i], float(p_all[i])
-    print(f"{len(rows)} sparse rows in layer {layer}; mean predicted P(collapse) at 20% noise {p_all.mean():.4f}")
-    print(f"the most fragile one: predicted P(collapse) = {predicted:.4f}")
-    # YOUR CODE HERE: a Monte Carlo estimate
+    candidates = []
+    for layer in range(pre.cfg.n_layers):
+        scores = cache[act_name("attn_scores", layer)]                # [batch, head, query, key]
+        sparse = theory.sparse_mask(cache[act_name("pattern", layer)])  # max weight >= 95%
+        sparse[:, :, 0] = False                                         # row 0 ('[') can only attend to itself
+        rows = scores[sparse].double()                                  # [n_sparse, key]
+        if len(rows):
+            p = theory.predicted_collapse_probability(rows, law)        # one probability per sparse row
+            print(f"layer {layer}: {len(rows)} sparse rows, mean predicted P(collapse) at 20% noise {p.mean():.4f}")
+            candidates.append((float(p.max()), layer, rows[int(p.argmax())]))
+    predicted, layer, row = max(candidates, key=lambda c: c[0])
+    print(f"the most fragile sparse row (layer {layer}): predicted P(collapse) = {predicted:.4f}")
     """),
-    solution("""
-    # Solution
-    g = torch.Generator().manual_seed(0)
-    kappa = law.sample((20_000, row.shape[-1]), g).double()
-    collapsed = theory.collapse_condition_exact(row.expand_as(kappa), kappa)
-    mc = collapsed.double().mean().item()
-    se = (mc * (1 - mc) / len(kappa)) ** 0.5
-    print(f"Monte Carlo {mc:.4f} ± {se:.4f} vs predicted {predicted:.4f}")
-    assert abs(mc - predicted) < 5 * se + 1e-3
+    md(f"""
+    ### Exercise 2 — Monte Carlo check of the prediction
+    {difficulty(3, 15)}
+
+    Write `mc_collapse_probability(row, level, n_draws, seed)`: draw `n_draws` sets of key factors κ_t for the
+    scores `row` (uniform, RMS `level`: half-width √3·level; use a `torch.Generator` seeded with `seed`) and
+    return the fraction of draws in which the row collapses. The check compares your estimate with the exact
+    integral (`theory.predicted_collapse_probability`) within five Monte Carlo standard errors, on this row at
+    20% noise and on a synthetic row.
+
+    {hints("`theory.NoiseLaw(level).sample((n_draws, len(row)), generator)` draws κ.",
+           "Broadcast the row `[T]` against `κ` of shape `[n_draws, T]` and call `theory.collapse_condition_exact(row.expand_as(kappa), kappa)`; or compare `((1 + kappa) * row)` with its value at t* = `row.argmax()` yourself.")}
     """),
+    exercise("mc_collapse_probability", """
+    def mc_collapse_probability(row, level, n_draws, seed):
+        # YOUR CODE HERE: return the fraction of n_draws noise draws in which the row collapses
+        return None
+
+    check_mc_collapse_probability(mc_collapse_probability, row, level=0.2)
+    """),
+    solution("mc_collapse_probability"),
     md("""
     ## 4. Measured collapse vs the theory
     **What you will learn:** whether the models behave as predicted. `run_collapse` takes each layer's clean
@@ -613,9 +612,30 @@ NB03 = [
     ], ignore_index=True)
     plots.plot_collapse_vs_noise(collapse)
     """),
+    md("""
+    **Reading the thresholds.** `collapse_thresholds` gives, per variant, layer and definition, the noise level
+    at which 1% of the sparse rows collapse: `level_measured` from the measured curve, `level_predicted` from
+    the theory's, interpolated between the tested levels. **NaN means "not reached in the tested range"**, not
+    missing data: the rate never reaches 1% below the largest tested noise level (the last of `levels`), so
+    that row is more robust than this sweep can resolve. (A threshold is also NaN if the rate is already
+    above 1% at the smallest tested level: the crossing lies below the range.) QKV-Norm with the noise before
+    its norm is NaN by construction — the norm removes the noise and nothing collapses. To turn a NaN into a
+    number, extend `levels` upwards (uniform noise needs level < 1/√3 ≈ 0.577).
+    """),
     code("""
     th = collapse_thresholds(collapse)
-    th[th["layer"].astype(str) == "all"][["variant", "definition", "level_measured", "level_predicted"]]
+    overall = th[th["layer"].astype(str) == "all"][["variant", "definition", "level_measured", "level_predicted"]]
+    curves = collapse[collapse["layer"].astype(str) == "all"]
+
+    def why_nan(r):  # which of the two reasons makes a measured threshold NaN
+        if pd.notna(r.level_measured):
+            return ""
+        rate = curves[(curves["variant"] == r.variant) & (curves["definition"] == r.definition)]["measured"]
+        return f"below 1% up to {max(levels):.0%} noise" if rate.max() < 0.01 else f"above 1% already at {min(levels):.0%}"
+
+    overall = overall.assign(why_nan=[why_nan(r) for r in overall.itertuples()])
+    print(f"tested noise levels {levels}: {int(overall['level_measured'].isna().sum())} of {len(overall)} measured thresholds are NaN")
+    overall
     """),
     md("""
     **Questions to think about.** Is the measured curve within sampling error of the prediction? Which layers
@@ -641,8 +661,10 @@ NB04 = [
     2. attention sparsity (Pre-Norm peaks at max weight 1);
     3. the orthogonal-spheres score and principal angles between subspaces;
     4. the image of a LayerNorm: an ellipsoid (Riechers 2024), checked on cached activations.
+
+    **Exercises:** 1 · principal angles between two subspaces, 2 · the LayerNorm ellipsoid on real activations.
     """),
-    code(SETUP),
+    code(setup("principal_angles_deg", "ln_coordinates")),
     code("""
     from interp_norm import geometry as G
 
@@ -669,7 +691,7 @@ NB04 = [
     code("""
     plots.plot_attention_sparsity(geo["sparsity_hist"])
     """),
-    md(f"""
+    md("""
     ## 3. Orthogonal spheres and subspace angles
     **What you will learn:** whether the residual components comply with Theorem 2. The residual stream at a
     layer's input is the sum of its writers (token and position embeddings, each earlier head and MLP).
@@ -680,36 +702,39 @@ NB04 = [
     plots.plot_sphere_scores(geo["sphere_scores"])
     """),
     md(f"""
-    ### Exercise 1 — the angle between token and position embeddings
-    The token subspace is spanned by the rows of `W_E` (17 vectors), the positional subspace by the
-    sinusoidal encoding's first `2·n_freq` coordinates. Compute the principal angles (degrees) between
-    these two spans for the Pre-Norm model by hand, and compare with `G.principal_angles`.
-    (The table `geo["subspace_angles"]` uses a different, data-driven definition: the directions holding 90%
-    of each component's energy over the batch, so its `tok`/`pos` angle differs.)
+    ### Exercise 1 — principal angles between two subspaces
+    {difficulty(3, 15)}
 
-    {hints("Orthonormalise both (an SVD of `W_E.T`, keeping non-zero singular values); the singular values of Q_Aᵀ Q_B are the cosines of the principal angles.",
-           "The positional basis is `torch.eye(d_model)[:, :2 * n_freq]`; `G.positional_subspace(pre)` returns the same.")}
+    Write `principal_angles_deg(A, B)`: the principal angles, in degrees and ascending, between the column
+    spaces of `A` `[d, k_A]` and `B` `[d, k_B]` — `min(rank A, rank B)` of them. The columns need not be
+    orthonormal, and may be linearly dependent. The check compares with angles computed a different way
+    (from the projectors' eigenvalues) on a known 30° case, on rank-deficient random subspaces, and on this
+    model's token subspace (the span of the rows of `W_E`, i.e. the columns of `W_E.T`) against the
+    sinusoidal positional subspace (`G.positional_subspace(pre)`: the first `2·n_freq` coordinates).
+
+    {hints("Orthonormalise both: the left singular vectors of an SVD, keeping those with non-zero singular value (`S > S.max() * 1e-6`).",
+           "The singular values of Q_Aᵀ Q_B are the cosines of the principal angles; clamp them to [0, 1] before `arccos`.")}
+    """),
+    exercise("principal_angles_deg", """
+    def principal_angles_deg(A, B):
+        # YOUR CODE HERE: return a 1-D tensor of angles in degrees, ascending
+        return None
+
+    check_principal_angles_deg(principal_angles_deg, pre)
+    """),
+    solution("principal_angles_deg"),
+    md("""
+    The library's `G.principal_angles` (radians) is the same computation. The table `geo["subspace_angles"]`
+    uses a different, data-driven definition of each subspace: the directions holding 90% of each component's
+    energy over the batch, so its `tok`/`pos` angle differs from the weight-space one.
     """),
     code("""
-    # YOUR CODE HERE
-    """),
-    solution("""
-    # Solution
-    cfg = pre.cfg
-    U, S, _ = torch.linalg.svd(pre.W_E.detach().double().T, full_matrices=False)
-    Q_tok = U[:, S > S.max() * 1e-6]
-    Q_pos = torch.eye(cfg.d_model, dtype=torch.float64)[:, : 2 * cfg.n_freq]
-    cosines = torch.linalg.svdvals(Q_tok.T @ Q_pos).clamp(0, 1)
-    mine = torch.rad2deg(torch.arccos(cosines)).sort().values
-    library = torch.rad2deg(G.principal_angles(pre.W_E.detach().double().T, G.positional_subspace(pre)))
-    print("by hand (smallest 5):", mine[:5].numpy().round(2), " library:", library[:5].numpy().round(2))
-    torch.testing.assert_close(mine, library, atol=1e-6, rtol=0)
-    """),
-    code("""
+    weight_space = torch.rad2deg(G.principal_angles(pre.W_E.detach().double().T, G.positional_subspace(pre)))
+    print("token vs positional subspace (weights), smallest angles in degrees:", weight_space[:5].numpy().round(2))
     angles = geo["subspace_angles"]
     plots.plot_subspace_angles(angles[angles["variant"] == "Pre-Norm"].drop(columns="variant"))
     """),
-    md(f"""
+    md("""
     ## 4. The LayerNorm ellipsoid
     **What you will learn:** what a LayerNorm's outputs look like. LN(x) = g ⊙ (x − mean)/√(var + ε) + b lies
     on a hyperplane through b with normal ∝ 1/g, inside an ellipsoid whose semi-axes come from the gains
@@ -719,31 +744,31 @@ NB04 = [
     plots.plot_ellipsoid_axes(geo["ellipsoid_axes"])
     """),
     md(f"""
-    ### Exercise 2 — check the ellipsoid on real activations
-    With `y = blocks.0.ln2.hook_normalized` (the full LN output), `g = blocks[0].ln2.w`, `b = blocks[0].ln2.b`
-    and `σ² = var(x)`: show that u = (y − b)/g has mean 0 and |u|²/N = σ²/(σ² + ε), i.e. every output lies
-    inside the ellipsoid (strictly, because of ε) and typical ones very near its surface.
+    ### Exercise 2 — the ellipsoid on real activations
+    {difficulty(2, 10)}
 
-    {hints("`blocks.0.ln2.hook_scale` is √(σ² + ε), so σ²/(σ² + ε) = 1 − ε/scale².", "N is d_model; ε is `pre.cfg.eps`.")}
+    Write `ln_coordinates(model, cache, layer)`: with `y = blocks.{{layer}}.ln2.hook_normalized` (the full LN
+    output), `g = model.blocks[layer].ln2.w` and `b = model.blocks[layer].ln2.b`, return u = (y − b)/g,
+    shape `[batch, pos, d_model]`. If the picture above is right, u = (x − mean)/√(var + ε), so u has mean 0
+    and |u|²/N = σ²/(σ² + ε) < 1: every output lies inside the ellipsoid, typical ones very near its surface.
+    The check compares u with (x − mean)/scale computed from ln2's *input* (`hook_resid_mid`) and `hook_scale`,
+    and verifies |u|²/N = 1 − ε/scale², in every layer.
+
+    {hints("`act_name('normalized', layer, 'ln2')` is the hook name of y; `.detach()` the parameters.",
+           "`blocks.{l}.ln2.hook_scale` is √(σ² + ε), so σ²/(σ² + ε) = 1 − ε/scale²; N is d_model, ε is `model.cfg.eps`.")}
     """),
     code("""
     with torch.no_grad():
         _, cache = pre.run_with_cache(task.test_set("id", 64).tokens)
-    # YOUR CODE HERE
     """),
-    solution("""
-    # Solution
-    ln = pre.blocks[0].ln2
-    y = cache["blocks.0.ln2.hook_normalized"].double()
-    scale = cache["blocks.0.ln2.hook_scale"].double()
-    u = (y - ln.b.detach().double()) / ln.w.detach().double()
-    N = pre.cfg.d_model
-    membership = u.pow(2).sum(-1) / N
-    expected = 1 - pre.cfg.eps / scale[..., 0] ** 2
-    torch.testing.assert_close(u.mean(-1), torch.zeros_like(u.mean(-1)), atol=1e-5, rtol=0)
-    torch.testing.assert_close(membership, expected, atol=1e-5, rtol=1e-5)
-    print(f"|u|²/N between {membership.min():.6f} and {membership.max():.6f}: inside the ellipsoid, near its surface")
+    exercise("ln_coordinates", """
+    def ln_coordinates(model, cache, layer):
+        # YOUR CODE HERE: return u = (y - b) / g, shape [batch, pos, d_model]
+        return None
+
+    check_ln_coordinates(ln_coordinates, pre, cache)
     """),
+    solution("ln_coordinates"),
     md("""
     **Next:** `05_train_your_own_variant.ipynb` trains a model of your own design on the CPU.
     """),
@@ -757,22 +782,25 @@ NB05 = [
 
     **What you will learn**
     1. the configuration objects: model, task and training recipe;
-    2. a short CPU training run with checkpoints, and resuming it;
-    3. evaluating it and comparing it with a shipped model.
+    2. a short CPU training run with checkpoints, resuming it, and what extending a run means;
+    3. evaluating it and comparing it with a shipped model;
+    4. a LayerNorm variant of QKV-Norm, and its per-head LayerNorm by hand.
 
     The shipped checkpoints were trained with `interp-norm train --preset cpu` for much longer; here we run a
-    couple of hundred steps, enough to see learning start (about half a minute).
+    couple of hundred steps, enough to see learning start (about a minute on a laptop CPU).
+
+    **Exercise:** 1 · a per-head LayerNorm by hand.
     """),
-    code(SETUP),
+    code(setup("head_layernorm")),
     code("""
     import tempfile
     from pathlib import Path
 
+    from interp_norm import AdditionTask, ModelConfig, TrainConfig
     from interp_norm.checkpoints import load_checkpoint
     from interp_norm.evaluate import evaluate
-    from interp_norm.model import ModelConfig
-    from interp_norm.task import AdditionTask
-    from interp_norm.train import TrainConfig, train
+    from interp_norm.hooks import act_name
+    from interp_norm.train import train
     """),
     md("""
     ## 1. Configurations
@@ -791,9 +819,9 @@ NB05 = [
     """),
     md("""
     ## 2. Train, checkpoint, resume
-    **What you will learn:** how runs are stored. A run folder holds step checkpoints (safetensors weights,
-    JSON config with checksums, the training curve) and a `LATEST` pointer; `resume=True` continues
-    bit-exactly from the newest one.
+    **What you will learn:** how runs are stored, and what resuming does. A run folder holds step checkpoints
+    (safetensors weights, JSON config with checksums, the training curve) and a `LATEST` pointer;
+    `resume=True` continues from the newest one.
     """),
     code("""
     run_dir = Path(tempfile.mkdtemp(prefix="interp-norm-tutorial-")) / "qk-run"
@@ -801,9 +829,18 @@ NB05 = [
     print(sorted(p.name for p in run_dir.iterdir()))
     curve.tail()
     """),
+    md("""
+    **Resuming vs extending.** Resuming with the *same* `max_steps` (`--steps` on the command line), e.g. after
+    an interruption, continues bit-identically: the weights equal those of an uninterrupted run. Below we
+    resume with a *larger* `max_steps`, which extends the run; the learning-rate schedule was planned for the
+    original number of steps, and what extending does to it is defined in the docstring of
+    `interp_norm.train_config.TrainConfig` (`help(TrainConfig)`). The table shows the learning rate around
+    the step where the extension starts.
+    """),
     code("""
-    # continue the same run for 60 more steps
-    model, curve = train(model_cfg, task, train_cfg.replace(max_steps=180), run_dir, resume=True, progress=False)
+    first_steps = train_cfg.max_steps
+    model, curve = train(model_cfg, task, train_cfg.replace(max_steps=first_steps + 60), run_dir, resume=True, progress=False)
+    display(curve[curve["step"].between(first_steps - 40, first_steps + 40)][["step", "lr", "loss", "acc"]])
     import plotly.express as px
     px.line(curve, x="examples", y=["loss", "acc"], title="Training curve (loss and per-token accuracy)")
     """),
@@ -822,30 +859,41 @@ NB05 = [
     ])
     table[["model", "split", "per_token_acc", "exact_match"]]
     """),
-    md(f"""
-    ### Exercise — a LayerNorm variant
-    Train a `tiny` model (`ModelConfig.preset("tiny", ...)`) with `attn_norm="qkv"` and `norm_kind="ln"` for
-    60 steps on the same task, and check that its QKV norms are LayerNorms: the normalised queries of each head
-    (`blocks.0.attn.hook_q_normed`, before the gain) should have mean ≈ 0 over `d_head`.
-
-    {hints("The tiny preset's context is 32 tokens, enough for the cpu task.",
-           "With per-head gains g, `hook_q_normed / g` undoes the gain: `model.blocks[0].attn.q_norm.w` has shape `[n_heads, d_head]`.")}
+    md("""
+    ## 4. A LayerNorm variant
+    **What you will learn:** the per-head norms of QKV-Norm. With `norm_kind="ln"` each head's query, key and
+    value are LayerNorm-ed over `d_head` after the projection (with a learned per-head gain and no bias). We
+    train a `tiny` model for 60 steps on the same task so the gains move away from 1.
     """),
     code("""
-    # YOUR CODE HERE
-    """),
-    solution("""
-    # Solution
     ln_cfg = ModelConfig.preset("tiny", attn_norm="qkv", norm_kind="ln", seed=1)
     ln_model, _ = train(ln_cfg, task, TrainConfig.preset("cpu", max_steps=60, log_every=20, eval_every=60,
                         eval_size=32, final_eval_size=32, checkpoint_every=60), run_dir.parent / "ln-run", progress=False)
     with torch.no_grad():
-        _, cache = ln_model.run_with_cache(task.test_set("id", 32).tokens)
-    g = ln_model.blocks[0].attn.q_norm.w.detach()            # [head, d_head]
-    q = cache["blocks.0.attn.hook_q_normed"] / g             # undo the gain
-    print("largest |mean over d_head| of the normalised queries:", float(q.mean(-1).abs().max()))
-    assert q.mean(-1).abs().max() < 1e-4
+        _, ln_cache = ln_model.run_with_cache(task.test_set("id", 32).tokens)
+    print("q gains of layer 0, head 0:", ln_model.blocks[0].attn.q_norm.w[0].detach().numpy().round(3))
     """),
+    md(f"""
+    ### Exercise 1 — a per-head LayerNorm by hand
+    {difficulty(2, 10)}
+
+    Write `head_layernorm(q, w, eps)`: `q` is `[batch, pos, head, d_head]` (the raw `hook_q`, `hook_k` or
+    `hook_v`), `w` the gain (`[head, d_head]`), `eps` the model's `cfg.eps`. Return the LayerNorm over `d_head`
+    times the gain. The check feeds your function the raw q, k and v of every layer and compares with
+    `torch.nn.functional.layer_norm` (head by head) and with the model's own `hook_q_normed` / `hook_k_normed` /
+    `hook_v_normed`.
+
+    {hints("Subtract the mean over the last dimension, divide by √(var + eps), multiply by `w` (it broadcasts over batch and pos).",
+           "LayerNorm uses the *population* variance: `mean((x - mean)²)`, not `torch.var`'s default, which divides by d_head − 1.")}
+    """),
+    exercise("head_layernorm", """
+    def head_layernorm(q, w, eps):
+        # YOUR CODE HERE: return the per-head LayerNorm of q (over d_head) times the gain w
+        return None
+
+    check_head_layernorm(head_layernorm, ln_model, ln_cache)
+    """),
+    solution("head_layernorm"),
     md("""
     From the command line the same run is `interp-norm train --out runs/qk --attn-norm qk --steps 300`, and
     `interp-norm dashboard runs/qk` builds the full dashboard for it, next to any other checkpoints you pass.
@@ -864,7 +912,7 @@ NOTEBOOKS = {
 def build(out_dir: Path = HERE) -> list[Path]:
     paths = []
     for name, cells in NOTEBOOKS.items():
-        nb = new_notebook(cells=cells)
+        nb = new_notebook(cells=[nbformat.from_dict(c) for c in cells])
         nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
         nb.metadata["language_info"] = {"name": "python"}
         for i, c in enumerate(nb.cells):
@@ -876,6 +924,24 @@ def build(out_dir: Path = HERE) -> list[Path]:
     return paths
 
 
-if __name__ == "__main__":
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--execute", action="store_true",
+                        help="also run every notebook (nbclient) and write tutorials/html/<name>.html (needs nbconvert)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", default=None,
+                        help="with --execute: only these notebooks (e.g. 01_quickstart)")
+    parser.add_argument("--html-dir", type=Path, default=HERE / "html", help="where --execute writes the HTML pages")
+    args = parser.parse_args(argv)
+    names = [n for n in NOTEBOOKS if args.only is None or any(n.startswith(o) for o in args.only)]
+    if not names:
+        parser.error(f"--only {args.only} matches none of {list(NOTEBOOKS)}")
     for p in build():
         print("wrote", p)
+    if args.execute:
+        from _export import execute_all
+
+        execute_all(names, args.html_dir)
+
+
+if __name__ == "__main__":
+    main()
