@@ -12,7 +12,7 @@ import torch
 
 from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig
 from interp_norm import geometry as G
-from interp_norm import plots_geometry as P
+from interp_norm import plots as P
 from interp_norm.errors import ConfigError, GeometryError, ProblemStringError
 from interp_norm.task import BOS_ID, PAD_ID
 from _models import make_model

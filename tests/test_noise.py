@@ -14,7 +14,7 @@ from interp_norm import noise as N
 from interp_norm import theory
 from interp_norm.errors import ConfigError, NoiseSpecError
 from interp_norm.evaluate import per_token_accuracy
-from interp_norm.plots_noise import plot_accuracy_vs_noise, plot_collapse_thresholds, plot_collapse_vs_noise
+from interp_norm.plots import plot_accuracy_vs_noise, plot_collapse_thresholds, plot_collapse_vs_noise
 from interp_norm.task import PAD_ID
 
 TASK = AdditionTask.preset("cpu")

@@ -4,7 +4,7 @@ Menary et al. (2024), Theorem 2 (digest §2.1): under Pre-Norm a head sees ``x/|
 subspaces stay independent only if they are **orthogonal spheres** (each component of constant
 norm, components mutually orthogonal); otherwise they interfere through the shared norm. Under
 QKV-Norm linear independence suffices (Theorem 3). This package measures that geometry on a model
-and an input batch and returns pandas DataFrames (figures live in :mod:`interp_norm.plots_geometry`).
+and an input batch and returns pandas DataFrames (figures live in :mod:`interp_norm.plots`).
 One module per question:
 
 * :mod:`.spread` — :func:`norm_spread`: the paper's attended-embedding norm spread (digest §3.6,

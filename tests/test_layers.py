@@ -1,0 +1,135 @@
+"""The package's architecture holds (issue 11): four layers, imports only go down, one hook vocabulary.
+
+Layers, lowest first (CONTRIBUTING.md explains them):
+
+    core          errors, task, hooks, model_config, layers, tl_api, model
+    persistence   io, train_config, checkpoint_format, checkpoints, evaluate, train
+    analyses      _checks, theory, bridges/, noise/, geometry/, circuits/
+    faces         plots/, card, dashboard/, reproduce, _cli_support, cli
+
+A module may import its own layer and the layers below it, never a layer above; the module graph
+has no cycles; no analysis or face spells a hook name by hand (they ask ``interp_norm.hooks``).
+The imports are read from the source (``ast``), function-local imports included.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "interp_norm"
+LAYERS = {
+    "core": ("errors", "task", "hooks", "model_config", "layers", "tl_api", "model"),
+    "persistence": ("io", "train_config", "checkpoint_format", "checkpoints", "evaluate", "train"),
+    "analyses": ("_checks", "theory", "anatomy", "bridges", "noise", "geometry", "circuits"),
+    "faces": ("plots", "card", "dashboard", "reproduce", "_cli_support", "cli"),
+}
+RANK = {top: i for i, tops in enumerate(LAYERS.values()) for top in tops}
+MAX_LINES = 550  # "no module over ~500 lines"
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def imported(path: Path, name: str) -> set[str]:
+    """Every interp_norm module ``path`` imports (absolute and relative, anywhere in the file)."""
+    tree = ast.parse(path.read_text())
+    pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("interp_norm")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
+            if not base.startswith("interp_norm"):
+                continue
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}  # `from interp_norm import task` imports a module
+    mods = modules()
+    return {m for m in found if m in mods and m != name}
+
+
+def top(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_module_belongs_to_a_layer():
+    unplaced = sorted({top(m) for m in modules() if top(m) and top(m) not in RANK})
+    assert not unplaced, f"modules in no layer: {unplaced}; add them to LAYERS here and to CONTRIBUTING.md"
+
+
+def test_imports_only_go_down():
+    mods = modules()
+    upward = []
+    for name, path in mods.items():
+        if not top(name):  # interp_norm/__init__: lazy re-exports of the public names
+            continue
+        for dep in imported(path, name):
+            if top(dep) and RANK[top(dep)] > RANK[top(name)]:
+                upward.append(f"{name} -> {dep}")
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
+
+
+def test_no_import_cycles():
+    mods = modules()
+    graph = {n: imported(p, n) for n, p in mods.items()}
+    # a package __init__ that re-exports its submodules is not a cycle with them
+    graph = {n: {d for d in deps if not (d.startswith(n + ".") or n.startswith(d + ".") and d == n.rsplit(".", 1)[0])}
+             for n, deps in graph.items()}
+    index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_no_hook_name_spelled_by_hand_outside_the_vocabulary():
+    """Only hooks.py and the model's own files may write ``blocks.{l}...``."""
+    allowed = {"interp_norm.hooks", "interp_norm.model", "interp_norm.layers", "interp_norm.tl_api"}
+    pattern = re.compile(r"""blocks\.\{|["']blocks\.\d""")
+    offenders = [f"{n}:{i + 1}" for n, p in modules().items() if n not in allowed
+                 for i, line in enumerate(p.read_text().splitlines()) if pattern.search(line)]
+    assert not offenders, "hook names built by hand (use interp_norm.hooks.act_name):\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize("name", sorted(modules()))
+def test_modules_stay_small(name):
+    n = len(modules()[name].read_text().splitlines())
+    assert n <= MAX_LINES, f"{name} has {n} lines; split it by concern (limit ~500)"
