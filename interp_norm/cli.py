@@ -46,8 +46,8 @@ __all__ = ["COMMANDS", "Command", "command", "build_parser", "main"]
 
 #: The task's splits (the task module imports torch; --help must not).
 SPLITS = ("id", "interp", "extrap")
-#: The analyses ``reproduce`` can run (reproduce.ANALYSES; that module imports pandas).
-ANALYSES = ("evaluate", "circuits", "noise", "collapse", "geometry", "attention")
+#: The analyses ``reproduce`` can run (checkpoint_report.ANALYSES, which imports pandas; a test keeps them equal).
+ANALYSES = ("evaluate", "circuits", "noise", "collapse", "forward_collapse", "temperature", "geometry", "attention")
 CKPT_HELP = "checkpoint or run folder, or a pretrained name (see 'interp-norm list')"
 
 
@@ -386,14 +386,16 @@ def _settings_args(p: argparse.ArgumentParser) -> None:
     """Options shared by ``reproduce`` and ``dashboard``."""
     p.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for tests and smoke checks)")
     p.add_argument("--analyse", nargs="+", metavar="NAME",
-                   help="checkpoints for circuits/noise/collapse/geometry/attention ('all' = every one; "
-                        "default: one per architecture for the shipped set, every given checkpoint otherwise)")
+                   help="checkpoints for the heavy analyses ('all' = every one; default: every seed without "
+                        "Checkpoint calibration for the shipped set, every given checkpoint otherwise)")
     p.add_argument("--problems", nargs="+", metavar="PROBLEM",
                    help="problems for the attention figure, e.g. '[12+N7=' (default: one per split)")
     p.add_argument("--only", nargs="+", choices=ANALYSES, help="run only these analyses (default: all)")
     p.add_argument("--seed", type=int, default=0, help="seed for data and noise draws")
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch threads (these small models run fastest on one thread)")
+    p.add_argument("--workers", type=positive_int, default=None,
+                   help="processes analysing checkpoints side by side, one thread each (default: up to 2)")
     _progress_arg(p)
 
 
@@ -401,7 +403,7 @@ def _settings(args: argparse.Namespace) -> Any:
     from interp_norm.reproduce import Settings
     from interp_norm.task import parse_problem
 
-    kw: dict[str, Any] = dict(seed=args.seed)
+    kw: dict[str, Any] = dict(seed=args.seed, workers=args.workers)
     if args.problems:
         kw["problems"] = tuple(parse_problem(p).text for p in args.problems)  # typed error on a bad string
     if args.only:

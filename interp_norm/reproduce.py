@@ -7,11 +7,12 @@ package); this module picks sizes, labels the models, times the stages and write
 through :mod:`interp_norm.io`. Its command-line options live in :mod:`interp_norm.cli`.
 
 Which models get which analysis: evaluation, the model card and training curves cover every
-checkpoint; the heavier analyses (circuits, noise, collapse, geometry, attention) run on one
-checkpoint per architecture (the one named like the architecture, ``pre``/``qkv``/..., else its
-lowest seed) unless ``analyse`` names others. That keeps the whole run within the 3-minute budget
-on 2 CPU cores while covering the paper's Pre-Norm vs QKV-Norm comparison; ``analyse="all"``
-runs everything on every checkpoint.
+checkpoint; the heavier analyses (:mod:`interp_norm.checkpoint_report`: circuits, noise with its
+controls, collapse, forward-pass collapse, temperature sweep, geometry, attention) run on every
+seed of every architecture at the reference scaling (:func:`default_analysed`), so each figure can
+show its spread over seeds; ``analyse`` names others, ``analyse="all"`` takes every checkpoint.
+Checkpoints are analysed in worker processes (one torch thread each, up to two), which keeps the
+whole run within the 3-minute budget on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -38,8 +39,7 @@ __all__ = [
     "reproduce",
     "make_dashboard",
 ]
-
-ANALYSES = ("evaluate", "circuits", "noise", "collapse", "geometry", "attention")
+from interp_norm.checkpoint_report import ANALYSES  # noqa: E402  (imports pandas only)
 
 
 def _noise_default(name: str) -> tuple[float, ...]:
@@ -69,6 +69,13 @@ class Settings:
     collapse_examples: int = 512
     collapse_draws: int = 64
     collapse_strict_samples: int = 128
+    noise_matched: bool = True  # the matched-count control group beside sparse / non-sparse
+    forward_examples: int = 256
+    forward_draws: int = 16
+    temperature_multipliers: tuple[float, ...] = field(default_factory=lambda: _noise_default("DEFAULT_MULTIPLIERS"))
+    temperature_examples: int = 256
+    temperature_draws: int = 32
+    workers: Optional[int] = None  # processes (None: up to 2); see run_analyses
     geometry_examples: int = 256
     circuit_pairs: int = 64
     circuit_attention_problems: int = 256
@@ -78,7 +85,8 @@ class Settings:
 
     def __post_init__(self) -> None:
         for name in ("eval_size", "noise_examples", "noise_datasets", "collapse_examples", "collapse_draws",
-                     "collapse_strict_samples", "geometry_examples", "circuit_pairs", "circuit_attention_problems"):
+                     "collapse_strict_samples", "forward_examples", "forward_draws", "temperature_examples",
+                     "temperature_draws", "geometry_examples", "circuit_pairs", "circuit_attention_problems"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"Settings.{name} must be a positive integer, got {v!r}")
@@ -96,7 +104,8 @@ class Settings:
         base = dict(
             eval_size=32, exact_match=True, noise_levels=(0.0, 0.01, 0.1), noise_examples=24, noise_datasets=2,
             collapse_levels=(0.05, 0.2, 0.5), collapse_examples=16, collapse_draws=8, collapse_strict_samples=16,
-            geometry_examples=24, circuit_pairs=6, circuit_attention_problems=16,
+            geometry_examples=24, circuit_pairs=6, circuit_attention_problems=16, forward_examples=16,
+            forward_draws=4, temperature_multipliers=(1.0, 2.0), temperature_examples=16, temperature_draws=4,
         )
         return cls(**{**base, **overrides})
 
@@ -113,7 +122,8 @@ class Report:
     timings: dict[str, float] = field(default_factory=dict)
     settings: Optional[Settings] = None
     notes: list[str] = field(default_factory=list)
-    threads: Optional[int] = None  # torch threads the analyses ran with
+    threads: Optional[int] = None  # torch threads the analyses ran with (per worker process: 1)
+    workers: int = 1  # processes that analysed checkpoints side by side
 
     @property
     def total_seconds(self) -> float:
@@ -161,61 +171,27 @@ def load_models(checkpoints: Optional[Sequence[str]] = None) -> dict[str, tuple[
     return out
 
 
+
 _ARCH_ORDER = {"pre": 0, "qkv": 1, "qk": 2, "none": 3}
 
 
 def _arch_key(name: str, info: Any) -> tuple:
     a = info.model_cfg.attn_norm
-    return (_ARCH_ORDER.get(a, 9), a, name != a, info.model_cfg.seed, name)
+    return (_ARCH_ORDER.get(a, 9), a, info.model_cfg.calibration != "none", name != a, info.model_cfg.seed, name)
 
 
 def default_analysed(models: Mapping[str, tuple[Any, Any]]) -> list[str]:
-    """One checkpoint per architecture: the one named like it (``pre``), else the lowest seed."""
-    best: dict[str, tuple] = {}
-    for name, (_, info) in models.items():
-        a = info.model_cfg.attn_norm
-        key = (name != a, info.model_cfg.seed, name)
-        if a not in best or key < best[a][0]:
-            best[a] = (key, name)
-    return [best[a][1] for a in sorted(best, key=lambda a: (_ARCH_ORDER.get(a, 9), a))]
+    """Every seed of every architecture at the reference scaling (``calibration="none"``).
 
-
-def _default_problems(task: Any, n_ctx: int, seed: int) -> list[str]:
-    """One problem per split that fits the model: the attention figure's default choices."""
-    out = []
-    for i, split in enumerate(("id", "interp", "extrap")):
-        for k in range(50):
-            p = task.sample_problems(1, split, seed=seed * 1000 + 17 * i + k)[0]
-            if len(p.text) <= n_ctx:
-                out.append(p.text)
-                break
-    return out
+    Checkpoints trained with the paper's Checkpoint calibration are evaluated (their accuracy per
+    split is the with/without-calibration comparison) but not put through the heavy analyses by
+    default; if every checkpoint is calibrated, all are analysed.
+    """
+    names = [n for n, (_, info) in models.items() if info.model_cfg.calibration == "none"] or list(models)
+    return sorted(names, key=lambda n: _arch_key(n, models[n][1]))
 
 
 # ----------------------------------------------------------------------------- running
-
-
-class _Clock:
-    def __init__(self, report: Report, bar: Any):
-        self.report, self.bar = report, bar
-
-    def stage(self, name: str) -> "_Stage":
-        return _Stage(self, name)
-
-
-class _Stage:
-    def __init__(self, clock: _Clock, name: str):
-        self.clock, self.name = clock, name
-
-    def __enter__(self) -> None:
-        self.t0 = time.perf_counter()
-        self.clock.bar.set_postfix_str(self.name)
-
-    def __exit__(self, *exc: Any) -> None:
-        t = self.clock.report.timings
-        t[self.name] = t.get(self.name, 0.0) + time.perf_counter() - self.t0
-        if exc[0] is None:
-            self.clock.bar.update(1)
 
 
 def _concat(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
@@ -223,42 +199,29 @@ def _concat(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
-def _front(df: pd.DataFrame, **cols: Any) -> pd.DataFrame:
-    for i, (k, v) in enumerate(cols.items()):
-        if k in df.columns:
-            df = df.drop(columns=k)
-        df.insert(i, k, v)
-    return df
+def _choose_heavy(models: Mapping[str, tuple[Any, Any]], analyse: Any, explicit: bool) -> list[str]:
+    if analyse is None:
+        return list(models) if explicit else default_analysed(models)
+    if isinstance(analyse, str) and analyse == "all":
+        return list(models)
+    heavy = [analyse] if isinstance(analyse, str) else list(analyse)
+    unknown = [h for h in heavy if h not in models]
+    if unknown:
+        raise ConfigError(f"cannot analyse {unknown}: not among the loaded checkpoints {list(models)}")
+    return heavy
 
 
-def _circuits(model: Any, task: Any, settings: Settings, progress: bool) -> dict[str, pd.DataFrame]:
-    """The circuits package's one-call analysis, reshaped for the dashboard.
+def _workers(workers: Optional[int], n_jobs: int) -> int:
+    """Worker processes: up to 2 (the 2 cores) by default; 1 where processes cannot be forked."""
+    import multiprocessing as mp
 
-    The ``patch_<activation>`` tables become one ``patching`` table (with ``by`` = pos/all and the
-    pairs' first clean problem as ``template``, for position labels); the circuit's edge table
-    gets ``n_layers``/``n_heads`` so a :class:`~interp_norm.circuits.Circuit` can be rebuilt from it.
-    """
-    from interp_norm.circuits import run_circuits
-
-    res = run_circuits(model, task, n_pairs=settings.circuit_pairs, seed=settings.seed,
-                       attention_problems=settings.circuit_attention_problems, progress=progress)
-    out: dict[str, pd.DataFrame] = {}
-    frames = []
-    for key, df in res.items():
-        if key.startswith("patch_"):
-            df = df.copy()
-            df.insert(1, "by", "all" if key.endswith("_all") else "pos")
-            frames.append(df)
-        else:
-            out[key] = df
-    if frames:
-        patch = _concat(frames)
-        pairs = res.get("pairs")
-        patch["template"] = str(pairs["clean"].iloc[0]) if pairs is not None and "clean" in pairs and len(pairs) else ""
-        out["patching"] = patch
-    if "circuit" in out:
-        out["circuit"] = out["circuit"].assign(n_layers=model.cfg.n_layers, n_heads=model.cfg.n_heads)
-    return out
+    if n_jobs <= 1 or "fork" not in mp.get_all_start_methods():
+        return 1
+    if workers is None:
+        return max(1, min(2, os.cpu_count() or 1, n_jobs))
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ConfigError(f"workers must be a positive integer, got {workers!r}")
+    return min(workers, n_jobs)
 
 
 def run_analyses(
@@ -267,14 +230,16 @@ def run_analyses(
     analyse: Optional[Union[str, Sequence[str]]] = None,
     progress: bool = True,
     threads: Optional[int] = None,
+    workers: Optional[int] = None,
 ) -> Report:
     """Run every analysis and return the :class:`Report` (no files written).
 
     ``checkpoints``: names/folders, or already loaded ``{name: (model, info)}``; None = all shipped.
-    ``analyse``: checkpoint names for the heavy analyses, ``"all"``, or None (one per architecture,
-    see the module docstring; every checkpoint when they were given explicitly). ``threads``: torch
-    threads for the run (restored afterwards); these small models run fastest on 1, and several
-    threads on a busy machine can be ten times slower.
+    ``analyse``: checkpoint names for the heavy analyses, ``"all"``, or None (see
+    :func:`default_analysed`; every checkpoint when they were given explicitly). ``threads``: torch
+    threads for the run (restored afterwards). ``workers``: forked processes that analyse
+    checkpoints side by side, each on one torch thread (default: up to 2; 1 runs everything in this
+    process). Every analysis is seeded, so results do not depend on the number of workers.
     """
     import torch
 
@@ -284,114 +249,114 @@ def run_analyses(
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return run_analyses(checkpoints, settings, analyse, progress, None)
+            return run_analyses(checkpoints, settings, analyse, progress, None, workers)
         finally:
             torch.set_num_threads(before)
     from tqdm.auto import tqdm
 
     from interp_norm.card import model_card
-    from interp_norm.circuits.attention_maps import attention_patterns
-    from interp_norm.evaluate import evaluate
-    from interp_norm.geometry import geometry_summary, run_geometry
-    from interp_norm.noise import collapse_thresholds, run_collapse, run_noise
+    from interp_norm.checkpoint_report import (
+        analyse_checkpoint,
+        analyse_in_worker,
+        evaluate_checkpoint,
+        share_with_workers,
+    )
+    from interp_norm.geometry import geometry_summary
+    from interp_norm.noise import collapse_thresholds
     from interp_norm.plots import variant_label
 
     settings = settings or Settings.full()
     report = Report(settings=settings, threads=torch.get_num_threads())
     t0 = time.perf_counter()
     explicit = checkpoints is not None
-    models = dict(checkpoints) if isinstance(checkpoints, Mapping) else load_models(checkpoints)
+    loaded = isinstance(checkpoints, Mapping)
+    models = dict(checkpoints) if loaded else load_models(checkpoints)
     if not explicit:  # the shipped set: Pre-Norm first, then QKV-Norm, QK-Norm, No-Norm (seeds in order)
         models = dict(sorted(models.items(), key=lambda kv: _arch_key(kv[0], kv[1][1])))
     report.timings["load"] = time.perf_counter() - t0
-    if analyse is None:
-        heavy = list(models) if explicit else default_analysed(models)
-    elif isinstance(analyse, str) and analyse == "all":
-        heavy = list(models)
-    else:
-        heavy = [analyse] if isinstance(analyse, str) else list(analyse)
-        unknown = [h for h in heavy if h not in models]
-        if unknown:
-            raise ConfigError(f"cannot analyse {unknown}: not among the loaded checkpoints {list(models)}")
+    heavy = _choose_heavy(models, analyse, explicit)
     labels = {n: variant_label(n, info.model_cfg.attn_norm) for n, (_, info) in models.items()}
     report.checkpoints = pd.DataFrame([
         dict(checkpoint=n, label=labels[n], attn_norm=info.model_cfg.attn_norm, seed=info.model_cfg.seed,
-             step=info.step, analysed=n in heavy, path=str(info.path))
+             calibration=info.model_cfg.calibration, step=info.step, analysed=n in heavy, path=str(info.path))
         for n, (_, info) in models.items()
     ])
     todo = set(settings.analyses)
-    n_stages = ("evaluate" in todo) * len(models) + len(heavy) * len(todo - {"evaluate"})
-    T = report.tables
-    # no global torch.no_grad(): attribution patching needs gradients (each analysis manages its own)
-    with tqdm(total=n_stages, desc="reproduce", disable=not progress, dynamic_ncols=True) as bar:
-        clock = _Clock(report, bar)
-        # model card, training curves, evaluation: every checkpoint
-        evals, curves = [], []
-        for name, (model, info) in models.items():
-            if len(info.curve):
-                curves.append(_front(info.curve.copy(), checkpoint=name, attn_norm=info.model_cfg.attn_norm))
-            if "evaluate" in todo:
-                with clock.stage("evaluate"):
-                    ev = evaluate(model, info.task, size=settings.eval_size, exact_match=settings.exact_match,
-                                  progress=progress)
-                    evals.append(_front(ev, checkpoint=name, attn_norm=info.model_cfg.attn_norm))
-        T["evaluation"] = _concat(evals)
-        T["model_card"] = model_card(models, T["evaluation"] if len(T["evaluation"]) else None)
-        T["training_curves"] = _concat(curves)
+    evaluate = "evaluate" in todo
+    jobs = [n for n in models if evaluate or n in heavy]
+    n_workers = _workers(workers if workers is not None else settings.workers, len(jobs))
+    evals: dict[str, pd.DataFrame] = {}
+    tables: dict[str, dict[str, list[pd.DataFrame]]] = {}
 
-        noise, collapse, geo, attn, circ = [], [], {}, [], {}
-        for name in heavy:
-            model, info = models[name]
-            task, label, a = info.task, labels[name], info.model_cfg.attn_norm
-            if "circuits" in todo:
-                with clock.stage("circuits"):
-                    for key, df in _circuits(model, task, settings, progress).items():
-                        circ.setdefault(key, []).append(_front(df.copy(), variant=label, checkpoint=name))
-            if "noise" in todo:
-                with clock.stage("noise"):
-                    df = run_noise(model, task, settings.noise_levels, n_datasets=settings.noise_datasets,
-                                   n_examples=settings.noise_examples, noised=settings.noise_rows,
-                                   variant=label, seed=settings.seed, progress=progress)
-                    noise.append(_front(df, checkpoint=name))
-            if "collapse" in todo:
-                with clock.stage("collapse"):
-                    kw = dict(n_examples=settings.collapse_examples, n_draws=settings.collapse_draws,
-                              strict_samples=settings.collapse_strict_samples, seed=settings.seed, progress=progress)
-                    df = run_collapse(model, task, settings.collapse_levels, variant=label, **kw)
-                    collapse.append(_front(df, checkpoint=name))
-                    if a == "qkv":
-                        # the norm removes noise placed before it; also ask how fragile QKV-Norm's
-                        # attention itself would be if the noise survived the norm
-                        df = run_collapse(model, task, settings.collapse_levels, variant=f"{label}, noise after norm",
-                                          placement="after_norm", **kw)
-                        collapse.append(_front(df, checkpoint=name))
-            if "geometry" in todo:
-                with clock.stage("geometry"):
-                    g = run_geometry(model, task, n=settings.geometry_examples, seed=settings.seed, progress=progress)
-                    for key, df in g.items():
-                        geo.setdefault(key, []).append(_front(df.copy(), variant=label, checkpoint=name))
-            if "attention" in todo:
-                with clock.stage("attention"):
-                    probs = list(settings.problems) or _default_problems(task, model.cfg.n_ctx, settings.seed)
-                    attn.append(attention_patterns(model, probs, name=label).assign(checkpoint=name))
-        T["noise_accuracy"] = _concat(noise)
-        T["collapse"] = _concat(collapse)
-        if len(T["collapse"]):
-            T["collapse_thresholds"] = collapse_thresholds(T["collapse"])
-        for key, frames in geo.items():
-            T[f"geometry_{key}"] = _concat(frames)
-        if geo:
-            try:
-                T["geometry_summary"] = geometry_summary({k: T[f"geometry_{k}"] for k in geo})
-            except Exception as e:  # a summary is a convenience; never lose the run over it
-                report.notes.append(f"geometry summary skipped: {type(e).__name__}: {e}")
-        for key, frames in circ.items():
-            T[f"circuits_{key}"] = _concat(frames)
-        if attn:
-            T["attention_patterns"] = _concat(attn)
+    def collect(name: str, ev: Optional[pd.DataFrame], t: dict, seconds: dict) -> None:
+        if ev is not None:
+            evals[name] = ev
+        tables[name] = t
+        for k, v in seconds.items():
+            report.timings[k] = report.timings.get(k, 0.0) + v
+
+    # no global torch.no_grad(): attribution patching needs gradients (each analysis manages its own)
+    with tqdm(total=len(jobs), desc="reproduce", unit="checkpoint", disable=not progress, dynamic_ncols=True) as bar:
+        if n_workers == 1:
+            for name in jobs:
+                model, info = models[name]
+                bar.set_postfix_str(name)
+                seconds: dict[str, float] = {}
+                ev = None
+                if evaluate:
+                    t = time.perf_counter()
+                    ev = evaluate_checkpoint(name, model, info, settings, progress=False)
+                    seconds["evaluate"] = time.perf_counter() - t
+                t_tables: dict = {}
+                if name in heavy:
+                    t_tables, more = analyse_checkpoint(name, model, info, settings, labels[name], todo)
+                    seconds.update(more)
+                collect(name, ev, t_tables, seconds)
+                bar.update(1)
+        else:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor, as_completed
+
+            share_with_workers(models, settings, labels, todo, set(heavy))
+            with ProcessPoolExecutor(n_workers, mp_context=mp.get_context("fork")) as pool:
+                futures = [pool.submit(analyse_in_worker, name) for name in jobs]
+                for f in as_completed(futures):
+                    name, ev, t_tables, seconds = f.result()
+                    collect(name, ev, t_tables, seconds)
+                    bar.set_postfix_str(name)
+                    bar.update(1)
+
+    T = report.tables
+    order = list(models)  # tables in checkpoint order, whatever order the workers finished in
+    T["evaluation"] = _concat([evals[n] for n in order if n in evals])
+    T["model_card"] = model_card(models, T["evaluation"] if len(T["evaluation"]) else None)
+    T["training_curves"] = _concat([
+        _front_curve(info.curve, n, info.model_cfg.attn_norm) for n, (_, info) in models.items() if len(info.curve)
+    ])
+    keys = list(dict.fromkeys(k for n in order for k in tables.get(n, {})))
+    for key in keys:
+        T[key] = _concat([f for n in order for f in tables.get(n, {}).get(key, [])])
+    if len(T.get("collapse", ())):
+        T["collapse_thresholds"] = collapse_thresholds(T["collapse"])
+    if len(T.get("forward_collapse", ())):
+        T["forward_collapse_thresholds"] = collapse_thresholds(T["forward_collapse"])
+    geo = [k[len("geometry_"):] for k in keys if k.startswith("geometry_")]
+    if geo:
+        try:
+            T["geometry_summary"] = geometry_summary({k: T[f"geometry_{k}"] for k in geo})
+        except Exception as e:  # a summary is a convenience; never lose the run over it
+            report.notes.append(f"geometry summary skipped: {type(e).__name__}: {e}")
     report.tables = {k: v for k, v in T.items() if v is not None and len(v)}
+    report.workers = n_workers
     report.timings["total"] = time.perf_counter() - t0
     return report
+
+
+def _front_curve(curve: pd.DataFrame, name: str, attn_norm: str) -> pd.DataFrame:
+    df = curve.copy()
+    df.insert(0, "checkpoint", name)
+    df.insert(1, "attn_norm", attn_norm)
+    return df
 
 
 # ----------------------------------------------------------------------------- writing
@@ -428,7 +393,7 @@ def run_facts(report: Report) -> dict:
 
     return dict(
         interp_norm=interp_norm.__version__, python=platform.python_version(), torch=torch.__version__,
-        machine=platform.machine(), cpus=os.cpu_count(), torch_threads=report.threads,
+        machine=platform.machine(), cpus=os.cpu_count(), torch_threads=report.threads, workers=report.workers,
         seconds=round(report.timings.get("total", report.total_seconds), 1),
         settings=dataclasses.asdict(report.settings) if report.settings else None,
         checkpoints=report.checkpoints.to_dict("records") if len(report.checkpoints) else [],

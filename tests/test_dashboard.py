@@ -79,9 +79,9 @@ def test_both_models_are_analysed_and_labelled(run):
     T = report.tables
     labels = set(report.checkpoints["label"])
     assert labels == {"Pre-Norm", f"QKV-Norm ({HOSTILE})"}
-    assert set(T["noise_accuracy"]["variant"]) == set(report.checkpoints["label"])
-    # QKV-Norm also gets the 'noise after the norm' collapse series; Pre-Norm has one placement
+    # QKV-Norm also gets the 'noise after the norm' noise and collapse series; Pre-Norm has one placement
     qkv = report.checkpoints[report.checkpoints["attn_norm"] == "qkv"]["label"].iloc[0]
+    assert set(T["noise_accuracy"]["variant"]) == {*report.checkpoints["label"], f"{qkv}, noise after norm"}
     assert set(T["collapse"]["variant"]) == {*report.checkpoints["label"], f"{qkv}, noise after norm"}
     assert set(T["collapse"][T["collapse"]["variant"] == qkv]["placement"]) == {"before_norm"}
 
@@ -233,15 +233,6 @@ def test_settings_and_selection_errors_are_typed(ckpts):
         R.Settings(analyses=("evaluate", "astrology"))
     with pytest.raises(ConfigError):
         R.run_analyses([str(ckpts["pre"])], R.Settings.quick(analyses=("evaluate",)), analyse=["qkv"], progress=False)
-
-
-def test_default_analysed_picks_one_checkpoint_per_architecture():
-    def info(attn, seed):
-        return SimpleNamespace(model_cfg=SimpleNamespace(attn_norm=attn, seed=seed))
-
-    models = {"qkv-s1": (None, info("qkv", 1)), "pre-s1": (None, info("pre", 1)), "pre": (None, info("pre", 0)),
-              "mine": (None, info("qk", 3)), "qkv-s2": (None, info("qkv", 2))}
-    assert R.default_analysed(models) == ["pre", "qkv-s1", "mine"]
 
 
 def test_cli_reproduce_and_dashboard(ckpts, tmp_path, capsys):

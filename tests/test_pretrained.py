@@ -10,7 +10,15 @@ from interp_norm import list_pretrained, load_pretrained
 from interp_norm.checkpoints import pretrained_dir
 from interp_norm.evaluate import per_token_accuracy
 
-EXPECTED = {"pre": "pre", "pre-s1": "pre", "qkv": "qkv", "qkv-s1": "qkv", "qk": "qk", "none": "none"}
+# name -> attention normalisation; "-cal" checkpoints use the paper's Checkpoint calibration
+EXPECTED = {
+    "pre": "pre", "pre-s1": "pre", "qkv": "qkv", "qkv-s1": "qkv", "qk": "qk", "none": "none",
+    "pre-cal": "pre", "pre-cal-s1": "pre", "qkv-cal": "qkv", "qkv-cal-s1": "qkv",
+}
+CALIBRATED = {name for name in EXPECTED if "-cal" in name}
+# The 2-digit cpu task is learned but not solved in 10k CPU steps (README: 78-95 % ID per token);
+# far above chance (~1/14 per token), and below the 0.95 the 1-digit models of the past reached.
+LEARNED = 0.75
 
 
 def test_every_reference_checkpoint_is_listed():
@@ -18,6 +26,13 @@ def test_every_reference_checkpoint_is_listed():
     assert set(EXPECTED) <= set(listed["name"]), f"missing: {set(EXPECTED) - set(listed['name'])}"
     for name, attn_norm in EXPECTED.items():
         assert listed.set_index("name").loc[name, "attn_norm"] == attn_norm
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_calibration_is_what_the_name_says(name):
+    model, _ = load_pretrained(name)
+    assert model.cfg.calibration == ("paper" if name in CALIBRATED else "none")
+    assert model.is_calibrated  # calibrated models ship their fitted factors
 
 
 def test_data_dir_stays_small():
@@ -32,7 +47,7 @@ def test_fresh_sample_reproduces_recorded_accuracy(name):
     recorded = {r["split"]: r for r in info.metrics["evaluation"]}["id"]["per_token_acc"]
     fresh = info.task.sample_batch(2048, "id", seed=987_654)
     acc = per_token_accuracy(model, fresh)
-    assert acc >= 0.95, f"{name}: fresh ID per-token accuracy {acc:.4f} < 0.95"
+    assert acc >= LEARNED, f"{name}: fresh ID per-token accuracy {acc:.4f} < {LEARNED}"
     assert abs(acc - recorded) <= 0.01, f"{name}: fresh {acc:.4f} vs recorded {recorded:.4f}"
     files = {p.name for p in info.path.iterdir()}
     assert {"model.safetensors", "config.json", "training_curve.csv", "metrics.json"} <= files
