@@ -5,7 +5,8 @@
 
 Numbers are read from ``data/checkpoints/*/metrics.json`` (written at the end of training by
 ``interp_norm.train`` on fixed seeded test sets of 2048 problems per split), so the table always
-matches the shipped files. Per variant: mean ± half the range over seeds (± 0 for one seed).
+matches the shipped files. Per variant and scaling (√d_head, or the paper's Checkpoint
+calibration): mean ± half the range over seeds (± 0 for one seed).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 from pathlib import Path
 
 import pandas as pd
+from _readme import replace_block
 
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- RESULTS:start -->", "<!-- RESULTS:end -->"
@@ -32,6 +34,7 @@ def collect(data: Path) -> pd.DataFrame:
                 dict(
                     name=metrics_file.parent.name,
                     variant=config["model"]["attn_norm"],
+                    calibration=config["model"].get("calibration", "none"),
                     seed=config["model"]["seed"],
                     split=rec["split"],
                     per_token=100 * rec["per_token_acc"],
@@ -50,11 +53,14 @@ def fmt(values: pd.Series) -> str:
 
 def table(df: pd.DataFrame) -> str:
     lines = [
-        "| variant | seeds | split | per-token % | per-token % without `]` | exact match % | paper per-token % | train time (s, 1 thread) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | scaling | seeds | split | per-token % | per-token % without `]` | exact match % | paper per-token % | train time (s, 1 thread) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for variant in [v for v in ("pre", "qkv", "qk", "none") if v in set(df.variant)]:
-        d = df[df.variant == variant]
+    groups = [(v, c) for c in ("none", "paper") for v in ("pre", "qkv", "qk", "none")
+              if ((df.variant == v) & (df.calibration == c)).any()]
+    for variant, calibration in groups:
+        d = df[(df.variant == variant) & (df.calibration == calibration)]
+        scaling = "Checkpoint calibration" if calibration == "paper" else "1/√d_head"
         seeds = ",".join(str(s) for s in sorted(d.seed.unique()))
         times = d.groupby("name").train_seconds.first()
         for i, split in enumerate(("id", "interp", "extrap")):
@@ -62,7 +68,7 @@ def table(df: pd.DataFrame) -> str:
             paper = f"{PAPER[variant][i]:.2f}" if variant in PAPER else "—"
             t = f"{times.mean():.0f}" if i == 0 else ""
             lines.append(
-                f"| {LABEL[variant] if i == 0 else ''} | {seeds if i == 0 else ''} | {split} | {fmt(s.per_token)} | "
+                f"| {LABEL[variant] if i == 0 else ''} | {scaling if i == 0 else ''} | {seeds if i == 0 else ''} | {split} | {fmt(s.per_token)} | "
                 f"{fmt(s.per_token_no_eos)} | {fmt(s.exact)} | {paper} | {t} |"
             )
     return "\n".join(lines)
@@ -76,14 +82,7 @@ def main() -> None:
     md = table(collect(Path(args.data)))
     print(md)
     if args.readme:
-        readme = ROOT / "README.md"
-        text = readme.read_text()
-        if START not in text or END not in text:
-            raise SystemExit(f"README.md lacks the markers {START} ... {END}")
-        head, rest = text.split(START, 1)
-        _, tail = rest.split(END, 1)
-        readme.write_text(head + START + "\n" + md + "\n" + END + tail)
-
+        replace_block(START, END, md)
 
 if __name__ == "__main__":
     main()

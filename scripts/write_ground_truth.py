@@ -10,7 +10,6 @@ has one table describing the models and one with the benchmark measured by
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pandas as pd
 

@@ -81,35 +81,34 @@ def check_targets(targets: str | Sequence[str], cfg: Optional[ModelConfig], allo
 
 
 def check_index_list(values: Optional[int | Sequence[int]], n: int, what: str) -> tuple[int, ...]:
+    """Indices in [0, n), sorted and deduplicated; None -> all n."""
     if values is None:
         return tuple(range(n))
-    if isinstance(values, (int, np.integer)) and not isinstance(values, bool):
-        values = (int(values),)
-    try:
-        values = list(values)
-    except TypeError:
-        raise NoiseSpecError(f"{what}s must be an int or a list of ints in [0, {n}), got {values!r}") from None
-    if not values:
-        raise NoiseSpecError(f"no {what}s selected; pass None for all {n} or some of {list(range(n))}")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < n:
-            raise NoiseSpecError(f"{what} {v!r} is out of range; this model has {n} {what}s, choose from {list(range(n))}")
-    return tuple(sorted({int(v) for v in values}))
+    return _indices(values, what, n)
 
 
 def check_index_form(values: int | Sequence[int], what: str) -> tuple[int, ...]:
     """Non-negative ints, sorted and deduplicated, for when the model (and so the range) is not known yet."""
+    return _indices(values, what, None)
+
+
+def _indices(values: int | Sequence[int], what: str, n: Optional[int]) -> tuple[int, ...]:
+    choices = f"in [0, {n})" if n is not None else ""
     if isinstance(values, (int, np.integer)) and not isinstance(values, bool):
         values = (int(values),)
     try:
         values = list(values)
     except TypeError:
-        raise NoiseSpecError(f"{what}s must be an int or a list of ints, got {values!r}") from None
+        raise NoiseSpecError(f"{what}s must be an int or a list of ints {choices}, got {values!r}".replace("  ", " ")) from None
     if not values:
+        if n is not None:
+            raise NoiseSpecError(f"no {what}s selected; pass None for all {n} or some of {list(range(n))}")
         raise NoiseSpecError(f"no {what}s selected; pass None for all of them or a list of {what} indices")
     for v in values:
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
             raise NoiseSpecError(f"{what} {v!r} is not a {what} index; pass non-negative ints (or None for all)")
+        if n is not None and v >= n:
+            raise NoiseSpecError(f"{what} {v!r} is out of range; this model has {n} {what}s, choose from {list(range(n))}")
     return tuple(sorted({int(v) for v in values}))
 
 

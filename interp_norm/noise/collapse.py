@@ -385,6 +385,21 @@ def measure_collapse(
     cfg = V.check_model(model)
     strict_samples = int(strict_samples)
     results = collapse_decisions(model, tokens, levels, spec, progress=progress)
+    return collapse_table(results, spec, cfg, predict=predict, strict_samples=strict_samples, variant=variant)
+
+
+def collapse_table(
+    results: Sequence["LayerCollapse"],
+    spec: CollapseSpec,
+    cfg: ModelConfig,
+    *,
+    predict: bool = True,
+    strict_samples: int = 256,
+    variant: Optional[str] = None,
+) -> pd.DataFrame:
+    """Per-layer collapse decisions -> the tidy rate table, with the theory's prediction from each
+    row's clean scores beside every measured rate (shared by the per-layer protocol and the real
+    forward pass, so both are judged by the same prediction and the same errors)."""
     removed = spec.noise_removed(cfg)
     gen = seeded_generator(spec.seed, 0x7E0E)
     levels = results[0].levels
@@ -450,5 +465,5 @@ def collapse_thresholds(curves: pd.DataFrame, target: float = 0.01) -> pd.DataFr
 __all__ = [
     "DEFAULT_COLLAPSE_LEVELS", "CollapseSpec", "CleanAttention", "clean_attention", "collapse_from_scores",
     "collapse_noise_draws", "LayerCollapse", "layer_decisions", "collapse_decisions", "measure_collapse",
-    "run_collapse", "collapse_thresholds",
+    "collapse_table", "run_collapse", "collapse_thresholds",
 ]

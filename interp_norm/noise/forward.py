@@ -16,7 +16,6 @@ reach, not a bug. Layer 0 sees clean inputs, so there the two must agree within 
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import pandas as pd
@@ -35,12 +34,10 @@ from interp_norm.noise.collapse import (
     CollapseSpec,
     LayerCollapse,
     clean_attention,
-    predict_rows,
-    rate_table,
+    collapse_table,
 )
-from interp_norm.noise.hooks import NormNoise, seeded_generator
+from interp_norm.noise.hooks import NormNoise
 from interp_norm.task import AdditionTask, Batch
-from interp_norm.theory import NoiseLaw
 
 
 @torch.no_grad()
@@ -129,24 +126,7 @@ def measure_forward_collapse(
     cfg = V.check_model(model)
     strict_samples = int(strict_samples)
     results = forward_collapse_decisions(model, tokens, levels, spec, progress=progress)
-    removed = spec.noise_removed(cfg)
-    gen = seeded_generator(spec.seed, 0x7E0E)
-    levels = results[0].levels
-    per_layer = []
-    for r in results:
-        for i, level in enumerate(levels):
-            if predict:
-                pl, ps, ns = predict_rows(r.scores, NoiseLaw(level, spec.distribution), spec.targets, removed,
-                                          spec.strict_threshold, strict_samples, gen)
-            else:
-                pl = ps = torch.full((len(r.rows),), math.nan, dtype=torch.float64)
-                ns = math.inf
-            for definition, dec, pred in (("loose", r.loose[i], pl), ("strict", r.strict[i], ps)):
-                per_layer.append((r.layer, i, definition, dec.double().mean(0), pred, ns))
-    columns = dict(variant=V.variant_label(cfg, variant), attn_norm=cfg.attn_norm, placement=spec.placement,
-                   distribution=spec.distribution, targets="".join(spec.targets))
-    df = rate_table(per_layer, levels, spec.n_draws, columns)
-    df["theory"] = "removed_by_norm" if removed else "multiplicative"
+    df = collapse_table(results, spec, cfg, predict=predict, strict_samples=strict_samples, variant=variant)
     df["protocol"] = "forward"
     return df
 
