@@ -325,4 +325,4 @@ def test_model_card_figure_shows_percentages():
     bars = plots.plot_accuracy_by_split(card.assign(interp_acc=0.4, extrap_acc=0.3, paper_interp_acc=0.8254,
                                                     paper_extrap_acc=0.4676))
     assert list(bars.data[0].y) == [0.5, 0.4, 0.3]
-    assert [t.name for t in bars.data][1] == "paper: QKV-Norm"
+    assert [t.name for t in bars.data][1] == "paper (Menary et al. 2024): QKV-Norm"
