@@ -88,11 +88,12 @@ def plot_sphere_scores(scores: pd.DataFrame) -> go.Figure:
     """Orthogonal-spheres score and its two terms per layer (Theorem 2)."""
     df = _variant(scores).melt(id_vars=["variant", "layer"], value_vars=["constancy", "orthogonality", "score"],
                                var_name="term")
-    fig = px.line(df, x="layer", y="value", color="variant", line_dash="term", markers=True,
-                  color_discrete_map=colour_map(df["variant"]))
-    fig.update_layout(title="Orthogonal spheres: norm constancy × orthogonality of residual components",
-                      yaxis_range=[0, 1.02], legend_title="model, term")
-    return fig
+    fig = px.line(df, x="layer", y="value", color="variant", facet_col="term", markers=True,
+                  color_discrete_map=colour_map(df["variant"]), labels={"value": "", "variant": "model"})
+    fig.update_layout(title="Orthogonal spheres: score = norm constancy × orthogonality of residual components")
+    fig.update_yaxes(range=[0, 1.02])
+    fig.update_xaxes(tickmode="linear", dtick=1)
+    return _strip_facet_names(fig)
 
 
 def _square(df: pd.DataFrame, value: str) -> pd.DataFrame:
@@ -193,7 +194,7 @@ def plot_ellipsoid_axes(axes: pd.DataFrame) -> go.Figure:
     (e.g. ln1 outside Pre-Norm, which normalises per head instead) is named on its panel."""
     df = _variant(axes).copy()
     mod = df["module"].astype(str)
-    df["layer"] = mod.str.extract(r"blocks\.(\d+)\.", expand=False).fillna("–")
+    df["layer"] = mod.str.extract(r"blocks\.(\d+)\.", expand=False).fillna("final")
     df["norm"] = mod.str.replace(r"^blocks\.\d+\.", "", regex=True) + np.where(df["gain_row"].astype(str) == "all", "",
                                                                               ":" + df["gain_row"].astype(str))
     norms = list(dict.fromkeys(df["norm"]))
@@ -220,7 +221,7 @@ def plot_ellipsoid_axes(axes: pd.DataFrame) -> go.Figure:
                                xref="x domain", yref="y domain", x=0.5, y=0.95, showarrow=False, row=r, col=c,
                                font=dict(size=10, color="#555"), bgcolor="rgba(255,255,255,0.8)")
     for l in layers if len(layers) > 1 else ():
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"layer {l}", legendgroup="layers",
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"layer {l}" if l != "final" else "final norm", legendgroup="layers",
                                  line=dict(color="#777", dash=dashes[l])))
     fig.update_yaxes(type="log")
     fig.update_yaxes(title_text="semi-axis length", col=1)
