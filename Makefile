@@ -1,4 +1,4 @@
-# Two entry points (see README): `make reproduce` and `make test`. Both set up .venv first.
+# Entry points (see README): `make reproduce`, `make test`, `make notebooks`. Each sets up .venv first.
 # torch==2.13.0 is installed explicitly first: on CPU-only machines it is the CPU build, and the
 # project's own `torch>=2.6` requirement is then already satisfied (no multi-GB CUDA download).
 PYTHON ?= python3
@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 OUT ?= report
 
-.PHONY: setup reproduce compare test browser bench
+.PHONY: setup reproduce compare test browser bench notebooks tutorials-html
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -34,3 +34,16 @@ test: setup browser
 
 bench: setup
 	for f in benchmarks/bench_*.py; do OMP_NUM_THREADS=1 $(PY) $$f || exit 1; done
+
+# The tutorials in JupyterLab: installs the `notebooks` extra into .venv once, then opens tutorials/
+# (kernels start in the notebook's folder, so `import _checks` finds tutorials/_checks.py).
+notebooks: $(VENV)/.notebooks
+	$(VENV)/bin/jupyter lab tutorials/
+
+$(VENV)/.notebooks: $(VENV)/.installed
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[notebooks]'
+	touch $@
+
+# Re-run every tutorial and rewrite tutorials/html/*.html (nbconvert comes with the dev extra).
+tutorials-html: setup
+	OMP_NUM_THREADS=1 $(PY) tutorials/_build_notebooks.py --execute

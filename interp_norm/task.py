@@ -101,6 +101,11 @@ def parse_problem(text: str) -> Problem:
     s = text.strip()
     if not s or s in (BOS, BOS + EQ):
         raise ProblemStringError("the problem string is empty; write one like '[12+N7='")
+    if any(c.isspace() for c in s):
+        raise ProblemStringError(
+            f"problem {text!r} contains spaces; the tokens are single characters with no spaces "
+            f"between them: write {''.join(s.split())!r}"
+        )
     bad = sorted({c for c in s if c not in TOKEN_TO_ID})
     if bad:
         raise ProblemStringError(

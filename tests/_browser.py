@@ -31,6 +31,7 @@ class BrowserCheck:
     complete: bool
     figures: dict[str, dict[str, str]]  # figure id -> its data-* attributes
     dom: str
+    wide_tables: int = -1  # tables wider than their panel (data-wide-tables)
 
     @property
     def ok(self) -> bool:
@@ -118,4 +119,5 @@ def browser_check(
         title=title, expected=int(a.get("data-expected", -1)), rendered=int(a.get("data-rendered", -1)),
         errors=int(a.get("data-errors", -1)), error_messages=a.get("data-error-messages", ""),
         complete=a.get("data-complete") == "1", figures=figures, dom=dom,
+        wide_tables=int(a.get("data-wide-tables", -1)),
     )

@@ -7,6 +7,7 @@ we are not in CI (``CI=true`` makes a missing chromium a failure: ``make test`` 
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import zlib
@@ -106,6 +107,22 @@ def test_dashboard_renders_every_figure_without_js_errors(chromium, page, tmp_pa
     # the attention selectors show exactly the chosen heatmap
     explorer = [a for a in check.figures.values() if a.get("data-kind") == "attention"]
     assert len(explorer) == 1 and explorer[0].get("data-selftest") == "ok", explorer
+    # one colour per variant across every figure (as the browser resolved it), and no legend scrolls
+    from interp_norm.plots._style import VARIANT_COLOURS, base_variant
+
+    seen: dict = {}
+    for fid, attrs in check.figures.items():
+        assert attrs.get("data-legend-overflow") == "0", f"{fid}: its legend overflows into a scroll box"
+        for name, group, colour in json.loads(attrs.get("data-traces", "[]")):
+            variant = base_variant(name) or base_variant(group)
+            if variant is not None:
+                seen.setdefault(variant, set()).add((colour.lower(), fid))
+    assert {"Pre-Norm", "QKV-Norm"} <= set(seen), seen
+    for variant, uses in seen.items():
+        colours = {c for c, _ in uses}
+        assert colours == {VARIANT_COLOURS[variant].lower()}, (variant, sorted(uses))
+    assert len({f for uses in seen.values() for _, f in uses}) >= 8  # checked across many figures
+    assert check.wide_tables == 0, "a table is wider than its panel"
     # a non-blank screenshot: many colours and plenty of non-background pixels
     w, h, bpp, rows = read_png(shot)
     assert (w, h) == (1300, 1600)
@@ -116,6 +133,20 @@ def test_dashboard_renders_every_figure_without_js_errors(chromium, page, tmp_pa
             colours.add(px)
             inked += max(px) - min(px) > 30 or max(px) < 200  # coloured or dark
     assert len(colours) > 50 and inked > 0.05 * (h // 8) * (w // 8)
+
+
+def test_the_check_sees_an_overflowing_legend_and_trace_colours(chromium, tmp_path):
+    """Negative control for the legend and colour checks: 40 traces in one legend must scroll."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure([go.Scatter(x=[0, 1], y=[i, i], name=f"Pre-Norm series {i}", line=dict(color="#ff0000"))
+                     for i in range(40)]).update_layout(height=300)
+    p = tmp_path / "crowded.html"
+    p.write_text(D.render_html([D.Section("s", panels=[D.Panel("crowded", figure=fig)])]), encoding="utf-8")
+    check = browser_check(p, chromium=chromium, budget_ms=5000)
+    attrs = check.figures["fig-1"]
+    assert int(attrs["data-legend-overflow"]) >= 1
+    assert {c for _, _, c in json.loads(attrs["data-traces"])} == {"#ff0000"}
 
 
 def test_the_check_catches_a_broken_page(chromium, tmp_path):

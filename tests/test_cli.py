@@ -247,7 +247,6 @@ def test_counts_are_checked_where_they_are_typed(capsys):
     assert_one_line_error(*run(capsys, "circuits", "x", "--split", "train")[::2], "argument --split: invalid choice")
 
 
-@pytest.mark.xfail(strict=True, reason="needs the whitespace check in task.parse_problem (lead's task.py; see report)")
 def test_a_problem_with_spaces_gets_a_message_about_spaces(capsys, tmp_path):
     code, _, err = run(capsys, "reproduce", "--out", str(tmp_path / "r"), "--problems", "[7 + 3 =")
     assert_one_line_error(code, err, "interp-norm reproduce: error:", "space")

@@ -316,4 +316,93 @@ def test_model_card_figure_shows_percentages():
     bars = plots.plot_accuracy_by_split(card.assign(interp_acc=0.4, extrap_acc=0.3, paper_interp_acc=0.8254,
                                                     paper_extrap_acc=0.4676))
     assert list(bars.data[0].y) == [0.5, 0.4, 0.3]
-    assert [t.name for t in bars.data][1] == "paper: QKV-Norm"
+    assert [t.name for t in bars.data][1] == "paper (Menary et al. 2024): QKV-Norm"
+
+
+# ----------------------------------------------------------------------------- one look across figures
+
+
+def _figure_specs(out: Path) -> list[dict]:
+    rest = _without_plotlyjs((out / "dashboard.html").read_text(encoding="utf-8"))
+    return [json.loads(b) for b in re.findall(r'<script type="application/json" id="fig-\d+-json">(.*?)</script>', rest, re.S)]
+
+
+def _trace_colour(t: dict):
+    if t.get("type", "scatter") == "scatter" and "lines" in t.get("mode", "lines"):
+        return (t.get("line") or {}).get("color")
+    return (t.get("marker") or {}).get("color")
+
+
+def test_every_variant_has_one_colour_in_every_figure_and_legends_are_short(run):
+    """Without a browser: each trace that names a variant carries that variant's colour (a seed or
+    'noise after norm' suffix keeps it), and no legend lists more than 20 entries."""
+    from interp_norm.plots._style import VARIANT_COLOURS, base_variant
+
+    _, out = run
+    seen: dict = {}
+    for i, spec in enumerate(_figure_specs(out)):
+        shown = [t for t in spec["data"] if t.get("showlegend", True) and t.get("type") in (None, "scatter", "bar", "box", "histogram")]
+        assert len(shown) <= 20, f"figure {i}: {len(shown)} legend entries"
+        for t in spec["data"]:
+            if t.get("type") not in (None, "scatter", "bar", "box", "histogram"):
+                continue
+            v = base_variant(t.get("name", "")) or base_variant(t.get("legendgroup", ""))
+            c = _trace_colour(t)
+            if v is not None and isinstance(c, str):
+                seen.setdefault(v, set()).add((c.lower(), i))
+    # the HOSTILE-named QKV-Norm checkpoint and the 'noise after norm' series count as QKV-Norm
+    assert set(seen) == {"Pre-Norm", "QKV-Norm"}
+    for v, uses in seen.items():
+        assert {c for c, _ in uses} == {VARIANT_COLOURS[v].lower()}, v
+        assert len({i for _, i in uses}) >= 6, (v, "should appear in many figures")
+
+
+def test_base_variant_reads_derived_labels():
+    from interp_norm.plots._style import base_variant, variant_colour
+
+    assert base_variant("QKV-Norm, noise after norm") == "QKV-Norm"
+    assert base_variant("QK-Norm (qk-s3)") == "QK-Norm" and base_variant("qkv") == "QKV-Norm"
+    assert base_variant("QKV-Norm (&lt;img&gt;)") == "QKV-Norm" and base_variant("gpt2") is None
+    assert variant_colour("gpt2") == variant_colour("gpt2") and variant_colour("gpt2") not in {
+        variant_colour(v) for v in ("Pre-Norm", "QKV-Norm", "QK-Norm", "No-Norm")}
+
+
+def test_models_text_states_what_these_models_show():
+    from interp_norm.dashboard.sections import models_finding
+
+    card = pd.DataFrame([dict(checkpoint="pre", attn_norm="pre", id_acc=0.99, extrap_acc=0.50),
+                         dict(checkpoint="pre-s1", attn_norm="pre", id_acc=0.97, extrap_acc=0.60),
+                         dict(checkpoint="qkv", attn_norm="qkv", id_acc=0.98, extrap_acc=0.70)])
+    text = models_finding(card)
+    # by hand: Pre-Norm's mean extrapolation is 55.0%, QKV-Norm's 70.0%: the opposite of the paper
+    assert "QKV-Norm is better than Pre-Norm here (70.0% vs 55.0%)" in text and "opposite" in text
+    worse = models_finding(card.assign(extrap_acc=[0.8, 0.8, 0.4]))
+    assert "QKV-Norm is worse" in worse and "agree" in worse
+
+
+def test_unreached_collapse_levels_are_labelled_not_blank():
+    th = pd.DataFrame(dict(variant=["Pre-Norm", "QKV-Norm"], layer=[0, 0], definition="loose", target=0.01,
+                           level_measured=[0.3, np.nan], level_predicted=[0.31, np.nan]))
+    fig = plots.plot_collapse_thresholds(th, max_level=0.5)
+    qkv = [t for t in fig.data if t.name.startswith("QKV-Norm")]
+    assert all(list(t.y) == [0.5] and list(t.marker.opacity) == [0.18] for t in qkv)
+    assert any("not reached" in (a.text or "") for a in fig.layout.annotations)
+    none = plots.plot_collapse_thresholds(th.assign(level_measured=np.nan, level_predicted=np.nan), max_level=0.5)
+    assert any("no model reaches" in (a.text or "") for a in none.layout.annotations)
+
+
+def test_wide_tables_are_split_into_blocks_that_repeat_the_row_names():
+    df = pd.DataFrame({"variant": ["a", "b"], "layer": [0, 1], **{f"c{i}": [i, i + 0.5] for i in range(20)}})
+    html = D.table_html(df, max_cols=8)
+    tables = re.findall(r"<table.*?</table>", html, re.S)
+    assert len(tables) == 4  # 20 value columns, 6 per block
+    heads = [re.findall(r"<th>(.*?)</th>", t) for t in tables]
+    assert all(h[:2] == ["variant", "layer"] for h in heads)
+    assert [c for h in heads for c in h[2:]] == [f"c{i}" for i in range(20)]
+
+
+def test_page_title_fits_what_was_analysed(run):
+    report, _ = run
+    assert D.page_title(report) == "Pre-Norm vs QKV-Norm: interp_norm dashboard"
+    one = SimpleNamespace(checkpoints=report.checkpoints.iloc[:1])
+    assert D.page_title(one) == "Pre-Norm: interp_norm dashboard"

@@ -89,11 +89,21 @@ def test_test_sets_are_fixed_and_distinct_per_split():
         ("12+3=16]", "arithmetic"),
         ("12+3==", "more than one"),
         ("+3=", "operator"),
+        ("[7 + 3 =", "spaces"),
+        ("12\t+3=", "spaces"),
     ],
 )
 def test_bad_problem_strings_raise_typed_errors(bad, match):
     with pytest.raises(ProblemStringError, match=match):
         parse_problem(bad)
+
+
+def test_spaces_get_the_fix_not_a_hint_about_negatives():
+    with pytest.raises(ProblemStringError) as e:
+        parse_problem("[7 + 3 =")
+    msg = str(e.value)
+    assert "negative" not in msg and "'[7+3='" in msg
+    assert parse_problem("[7+3=").answer == parse_problem("7+3=").answer  # the suggested fix parses
 
 
 def test_bad_task_config():

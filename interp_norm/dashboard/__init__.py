@@ -14,11 +14,12 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from interp_norm.dashboard.page import ERROR_MARKER, Panel, Section, render_html, table_html
 from interp_norm.dashboard.sections import figure_sections
 from interp_norm.errors import OutputDirError
+from interp_norm.plots._style import base_variant
 
 __all__ = [
     "ERROR_MARKER",
@@ -28,13 +29,29 @@ __all__ = [
     "render_html",
     "table_html",
     "dashboard_html",
+    "page_title",
     "write_dashboard",
 ]
 
 
-def dashboard_html(report: Any, title: str = "Pre-Norm vs QKV-Norm: interp_norm dashboard", strict: bool = False,
-                   csv_links: bool = True) -> str:
-    """The dashboard of a :class:`~interp_norm.reproduce.Report` as one HTML string."""
+def page_title(report: Any) -> str:
+    """A title that fits what was analysed: one model's name, or the variants compared."""
+    ck = report.checkpoints
+    if not len(ck):
+        return "interp_norm dashboard"
+    labels = list(dict.fromkeys(map(str, ck["label"] if "label" in ck.columns else ck["checkpoint"])))
+    if len(ck) == 1:
+        return f"{labels[0]}: interp_norm dashboard"
+    variants = list(dict.fromkeys(base_variant(v) or v for v in labels))
+    if len(variants) == 1:
+        return f"{variants[0]} ({len(ck)} checkpoints): interp_norm dashboard"
+    return " vs ".join(variants) + ": interp_norm dashboard"
+
+
+def dashboard_html(report: Any, title: Optional[str] = None, strict: bool = False, csv_links: bool = True) -> str:
+    """The dashboard of a :class:`~interp_norm.reproduce.Report` as one HTML string (``title``:
+    default :func:`page_title`)."""
+    title = title or page_title(report)
     sections, problems = figure_sections(report, strict=strict)
     facts: dict[str, Any] = {}
     if len(report.checkpoints):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -71,8 +72,10 @@ section{margin-top:26px} section h2{border-bottom:2px solid #1f3b63;padding-bott
 .panel{background:#fff;border:1px solid #e2e2e2;border-radius:6px;margin:14px 0;padding:10px}
 .panel h3{margin:4px 0 8px 0;font-size:16px} .caption{color:#555;font-size:13px;margin:4px 0}
 .figure{width:100%;min-height:360px}
-table.data{border-collapse:collapse;font-size:12px;width:100%;display:block;overflow-x:auto}
-table.data th,table.data td{border:1px solid #ddd;padding:3px 6px;text-align:right;white-space:nowrap}
+.tablewrap{overflow-x:auto;max-width:100%} .tablewrap + .tablewrap{margin-top:8px}
+table.data{border-collapse:collapse;font-size:12px;max-width:100%}
+table.data th,table.data td{border:1px solid #ddd;padding:3px 6px;text-align:right}
+table.data td{white-space:nowrap} table.data th{white-space:normal;overflow-wrap:anywhere;vertical-align:bottom}
 table.data th{background:#eef2f8} table.data td.s{text-align:left}
 .selectors label{margin-right:14px;font-size:14px} .selectors select{margin-left:4px}
 .note{color:#8a4b00;font-size:13px} footer{color:#666;font-size:12px;max-width:1280px;margin:0 auto;padding:0 24px 30px}
@@ -106,9 +109,29 @@ _DRAW_JS = """
     done += 1;
     st.setAttribute('data-rendered', String(ok));
     if (done === figs.length) {
+      var wide = 0;  // tables wider than their panel (they should be split into column blocks instead)
+      document.querySelectorAll('.tablewrap').forEach(function (w) { if (w.scrollWidth > w.clientWidth + 1) wide += 1; });
+      st.setAttribute('data-wide-tables', String(wide));
       st.setAttribute('data-complete', '1');
       st.textContent = ok + ' of ' + figs.length + ' figures rendered' + (window.__errors.length ? ', ' + window.__errors.length + ' errors' : '');
     }
+  }
+  // what the browser test reads: does any legend scroll, and which colour did each trace get
+  function selfReport(div) {
+    var fl = div._fullLayout || {}, over = 0;
+    Object.keys(fl).forEach(function (k) {
+      if (/^legend\d*$/.test(k) && fl[k] && fl[k]._height > fl[k]._maxHeight + 1) over += 1;
+    });
+    div.querySelectorAll('.legend rect.scrollbar').forEach(function (r) { if (parseFloat(r.getAttribute('height') || '0') > 0) over += 1; });
+    div.setAttribute('data-legend-overflow', String(over));
+    var traces = [];
+    (div._fullData || []).forEach(function (t) {
+      if (t.visible === false || ['scatter', 'bar', 'box', 'histogram'].indexOf(t.type) < 0) return;
+      var lines = t.type === 'scatter' && String(t.mode || '').indexOf('lines') >= 0;
+      var c = lines ? (t.line && t.line.color) : (t.marker && t.marker.color);
+      if (typeof c === 'string') traces.push([String(t.name || ''), String(t.legendgroup || ''), c]);
+    });
+    div.setAttribute('data-traces', JSON.stringify(traces));
   }
   function fail(div, err) { div.setAttribute('data-error', String(err)); __markError('figure ' + div.id + ': ' + err); finish(); }
   figs.forEach(function (div) {
@@ -119,6 +142,7 @@ _DRAW_JS = """
         var n = div.querySelectorAll('svg.main-svg').length;
         if (n === 0) { fail(div, 'no svg drawn'); return; }
         div.setAttribute('data-rendered', String(n)); ok += 1;
+        selfReport(div);
         if (div.getAttribute('data-kind') === 'attention') setupExplorer(div, spec.layout.meta.explorer);
         finish();
       }, function (err) { fail(div, err); });
@@ -191,21 +215,49 @@ def _fmt_cell(v: Any, col: str) -> tuple[str, bool]:
             return _esc(f"{f:.4g}"), False
         except (TypeError, ValueError):
             pass
+    if isinstance(v, str) and _NUMBER.match(v):
+        return _esc(v), False  # pre-formatted numbers ("99.8%") stay right-aligned
     return _esc(v), True
 
 
-def table_html(df: pd.DataFrame, max_rows: int = 200) -> str:
-    """An escaped HTML table (numbers formatted, strings left-aligned)."""
-    head = "".join(f"<th>{_esc(c)}</th>" for c in df.columns)
-    rows = []
-    for rec in df.head(max_rows).itertuples(index=False):
-        cells = []
-        for c, v in zip(df.columns, rec):
-            text, is_str = _fmt_cell(v, str(c))
-            cells.append(f'<td class="s">{text}</td>' if is_str else f"<td>{text}</td>")
-        rows.append("<tr>" + "".join(cells) + "</tr>")
+_NUMBER = re.compile(r"^[-+]?[\d,]*\.?\d+(e[-+]?\d+)?%?$")
+
+
+def _key_columns(df: pd.DataFrame, limit: int = 3) -> list:
+    """The leading columns that name a row (text, or ``layer``/``head``/``split``): repeated in every block."""
+    keys = []
+    for c in df.columns[:limit]:
+        if df[c].dtype == object or str(c) in ("layer", "head", "split", "field", "checkpoint", "variant"):
+            keys.append(c)
+        else:
+            break
+    return keys
+
+
+def table_html(df: pd.DataFrame, max_rows: int = 200, max_cols: int = 11) -> str:
+    """An escaped HTML table (numbers formatted, strings left-aligned). A table wider than
+    ``max_cols`` columns is split into blocks of columns stacked vertically, each repeating the
+    row-naming columns, so it reads without horizontal scrolling."""
+    keys = _key_columns(df)
+    rest = [c for c in df.columns if c not in keys]
+    width = max(1, max_cols - len(keys))
+    blocks = [rest[i:i + width] for i in range(0, len(rest), width)] or [[]]
+    body = df.head(max_rows)
+    out = []
+    for block in blocks:
+        cols = [*keys, *block]
+        head = "".join(f"<th>{_esc(c)}</th>" for c in cols)
+        rows = []
+        for rec in body[cols].itertuples(index=False):
+            cells = []
+            for c, v in zip(cols, rec):
+                text, is_str = _fmt_cell(v, str(c))
+                cells.append(f'<td class="s">{text}</td>' if is_str else f"<td>{text}</td>")
+            rows.append("<tr>" + "".join(cells) + "</tr>")
+        out.append(f'<div class="tablewrap"><table class="data"><thead><tr>{head}</tr></thead>'
+                   f'<tbody>{"".join(rows)}</tbody></table></div>')
     more = f'<p class="caption">{len(df) - max_rows} more rows in the CSV.</p>' if len(df) > max_rows else ""
-    return f'<table class="data"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>{more}'
+    return "".join(out) + more
 
 
 def render_html(

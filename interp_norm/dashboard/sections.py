@@ -6,14 +6,13 @@ is missing is left out, one that fails to build becomes a note on the page.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import pandas as pd
 import plotly.graph_objects as go
 
 from interp_norm import plots
 from interp_norm.dashboard.page import Panel, Section, _esc, _escape_variants
-from interp_norm.errors import ConfigError
 
 __all__ = ["figure_sections"]
 
@@ -39,14 +38,14 @@ def figure_sections(report: Any, strict: bool = False) -> tuple[list[Section], l
     sections: list[Section] = []
 
     # --- model card
-    s = Section("Models", "What was trained and how well it does, next to the paper's numbers "
-                "(Menary et al. 2024 train a 10-layer d=512 model for 2 GPU-days; ours are CPU-sized, so "
-                "compare the shape: Pre-Norm ≈ QKV-Norm in-distribution, QKV-Norm worse when extrapolating).",
-                anchor="models")
+    s = Section("Models", "What was trained and how well it does, next to the paper's numbers (Menary et al. 2024 "
+                "train a 10-layer d=512 model for 2 GPU-days; these are CPU-sized). "
+                + models_finding(T.get("model_card")), anchor="models")
     if "model_card" in T:
         s.panels.append(Panel("Model card", table=_compact_card(T["model_card"]), kind="table",
-                              caption="Per-token accuracy (teacher-forced, answer tokens including ']'), "
-                                      "exact match (greedy generation); paper_*: the paper's per-token accuracy."))
+                              caption="One column per checkpoint. Per-token accuracy (teacher-forced, answer tokens "
+                                      "including ']'), exact match (greedy generation); paper_*: the paper's per-token "
+                                      "accuracy. Every field is in model_card.csv."))
         s.panels.append(panel("Accuracy per split", lambda: plots.plot_accuracy_by_split(T["model_card"])))
     if "training_curves" in T:
         s.panels.append(panel("Training loss", lambda: plots.plot_training_curves(T["training_curves"], "loss")))
@@ -73,18 +72,22 @@ def figure_sections(report: Any, strict: bool = False) -> tuple[list[Section], l
             resid = pt[pt["activation"].isin(["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"])]
             heads = pt[~pt.index.isin(resid.index)]
             if len(resid):
-                s.panels.append(panel("Patching the residual stream", lambda: plots.plot_patching_heatmap(
+                s.panels.append(panel("Patching the residual stream", lambda: _label_heatmap_axes(plots.plot_patching_heatmap(
                     _escape_variants(resid), pos_labels=labels,
-                    title="Activation patching per layer and position (rows: models)")))
+                    title="Activation patching per layer and position (rows: models)"))))
             if len(heads):
-                s.panels.append(panel("Patching attention heads", lambda: plots.plot_patching_heatmap(
+                s.panels.append(panel("Patching attention heads", lambda: _label_heatmap_axes(plots.plot_patching_heatmap(
                     _escape_variants(heads), pos_labels=labels,
-                    title="Activation patching of head outputs z: per position (left) and whole head (right)")))
+                    title="Activation patching of head outputs z: per position (left) and whole head (right)"), 
+                    row_height=max(300, 60 + 22 * _n_head_rows(heads)))))
         ct = circ.get("circuit")
         if ct is not None and len(ct):
             for v, g in ct.groupby("variant", sort=False):
-                s.panels.append(panel(f"Circuit graph: {v}", lambda g=g, v=v: plots.plot_circuit_graph(
-                    g, title=f"{_esc(v)}: circuit of {len(g)} edges (EAP-IG top edges, pruned)")))
+                name = str(g["checkpoint"].iloc[0]) if "checkpoint" in g.columns else str(v)
+                s.panels.append(panel(f"Circuit graph: {v} (checkpoint {name})", lambda g=g, v=v, name=name: _full_width(
+                    plots.plot_circuit_graph(g, title=f"{_esc(v)} (checkpoint {_esc(name)}): circuit of {len(g)} edges "
+                                                      "(EAP-IG top edges, pruned)")),
+                    caption=_edge_scale(g)))
         if "faithfulness" in circ:
             f = circ["faithfulness"]
             cols = [c for c in ("variant", "ablation", "n_edges", "n_components", "faithfulness", "metric_circuit",
@@ -115,11 +118,12 @@ def figure_sections(report: Any, strict: bool = False) -> tuple[list[Section], l
             s.panels.append(panel("Accuracy vs noise", lambda: plots.plot_accuracy_vs_noise(
                 _escape_variants(T["noise_accuracy"])).update_layout(height=560)))
         if "collapse" in T:
-            s.panels.append(panel("Collapse vs noise", lambda: plots.plot_collapse_vs_noise(
-                _escape_variants(T["collapse"])).update_layout(height=560)))
+            s.panels.append(panel("Collapse vs noise", lambda: plots.plot_collapse_vs_noise(_escape_variants(T["collapse"]))))
         if "collapse_thresholds" in T:
             th = T["collapse_thresholds"]
-            s.panels.append(panel("1% collapse levels", lambda: plots.plot_collapse_thresholds(_escape_variants(th))))
+            top = float(T["collapse"]["level"].max()) if "collapse" in T and len(T["collapse"]) else None
+            s.panels.append(panel("1% collapse levels", lambda: plots.plot_collapse_thresholds(_escape_variants(th),
+                                                                                               max_level=top)))
         sections.append(s)
 
     # --- geometry
@@ -139,15 +143,10 @@ def figure_sections(report: Any, strict: bool = False) -> tuple[list[Section], l
         if "sphere_pairs" in geo:
             sp = geo["sphere_pairs"]
             layer = int(sp["layer"].max())
-            s.panels.append(panel("Component overlap", lambda: _side_by_side(
-                [(v, plots.plot_component_cosines(g, layer)) for v, g in sp.groupby("variant", sort=False)],
-                f"Mean |cos| between the residual components at the input of layer {layer} "
-                "(orthogonal spheres need ≈ 0 off the diagonal)")))
+            s.panels.append(panel("Component overlap", lambda: plots.plot_component_cosines(_escape_variants(sp), layer)))
         if "subspace_angles" in geo:
             sa = geo["subspace_angles"]
-            s.panels.append(panel("Subspace angles", lambda: _side_by_side(
-                [(v, plots.plot_subspace_angles(g)) for v, g in sa.groupby("variant", sort=False)],
-                "Smallest principal angle (degrees) between subspaces: components and each head's q/k/v read spaces")))
+            s.panels.append(panel("Subspace angles", lambda: plots.plot_subspace_angles(_escape_variants(sa))))
         if "interference" in geo:
             it = geo["interference"]
             n_rows = max(1, it["intervention"].nunique()) if "intervention" in it else 1
@@ -156,49 +155,116 @@ def figure_sections(report: Any, strict: bool = False) -> tuple[list[Section], l
         if "ellipsoid_axes" in geo:
             s.panels.append(panel("Norm ellipsoid axes", lambda: plots.plot_ellipsoid_axes(_escape_variants(geo["ellipsoid_axes"]))))
         if "summary" in geo:
-            s.panels.append(Panel("Geometry summary", table=geo["summary"], kind="table"))
+            s.panels.append(Panel("Geometry summary", table=geo["summary"], kind="table",
+                                  caption="Long tables are split into blocks of columns, each repeating the model and "
+                                          "layer; every column is in geometry_summary.csv."))
         sections.append(s)
     return sections, problems
 
 
+def models_finding(card: Optional[pd.DataFrame]) -> str:
+    """What THESE models show, from the model card (means over seeds): the in-distribution spread and
+    which variant is best and worst when extrapolating, set against the paper's Pre-Norm vs QKV-Norm gap."""
+    from interp_norm.card import PAPER_PER_TOKEN_ACCURACY, SPLITS
+    from interp_norm.hooks import VARIANT_LABELS
+
+    if card is None or not len(card) or "attn_norm" not in card.columns:
+        return ""
+    splits = [sp for sp in SPLITS if f"{sp}_acc" in card.columns and card[f"{sp}_acc"].notna().any()]
+    if not splits:
+        return ""
+    acc = card.groupby("attn_norm", sort=False)[[f"{sp}_acc" for sp in splits]].mean()
+    name = {a: VARIANT_LABELS.get(a, str(a)) for a in acc.index}
+    seeds = " (means over seeds)" if card["attn_norm"].duplicated().any() else ""
+    if len(acc) == 1:
+        a = acc.index[0]
+        return f"This model ({name[a]}), per-token accuracy: " + ", ".join(
+            f"{sp} {acc.loc[a, f'{sp}_acc']:.1%}" for sp in splits) + "."
+    out = []
+    if "id_acc" in acc:
+        lo, hi = acc["id_acc"].min(), acc["id_acc"].max()
+        out.append(f"In-distribution these models reach {lo:.1%}–{hi:.1%} per-token accuracy{seeds}")
+    last = "extrap" if "extrap" in splits else splits[-1]
+    col = acc[f"{last}_acc"]
+    word = {"extrap": "extrapolating", "interp": "interpolating", "id": "in-distribution"}[last]
+    out.append(f"{word}, {name[col.idxmax()]} is best ({col.max():.1%}) and {name[col.idxmin()]} worst ({col.min():.1%})")
+    text = "; ".join(out) + "."
+    if {"pre", "qkv"} <= set(acc.index) and last == "extrap":
+        p, q = col["pre"], col["qkv"]
+        pp, pq = PAPER_PER_TOKEN_ACCURACY["pre"]["extrap"], PAPER_PER_TOKEN_ACCURACY["qkv"]["extrap"]
+        same = (q < p) == (pq < pp)
+        text += (f" Extrapolating, QKV-Norm is {'worse' if q < p else 'better'} than Pre-Norm here ({q:.1%} vs {p:.1%}); "
+                 f"the paper found QKV-Norm worse ({pq:.1%} vs {pp:.1%}), so these models "
+                 f"{'agree with' if same else 'show the opposite of'} the paper on this point.")
+    return text
+
+
 def _compact_card(card: pd.DataFrame) -> pd.DataFrame:
-    """The model card with the architecture in one column (``3L·4H·64d``; the CSV has every field), to fit the page."""
+    """The model card for the page: the architecture in one row (``3L·4H·64d``), one column per
+    checkpoint (a field per row), so that it fits the page without horizontal scrolling."""
     shape_cols = ["n_layers", "n_heads", "d_model", "d_head", "d_mlp"]
-    if not set(shape_cols) <= set(card.columns):
-        return card
     card = card.copy()
-    shape = [f"{r.n_layers}L·{r.n_heads}H·{r.d_model}d" for r in card.itertuples()]
-    at = list(card.columns).index("n_layers")
-    card = card.drop(columns=shape_cols + [c for c in ("task_terms",) if c in card.columns])
-    card.insert(at, "shape", shape)
-    return card
+    if set(shape_cols) <= set(card.columns):
+        shape = [f"{r.n_layers}L·{r.n_heads}H·{r.d_model}d" for r in card.itertuples()]
+        at = list(card.columns).index("n_layers")
+        card = card.drop(columns=shape_cols + [c for c in ("task_terms",) if c in card.columns])
+        card.insert(at, "shape", shape)
+    if "checkpoint" not in card.columns:
+        return card
+    fields = [c for c in card.columns if c != "checkpoint"]
+
+    def cell(v: Any, f: str) -> Any:  # accuracies as percentages (the table's formatting keys off columns)
+        if (f.endswith("_acc") or f.endswith("_exact")) and isinstance(v, float) and v == v:
+            return f"{100 * v:.1f}%"
+        return v
+
+    rows = [{"field": f, **{ck: cell(v, f) for ck, v in zip(card["checkpoint"].astype(str), card[f])}} for f in fields]
+    return pd.DataFrame(rows, columns=["field", *dict.fromkeys(card["checkpoint"].astype(str))])
 
 
-def _titled(fig: go.Figure, title: str) -> go.Figure:
-    fig.update_layout(title=title)
+def _n_head_rows(heads: pd.DataFrame) -> int:
+    if not {"layer", "head"} <= set(heads.columns):
+        return 4
+    h = heads.dropna(subset=["head"])
+    return max(1, len(h.drop_duplicates(["layer", "head"]))) if len(h) else 4
+
+
+def _label_heatmap_axes(fig: go.Figure, row_height: int = 0) -> go.Figure:
+    """Axis titles on every patching panel and a label on every row and column (layers, heads, positions)."""
+    for tr in fig.data:
+        if tr.type != "heatmap":
+            continue
+        xa = fig.layout["xaxis" + (tr.xaxis or "x")[1:]]
+        ya = fig.layout["yaxis" + (tr.yaxis or "y")[1:]]
+        x = [str(v) for v in tr.x] if tr.x is not None else []
+        y = [str(v) for v in tr.y] if tr.y is not None else []
+        heads_on_x = bool(x) and all(v.startswith("H") for v in x)
+        xa.update(tickmode="array", tickvals=x, ticktext=x, tickfont=dict(size=8),
+                  title=dict(text="head" if heads_on_x else "position (token·index)" if x != ["all"] else "",
+                             font=dict(size=10)))
+        per_head = bool(y) and all("H" in v for v in y)
+        ya.update(tickmode="array", tickvals=y, ticktext=y, tickfont=dict(size=8),
+                  title=dict(text="layer·head" if per_head else "layer", font=dict(size=10)))
+    if row_height:
+        lay = fig.layout.to_plotly_json()
+        rows = len({tuple(v.get("domain", ())) for k, v in lay.items() if k.startswith("yaxis")})
+        fig.update_layout(height=max(fig.layout.height or 0, row_height * max(1, rows)))
     return fig
 
 
-def _side_by_side(figs: Sequence[tuple[str, go.Figure]], title: str, cols: int = 2) -> go.Figure:
-    """Heatmap figures (one per model) as panels of one figure sharing the first one's colour scale."""
-    from plotly.subplots import make_subplots
+def _full_width(fig: go.Figure) -> go.Figure:
+    """Let a figure fill its panel (the circuit drawer sizes itself for notebooks)."""
+    fig.update_layout(width=None, autosize=True)
+    return fig
 
-    if not figs:
-        raise ConfigError("no figures to combine")
-    rows = -(-len(figs) // cols)
-    ncols = min(cols, len(figs))
-    out = make_subplots(rows=rows, cols=ncols, subplot_titles=[_esc(v) for v, _ in figs],
-                        horizontal_spacing=0.12, vertical_spacing=0.14 if rows > 1 else 0.1)
-    for i, (_, f) in enumerate(figs):
-        for tr in f.data:
-            out.add_trace(tr, row=i // ncols + 1, col=i % ncols + 1)
-    first = figs[0][1].layout
-    if first.coloraxis is not None:
-        out.update_layout(coloraxis=first.coloraxis)
-    out.update_yaxes(autorange="reversed", tickfont=dict(size=8))
-    out.update_xaxes(tickfont=dict(size=8))
-    out.update_layout(title=title, height=max(420, 460 * rows))
-    return out
+
+def _edge_scale(g: pd.DataFrame) -> str:
+    """The circuit graph's edge-width scale, from its scores."""
+    if "score" not in g.columns or not g["score"].notna().any():
+        return "All edges drawn at one width (no scores)."
+    a = g["score"].abs()
+    return (f"Line width ∝ |EAP-IG score|: the thickest edge has |score| {a.max():.3g}, the thinnest {a.min():.3g} "
+            f"(median {a.median():.3g}). Colour: the input the edge enters (q, k, v, MLP, logits).")
 
 
 def _explorer(patterns: pd.DataFrame) -> go.Figure:

@@ -1,4 +1,11 @@
-"""Labels shared by every figure: the variant names and HTML escaping of user text.
+"""Labels and colours shared by every figure: the variant names, their one colour each, HTML escaping.
+
+One palette, keyed by variant: a variant has the same colour in every figure (the dashboard's
+browser test checks it). Labels derived from a variant keep its colour -- a seed or checkpoint
+suffix (``"QKV-Norm (qkv-s1)"``), a placement (``"QKV-Norm, noise after norm"``), an escaped name
+-- so figures only vary dash, marker or facet to tell such series apart. Anything that is not one of
+the four variants (a bridge model, a bare checkpoint name) gets a colour from a second palette,
+chosen by a stable hash of its name, so it too is the same everywhere.
 
 Labels that come from users (checkpoint names, problem strings) are HTML-escaped before they
 reach plotly, which would otherwise interpret tags like ``<b>`` inside them.
@@ -7,10 +14,27 @@ reach plotly, which would otherwise interpret tags like ``<b>`` inside them.
 from __future__ import annotations
 
 import html
+import zlib
 from typing import Any, Optional
 
 from interp_norm.card import SPLITS
 from interp_norm.hooks import VARIANT_LABELS
+
+#: The colour of each variant (by its display label), used by every figure.
+VARIANT_COLOURS: dict[str, str] = {
+    "Pre-Norm": "#1f77b4",  # blue
+    "QKV-Norm": "#d62728",  # red
+    "QK-Norm": "#2ca02c",  # green
+    "No-Norm": "#9467bd",  # purple
+}
+# for anything else (bridges, unlabelled checkpoints): none of the variant colours
+_OTHER_COLOURS = ("#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f", "#393b79", "#637939")
+#: The paper's reference values: black, dashed, always with a legend entry.
+PAPER_LINE: dict[str, Any] = dict(color="black", dash="dash", width=1.5)
+
+_BY_CODE = {code: VARIANT_LABELS[code] for code in VARIANT_LABELS}
+# longest first: "QKV-Norm" must not be read as "QK-Norm" (it is not a prefix, but stay safe)
+_BASES = sorted(VARIANT_COLOURS, key=len, reverse=True)
 
 
 def escape(text: Any) -> str:
@@ -29,4 +53,46 @@ def variant_label(name: str, attn_norm: Optional[str] = None) -> str:
     return f"{nice} ({name})"
 
 
-__all__ = ["SPLITS", "VARIANT_LABELS", "escape", "variant_label"]
+def base_variant(label: Any) -> Optional[str]:
+    """The variant a label belongs to (``"QKV-Norm"`` for ``"QKV-Norm (qkv-s1), noise after norm"``
+    or for the code ``"qkv"``), or None for anything else."""
+    s = html.unescape(str(label)).strip()
+    if s in _BY_CODE:
+        return _BY_CODE[s]
+    for base in _BASES:
+        if s == base or s.startswith(base + " ") or s.startswith(base + ","):
+            return base
+    return None
+
+
+def variant_colour(label: Any) -> str:
+    """The one colour of ``label``'s variant (see the module docstring); stable for any other label."""
+    base = base_variant(label)
+    if base is not None:
+        return VARIANT_COLOURS[base]
+    key = html.unescape(str(label)).strip().encode("utf-8")
+    return _OTHER_COLOURS[zlib.crc32(key) % len(_OTHER_COLOURS)]
+
+
+_DASHES = ("solid", "dot", "dashdot", "longdash", "longdashdot")
+
+
+def member_dashes(labels: Any) -> dict[str, str]:
+    """Line dash per label so that labels sharing a variant colour (seeds) stay apart: the first of
+    each variant is solid, the next dotted, and so on."""
+    seen: dict[Optional[str], int] = {}
+    out = {}
+    for v in dict.fromkeys(map(str, labels)):
+        b = base_variant(v) or v
+        out[v] = _DASHES[seen.get(b, 0) % len(_DASHES)]
+        seen[b] = seen.get(b, 0) + 1
+    return out
+
+
+def colour_map(labels: Any) -> dict[str, str]:
+    """``{label: variant_colour(label)}`` for plotly express's ``color_discrete_map``."""
+    return {str(v): variant_colour(v) for v in dict.fromkeys(labels)}
+
+
+__all__ = ["SPLITS", "VARIANT_LABELS", "VARIANT_COLOURS", "PAPER_LINE", "escape", "variant_label",
+           "base_variant", "variant_colour", "colour_map", "member_dashes"]

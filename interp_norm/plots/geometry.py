@@ -1,16 +1,21 @@
 """Plotly figures for :mod:`interp_norm.geometry` tables (no analysis here: DataFrames in, figures out).
 
 Every function accepts the output of :func:`interp_norm.geometry.run_geometry` (one model) or
-:func:`interp_norm.geometry.compare_geometry` (a ``variant`` column); variants become colours.
+:func:`interp_norm.geometry.compare_geometry` (a ``variant`` column); variants become colours, the same in every figure
+(:mod:`interp_norm.plots._style`), and several variants' heatmaps become panels of one figure.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
+import numpy as np
 import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from interp_norm.plots._style import colour_map, escape, variant_colour
 
 __all__ = [
     "plot_norm_spread",
@@ -28,6 +33,12 @@ def _variant(df: pd.DataFrame) -> pd.DataFrame:
     return df if "variant" in df.columns else df.assign(variant="model")
 
 
+def _strip_facet_names(fig: go.Figure) -> go.Figure:
+    """plotly express writes facet titles as ``column=value``: keep the value."""
+    fig.for_each_annotation(lambda a: a.update(text=a.text.split("=", 1)[-1]) if a.text and "=" in a.text else None)
+    return fig
+
+
 def plot_norm_spread(norm_spread: pd.DataFrame) -> go.Figure:
     """Per-layer weighted quantiles of |x|/median − 1 (5–95% whiskers, 25–75% box) and ±spread markers."""
     df = _variant(norm_spread)
@@ -36,14 +47,15 @@ def plot_norm_spread(norm_spread: pd.DataFrame) -> go.Figure:
     cov = float(df["coverage"].iloc[0]) if len(df) else 0.9
     for v, g in df.groupby("variant", sort=False):
         x = g["layer"].astype(int)
+        c = variant_colour(v)
         fig.add_trace(go.Box(
             name=str(v), x=x, q1=g["q25"], median=g["q50"], q3=g["q75"], lowerfence=g["q5"], upperfence=g["q95"],
-            offsetgroup=str(v), legendgroup=str(v),
+            offsetgroup=str(v), legendgroup=str(v), marker_color=c, line_color=c,
         ))
-        fig.add_trace(go.Scatter(x=x, y=g["spread"], mode="markers", marker_symbol="triangle-up", name=f"{v} +spread",
-                                 legendgroup=str(v), offsetgroup=str(v)))
-    fig.update_layout(boxmode="group", title=f"Attended-embedding norm spread ({cov:.0%} of weight within ±spread)",
-                      xaxis_title="layer", yaxis_title="|x| / median − 1", yaxis_tickformat=".0%")
+        fig.add_trace(go.Scatter(x=x, y=g["spread"], mode="markers", marker=dict(symbol="triangle-up", color=c),
+                                 name=f"{v}: +spread", legendgroup=str(v), offsetgroup=str(v), showlegend=False))
+    fig.update_layout(boxmode="group", title=f"Attended-embedding norm spread ({cov:.0%} of weight within ±spread; "
+                      "triangles: the spread)", xaxis_title="layer", yaxis_title="|x| / median − 1", yaxis_tickformat=".0%")
     return fig
 
 
@@ -53,10 +65,11 @@ def plot_norm_distribution(attended: pd.DataFrame, layer: Optional[int] = None) 
     if layer is not None:
         df = df[df["layer"] == layer]
     fig = px.histogram(df, x="rel", y="weight", histfunc="sum", histnorm="probability", color="variant",
-                       facet_col="layer", barmode="overlay", nbins=60, opacity=0.6)
+                       facet_col="layer", barmode="overlay", nbins=60, opacity=0.6,
+                       color_discrete_map=colour_map(df["variant"]))
     fig.update_layout(title="Attended-embedding norms relative to the head's median", yaxis_title="weight share")
     fig.update_xaxes(title="|x| / median − 1", tickformat=".0%")
-    return fig
+    return _strip_facet_names(fig)
 
 
 def plot_attention_sparsity(hist: pd.DataFrame) -> go.Figure:
@@ -65,61 +78,154 @@ def plot_attention_sparsity(hist: pd.DataFrame) -> go.Figure:
     df["panel"] = df["layer"].map(lambda l: "all layers" if pd.isna(l) else f"layer {int(l)}")
     df["mid"] = (df["lo"] + df["hi"]) / 2
     fig = px.bar(df, x="mid", y="fraction", color="variant", facet_col="panel", barmode="group",
+                 color_discrete_map=colour_map(df["variant"]),
                  labels={"mid": "max attention", "fraction": "share of distributions"})
     fig.update_layout(title="Attention sparsity: max_t a_t per distribution (row 0 excluded)")
-    return fig
+    return _strip_facet_names(fig)
 
 
 def plot_sphere_scores(scores: pd.DataFrame) -> go.Figure:
     """Orthogonal-spheres score and its two terms per layer (Theorem 2)."""
     df = _variant(scores).melt(id_vars=["variant", "layer"], value_vars=["constancy", "orthogonality", "score"],
                                var_name="term")
-    fig = px.line(df, x="layer", y="value", color="variant", line_dash="term", markers=True)
-    fig.update_layout(title="Orthogonal spheres: norm constancy × orthogonality of residual components",
-                      yaxis_range=[0, 1.02])
+    fig = px.line(df, x="layer", y="value", color="variant", facet_col="term", markers=True,
+                  color_discrete_map=colour_map(df["variant"]), labels={"value": "", "variant": "model"})
+    fig.update_layout(title="Orthogonal spheres: score = norm constancy × orthogonality of residual components")
+    fig.update_yaxes(range=[0, 1.02])
+    fig.update_xaxes(tickmode="linear", dtick=1)
+    return _strip_facet_names(fig)
+
+
+def _square(df: pd.DataFrame, value: str) -> pd.DataFrame:
+    """The symmetric matrix of a pair table (columns ``a``, ``b``), names in first-seen order."""
+    names = list(dict.fromkeys(list(df["a"]) + list(df["b"])))
+    full = pd.concat([df, df.rename(columns={"a": "b", "b": "a"})])
+    return full.pivot_table(index="a", columns="b", values=value, aggfunc="mean").reindex(index=names, columns=names)
+
+
+def _empty_block_note(mat: pd.DataFrame) -> Optional[tuple[str, str, str]]:
+    """(x, y, text) for an annotation centred on the block of pairs the analysis did not compute."""
+    empty = mat.isna().to_numpy().copy()
+    np.fill_diagonal(empty, False)
+    if empty.sum() < max(4, 0.05 * empty.size):
+        return None
+    rows = [i for i in range(len(mat)) if empty[i].mean() > 0.3]
+    cols = [j for j in range(len(mat)) if empty[:, j].mean() > 0.3]
+    if not rows or not cols:
+        return None
+    names = [str(n) for n in mat.index[rows]]
+    reads = all(n.rsplit(".", 1)[-1] in ("q", "k", "v") for n in names)
+    text = ("not computed (by design):<br>head read spaces are compared<br>with the components only" if reads
+            else "not computed (by design)")
+    return str(mat.columns[cols[len(cols) // 2]]), str(mat.index[rows[len(rows) // 2]]), text
+
+
+def _heatmap_grid(mats: Sequence[tuple[str, pd.DataFrame]], title: str, zrange: tuple[float, float], colour_title: str,
+                  axis_title: str, cols: int = 2, panel_height: int = 460) -> go.Figure:
+    """One heatmap per model (panels sharing one colour scale), every row and column labelled, axis
+    titles on every panel, and blocks that were not computed marked as such."""
+    rows = -(-len(mats) // cols)
+    ncols = min(cols, len(mats))
+    fig = make_subplots(rows=rows, cols=ncols, subplot_titles=[escape(v) for v, _ in mats],
+                        horizontal_spacing=0.14, vertical_spacing=0.08)
+    n_max = max(len(m) for _, m in mats)
+    font = 9 if n_max <= 24 else 8 if n_max <= 40 else 7
+    for i, (v, mat) in enumerate(mats):
+        r, c = i // ncols + 1, i % ncols + 1
+        x, y = [str(n) for n in mat.columns], [str(n) for n in mat.index]
+        fig.add_trace(go.Heatmap(z=mat.to_numpy(), x=x, y=y, coloraxis="coloraxis", name=escape(v),
+                                 hovertemplate="%{y} vs %{x}: %{z:.3g}<extra>" + escape(v) + "</extra>"), row=r, col=c)
+        fig.update_xaxes(tickmode="array", tickvals=x, ticktext=x, tickfont=dict(size=font), tickangle=-90,
+                         title_text=axis_title, title_font=dict(size=11), row=r, col=c)
+        fig.update_yaxes(tickmode="array", tickvals=y, ticktext=y, tickfont=dict(size=font), autorange="reversed",
+                         title_text=axis_title, title_font=dict(size=11), row=r, col=c)
+        note = _empty_block_note(mat)
+        if note:
+            k = "" if i == 0 else str(i + 1)
+            fig.add_annotation(x=note[0], y=note[1], xref=f"x{k}", yref=f"y{k}", text=note[2], showarrow=False,
+                               font=dict(size=10, color="#444"), bgcolor="rgba(255,255,255,0.85)")
+    fig.update_layout(title=title, height=max(420, panel_height * rows + 60),
+                      coloraxis=dict(colorscale="Viridis", cmin=zrange[0], cmax=zrange[1], colorbar=dict(title=colour_title)))
     return fig
 
 
 def plot_component_cosines(pairs: pd.DataFrame, layer: int, variant: Optional[str] = None) -> go.Figure:
-    """Heatmap of mean |cos| between residual components at one layer's input."""
+    """Heatmap of mean |cos| between residual components at one layer's input (one panel per model)."""
     df = _variant(pairs)
     df = df[df["layer"] == layer]
     if variant is not None:
         df = df[df["variant"] == variant]
-    names = list(dict.fromkeys(list(df["a"]) + list(df["b"])))
-    full = pd.concat([df, df.rename(columns={"a": "b", "b": "a"})])
-    mat = full.pivot_table(index="a", columns="b", values="mean_abs_cos", aggfunc="mean").reindex(index=names, columns=names)
-    fig = px.imshow(mat, zmin=0, zmax=1, color_continuous_scale="Viridis", labels={"color": "mean |cos|"})
-    fig.update_layout(title=f"Component overlap at layer {layer} input" + (f" ({variant})" if variant else ""))
-    return fig
+    mats = [(str(v), _square(g, "mean_abs_cos")) for v, g in df.groupby("variant", sort=False)]
+    n = max((len(m) for _, m in mats), default=0)
+    return _heatmap_grid(mats, f"Mean |cos| between the residual components at the input of layer {layer} "
+                         "(orthogonal spheres need ≈ 0 off the diagonal)", (0, 1), "mean |cos|",
+                         "residual component", panel_height=max(380, 200 + 14 * n))
 
 
 def plot_subspace_angles(angles: pd.DataFrame, value: str = "min_angle") -> go.Figure:
-    """Heatmap of principal angles (degrees; ``min_angle``/``mean_angle``) or ``overlap`` between subspaces."""
-    names = list(dict.fromkeys(list(angles["a"]) + list(angles["b"])))
-    full = pd.concat([angles, angles.rename(columns={"a": "b", "b": "a"})])
-    mat = full.pivot_table(index="a", columns="b", values=value, aggfunc="mean").reindex(index=names, columns=names)
+    """Heatmap of principal angles (degrees; ``min_angle``/``mean_angle``) or ``overlap`` between
+    subspaces (residual components and each head's q/k/v read space), one panel per model."""
+    df = _variant(angles)
+    mats = [(str(v), _square(g, value)) for v, g in df.groupby("variant", sort=False)]
     rng = (0, 1) if value == "overlap" else (0, 90)
-    fig = px.imshow(mat, zmin=rng[0], zmax=rng[1], color_continuous_scale="Viridis", labels={"color": value})
-    fig.update_layout(title=f"Subspace principal angles ({value})")
-    return fig
+    what = {"min_angle": "smallest principal angle (°)", "mean_angle": "mean principal angle (°)"}.get(value, value)
+    n = max((len(m) for _, m in mats), default=0)
+    return _heatmap_grid(mats, f"Subspaces of the residual stream: {what} between components and head q/k/v read spaces",
+                         rng, what.split(" (")[0], "subspace", panel_height=max(420, 220 + 13 * n))
 
 
 def plot_interference(interference: pd.DataFrame, value: str = "mean_tv") -> go.Figure:
     """Attention change per head under each intervention (Pre-Norm moves, QKV-Norm should not)."""
     df = _variant(interference).copy()
     df["head_name"] = "L" + df["layer"].astype(str) + "H" + df["head"].astype(str)
+    label = {"mean_tv": "mean TV change", "max_tv": "max TV change"}.get(value, value)
     fig = px.bar(df, x="head_name", y=value, color="variant", facet_row="intervention", barmode="group",
+                 color_discrete_map=colour_map(df["variant"]), labels={value: label, "head_name": "head"},
                  hover_data=[c for c in ("pos_read_q", "pos_read_k", "tok_read_q", "tok_read_k") if c in df])
-    fig.update_layout(title="Direct interference: attention change when another subspace's component changes")
-    fig.update_xaxes(title="head")
-    return fig
+    fig.update_layout(title="Direct interference: attention change (total variation) when another subspace's "
+                            "component changes; one row per intervention")
+    fig.update_xaxes(title="head", tickmode="linear")
+    return _strip_facet_names(fig)
 
 
 def plot_ellipsoid_axes(axes: pd.DataFrame) -> go.Figure:
-    """Semi-axis spectra of every norm's image ellipsoid (flat at √N for unit gains)."""
+    """Semi-axis spectra of every norm's image ellipsoid (flat at √N for unit gains): one panel per
+    norm (``ln1:q`` ... ``ln_final``), colour = variant, dash = layer; a norm a variant does not have
+    (e.g. ln1 outside Pre-Norm, which normalises per head instead) is named on its panel."""
     df = _variant(axes).copy()
-    df["norm"] = df["module"] + ":" + df["gain_row"].astype(str)
-    fig = px.line(df, x="axis", y="semi_axis", color="norm", line_dash="variant", markers=False, log_y=True)
-    fig.update_layout(title="LayerNorm/RMSNorm image ellipsoids: semi-axis lengths (Riechers 2024)")
+    mod = df["module"].astype(str)
+    df["layer"] = mod.str.extract(r"blocks\.(\d+)\.", expand=False).fillna("final")
+    df["norm"] = mod.str.replace(r"^blocks\.\d+\.", "", regex=True) + np.where(df["gain_row"].astype(str) == "all", "",
+                                                                              ":" + df["gain_row"].astype(str))
+    norms = list(dict.fromkeys(df["norm"]))
+    variants = list(dict.fromkeys(df["variant"]))
+    layers = list(dict.fromkeys(df["layer"]))
+    dashes = dict(zip(layers, ("solid", "dot", "dash", "dashdot", "longdash", "longdashdot") * 8))
+    ncols = min(3, len(norms))
+    nrows = -(-len(norms) // ncols)
+    fig = make_subplots(rows=nrows, cols=ncols, subplot_titles=[escape(n) for n in norms], shared_yaxes=True,
+                        horizontal_spacing=0.05, vertical_spacing=0.14)
+    shown: set = set()
+    for i, n in enumerate(norms):
+        r, c = i // ncols + 1, i % ncols + 1
+        g = df[df["norm"] == n]
+        for (v, l), h in g.groupby(["variant", "layer"], sort=False):
+            fig.add_trace(go.Scatter(x=h["axis"], y=h["semi_axis"], mode="lines", name=escape(v), legendgroup=str(v),
+                                     showlegend=v not in shown, line=dict(color=variant_colour(v), dash=dashes[l]),
+                                     hovertemplate=f"{escape(v)}, layer {l}, {escape(n)}: axis %{{x}}, %{{y:.3g}}<extra></extra>"),
+                          row=r, col=c)
+            shown.add(v)
+        absent = [v for v in variants if v not in set(g["variant"])]
+        if absent:
+            fig.add_annotation(text="not in " + ", ".join(map(escape, absent)) + "<br>(no such norm in that variant)",
+                               xref="x domain", yref="y domain", x=0.5, y=0.95, showarrow=False, row=r, col=c,
+                               font=dict(size=10, color="#555"), bgcolor="rgba(255,255,255,0.8)")
+    for l in layers if len(layers) > 1 else ():
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"layer {l}" if l != "final" else "final norm", legendgroup="layers",
+                                 line=dict(color="#777", dash=dashes[l])))
+    fig.update_yaxes(type="log")
+    fig.update_yaxes(title_text="semi-axis length", col=1)
+    fig.update_xaxes(title_text="axis (sorted)", row=nrows)
+    fig.update_layout(title="LayerNorm/RMSNorm image ellipsoids: semi-axis lengths (Riechers 2024); "
+                            "colour: model, dash: layer", height=330 * nrows + 120)
     return fig

@@ -7,11 +7,10 @@ from typing import Any, Optional
 
 import numpy as np
 import pandas as pd
-import plotly.colors
 import plotly.graph_objects as go
 
 from interp_norm.errors import ConfigError
-from interp_norm.plots._style import SPLITS, VARIANT_LABELS, escape, variant_label
+from interp_norm.plots._style import PAPER_LINE, SPLITS, VARIANT_LABELS, escape, member_dashes, variant_colour, variant_label
 
 __all__ = ["plot_model_card", "plot_accuracy_by_split", "plot_training_curves"]
 
@@ -43,27 +42,34 @@ def plot_model_card(card: pd.DataFrame, title: str = "Model card") -> go.Figure:
 
 
 def plot_accuracy_by_split(card: pd.DataFrame, title: Optional[str] = None) -> go.Figure:
-    """Per-token accuracy per split for every checkpoint (bars) with the paper's value (black marks)."""
+    """Per-token accuracy per split for every checkpoint (bars, the variant's colour; a second seed
+    of a variant is dotted) with the paper's values (dashed lines in the variant's colour, black-edged
+    markers, each with its own legend entry)."""
     fig = go.Figure()
-    pal = plotly.colors.qualitative.Plotly
-    for i, r in enumerate(card.to_dict("records")):
+    records = card.to_dict("records")
+    labels = [variant_label(r["checkpoint"], r.get("attn_norm")) for r in records]
+    dashes = member_dashes(labels)
+    for r, label in zip(records, labels):
         fig.add_trace(go.Bar(
-            x=list(SPLITS), y=[r.get(f"{s}_acc", math.nan) for s in SPLITS],
-            name=escape(variant_label(r["checkpoint"], r.get("attn_norm"))), marker_color=pal[i % len(pal)],
+            x=list(SPLITS), y=[r.get(f"{s}_acc", math.nan) for s in SPLITS], name=escape(label),
+            marker=dict(color=variant_colour(label), pattern_shape="" if dashes[label] == "solid" else ".",
+                        line=dict(color="white", width=0.5)),
         ))
     shown = set()
-    for r in card.to_dict("records"):
+    for r in records:
         a = r.get("attn_norm")
         if a in shown or all(math.isnan(r.get(f"paper_{s}_acc", math.nan)) for s in SPLITS):
             continue
         shown.add(a)
+        nice = VARIANT_LABELS.get(a, a)
         fig.add_trace(go.Scatter(
             x=list(SPLITS), y=[r[f"paper_{s}_acc"] for s in SPLITS], mode="markers+lines",
-            name=f"paper: {VARIANT_LABELS.get(a, a)}", line=dict(color="black", dash="dot" if a == "qkv" else "dash", width=1),
-            marker=dict(symbol="line-ew-open", size=18, color="black"),
+            name=f"paper (Menary et al. 2024): {nice}",
+            line=dict(PAPER_LINE, color=variant_colour(nice), dash="dash" if a == "pre" else "dashdot"),
+            marker=dict(symbol="diamond-wide", size=11, color=variant_colour(nice), line=dict(color="black", width=1.5)),
         ))
-    fig.update_layout(barmode="group", title=title or "Per-token accuracy per split (ours: bars; Menary et al. 2024: black)",
-                      yaxis=dict(title="per-token accuracy", tickformat=".0%", range=[0, 1]), xaxis_title="split")
+    fig.update_layout(barmode="group", title=title or "Per-token accuracy per split (ours: bars; the paper: dashed lines)",
+                      yaxis=dict(title="per-token accuracy", tickformat=".0%", range=[0, 1.02]), xaxis_title="split")
     return fig
 
 
@@ -76,9 +82,12 @@ def plot_training_curves(curves: pd.DataFrame, value: str = "loss") -> go.Figure
         raise ConfigError(f"plot_training_curves expects a DataFrame with columns 'checkpoint' and {value!r}")
     x = "examples" if "examples" in curves else "step"
     fig = go.Figure()
-    for name, g in curves.groupby("checkpoint", sort=False):
-        a = g["attn_norm"].iloc[0] if "attn_norm" in g else None
-        fig.add_trace(go.Scatter(x=g[x], y=g[value], mode="lines", name=escape(variant_label(name, a))))
+    groups = [(variant_label(name, g["attn_norm"].iloc[0] if "attn_norm" in g else None), g)
+              for name, g in curves.groupby("checkpoint", sort=False)]
+    dashes = member_dashes(label for label, _ in groups)
+    for label, g in groups:
+        fig.add_trace(go.Scatter(x=g[x], y=g[value], mode="lines", name=escape(label),
+                                 line=dict(color=variant_colour(label), dash=dashes[label])))
     fig.update_layout(title=f"Training {value}", xaxis_title=x, yaxis_title=value)
     if value == "loss":
         fig.update_yaxes(type="log")

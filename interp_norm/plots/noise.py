@@ -1,7 +1,8 @@
 """Plotly figures for :mod:`interp_norm.noise` tables (DataFrames in, figures out; no analysis).
 
-Both functions accept one model's table or several concatenated (``pd.concat``) with distinct
-``variant`` labels (e.g. "Pre-Norm", "QKV-Norm"); variants become colours. The x axis is the
+The functions accept one model's table or several concatenated (``pd.concat``) with distinct
+``variant`` labels (e.g. "Pre-Norm", "QKV-Norm"); variants become colours (one per variant, :mod:`interp_norm.plots._style`);
+the other dimensions (noised rows, collapse definition) become facets, so legends stay short. The x axis is the
 noise level (RMS of κ) on a log scale, as in the paper's figures.
 """
 
@@ -11,15 +12,14 @@ import math
 from typing import Iterable, Optional, Sequence
 
 import pandas as pd
-import plotly.colors
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from interp_norm.errors import ConfigError
+from interp_norm.plots._style import variant_colour
 
 __all__ = ["plot_accuracy_vs_noise", "plot_collapse_vs_noise", "plot_collapse_thresholds"]
 
-_DASH = {"all": "solid", "sparse": "dash", "nonsparse": "dot"}
-_SYMBOL = {"loose": "circle", "strict": "diamond"}
 _NOISED_NAME = {"all": "all rows", "sparse": "sparse rows only", "nonsparse": "non-sparse rows only"}
 
 
@@ -29,9 +29,15 @@ def _need(df: pd.DataFrame, cols: set, producer: str) -> pd.DataFrame:
     return df if "variant" in df.columns else df.assign(variant="model")
 
 
-def _colours(variants: Sequence[str]) -> dict[str, str]:
-    pal = plotly.colors.qualitative.Plotly
-    return {v: pal[i % len(pal)] for i, v in enumerate(variants)}
+def _after_norm(g: pd.DataFrame) -> bool:
+    """Noise placed after the norm (``"QKV-Norm, noise after norm"``): the variant's colour, other dashes."""
+    return "placement" in g.columns and bool((g["placement"] == "after_norm").any())
+
+
+def _note(fig: go.Figure, text: str, row: int = 1, col: int = 1, y: float = 0.5) -> None:
+    """Grey text inside one facet: says that an empty region is empty by design, not missing data."""
+    fig.add_annotation(text=text, xref="x domain", yref="y domain", x=0.5, y=y, showarrow=False, row=row, col=col,
+                       font=dict(size=11, color="#555"), bgcolor="rgba(255,255,255,0.8)", align="center")
 
 
 def _pct(x: float) -> str:
@@ -56,37 +62,37 @@ def _log_level_axis(fig: go.Figure, levels: Iterable[float], min_gap: float = 0.
 def plot_accuracy_vs_noise(df: pd.DataFrame, title: Optional[str] = None) -> go.Figure:
     """Per-token accuracy (± standard error over datasets) vs noise level, from :func:`noise.run_noise`.
 
-    One trace per (variant, noised rows): colour = variant, dash = which rows were noised (solid:
-    all, dashed: sparse only, dotted: non-sparse only). Level 0 cannot sit on a log axis, so the
-    clean accuracy is a thin horizontal line per variant.
+    One panel per set of noised rows (all / sparse only / non-sparse only), one colour per variant
+    (one legend entry each). Level 0 cannot sit on a log axis, so the clean accuracy is a thin
+    long-dashed line per variant, its value in the legend.
     """
     df = _need(df, {"level", "accuracy", "noised"}, "noise.run_noise")
-    colour = _colours(list(dict.fromkeys(df["variant"])))
-    fig = go.Figure()
-    titled: set = set()
-    for (variant, noised), g in df.groupby(["variant", "noised"], sort=False):
-        g = g.sort_values("level")
-        pos = g[g["level"] > 0]
-        err = pos["se"] if "se" in pos.columns else None
-        clean = g[g["level"] == 0]
-        group_title = None
-        if variant not in titled:
-            titled.add(variant)
-            acc0 = df[(df["variant"] == variant) & (df["level"] == 0)]["accuracy"]
-            group_title = f"{variant}" + (f" — clean: {float(acc0.iloc[0]):.1%} (long-dash line)" if len(acc0) else "")
-        fig.add_trace(go.Scatter(
-            x=pos["level"], y=pos["accuracy"], mode="lines+markers", name=f"{variant}, {_NOISED_NAME.get(noised, noised)}",
-            line=dict(color=colour[variant], dash=_DASH.get(noised, "solid")), legendgroup=str(variant),
-            legendgrouptitle_text=group_title,
-            error_y=dict(type="data", array=err, visible=True) if err is not None else None,
-        ))
-        if noised == "all" and len(clean):  # labelled in the legend group title, not in the plot
-            fig.add_hline(y=float(clean["accuracy"].iloc[0]), line=dict(color=colour[variant], width=1, dash="longdash"),
-                          opacity=0.5)
+    noised = list(dict.fromkeys(df["noised"]))
+    fig = make_subplots(rows=1, cols=len(noised), shared_yaxes=True, horizontal_spacing=0.03,
+                        subplot_titles=[f"noise on {_NOISED_NAME.get(n, n)}" for n in noised])
+    for variant, gv in df.groupby("variant", sort=False):
+        c = variant_colour(variant)
+        acc0 = gv[gv["level"] == 0]["accuracy"]
+        name = f"{variant}" + (f" (clean {float(acc0.iloc[0]):.1%}, long dashes)" if len(acc0) else "")
+        for j, n in enumerate(noised):
+            g = gv[(gv["noised"] == n) & (gv["level"] > 0)].sort_values("level")
+            if not len(g):
+                continue
+            fig.add_trace(go.Scatter(
+                x=g["level"], y=g["accuracy"], mode="lines+markers", name=name, legendgroup=str(variant),
+                showlegend=j == 0, line=dict(color=c),
+                error_y=dict(type="data", array=g["se"], visible=True) if "se" in g.columns else None,
+            ), row=1, col=j + 1)
+            if len(acc0):
+                fig.add_hline(y=float(acc0.iloc[0]), line=dict(color=c, width=1, dash="longdash"), opacity=0.5,
+                              row=1, col=j + 1)
     fig.update_layout(
         title=title or "Per-token accuracy under multiplicative norm noise (all layers at once)",
-        xaxis_title="noise level (RMS of κ)", yaxis_title="per-token accuracy", legend_title="model, noised rows",
+        yaxis_title="per-token accuracy", legend_title="model",
+        legend=dict(orientation="h", yanchor="top", y=-0.18, xanchor="left", x=0),
     )
+    for j in range(len(noised)):
+        fig.update_xaxes(title_text="noise level (RMS of κ)", row=1, col=j + 1)
     _log_level_axis(fig, df["level"])
     fig.update_yaxes(tickformat=".0%")
     return fig
@@ -101,10 +107,12 @@ def plot_collapse_vs_noise(
     title: Optional[str] = None,
 ) -> go.Figure:
     """Circuit-collapse probability vs noise level from :func:`noise.run_collapse`: measured
-    (solid, ± standard error) and the theory's prediction (dashed), per variant and definition.
+    (solid, ± standard error) and the theory's prediction (dashed), per variant.
 
-    ``layer``: ``"all"`` (pooled over layers, default), a layer index, or None for every layer
-    (then one colour per (variant, layer)). ``target`` draws the paper's 1% line.
+    One panel per collapse definition (and one row per layer when ``layer`` is None); one colour
+    per variant ("noise after norm" series: the variant's colour, dotted / dash-dotted). Series that
+    never collapse at any tested level are named on the panel. ``layer``: ``"all"`` (pooled over
+    layers, default), a layer index, or None for every layer. ``target`` draws the paper's 1% line.
     """
     df = _need(df, {"level", "measured", "predicted", "layer", "definition"}, "noise.run_collapse")
     if layer is not None:
@@ -113,50 +121,94 @@ def plot_collapse_vs_noise(
         if not len(df):
             raise ConfigError(f"no rows for layer {layer!r}; the table has layers {have}")
     df = df[df["definition"].isin(definitions)]
-    df = df.assign(series=df["variant"].astype(str) + ("" if layer is not None else ", layer " + df["layer"].astype(str)))
-    colour = _colours(list(dict.fromkeys(df["series"])))
-    fig = go.Figure()
-    for (series, definition), g in df.groupby(["series", "definition"], sort=False):
-        g = g.sort_values("level")
-        c = colour[series]
-        fig.add_trace(go.Scatter(
-            x=g["level"], y=g["measured"], mode="lines+markers", name=f"{series}, {definition} (measured)",
-            line=dict(color=c, width=2 if definition == "loose" else 1.5),
-            marker=dict(symbol=_SYMBOL.get(definition, "circle")), legendgroup=f"{series}{definition}",
-            error_y=dict(type="data", array=g["se"], visible=True) if "se" in g.columns else None,
-        ))
-        fig.add_trace(go.Scatter(
-            x=g["level"], y=g["predicted"], mode="lines", name=f"{series}, {definition} (theory)",
-            line=dict(color=c, dash="dash", width=1.5), legendgroup=f"{series}{definition}",
-        ))
-    if target is not None:
-        fig.add_hline(y=target, line=dict(color="grey", width=1, dash="dot"),
-                      annotation_text=f"{target:.0%} collapse", annotation_position="top left")
+    defs = [d for d in definitions if d in set(df["definition"])]
+    layers = [layer] if layer is not None else list(dict.fromkeys(df["layer"].astype(str)))
+    titles = [f"{d} collapse" + ("" if layer is not None else f", layer {l}") for l in layers for d in defs]
+    fig = make_subplots(rows=len(layers), cols=max(1, len(defs)), shared_yaxes=True, subplot_titles=titles,
+                        horizontal_spacing=0.04, vertical_spacing=0.12 if len(layers) > 1 else 0.1)
+    shown: set = set()
+    for i, l in enumerate(layers):
+        for j, d in enumerate(defs):
+            panel = df[(df["layer"].astype(str) == str(l)) & (df["definition"] == d)]
+            flat = []
+            for series, g in panel.groupby("variant", sort=False):
+                g = g.sort_values("level")
+                c, after = variant_colour(series), _after_norm(g)
+                for kind, col in (("measured", "measured"), ("theory", "predicted")):
+                    name = f"{series}: {kind}"
+                    dash = ("dot" if kind == "measured" else "dashdot") if after else (None if kind == "measured" else "dash")
+                    fig.add_trace(go.Scatter(
+                        x=g["level"], y=g[col], mode="lines+markers" if kind == "measured" else "lines", name=name,
+                        line=dict(color=c, dash=dash, width=2 if kind == "measured" else 1.5),
+                        marker=dict(symbol="circle-open" if after else "circle"), legendgroup=name,
+                        showlegend=name not in shown,
+                        error_y=dict(type="data", array=g["se"], visible=True) if kind == "measured" and "se" in g.columns else None,
+                    ), row=i + 1, col=j + 1)
+                    shown.add(name)
+                if not (g["measured"] > 0).any():
+                    flat.append(str(series))
+            if flat:
+                top = f"{max(panel['level']):.0%}" if len(panel) else ""
+                _note(fig, "no collapse at any tested level (≤ " + top + "):<br>" + "<br>".join(flat),
+                      row=i + 1, col=j + 1, y=0.6)
+            if target is not None:
+                fig.add_hline(y=target, line=dict(color="grey", width=1, dash="dot"), row=i + 1, col=j + 1,
+                              annotation_text=f"{target:.0%} collapse", annotation_position="top left")
     where = "pooled over layers" if str(layer) == "all" else ("per layer" if layer is None else f"layer {layer}")
     fig.update_layout(
         title=title or f"Circuit collapse of sparse attention under norm noise ({where})",
-        xaxis_title="noise level (RMS of κ)", yaxis_title="P(collapse)", legend_title="model, definition",
+        legend_title="model: measured (solid) / theory (dashed)", height=max(460, 380 * len(layers) + 120),
     )
+    fig.update_yaxes(title_text="P(collapse)", col=1)
+    fig.update_xaxes(title_text="noise level (RMS of κ)", row=len(layers))
     _log_level_axis(fig, df["level"])
     fig.update_yaxes(type="log" if log_y else "linear", tickformat=".1%")
     return fig
 
 
-def plot_collapse_thresholds(thresholds: pd.DataFrame, title: Optional[str] = None) -> go.Figure:
+def plot_collapse_thresholds(thresholds: pd.DataFrame, title: Optional[str] = None,
+                             max_level: Optional[float] = None) -> go.Figure:
     """Bar chart of the 1%-collapse noise level per layer: measured (filled) vs predicted (hatched),
-    from :func:`noise.collapse_thresholds`."""
+    from :func:`noise.collapse_thresholds`; one panel per collapse definition.
+
+    A level that was never reached (fewer than 1% collapse even at the largest tested level; NaN in
+    the table) is drawn as a pale bar up to ``max_level`` (the largest tested level, if known)
+    marked "not reached", so it does not look like missing data.
+    """
     df = _need(thresholds, {"layer", "definition", "level_measured", "level_predicted"}, "noise.collapse_thresholds")
-    colour = _colours(list(dict.fromkeys(df["variant"])))
-    fig = go.Figure()
-    for (variant, definition), g in df.groupby(["variant", "definition"], sort=False):
-        x = "layer " + g["layer"].astype(str)
-        for kind, pattern in (("measured", ""), ("predicted", "/")):
-            fig.add_trace(go.Bar(
-                x=x, y=g[f"level_{kind}"], name=f"{variant}, {definition}, {kind}",
-                marker=dict(color=colour[variant], pattern_shape=pattern, opacity=1.0 if definition == "loose" else 0.6),
-            ))
+    defs = list(dict.fromkeys(df["definition"]))
     target = float(df["target"].iloc[0]) if "target" in df.columns and len(df) else 0.01
+    vals = pd.concat([df["level_measured"], df["level_predicted"]]).dropna()
+    ceiling = max_level if max_level is not None else (float(vals.max()) if len(vals) else 0.5)
+    fig = make_subplots(rows=1, cols=max(1, len(defs)), shared_yaxes=True, horizontal_spacing=0.04,
+                        subplot_titles=[f"{d} collapse" for d in defs])
+    any_missing = False
+    for j, d in enumerate(defs):
+        panel = df[df["definition"] == d]
+        if panel[["level_measured", "level_predicted"]].isna().all().all():
+            _note(fig, f"no model reaches {target:.0%} {d} collapse<br>at any layer within the tested levels", col=j + 1, y=0.55)
+        for variant, g in panel.groupby("variant", sort=False):
+            x = "layer " + g["layer"].astype(str)
+            c, after = variant_colour(variant), _after_norm(g)
+            for kind, pattern in (("measured", ""), ("predicted", "/")):
+                y = g[f"level_{kind}"].astype(float)
+                missing = y.isna()
+                any_missing |= bool(missing.any())
+                name = f"{variant}, {kind}"
+                fig.add_trace(go.Bar(
+                    x=x, y=y.fillna(ceiling), name=name, legendgroup=name, showlegend=j == 0,
+                    marker=dict(color=c, pattern_shape=pattern, opacity=[0.18 if m else 1.0 for m in missing],
+                                line=dict(color="black" if after else c, width=1.5 if after else 0)),
+                    hovertext=[f"not reached (≤ {ceiling:.0%})" if m else f"{v:.1%}" for m, v in zip(missing, y)],
+                    hoverinfo="x+text+name",
+                ), row=1, col=j + 1)
+    if any_missing:
+        fig.add_annotation(text=f"pale bars up to {ceiling:.0%}: not reached, i.e. under {target:.0%} collapse even at the largest "
+                                f"tested level ({ceiling:.0%}); no threshold exists in the tested range",
+                           xref="paper", yref="paper", x=0, y=-0.2, xanchor="left", showarrow=False,
+                           font=dict(size=11, color="#555"))
     fig.update_layout(barmode="group", title=title or f"Noise level at which {target:.0%} of sparse distributions collapse",
-                      yaxis_title="noise level (RMS of κ)")
+                      yaxis_title="noise level (RMS of κ)", height=520, margin=dict(b=110),
+                      legend=dict(font=dict(size=10)))
     fig.update_yaxes(tickformat=".0%")
     return fig
