@@ -346,6 +346,11 @@ def run_analyses(
             T["geometry_summary"] = geometry_summary({k: T[f"geometry_{k}"] for k in geo})
         except Exception as e:  # a summary is a convenience; never lose the run over it
             report.notes.append(f"geometry summary skipped: {type(e).__name__}: {e}")
+    if len(report.checkpoints):
+        from interp_norm.seed_summary import per_checkpoint, seed_spread
+
+        T["seed_numbers"] = per_checkpoint(T, report.checkpoints[report.checkpoints["checkpoint"].isin(jobs)])
+        T["seed_spread"] = seed_spread(T["seed_numbers"])
     report.tables = {k: v for k, v in T.items() if v is not None and len(v)}
     report.workers = n_workers
     report.timings["total"] = time.perf_counter() - t0

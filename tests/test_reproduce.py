@@ -64,3 +64,40 @@ def test_bad_workers_is_a_typed_error(tiny_checkpoints):
     with pytest.raises(ConfigError, match="workers"):
         R.run_analyses([str(tiny_checkpoints["pre"]), str(tiny_checkpoints["qkv"])],
                        R.Settings.quick(analyses=("evaluate",)), progress=False, workers=0)
+
+
+def test_seed_spread_matches_a_hand_computation():
+    from interp_norm.seed_summary import per_checkpoint, seed_spread
+
+    ck = pd.DataFrame([dict(checkpoint="pre", label="Pre-Norm", attn_norm="pre", calibration="none", seed=0),
+                       dict(checkpoint="pre-s1", label="Pre-Norm (pre-s1)", attn_norm="pre", calibration="none", seed=1)])
+    ev = pd.DataFrame([dict(checkpoint=c, split=s, per_token_acc=a) for c, accs in
+                       (("pre", (0.9, 0.8, 0.7)), ("pre-s1", (0.8, 0.7, 0.4))) for s, a in zip(("id", "interp", "extrap"), accs)])
+    noise = pd.DataFrame([dict(checkpoint=c, noised="all", placement="before_norm", split="id", level=l, accuracy=a)
+                          for c, pts in (("pre", ((0.0, 0.9), (0.01, 0.8))), ("pre-s1", ((0.0, 0.8), (0.01, 0.76))))
+                          for l, a in pts])
+    th = pd.DataFrame([dict(variant=v, layer="all", definition="loose", level_measured=m)
+                       for v, m in (("Pre-Norm", 0.24), ("Pre-Norm (pre-s1)", float("nan")))])
+    tables = dict(evaluation=ev, noise_accuracy=noise, collapse_thresholds=th)
+    spread = seed_spread(per_checkpoint(tables, ck)).set_index("quantity")
+    assert spread.loc["ID accuracy", "mean"] == pytest.approx(85.0)
+    assert spread.loc["extrapolation accuracy", "half_range"] == pytest.approx(15.0)
+    lost = spread.loc["accuracy lost to 1% noise (all rows, before any norm)"]
+    assert lost["mean"] == pytest.approx((10 + 4) / 2) and lost["half_range"] == pytest.approx(3.0)
+    level = spread.loc["1% loose collapse level, per-layer protocol"]
+    assert level["mean"] == pytest.approx(24.0) and level["n_missing"] == 1 and level["values"] == "24.0, —"
+    assert "accuracy lost to 1% noise placed after the norm" not in spread.index  # Pre-Norm has no q/k norm
+
+
+def test_temperature_figure_has_one_colour_per_variant():
+    from interp_norm import plots
+
+    df = pd.DataFrame([dict(variant=v, c=c, layer="all", frac_sparse=f, collapse_level_loose=lv)
+                       for v, rows in (("Pre-Norm", ((1.0, 0.1, 0.3), (2.0, 0.2, 0.2))),
+                                       ("Pre-Norm (pre-s1)", ((1.0, 0.05, float("nan")), (2.0, 0.1, 0.25))))
+                       for c, f, lv in rows])
+    fig = plots.plot_temperature(df)
+    colours = {t.line.color for t in fig.data}
+    assert len(colours) == 1  # two seeds of one variant share its colour
+    assert [list(t.y) for t in fig.data if t.xaxis == "x"][0] == [0.1, 0.2]
+    assert any("never reached" in a.text for a in fig.layout.annotations)

@@ -125,6 +125,7 @@ def figure_sections(report: Any, strict: bool = False) -> tuple[list[Section], l
             s.panels.append(panel("1% collapse levels", lambda: plots.plot_collapse_thresholds(_escape_variants(th),
                                                                                                max_level=top)))
         sections.append(s)
+    sections += _control_sections(T, panel)
 
     # --- geometry
     geo = {k[len("geometry_"):]: v for k, v in T.items() if k.startswith("geometry_")}
@@ -160,6 +161,39 @@ def figure_sections(report: Any, strict: bool = False) -> tuple[list[Section], l
                                           "layer; every column is in geometry_summary.csv."))
         sections.append(s)
     return sections, problems
+
+
+def _control_sections(T: dict, panel: Callable) -> list[Section]:
+    """Spread over seeds, and the controls that make the noise and collapse claims mean something."""
+    out = []
+    if "seed_spread" in T:
+        s = Section("Spread over seeds", "Each headline number per variant: mean ± half the range over the seeds "
+                    "analysed, with every seed's value (seed_spread.csv; per checkpoint in seed_numbers.csv). A "
+                    "difference between variants smaller than this spread is not a finding.", anchor="seeds")
+        view = T["seed_spread"].copy()
+        view["mean ± half range"] = [("—" if pd.isna(m) else f"{m:.1f} ± {h:.1f}") for m, h in zip(view["mean"], view["half_range"])]
+        s.panels.append(Panel("Headline numbers over seeds", kind="table", table=view[
+            ["attn_norm", "calibration", "quantity", "unit", "mean ± half range", "values", "n_seeds"]],
+            caption="'—': not reached within the tested noise levels (collapse) or not applicable."))
+        out.append(s)
+    if "forward_collapse" in T or "temperature" in T:
+        s = Section("Controls", "Tests of the collapse theory against something it does not compute itself, and "
+                    "the mechanism behind the collapse level. The matched-count control is the fourth panel of "
+                    "'Accuracy vs noise' above: noising as many non-sparse rows as there are sparse ones.",
+                    anchor="controls")
+        if "forward_collapse" in T:
+            s.panels.append(panel("Collapse in the real noisy forward pass", lambda: plots.plot_collapse_vs_noise(
+                _escape_variants(T["forward_collapse"]),
+                title="Collapse seen in the real forward pass (all layers noised at once) vs the per-layer theory"),
+                caption="Measured: sparse rows of the clean run whose argmax moved in the actual noisy run "
+                        "(downstream layers see upstream noise). Dashed: the theory applied to each layer's clean "
+                        "scores. A gap is evidence about the model (noise compounds across layers), not a bug."))
+        if "temperature" in T:
+            s.panels.append(panel("Attention temperature", lambda: plots.plot_temperature(_escape_variants(T["temperature"])),
+                                  caption="Scores multiplied by c before the softmax: sharper attention makes more "
+                                          "rows sparse and lets smaller noise flip them."))
+        out.append(s)
+    return out
 
 
 def models_finding(card: Optional[pd.DataFrame]) -> str:

@@ -36,7 +36,7 @@ from interp_norm.plots.geometry import (
     plot_subspace_angles,
 )
 from interp_norm.plots.models import plot_accuracy_by_split, plot_model_card, plot_training_curves
-from interp_norm.plots.noise import plot_accuracy_vs_noise, plot_collapse_thresholds, plot_collapse_vs_noise
+from interp_norm.plots.noise import plot_accuracy_vs_noise, plot_collapse_thresholds, plot_collapse_vs_noise, plot_temperature
 
 __all__ = [
     "PAPER_PER_TOKEN_ACCURACY",
@@ -62,6 +62,7 @@ __all__ = [
     "plot_accuracy_vs_noise",
     "plot_collapse_vs_noise",
     "plot_collapse_thresholds",
+    "plot_temperature",
     # geometry
     "plot_norm_spread",
     "plot_norm_distribution",

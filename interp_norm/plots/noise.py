@@ -18,9 +18,10 @@ from plotly.subplots import make_subplots
 from interp_norm.errors import ConfigError
 from interp_norm.plots._style import variant_colour
 
-__all__ = ["plot_accuracy_vs_noise", "plot_collapse_vs_noise", "plot_collapse_thresholds"]
+__all__ = ["plot_accuracy_vs_noise", "plot_collapse_vs_noise", "plot_collapse_thresholds", "plot_temperature"]
 
-_NOISED_NAME = {"all": "all rows", "sparse": "sparse rows only", "nonsparse": "non-sparse rows only"}
+_NOISED_NAME = {"all": "all rows", "sparse": "sparse rows only", "nonsparse": "non-sparse rows only",
+                "nonsparse_matched": "non-sparse, as many as sparse"}
 
 
 def _need(df: pd.DataFrame, cols: set, producer: str) -> pd.DataFrame:
@@ -211,4 +212,40 @@ def plot_collapse_thresholds(thresholds: pd.DataFrame, title: Optional[str] = No
                       yaxis_title="noise level (RMS of κ)", height=520, margin=dict(b=110),
                       legend=dict(font=dict(size=10)))
     fig.update_yaxes(tickformat=".0%")
+    return fig
+
+
+def plot_temperature(df: pd.DataFrame, layer: object = "all", title: Optional[str] = None) -> go.Figure:
+    """Attention temperature, from :func:`noise.run_temperature_sweep`: the fraction of sparse rows
+    (left) and the noise level at which 1% of them collapse, loose (right), vs the score
+    multiplier c (c > 1: colder, sharper attention). One colour per variant; a level never reached
+    below the largest tested noise is left out and named on the panel."""
+    df = _need(df, {"c", "layer", "frac_sparse", "collapse_level_loose"}, "noise.run_temperature_sweep")
+    df = df[df["layer"].astype(str) == str(layer)]
+    if not len(df):
+        raise ConfigError(f"no rows for layer {layer!r} in the temperature table")
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1,
+                        subplot_titles=["sparse rows (max attention ≥ 95%)", "noise level for 1% loose collapse"])
+    never = []
+    for variant, g in df.groupby("variant", sort=False):
+        g = g.sort_values("c")
+        c, after = variant_colour(variant), _after_norm(g)
+        line = dict(color=c, dash="dot" if after else None)
+        fig.add_trace(go.Scatter(x=g["c"], y=g["frac_sparse"], mode="lines+markers", name=str(variant),
+                                 legendgroup=str(variant), line=line), row=1, col=1)
+        fig.add_trace(go.Scatter(x=g["c"], y=g["collapse_level_loose"], mode="lines+markers", name=str(variant),
+                                 legendgroup=str(variant), showlegend=False, line=line), row=1, col=2)
+        missing = g[g["collapse_level_loose"].isna()]["c"].tolist()
+        if missing:
+            never.append(f"{variant}: c = {', '.join(f'{x:g}' for x in missing)}")
+    if never:
+        _note(fig, "1% never reached (no sparse rows, or too few<br>collapses at the largest level):<br>"
+              + "<br>".join(never), row=1, col=2, y=0.85)
+    fig.update_xaxes(title_text="score multiplier c", type="log", tickvals=sorted(df["c"].unique()))
+    fig.update_yaxes(tickformat=".0%")
+    fig.update_yaxes(title_text="fraction of rows", row=1, col=1)
+    fig.update_yaxes(title_text="noise level (RMS of κ)", row=1, col=2)
+    where = "pooled over layers" if str(layer) == "all" else f"layer {layer}"
+    fig.update_layout(title=title or f"Attention temperature: sharper attention, more sparse rows, earlier collapse ({where})",
+                      legend_title="model", height=480)
     return fig
