@@ -154,9 +154,12 @@ def _check_hf_bridge(model) -> None:
     """
     if getattr(model, "original_model", None) is None or is_ours(model):
         return
-    from interp_norm.bridges import anatomy
+    from interp_norm.bridges import ArchitectureError, anatomy
 
-    anat = anatomy(model)
+    try:
+        anat = anatomy(model)
+    except ArchitectureError:
+        return  # not a Hugging Face architecture the anatomy knows (e.g. boot_native): a plain Pre-Norm sum
     post = [la.layer for la in anat.layers if la.post_norm is not None]
     if post:
         raise PatchingError(
