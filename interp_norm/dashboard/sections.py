@@ -158,6 +158,11 @@ def figure_sections(report: Any, strict: bool = False) -> tuple[list[Section], l
         if "summary" in geo:
             s.panels.append(Panel("Geometry summary", table=geo["summary"], kind="table"))
         sections.append(s)
+    from interp_norm.dashboard.real_models import real_model_section
+
+    real = real_model_section(report, panel)
+    if real is not None:
+        sections.append(real)
     return sections, problems
 
 
