@@ -185,3 +185,111 @@ def threshold_display(thresholds: Any, curves: Any) -> tuple[Any, list[str]]:
         notes.append("'< L': the collapse rate was already above the target at the smallest level tested, L "
                      "(test smaller --levels); collapse_thresholds.csv holds NaN there.")
     return show, notes
+
+
+# ----------------------------------------------------------------------------- models: ours or Hugging Face
+
+
+def load_model_spec(spec: str, device: str = "cpu") -> tuple[Any, Any]:
+    """(model, info) for one of our checkpoints; (TransformerBridge, None) for a Hugging Face model.
+
+    ``interp_norm.bridges.folder_kind`` decides for an existing folder; a name is tried as one of
+    our pretrained names first, then in the Hugging Face cache (``bridges.load_model``). A folder
+    that is neither gets a CheckpointError saying what it holds.
+    """
+    from interp_norm.bridges.loading import folder_kind, load_model
+    from interp_norm.checkpoints import load_any
+    from interp_norm.errors import CheckpointNotFoundError
+
+    path = Path(spec)
+    if path.is_dir() and folder_kind(path) == "interp_norm":
+        return load_any(spec, device=device)
+    if not path.exists():
+        try:
+            return load_any(spec, device=device)
+        except CheckpointNotFoundError:
+            pass  # load_model tries the Hugging Face cache and names both failures
+    model = load_model(spec, device=device)
+    from interp_norm.bridges.bridge_anatomy import is_bridge
+
+    if is_bridge(model):
+        return model, None
+    return load_any(spec, device=device)
+
+
+def load_ours(spec: str, command_name: str, device: str = "cpu") -> tuple[Any, Any]:
+    """(model, info) of one of our checkpoints; a Hugging Face model gets a ConfigError naming the command
+    (a save_pretrained folder is recognised from its config.json, before any weights load)."""
+    from interp_norm.bridges.loading import folder_kind
+    from interp_norm.errors import ConfigError
+
+    path = Path(spec)
+    hf = path.is_dir() and folder_kind(path) == "hf"
+    model, info = (None, None) if hf else load_model_spec(spec, device)
+    if info is None:
+        raise ConfigError(f"{spec!r} is a Hugging Face model; 'interp-norm {command_name}' runs on the addition task "
+                          "and needs one of our checkpoints (HF models work with collapse, noise, geometry and dashboard)")
+    return model, info
+
+
+def hf_tokens(model: Any, args: argparse.Namespace) -> Any:
+    """Text windows for a Hugging Face model (--text, else the shipped sample; random ids without a tokenizer)."""
+    from interp_norm.geometry.bridge import bridge_tokens
+
+    if getattr(args, "text", None):
+        from interp_norm.bridges import text_tokens
+
+        return text_tokens(model, Path(args.text).read_text(encoding="utf-8"), n_ctx=args.n_ctx, max_windows=args.windows)
+    return bridge_tokens(model, args.windows, args.n_ctx, args.seed)
+
+
+def hf_args(p: argparse.ArgumentParser) -> None:
+    """Options that only apply to a Hugging Face model (it has no addition task)."""
+    p.add_argument("--text", help="Hugging Face models: a UTF-8 text file to analyse (default: the shipped sample text)")
+    p.add_argument("--n-ctx", type=positive_int, default=64, help="Hugging Face models: tokens per text window")
+    p.add_argument("--windows", type=positive_int, default=8, help="Hugging Face models: text windows analysed")
+
+
+def bridge_analysis(name: str) -> Any:
+    """``interp_norm.bridges.<name>`` (bridge_collapse, text_agreement), with a clear error if this build lacks it."""
+    import importlib
+
+    from interp_norm.errors import ConfigError
+
+    try:
+        return getattr(importlib.import_module("interp_norm.bridges"), name)
+    except AttributeError:
+        raise ConfigError(f"this interp_norm has no interp_norm.bridges.{name} yet, so this command cannot run on a "
+                          "Hugging Face model; use one of our checkpoints") from None
+
+
+def looks_hf(spec: str) -> bool:
+    """Whether ``spec`` names a Hugging Face model rather than one of ours (a folder's config decides;
+    a name that is not one of our pretrained ones is looked up in the Hugging Face cache)."""
+    from interp_norm.bridges.loading import folder_kind
+    from interp_norm.checkpoints import load_any
+    from interp_norm.errors import CheckpointNotFoundError
+
+    path = Path(spec)
+    if path.exists():
+        return path.is_dir() and folder_kind(path) != "interp_norm"
+    try:
+        load_any(spec)
+        return False
+    except CheckpointNotFoundError:
+        return True
+
+
+def real_model_tables(models: dict, args: argparse.Namespace) -> dict:
+    """``real_layers`` (per layer of each HF model: norm spread, sparse fraction ...) and
+    ``real_anatomy`` (its attention anatomy), for the dashboard's real-model section."""
+    import pandas as pd
+
+    from interp_norm.geometry import geometry_summary, run_geometry
+
+    layers, anat = [], []
+    for name, model in models.items():
+        res = run_geometry(model, tokens=hf_tokens(model, args), progress=not args.no_progress)
+        layers.append(geometry_summary(res).assign(model=name))
+        anat.append(res["anatomy"].assign(model=name))
+    return {"real_layers": pd.concat(layers, ignore_index=True), "real_anatomy": pd.concat(anat, ignore_index=True)}

@@ -29,6 +29,13 @@ from typing import Any, Optional, Sequence
 
 from interp_norm._cli_support import (
     COMMANDS,
+    bridge_analysis,
+    hf_args,
+    hf_tokens,
+    load_model_spec,
+    load_ours,
+    looks_hf,
+    real_model_tables,
     PROG,
     Command,
     Parser,
@@ -49,6 +56,8 @@ SPLITS = ("id", "interp", "extrap")
 #: The analyses ``reproduce`` can run (checkpoint_report.ANALYSES, which imports pandas; a test keeps them equal).
 ANALYSES = ("evaluate", "circuits", "noise", "collapse", "forward_collapse", "temperature", "geometry", "attention")
 CKPT_HELP = "checkpoint or run folder, or a pretrained name (see 'interp-norm list')"
+MODEL_HELP = (CKPT_HELP[:-1] + "), or a Hugging Face model: a local save_pretrained folder or a name already in the "
+              "Hugging Face cache (never downloaded)")
 
 
 def _load_any(ckpt: str, device: str = "cpu") -> tuple[Any, Any]:
@@ -186,7 +195,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
     out = prepare_out(args.out, ["evaluation.csv"], args.force) if args.out is not None else None
     resolve_device(args.device)
-    model, info = _load_any(args.ckpt, device=args.device)
+    model, info = load_ours(args.ckpt, "evaluate", device=args.device)
     df = evaluate(model, info.task, splits=args.splits, size=args.size, seed=args.seed,
                   batch_size=args.batch_size, exact_match=not args.no_exact_match, progress=not args.no_progress)
     df.insert(0, "checkpoint", args.ckpt)
@@ -246,7 +255,7 @@ def _circuits(args: argparse.Namespace) -> int:
     from interp_norm.circuits import run_circuits
 
     out = prepare_out(args.out or f"circuits-{Path(str(args.ckpt).rstrip('/')).name}", CIRCUIT_FILES, args.force)
-    model, info = _load_any(args.ckpt)
+    model, info = load_ours(args.ckpt, "circuits")
     tables = run_circuits(
         model, info.task, n_pairs=args.pairs, split=args.split, seed=args.seed, corrupt=args.corrupt,
         aligned=not args.unaligned, metric=args.metric, top_n=args.top_n, ig_steps=args.ig_steps,
@@ -281,7 +290,7 @@ def write_circuit_tables(out: Path, tables: dict, n_layers: int, n_heads: int) -
 
 
 def _noise_common_args(p: argparse.ArgumentParser, default_levels: Sequence[float], default_n: int) -> None:
-    p.add_argument("ckpt", help=CKPT_HELP)
+    p.add_argument("ckpt", help=MODEL_HELP)
     _out_args(p, "the CSV tables")
     p.add_argument("--levels", type=nonnegative_float, nargs="+", default=list(default_levels),
                    help="noise levels: the RMS of κ in the factor (1+κ) on the q/k/v norms")
@@ -291,6 +300,7 @@ def _noise_common_args(p: argparse.ArgumentParser, default_levels: Sequence[floa
                    help="for QK/QKV-Norm models: noise before the norm (removed by it) or after it")
     p.add_argument("--distribution", default="uniform", choices=["uniform", "normal"], help="distribution of κ")
     p.add_argument("--seed", type=int, default=0, help="seed of the problems and the noise")
+    hf_args(p)
     _progress_arg(p)
 
 
@@ -308,7 +318,14 @@ def _noise(args: argparse.Namespace) -> int:
     from interp_norm.noise import run_noise
 
     out = prepare_out(args.out, ["noise_accuracy.csv"], args.force)
-    model, info = _load_any(args.ckpt)
+    model, info = load_model_spec(args.ckpt)
+    if info is None:  # a Hugging Face model: agreement with its clean next-token prediction on text
+        text_agreement = bridge_analysis("text_agreement")
+        df = text_agreement(model, hf_tokens(model, args), args.levels)
+        write_csv(out / "noise_accuracy.csv", df)
+        print(df.to_string(index=False))
+        print(f"wrote {out / 'noise_accuracy.csv'}")
+        return 0
     df = run_noise(model, info.task, args.levels, split=args.split, n_datasets=args.n_datasets,
                    n_examples=args.n_examples, placement=args.placement, distribution=args.distribution,
                    seed=args.seed, progress=not args.no_progress)
@@ -335,7 +352,14 @@ def _collapse(args: argparse.Namespace) -> int:
     from interp_norm.noise import collapse_thresholds, run_collapse
 
     out = prepare_out(args.out, COLLAPSE_FILES, args.force)
-    model, info = _load_any(args.ckpt)
+    model, info = load_model_spec(args.ckpt)
+    if info is None:  # a Hugging Face model: collapse from its clean scores on text
+        bridge_collapse = bridge_analysis("bridge_collapse")
+        curves = bridge_collapse(model, hf_tokens(model, args), args.levels)
+        write_csv(out / COLLAPSE_FILES[0], curves)
+        print(curves.to_string(index=False))
+        print(f"wrote {out / COLLAPSE_FILES[0]}")
+        return 0
     curves = run_collapse(model, info.task, args.levels, split=args.split, n_examples=args.n_examples,
                           placement=args.placement, distribution=args.distribution, seed=args.seed,
                           progress=not args.no_progress)
@@ -355,11 +379,12 @@ def _collapse(args: argparse.Namespace) -> int:
 
 
 def _geometry_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("ckpt", help=CKPT_HELP)
+    p.add_argument("ckpt", help=MODEL_HELP)
     _out_args(p, "the CSV tables geometry_*.csv")
     p.add_argument("--n", type=positive_int, default=256, help="problems analysed")
     p.add_argument("--split", default="id", choices=SPLITS, help="split the problems are drawn from")
     p.add_argument("--seed", type=int, default=0, help="seed of the problems")
+    hf_args(p)
     _progress_arg(p)
 
 
@@ -370,9 +395,12 @@ def _geometry(args: argparse.Namespace) -> int:
     from interp_norm.io import write_tables
 
     out = prepare_out(args.out, ["geometry_*.csv"], args.force)
-    model, info = _load_any(args.ckpt)
-    results = run_geometry(model, info.task, n=args.n, split=args.split, seed=args.seed,
-                           progress=not args.no_progress)
+    model, info = load_model_spec(args.ckpt)
+    if info is None:  # a Hugging Face model: every norm's ellipsoid, sparsity and norm spread on text
+        results = run_geometry(model, tokens=hf_tokens(model, args), progress=not args.no_progress)
+    else:
+        results = run_geometry(model, info.task, n=args.n, split=args.split, seed=args.seed,
+                               progress=not args.no_progress)
     write_tables(out, {f"geometry_{name}": df for name, df in results.items()})
     print(geometry_summary(results, per_layer=False).to_string(index=False))
     print(f"wrote {len(results)} tables geometry_*.csv to {out}")
@@ -442,9 +470,12 @@ def _reproduce(args: argparse.Namespace) -> int:
 
 
 def _dashboard_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("ckpt", nargs="+", help="checkpoint or run folders, or pretrained names (see 'interp-norm list')")
+    p.add_argument("ckpt", nargs="+", help="checkpoint or run folders, or pretrained names (see 'interp-norm list'); "
+                                           "Hugging Face models (save_pretrained folders or cached names) get a "
+                                           "section comparing their layers beside ours")
     _out_args(p, "dashboard.html", default=".")
     _settings_args(p)
+    hf_args(p)
 
 
 @command("dashboard", help="analyse any checkpoints and write their offline HTML dashboard (dashboard.html in --out)",
@@ -456,8 +487,22 @@ def _dashboard(args: argparse.Namespace) -> int:
 
     out = prepare_out(args.out, ["dashboard.html"], args.force)  # before any work
     t = time.perf_counter()
-    path = make_dashboard(args.ckpt, out / "dashboard.html", settings=_settings(args), analyse=_analyse(args),
-                          progress=not args.no_progress, threads=args.threads)
+    hf = {}
+    for spec in args.ckpt:
+        if looks_hf(spec):
+            hf[spec] = load_model_spec(spec)[0]
+    ours = [spec for spec in args.ckpt if spec not in hf]
+    if not hf:
+        path = make_dashboard(ours, out / "dashboard.html", settings=_settings(args), analyse=_analyse(args),
+                              progress=not args.no_progress, threads=args.threads)
+    else:
+        from interp_norm.dashboard import write_dashboard
+        from interp_norm.reproduce import Report, run_analyses
+
+        report = (run_analyses(ours, _settings(args), analyse=_analyse(args), progress=not args.no_progress,
+                               threads=args.threads) if ours else Report())
+        report.tables.update(real_model_tables(hf, args))
+        path = write_dashboard(report, out / "dashboard.html", csv_links=False)
     print(f"wrote {path} in {time.perf_counter() - t:.0f} s")
     return 0
 

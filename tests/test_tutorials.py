@@ -58,8 +58,14 @@ def data():
     ablation = pd.DataFrame([dict(layer=l, head=h, loss_increase=float(torch.rand(1, generator=g)))
                              for l in range(pre.cfg.n_layers) for h in range(pre.cfg.n_heads)])
     row = cache[act_name("attn_scores", pre.cfg.n_layers - 1)][0, 0, 9]
+    from interp_norm.bridges import random_tokens, tiny_bridge
+
+    gemma = tiny_bridge("gemma4", seed=0)
+    gemma_tokens = random_tokens(gemma, 4, 12, seed=1, low=3)
+    with torch.no_grad():
+        _, gemma_cache = gemma.run_with_cache(gemma_tokens)
     return dict(pre=pre, tokens=tokens, cache=cache, ln=ln, ln_cache=ln_cache, pairs=pairs, metric=LogitDiff(pairs),
-                ablation=ablation, row=row)
+                ablation=ablation, row=row, gemma=gemma, gemma_cache=gemma_cache, gemma_tokens=gemma_tokens)
 
 
 def check_args(name: str, d: dict) -> tuple:
@@ -76,6 +82,7 @@ def check_args(name: str, d: dict) -> tuple:
         "principal_angles_deg": (d["pre"],),
         "ln_coordinates": (d["pre"], d["cache"]),
         "head_layernorm": (d["ln"], d["ln_cache"]),
+        "noised_argmax": (d["gemma"], d["gemma_cache"], d["gemma_tokens"]),
     }[name]
 
 
@@ -197,6 +204,18 @@ def layernorm_rms(q, w, eps):
     return q / (q.pow(2).mean(-1, keepdim=True) + eps).sqrt() * w
 
 
+def argmax_unmasked(model, cache, layer, kappa_q, kappa_k):
+    from interp_norm.bridges import anatomy, attention_scores
+
+    la = anatomy(model)[layer]
+    f_k = (1 + kappa_k)[:, :, list(la.kv_head_of)].permute(0, 2, 1).unsqueeze(-2)
+    return (attention_scores(model, cache, layer) * (1 + kappa_q).permute(0, 2, 1).unsqueeze(-1) * f_k).argmax(-1)
+
+
+def argmax_wrong_kv_heads(model, cache, layer, kappa_q, kappa_k):
+    return S.noised_argmax(model, cache, layer, kappa_q, kappa_k.flip(-1))  # each query head reads the other k/v head
+
+
 WRONG = {
     "my_scores": [scores_unscaled, scores_unmasked],
     "most_important_head": [head_argmin, head_swapped],
@@ -209,12 +228,13 @@ WRONG = {
     "principal_angles_deg": [angles_radians, angles_not_orthonormalised],
     "ln_coordinates": [ln_without_gain, ln_bias_after_gain],
     "head_layernorm": [layernorm_unbiased, layernorm_rms],
+    "noised_argmax": [argmax_unmasked, argmax_wrong_kv_heads],
 }
 NAMES = sorted(C.CHECKS)
 
 
-def test_there_are_eleven_checks_each_with_a_solution_and_wrong_answers():
-    assert len(NAMES) == 11
+def test_there_are_twelve_checks_each_with_a_solution_and_wrong_answers():
+    assert len(NAMES) == 12
     assert set(NAMES) == set(S.__all__) == set(WRONG)
 
 
@@ -242,7 +262,8 @@ def calibrated(data):
     return dict(data, pre=pre, cache=cache, ln=ln, ln_cache=ln_cache)
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if n not in ("most_important_head", "mc_collapse_probability")])
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in ("most_important_head", "mc_collapse_probability",
+                                                                  "noised_argmax")])
 def test_solution_passes_on_calibrated_models(name, calibrated):
     assert C.CHECKS[name](getattr(S, name), *check_args(name, calibrated)).status == C.PASS
 
@@ -319,8 +340,8 @@ def builder():
     return _build_notebooks
 
 
-def test_there_are_five_tutorials():
-    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05"]
+def test_there_are_six_tutorials():
+    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06"]
 
 
 def test_notebooks_match_their_builder(builder, tmp_path):

@@ -409,6 +409,46 @@ def check_head_layernorm(learner, model, cache) -> str:
     return f"equals torch.nn.functional.layer_norm per head and the model's hook_*_normed ({n} layer × target pairs)"
 
 
+# ============================================================================= 06 production architectures
+
+
+@_exercise("noised_argmax")
+def check_noised_argmax(learner, model, cache, tokens) -> str:
+    """``noised_argmax(model, cache, layer, kappa_q, kappa_k)`` against re-running the bridge with the
+    noise hooked in after the q/k norms (``HeadNoise``) and reading the argmax of its own pattern."""
+    from interp_norm.bridges import HeadNoise, anatomy
+
+    anat = anatomy(model)
+    g = torch.Generator().manual_seed(5)
+    b, n = tokens.shape
+    checked = 0
+    for layer in range(anat.n_layers):
+        la = anat[layer]
+        kq = (torch.rand(b, n, la.n_heads, generator=g) - 0.5) * 0.8
+        kk = (torch.rand(b, n, la.n_kv_heads, generator=g) - 0.5) * 0.8
+        noise = HeadNoise(model, {(layer, "q"): kq, (layer, "k"): kk}, placement="after_norm", anat=anat)
+        with torch.no_grad(), model.hooks(fwd_hooks=noise.hooks()):  # run_with_cache ignores fwd_hooks= on a bridge
+            _, noisy = model.run_with_cache(tokens, names_filter=lambda nm: nm == la.hooks["pattern"])
+        pattern = noisy[la.hooks["pattern"]]
+        ref = pattern.argmax(-1)
+        got = _as_tensor(learner(model, cache, layer, kq.clone(), kk.clone()), f"noised_argmax(model, cache, {layer}, ...)",
+                         ref.shape, "[batch, head, query]")
+        top2 = pattern.topk(2, -1).values
+        clear = (top2[..., 0] - top2[..., 1]) > 1e-5  # rows whose winner is not a float tie
+        bad = (got.long() != ref) & clear
+        if bad.any():
+            i = bad.nonzero()[0].tolist()
+            hint = ""
+            if int(got[tuple(i)]) > i[2]:
+                hint = " (that key comes after the query: mask the keys a query may not read, attention_mask)"
+            elif la.n_kv_heads != la.n_heads:
+                hint = " (did each query head use the κ of *its* key/value head? see kv_head_of)"
+            raise _Fail(f"layer {layer}, (batch, head, query) = {tuple(i)}: argmax {int(got[tuple(i)])}, "
+                        f"re-running the model gives {int(ref[tuple(i)])}{hint}")
+        checked += int(clear.sum())
+    return f"{checked} noisy attention rows match re-running the model with the noise hooked in"
+
+
 #: Every check, by exercise name (the learner's function name and the solution's name in _solutions.py).
 CHECKS = {
     f.exercise: f
@@ -417,7 +457,7 @@ CHECKS = {
         check_patch_one, check_attribution_scores, check_head_faithfulness,
         check_query_norm_ratio, check_mc_collapse_probability,
         check_principal_angles_deg, check_ln_coordinates,
-        check_head_layernorm,
+        check_head_layernorm, check_noised_argmax,
     )
 }
 

@@ -176,10 +176,25 @@ def head_layernorm(q, w, eps):
     return centred / (var + eps).sqrt() * w
 
 
+# ============================================================================= 06 production architectures
+
+
+def noised_argmax(model, cache, layer, kappa_q, kappa_k):
+    from interp_norm.bridges import anatomy, attention_mask, attention_scores
+
+    la = anatomy(model)[layer]
+    scores = attention_scores(model, cache, layer, softcap=False)  # [batch, head, query, key], after norms and RoPE
+    f_q = (1 + kappa_q).permute(0, 2, 1).unsqueeze(-1)  # [batch, head, query, 1]
+    f_k = (1 + kappa_k)[:, :, list(la.kv_head_of)].permute(0, 2, 1).unsqueeze(-2)  # each query head reads its k/v head
+    mask = attention_mask(la, scores.shape[-2], scores.shape[-1])  # causal (and sliding window)
+    return (scores * f_q * f_k).masked_fill(~mask, float("-inf")).argmax(-1)
+
+
 __all__ = [
     "my_scores", "most_important_head", "prev_token_scores",
     "patch_one", "attribution_scores", "head_faithfulness",
     "query_norm_ratio", "mc_collapse_probability",
     "principal_angles_deg", "ln_coordinates",
     "head_layernorm",
+    "noised_argmax",
 ]

@@ -134,6 +134,49 @@ def _resid_mid_feeds_mlp_only(model) -> bool:
     raise PatchingError("cannot tell how this model's hook_resid_mid feeds its residual stream; edge interventions need that")
 
 
+@torch.no_grad()
+def _fires(model, name: str) -> bool:
+    """Whether hook ``name`` fires on a forward pass (a rotary bridge has ``hook_pos_embed`` but never calls it)."""
+    if name not in getattr(model, "hook_dict", {}):
+        return False
+    tokens = torch.arange(min(3, model.cfg.d_vocab, model.cfg.n_ctx), device=device(model)).unsqueeze(0)
+    _, cache = model.run_with_cache(tokens, names_filter=lambda n: n == name)
+    return name in cache
+
+
+def _check_hf_bridge(model) -> None:
+    """A Hugging Face bridge's edges are sums only without post-norms and with one k/v head per query head.
+
+    Read from the attention anatomy (:func:`interp_norm.bridges.anatomy`): OLMo-2 and Gemma 4
+    normalise what attention writes before adding it, so a head's contribution to a later receiver
+    is not its ``z W_O``; grouped k/v heads share one key/value input between several query heads,
+    so the per-head k/v receivers are not separate edges.
+    """
+    if getattr(model, "original_model", None) is None or is_ours(model):
+        return
+    from interp_norm.bridges import ArchitectureError, anatomy
+
+    try:
+        anat = anatomy(model)
+    except ArchitectureError:
+        return  # not a Hugging Face architecture the anatomy knows (e.g. boot_native): a plain Pre-Norm sum
+    post = [la.layer for la in anat.layers if la.post_norm is not None]
+    if post:
+        raise PatchingError(
+            f"edge attribution needs a residual stream that is the sum of the head and MLP outputs, but {anat.architecture} "
+            f"normalises the attention output before adding it (post-norm in layers {post}); use the node-level "
+            "attribution_patch or activation_patch on this model"
+        )
+    grouped = [la.layer for la in anat.layers if la.n_kv_heads != la.n_heads]
+    if grouped:
+        raise PatchingError(
+            f"edge attribution gives each head its own k/v receiver, but {anat.architecture} groups key/value heads "
+            f"(layers {grouped}: {anat.layers[grouped[0]].n_kv_heads} k/v heads for {anat.layers[grouped[0]].n_heads} "
+            "query heads); use the node-level attribution_patch or activation_patch, or a model built with "
+            "n_key_value_heads = n_heads"
+        )
+
+
 class EdgeRunner:
     """Forward passes with per-receiver interventions (see module docstring for the backends)."""
 
@@ -163,12 +206,15 @@ class EdgeRunner:
         self.W_O = torch.stack([model.blocks[l].attn.W_O.detach() for l in range(self.L)])  # [L, H, dh, d]
         # what attention adds to the residual is attn.out(z) through the block's update calibration
         self.update_calib = [getattr(blk, "calib_attn_out", None) for blk in model.blocks]
+        _check_hf_bridge(model)
         self.mid_feeds_mlp_only = _resid_mid_feeds_mlp_only(self.run_model)
+        # rotary models (a Llama/Qwen3 bridge) never fire hook_pos_embed: the embed sender is the token embedding
+        self.has_pos = is_ours(model) or _fires(self.run_model, act_name("pos_embed"))
 
     # -- sender outputs --------------------------------------------------------------------
     def senders_from_cache(self, cache) -> Tensor:
         """[U, b, n, d] sender outputs from an ActivationCache of a plain run."""
-        outs = [cache[act_name("embed")] + cache[act_name("pos_embed")]]
+        outs = [cache[act_name("embed")] + cache[act_name("pos_embed")] if self.has_pos else cache[act_name("embed")]]
         for l in range(self.L):
             outs += list(self.head_outputs(l, cache[act_name("z", l)]))
             outs.append(cache[act_name("mlp_out", l)])
@@ -256,13 +302,17 @@ class EdgeRunner:
                 mix = e_corr.unsqueeze(0) + al.view(m, 1, 1, 1).to(e_corr.dtype) * (e_clean - e_corr).unsqueeze(0)
                 x = mix.reshape(1, B, n, -1).expand(C, B, n, mix.shape[-1]).reshape(x.shape)
             embed_now[:] = [main(x)]
+            if not self.has_pos:
+                put(0, embed_now[0])
             return x
 
         def hook_pos(x: Tensor, hook: Any) -> Tensor:
             put(0, embed_now[0] + main(x))
             return x
 
-        hooks: list[tuple[str, Callable]] = [(act_name("embed"), hook_embed), (act_name("pos_embed"), hook_pos)]
+        hooks: list[tuple[str, Callable]] = [(act_name("embed"), hook_embed)]
+        if self.has_pos:
+            hooks.append((act_name("pos_embed"), hook_pos))
         for l in range(L):
             r_attn = slice(g.receiver_index(l, "head"), g.receiver_index(l, "head") + 3 * H)
             r_mlp = g.receiver_index(l, "mlp")

@@ -160,6 +160,11 @@ def figure_sections(report: Any, strict: bool = False) -> tuple[list[Section], l
                                   caption="Long tables are split into blocks of columns, each repeating the model and "
                                           "layer; every column is in geometry_summary.csv."))
         sections.append(s)
+    from interp_norm.dashboard.real_models import real_model_section
+
+    real = real_model_section(report, panel)
+    if real is not None:
+        sections.append(real)
     return sections, problems
 
 

@@ -20,6 +20,10 @@ One module per question:
   component and measure how far the attention of each head moves.
 * :mod:`.ellipsoid` — :func:`norm_ellipsoid`, :func:`ellipsoid_table`, :func:`ellipsoid_membership`:
   Riechers's LayerNorm hyperellipsoid (digest §7.2–7.3) and its RMSNorm analogue, checked on cached outputs.
+* :mod:`.bridge` — the same analyses on a TransformerLens 4 ``TransformerBridge`` (GPT-2, Qwen3,
+  OLMo-2, Gemma 4 ...): :func:`bridge_norms` finds every norm (attention q/k/v norms included) from
+  the anatomy and the module tree; ``norm_spread``, ``max_attention``/``attention_sparsity`` and the
+  ``ellipsoid_*`` functions accept a bridge; :func:`bridge_geometry` is its one call.
 * :mod:`.run` — :func:`run_geometry`, :func:`compare_geometry`, :func:`geometry_summary`: one call
   for the CLI, dashboard and README.
 
@@ -37,6 +41,7 @@ the tables carry ``<NA>`` in the ``layer``/``head`` column they pool over.
 from __future__ import annotations
 
 from interp_norm.geometry._common import TokensLike, valid_mask
+from interp_norm.geometry.bridge import BridgeNorm, bridge_norms, bridge_tokens
 from interp_norm.geometry.ellipsoid import (
     NormEllipsoid,
     ellipsoid_axes,
@@ -54,7 +59,7 @@ from interp_norm.geometry.interference import (
     default_interventions,
     direct_interference,
 )
-from interp_norm.geometry.run import compare_geometry, geometry_hook_names, geometry_summary, run_geometry
+from interp_norm.geometry.run import bridge_geometry, compare_geometry, geometry_hook_names, geometry_summary, run_geometry
 from interp_norm.geometry.sparsity import attention_sparsity, max_attention, sparsity_histogram, sparsity_summary
 from interp_norm.geometry.spheres import orthogonal_spheres, sphere_structure
 from interp_norm.geometry.spread import attended_norms, norm_spread, summarize_norm_spread, weighted_quantile
@@ -115,6 +120,11 @@ __all__ = [
     "ellipsoid_table",
     "ellipsoid_axes",
     "ellipsoid_membership",
+    # bridges (Hugging Face models)
+    "BridgeNorm",
+    "bridge_norms",
+    "bridge_tokens",
+    "bridge_geometry",
     # one call
     "run_geometry",
     "geometry_hook_names",

@@ -42,7 +42,8 @@ def as_tokens(model: HookedNormTransformer, tokens: TokensLike) -> Int[Tensor, "
         tokens = tokens.unsqueeze(0)
     if tokens.ndim != 2 or tokens.numel() == 0:
         raise ProblemStringError(f"tokens must be a non-empty [batch, pos] tensor, got shape {tuple(tokens.shape)}")
-    return tokens.to(model.W_E.device)
+    param = next(iter(model.parameters()), None)
+    return tokens.to(param.device if param is not None else "cpu")
 
 
 def use_center(model: HookedNormTransformer, center: Union[bool, str]) -> bool:

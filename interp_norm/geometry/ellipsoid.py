@@ -8,16 +8,14 @@ norm outputs against it (a test of both the formula and the model's hooks).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import pandas as pd
 import torch
-from jaxtyping import Float
-from torch import Tensor
 
-from interp_norm.errors import ConfigError, GeometryError
+from interp_norm.errors import ConfigError
 from interp_norm.geometry._common import TINY, TokensLike, as_tokens, check_model, run_cached, valid_mask
+from interp_norm.geometry.norm_image import NormEllipsoid, norm_ellipsoid
 from interp_norm.hooks import act_name, norm_name
 from interp_norm.model import HookedNormTransformer, Norm
 
@@ -25,88 +23,6 @@ __all__ = [
     "NormEllipsoid", "norm_ellipsoid", "norm_modules", "module_ellipsoids", "norm_hook_names",
     "ellipsoid_table", "ellipsoid_axes", "ellipsoid_membership",
 ]
-
-
-@dataclass(frozen=True, eq=False)
-class NormEllipsoid:
-    """The image of a LayerNorm/RMSNorm with gain g and bias b (Riechers 2024; digest §7.2).
-
-    LayerNorm: outputs y lie in the hyperplane through ``center`` = b with unit ``normal`` ∝ 1/g
-    (Σ_n (y_n − b_n)/g_n = 0), inside the (N−1)-dim ellipsoid zᵀ Q z ≤ N (z = y − b) with
-    Q = Π₂ diag(1/g²) Π₂, Π₂ = I − α̂α̂ᵀ. ``axes`` [N−1, N] (rows) are Q's eigenvectors with nonzero
-    eigenvalue λ, ``semi_axes`` = √(N/λ), longest first. RMSNorm: no hyperplane (``normal`` None),
-    Q = diag(1/g²), N axes of length √N·|g_n|. ``membership(y)`` = zᵀQz/N = σ²/(σ²+ε) < 1 for any output.
-    """
-
-    kind: str
-    gain: Tensor
-    center: Tensor
-    normal: Optional[Tensor]
-    axes: Tensor
-    semi_axes: Tensor
-    quad: Tensor
-
-    @property
-    def dim(self) -> int:
-        return int(self.gain.numel())
-
-    def membership(self, y: Float[Tensor, "... N"]) -> Float[Tensor, "..."]:
-        """zᵀQz/N with z = y − b, computed as |Π₂z / g|²/N (O(N) per vector, same value)."""
-        z = torch.as_tensor(y).double() - self.center
-        if self.normal is not None:
-            z = z - (z @ self.normal).unsqueeze(-1) * self.normal
-        return ((z / self.gain) ** 2).sum(-1) / self.dim
-
-    def plane_residual(self, y: Float[Tensor, "... N"]) -> Float[Tensor, "..."]:
-        """(y − b)·α̂: 0 on the hyperplane (always 0 for RMSNorm)."""
-        z = torch.as_tensor(y).double() - self.center
-        if self.normal is None:
-            return torch.zeros(z.shape[:-1], dtype=torch.float64)
-        return z @ self.normal
-
-
-def norm_ellipsoid(gain: Tensor, bias: Optional[Tensor] = None, kind: str = "ln") -> NormEllipsoid:
-    """Principal axes of the norm's image; raises :class:`GeometryError` for zero gains.
-
-    The (N−1)-dim eigenproblem is solved in an orthonormal basis of the hyperplane (same nonzero
-    spectrum as Π₂ diag(1/g²) Π₂, without having to guess which eigenvalue is the structural zero).
-    """
-    if kind not in ("ln", "rms"):
-        raise GeometryError(f"kind must be 'ln' (LayerNorm) or 'rms' (RMSNorm), got {kind!r}")
-    g = torch.as_tensor(gain).detach().double().cpu().reshape(-1)
-    N = g.numel()
-    if N < (2 if kind == "ln" else 1):
-        raise GeometryError(f"a {kind} norm over {N} dimension(s) has no ellipsoid; need N >= 2 for LayerNorm")
-    zero = (g == 0).nonzero().flatten().tolist()
-    if zero:
-        raise GeometryError(
-            f"the gain is zero in {len(zero)} dimension(s) {zero[:10]}; the image then collapses to a lower-"
-            "dimensional ellipsoid (Riechers treats this with a Drazin inverse, not implemented). "
-            "Drop those dimensions (gain[gain != 0]) or perturb them before calling norm_ellipsoid"
-        )
-    if not torch.isfinite(g).all():
-        raise GeometryError("the gain has non-finite entries")
-    b = torch.zeros(N, dtype=torch.float64) if bias is None else torch.as_tensor(bias).detach().double().cpu().reshape(-1)
-    if b.numel() != N:
-        raise GeometryError(f"bias has {b.numel()} entries but the gain has {N}")
-    Ginv2 = torch.diag(1.0 / g**2)
-    if kind == "rms":
-        lam, V = torch.linalg.eigh(Ginv2)
-        normal, quad = None, Ginv2
-    else:
-        alpha = 1.0 / g
-        normal = alpha / alpha.norm()
-        P2 = torch.eye(N, dtype=torch.float64) - torch.outer(normal, normal)
-        quad = P2 @ Ginv2 @ P2
-        # orthonormal basis of the hyperplane ⊥ normal: the complement from a full QR
-        Qf, _ = torch.linalg.qr(torch.cat([normal[:, None], torch.eye(N, dtype=torch.float64)], 1), mode="complete")
-        B = Qf[:, 1:N]
-        lam, W = torch.linalg.eigh(B.T @ Ginv2 @ B)
-        V = B @ W
-    semi = torch.sqrt(N / lam)
-    order = torch.argsort(semi, descending=True)
-    return NormEllipsoid(kind=kind, gain=g, center=b, normal=normal, axes=V[:, order].T.contiguous(),
-                         semi_axes=semi[order], quad=quad)
 
 
 def _norm_sites(model: HookedNormTransformer) -> list[tuple[Optional[int], Optional[str], Norm]]:
@@ -150,7 +66,12 @@ def _row_name(n_rows: int, i: int) -> str:
 
 def ellipsoid_table(model: HookedNormTransformer) -> pd.DataFrame:
     """One row per norm module and gain row: kind, N, semi-axis range, axis ratio, tilt of the
-    hyperplane (``normal_cos_ones`` = |α̂·1̂|, 1 for equal gains) and |b|."""
+    hyperplane (``normal_cos_ones`` = |α̂·1̂|, 1 for equal gains) and |b|. On a ``TransformerBridge``:
+    every norm, attention q/k/v norms included (:func:`~interp_norm.geometry.bridge.bridge_norms`)."""
+    from interp_norm.geometry.bridge import bridge_ellipsoid_table, is_bridge
+
+    if is_bridge(model):
+        return bridge_ellipsoid_table(model)
     check_model(model)
     rows = []
     for name, mod in norm_modules(model).items():
@@ -168,6 +89,10 @@ def ellipsoid_table(model: HookedNormTransformer) -> pd.DataFrame:
 
 def ellipsoid_axes(model: HookedNormTransformer) -> pd.DataFrame:
     """Long table of every semi-axis length (module, gain_row, axis, semi_axis) for spectrum plots."""
+    from interp_norm.geometry.bridge import bridge_ellipsoid_axes, is_bridge
+
+    if is_bridge(model):
+        return bridge_ellipsoid_axes(model)
     rows = []
     for name, mod in norm_modules(model).items():
         ells = module_ellipsoids(mod)
@@ -187,8 +112,14 @@ def ellipsoid_membership(
     = √(σ²+ε). Per module and gain row: membership statistics, the predicted value's statistics,
     the largest |membership − predicted| and the largest |plane residual| relative to |y − b|.
     ``max_abs_err`` is the check (≈ 3e-7 from float32 activations): when σ² ≫ ε the membership is
-    within that rounding of 1, so ``membership_max`` can print as 1.0000001.
+    within that rounding of 1, so ``membership_max`` can print as 1.0000001. On a
+    ``TransformerBridge`` every norm is checked the same way, σ² read from its input
+    (:func:`~interp_norm.geometry.bridge.bridge_ellipsoid_membership`).
     """
+    from interp_norm.geometry.bridge import bridge_ellipsoid_membership, is_bridge
+
+    if is_bridge(model):
+        return bridge_ellipsoid_membership(model, as_tokens(model, tokens), cache=cache)
     check_model(model)
     tokens = as_tokens(model, tokens)
     cache = run_cached(model, tokens, norm_hook_names(model), cache)

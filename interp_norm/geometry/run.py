@@ -5,7 +5,7 @@ One forward pass caches :func:`geometry_hook_names`; each analysis then reads th
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import pandas as pd
 from torch import Tensor
@@ -13,6 +13,16 @@ from tqdm.auto import tqdm
 
 from interp_norm.errors import ConfigError
 from interp_norm.geometry._common import TokensLike, as_tokens, check_model, run_cached
+from interp_norm.geometry.bridge import (
+    bridge_ellipsoid_axes,
+    bridge_ellipsoid_membership,
+    bridge_ellipsoid_table,
+    bridge_norms,
+    bridge_pattern_hooks,
+    bridge_resid_hooks,
+    bridge_tokens,
+    is_bridge,
+)
 from interp_norm.geometry.ellipsoid import ellipsoid_axes, ellipsoid_membership, ellipsoid_table, norm_hook_names
 from interp_norm.geometry.interference import Intervention, direct_interference
 from interp_norm.geometry.sparsity import max_attention, sparsity_histogram, sparsity_summary
@@ -22,7 +32,7 @@ from interp_norm.geometry.subspaces import head_read_fractions, subspace_angles,
 from interp_norm.hooks import act_name
 from interp_norm.model import HookedNormTransformer
 
-__all__ = ["geometry_hook_names", "run_geometry", "compare_geometry", "geometry_summary"]
+__all__ = ["geometry_hook_names", "run_geometry", "bridge_geometry", "compare_geometry", "geometry_summary"]
 
 
 def geometry_hook_names(model: HookedNormTransformer) -> list[str]:
@@ -64,7 +74,12 @@ def run_geometry(
     ``ellipsoids``, ``ellipsoid_axes``, ``ellipsoid_membership``. ``subspace_angles`` holds every
     component–component and component–read pair (head read spaces among themselves are skipped:
     ~65k large SVDs on the paper-size model; call :func:`subspace_angles` for them).
+
+    A ``TransformerBridge`` (a Hugging Face model) gets :func:`bridge_geometry` instead.
     """
+    if is_bridge(model):
+        return bridge_geometry(model, tokens=tokens, n=n, seed=seed, coverage=coverage, tolerance=tolerance,
+                               bins=bins, progress=progress)
     check_model(model)
     tokens = _sample_tokens(model, task, tokens, n, split, seed)
     steps = tqdm(total=8, desc="geometry", disable=not progress)
@@ -99,6 +114,51 @@ def run_geometry(
     return out
 
 
+def bridge_geometry(
+    model: Any,
+    *,
+    tokens: Optional[TokensLike] = None,
+    n: int = 8,
+    n_ctx: int = 32,
+    seed: int = 0,
+    coverage: float = 0.9,
+    tolerance: float = 0.2,
+    bins: int = 20,
+    progress: bool = False,
+) -> dict[str, pd.DataFrame]:
+    """The geometry of a ``TransformerBridge``: ``norm_spread``, ``sparsity_hist``,
+    ``sparsity_summary``, ``ellipsoids``, ``ellipsoid_axes``, ``ellipsoid_membership`` (every norm,
+    attention q/k/v norms included) and ``anatomy`` (:meth:`~interp_norm.bridges.Anatomy.table`).
+
+    ``tokens`` default: ``n`` windows of ``n_ctx`` tokens of the shipped sample text, or random
+    ordinary ids for a model without a tokenizer (:func:`~interp_norm.geometry.bridge.bridge_tokens`).
+    The orthogonal-spheres, subspace and interference analyses read our model's weight steps and
+    residual decomposition, which a bridge does not expose; they are not run here.
+    """
+    from interp_norm.bridges import anatomy
+
+    toks = as_tokens(model, tokens if tokens is not None else bridge_tokens(model, n, n_ctx, seed))
+    norms = bridge_norms(model)
+    steps = tqdm(total=4, desc="geometry", disable=not progress)
+    names = {h for nm in norms for h in (nm.hook_in, nm.hook_out)}
+    names |= set(bridge_pattern_hooks(model)) | set(bridge_resid_hooks(model))
+    cache = run_cached(model, toks, names)
+    steps.update()
+    out: dict[str, pd.DataFrame] = {"anatomy": anatomy(model).table()}
+    out["norm_spread"] = norm_spread(model, toks, coverage=coverage, tolerance=tolerance, cache=cache)
+    steps.update()
+    mx = max_attention(model, toks, cache=cache)
+    out["sparsity_hist"] = sparsity_histogram(mx, bins=bins)
+    out["sparsity_summary"] = sparsity_summary(mx)
+    steps.update()
+    out["ellipsoids"] = bridge_ellipsoid_table(model, norms)
+    out["ellipsoid_axes"] = bridge_ellipsoid_axes(model, norms)
+    out["ellipsoid_membership"] = bridge_ellipsoid_membership(model, toks, cache=cache, norms=norms)
+    steps.update()
+    steps.close()
+    return out
+
+
 def compare_geometry(
     models: Mapping[str, HookedNormTransformer], task=None, *, tokens: Optional[TokensLike] = None, **kwargs
 ) -> dict[str, pd.DataFrame]:
@@ -107,7 +167,8 @@ def compare_geometry(
     if not models:
         raise ConfigError("compare_geometry needs at least one model, e.g. {'pre': model_a, 'qkv': model_b}")
     for m in models.values():
-        check_model(m)
+        if not is_bridge(m):
+            check_model(m)
     n, split, seed = kwargs.pop("n", 256), kwargs.pop("split", "id"), kwargs.pop("seed", 0)
     first = next(iter(models.values()))
     toks = _sample_tokens(first, task, tokens, n, split, seed)
@@ -143,16 +204,19 @@ def geometry_summary(
     h = h[h["layer"].notna()]
     top = h[h["bin"] == h["bin"].max()] if top_bin is None else h[h["lo"] >= top_bin]
     top = top.groupby(keys, as_index=False)["fraction"].sum().rename(columns={"fraction": "frac_top_bin"})
-    sc = results["sphere_scores"][keys + ["score", "constancy", "orthogonality", "resid_norm_cv"]]
-    it = results["interference"].pivot_table(index=keys, columns="intervention", values=["mean_tv", "mean_tv_norm"],
-                                             aggfunc="mean")
-    it.columns = [f"{'tv' if v == 'mean_tv' else 'tv_norm'}[{c}]" for v, c in it.columns]
-    it = it.reset_index()
-    out = sc
-    for df in (ns, ss, top, it):
+    frames = [ns, ss, top]
+    if "sphere_scores" in results:  # our models only (a bridge has no residual decomposition)
+        frames.insert(0, results["sphere_scores"][keys + ["score", "constancy", "orthogonality", "resid_norm_cv"]])
+    if "interference" in results:
+        it = results["interference"].pivot_table(index=keys, columns="intervention",
+                                                 values=["mean_tv", "mean_tv_norm"], aggfunc="mean")
+        it.columns = [f"{'tv' if v == 'mean_tv' else 'tv_norm'}[{c}]" for v, c in it.columns]
+        frames.append(it.reset_index())
+    out = None
+    for df in frames:
         df = df.copy()
         df["layer"] = df["layer"].astype(int)
-        out = out.merge(df, on=keys, how="outer")
+        out = df if out is None else out.merge(df, on=keys, how="outer")
     return out.sort_values(keys).reset_index(drop=True)
 
 
@@ -162,10 +226,11 @@ def _overall_summary(results: Mapping[str, pd.DataFrame], top_bin: Optional[floa
     if not has_v:
         per = per.assign(variant="model")
     attn = per[per["spread"].notna()]  # attention layers only
+    spheres = dict(sphere_score=("score", "mean"), constancy=("constancy", "mean"),
+                   orthogonality=("orthogonality", "mean"), resid_norm_cv=("resid_norm_cv", "mean"))
     agg = attn.groupby("variant", sort=False).agg(
         mean_spread=("spread", "mean"), max_spread=("spread", "max"), within_tol=("within_tol", "mean"),
-        sphere_score=("score", "mean"), constancy=("constancy", "mean"), orthogonality=("orthogonality", "mean"),
-        resid_norm_cv=("resid_norm_cv", "mean"),
+        **{k: v for k, v in spheres.items() if v[0] in per.columns},
         **{c: (c, "mean") for c in per.columns if c.startswith(("tv[", "tv_norm["))},
     )
     ss = results["sparsity_summary"]

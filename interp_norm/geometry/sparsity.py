@@ -12,6 +12,7 @@ import pandas as pd
 
 from interp_norm.errors import GeometryError
 from interp_norm.geometry._common import TokensLike, as_tokens, check_model, run_cached, valid_mask
+from interp_norm.geometry.bridge import bridge_pattern_hooks, is_bridge, position_mask
 from interp_norm.hooks import NONSPARSE_THRESHOLD, SPARSE_THRESHOLD, act_name
 from interp_norm.model import HookedNormTransformer
 
@@ -22,18 +23,23 @@ def max_attention(model: HookedNormTransformer, tokens: TokensLike, *, exclude_b
     """max_t a_t for every attention distribution: one row per (layer, head, sequence, query row).
 
     Padding rows are dropped; with ``exclude_bos`` so is row 0 (``[`` can only attend to itself).
+    On a ``TransformerBridge`` the pattern is the anatomy's verified ``pattern`` hook (softmax of
+    the scores rebuilt from q and k reproduces it) and ``exclude_bos`` drops position 0.
     """
-    check_model(model)
     tokens = as_tokens(model, tokens)
-    n_layers = model.cfg.n_layers
-    cache = run_cached(model, tokens, [act_name("pattern", l) for l in range(n_layers)], cache)
-    rows = valid_mask(tokens, exclude_bos)
+    if is_bridge(model):
+        names, rows = bridge_pattern_hooks(model), position_mask(tokens, exclude_bos)
+    else:
+        check_model(model)
+        names = [act_name("pattern", l) for l in range(model.cfg.n_layers)]
+        rows = valid_mask(tokens, exclude_bos)
+    cache = run_cached(model, tokens, names, cache)
     bi, qi = rows.nonzero(as_tuple=True)
     frames = []
-    for l in range(n_layers):
-        pat = cache[act_name("pattern", l)]  # b h q k
+    for l, name in enumerate(names):
+        pat = cache[name]  # b h q k
         m, am = pat.max(dim=-1)  # b h q
-        for h in range(model.cfg.n_heads):
+        for h in range(pat.shape[1]):
             frames.append(
                 pd.DataFrame(dict(layer=l, head=h, batch=bi.cpu().numpy(), query=qi.cpu().numpy(),
                                   max_attn=m[bi, h, qi].double().cpu().numpy(),

@@ -15,6 +15,7 @@ import torch
 
 from interp_norm.errors import GeometryError
 from interp_norm.geometry._common import TokensLike, as_tokens, check_model, run_cached, use_center, valid_mask
+from interp_norm.geometry.bridge import bridge_pattern_hooks, bridge_resid_hooks, is_bridge, position_mask
 from interp_norm.hooks import act_name
 from interp_norm.model import HookedNormTransformer
 
@@ -65,26 +66,38 @@ def attended_norms(
     median_h is the head's attention-weighted median. Choices for the paper's ambiguous statistic
     (digest §5 item 5): the norm is of the layer's ``hook_resid_pre`` (centred for LayerNorm models,
     see ``center``); with ``exclude_bos`` the ``[`` token is dropped both as key and as query row.
+    On a ``TransformerBridge`` the norm is of each block's ``hook_resid_pre`` (centred iff its
+    Pre-Norm is a LayerNorm), the weights come from the anatomy's verified pattern, and
+    ``exclude_bos`` drops position 0.
     """
-    check_model(model)
-    tokens = as_tokens(model, tokens)
-    ctr = use_center(model, center)
-    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
-    names = [act_name("resid_pre", l) for l in range(n_layers)] + [act_name("pattern", l) for l in range(n_layers)]
-    cache = run_cached(model, tokens, names, cache)
-    keep = valid_mask(tokens, exclude_bos)
+    if is_bridge(model):
+        from interp_norm.bridges import anatomy
+
+        tokens = as_tokens(model, tokens)
+        pre = anatomy(model)[0].pre_norm
+        ctr = (pre is not None and pre.kind == "ln") if center == "auto" else use_center(model, center)
+        resid, patterns = bridge_resid_hooks(model), bridge_pattern_hooks(model)
+        keep = position_mask(tokens, exclude_bos)
+    else:
+        check_model(model)
+        tokens = as_tokens(model, tokens)
+        ctr = use_center(model, center)
+        resid = [act_name("resid_pre", l) for l in range(model.cfg.n_layers)]
+        patterns = [act_name("pattern", l) for l in range(model.cfg.n_layers)]
+        keep = valid_mask(tokens, exclude_bos)
+    cache = run_cached(model, tokens, resid + patterns, cache)
     if not keep.any():
         raise GeometryError("no tokens left after excluding padding and '['; pass sequences with content")
     bi, pi = keep.nonzero(as_tuple=True)
     frames = []
-    for l in range(n_layers):
-        x = cache[act_name("resid_pre", l)].double()
+    for l, (r_name, p_name) in enumerate(zip(resid, patterns)):
+        x = cache[r_name].double()
         if ctr:
             x = x - x.mean(-1, keepdim=True)
         norms = x.norm(dim=-1)[bi, pi].cpu().numpy()
-        pat = cache[act_name("pattern", l)].double()
+        pat = cache[p_name].double()
         w = torch.einsum("bhqk,bq->bhk", pat, keep.double())  # attention received from valid rows
-        for h in range(n_heads):
+        for h in range(pat.shape[1]):
             wh = w[bi, h, pi].cpu().numpy()
             med = weighted_quantile(norms, wh, 0.5) if wh.sum() > 0 else float("nan")
             frames.append(
