@@ -4,7 +4,6 @@ on a hand-built cancellation (first-order effect exactly 0, exact effect large).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest

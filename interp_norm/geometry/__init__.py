@@ -81,6 +81,7 @@ from interp_norm.geometry.subspaces import (
 # norm_hook_names (new: the norm hooks ellipsoid_membership reads).
 __all__ = [
     # helpers
+    "TokensLike",
     "valid_mask",
     "weighted_quantile",
     # norm spread
@@ -108,6 +109,7 @@ __all__ = [
     "sphere_structure",
     "orthogonal_spheres",
     # interference
+    "Intervention",
     "ScaleComponent",
     "AddOrthogonal",
     "default_interventions",
@@ -116,6 +118,7 @@ __all__ = [
     "NormEllipsoid",
     "norm_ellipsoid",
     "norm_modules",
+    "norm_hook_names",
     "module_ellipsoids",
     "ellipsoid_table",
     "ellipsoid_axes",
