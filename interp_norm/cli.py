@@ -224,14 +224,17 @@ def _list(args: argparse.Namespace) -> int:
 
 
 CIRCUIT_FILES = ("*.csv", "circuit.html", "circuit.json")
+BENCHMARK_FILES = ("benchmark.csv", "mib_curve.csv", "mib_summary.csv", "faithfulness.html")
 
 
 def _circuits_args(p: argparse.ArgumentParser) -> None:
     from interp_norm.circuits.metrics import METRICS  # the choices shown are the library's
 
-    p.add_argument("ckpt", help=CKPT_HELP)
+    from interp_norm.circuits.benchmark import METHODS
+
+    p.add_argument("ckpt", nargs="?", help=CKPT_HELP + " (omit with --benchmark)")
     p.add_argument("--out", help="folder for the tables, circuit.html and circuit.json "
-                                 "(default: ./circuits-<checkpoint name>)")
+                                 "(default: ./circuits-<checkpoint name>, or ./circuits-benchmark)")
     p.add_argument("--force", action="store_true", help="overwrite result files already in --out")
     p.add_argument("--pairs", type=positive_int, default=32, help="clean/corrupted problem pairs")
     p.add_argument("--split", default="id", choices=SPLITS, help="split the pairs are drawn from")
@@ -246,12 +249,31 @@ def _circuits_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ig-steps", type=positive_int, default=5, help="EAP-IG integration steps (1 = plain EAP)")
     p.add_argument("--attention-problems", type=positive_int, default=256,
                    help="problems for the sparse-attention map")
+    b = p.add_argument_group("ground-truth benchmark (--benchmark; no checkpoint)")
+    b.add_argument("--benchmark", action="store_true",
+                   help="score every discovery method against the known circuits of the ground-truth suite "
+                        "(node/edge precision, recall, AUROC) and MIB faithfulness: benchmark.csv, mib_curve.csv, "
+                        "mib_summary.csv, faithfulness.html")
+    b.add_argument("--models", nargs="+", help="suite models to run (default: all; see the benchmark module)")
+    b.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
+                   help="discovery methods to score")
+    b.add_argument("--threshold", type=nonnegative_float, default=0.05,
+                   help="selection threshold, as a fraction of the clean-corrupted metric gap")
     _progress_arg(p)
 
 
 @command("circuits", help="patching tables, EAP-IG edges, circuit graph and faithfulness for a checkpoint",
          add_arguments=_circuits_args, flags=dict(n="--pairs", n_pairs="--pairs"))
 def _circuits(args: argparse.Namespace) -> int:
+    from interp_norm.errors import ConfigError
+
+    if args.benchmark:
+        if args.ckpt is not None:
+            raise ConfigError(f"--benchmark runs the ground-truth suite, not a checkpoint; drop {args.ckpt!r} "
+                              "or drop --benchmark")
+        return _circuits_benchmark(args)
+    if args.ckpt is None:
+        raise ConfigError("give a checkpoint (see 'interp-norm list'), or --benchmark for the ground-truth suite")
     from interp_norm.circuits import run_circuits
 
     out = prepare_out(args.out or f"circuits-{Path(str(args.ckpt).rstrip('/')).name}", CIRCUIT_FILES, args.force)
@@ -266,6 +288,27 @@ def _circuits(args: argparse.Namespace) -> int:
     print(f"wrote {len(tables)} tables, circuit.html and circuit.json to {out}")
     print(f"circuit: {len(tables['circuit'])} edges; recovered fraction of {args.metric}: "
           + ", ".join(f"{a} {v:.3f}" for a, v in zip(f["ablation"], f["faithfulness"])))
+    return 0
+
+
+def _circuits_benchmark(args: argparse.Namespace) -> int:
+    """The ground-truth suite: run_benchmark's table, MIB curves/CPR/CMD and the faithfulness figure."""
+    from interp_norm.circuits.benchmark import run_benchmark, run_benchmark_mib
+    from interp_norm.io import write_atomic, write_tables
+    from interp_norm.plots import plot_faithfulness
+
+    out = prepare_out(args.out or "circuits-benchmark", BENCHMARK_FILES, args.force)
+    mib_methods = [m for m in args.methods if m != "pruning"]  # pruning selects a circuit, it ranks no edges
+    table = run_benchmark(args.models, args.methods, n_pairs=args.pairs, seed=args.seed, ig_steps=args.ig_steps,
+                          rel_threshold=args.threshold)
+    mib = run_benchmark_mib(args.models, mib_methods, n_pairs=args.pairs, seed=args.seed, ig_steps=args.ig_steps)
+    write_tables(out, {"benchmark": table, "mib_curve": mib["curve"], "mib_summary": mib["summary"]})
+    fig = plot_faithfulness(mib["curve"], mib["summary"])
+    write_atomic(out / "faithfulness.html", lambda p: fig.write_html(p, include_plotlyjs=True))
+    auc = table.pivot_table(index=["model", "method"], columns="level", values="auroc", sort=False)
+    print(f"wrote benchmark.csv, mib_curve.csv, mib_summary.csv and faithfulness.html to {out}")
+    print("AUROC against the ground truth (node, edge):")
+    print(auc.round(3).to_string())
     return 0
 
 

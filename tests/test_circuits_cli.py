@@ -78,3 +78,43 @@ def test_circuits_options_parse():
                                           "kl_to_clean", "--unaligned"])
     assert args.pairs == 8 and args.top_n == 5 and args.unaligned and args.metric == "kl_to_clean"
     assert args._run is cli.COMMANDS["circuits"].run
+
+
+# ----------------------------------------------------------------------------- --benchmark
+
+BENCH = ["--models", "prev_token", "induction", "--methods", "exact", "eap", "pruning", "--pairs", "8",
+         "--ig-steps", "2", "--no-progress"]
+
+
+def test_benchmark_writes_the_suite_tables_and_the_faithfulness_figure(tmp_path, capsys):
+    from interp_norm.circuits.benchmark import run_benchmark, run_benchmark_mib
+
+    out = tmp_path / "bench"
+    assert cli.main(["circuits", "--benchmark", "--out", str(out), *BENCH]) == 0
+    assert "AUROC" in capsys.readouterr().out
+    table = run_benchmark(["prev_token", "induction"], ["exact", "eap", "pruning"], n_pairs=8, ig_steps=2)
+    mib = run_benchmark_mib(["prev_token", "induction"], ["exact", "eap"], n_pairs=8, ig_steps=2)
+    for name, want in (("benchmark", table), ("mib_curve", mib["curve"]), ("mib_summary", mib["summary"])):
+        back = pd.read_csv(out / f"{name}.csv")
+        want = pd.read_csv(pd.io.common.StringIO(want.to_csv(index=False)))
+        pd.testing.assert_frame_equal(back, want, check_exact=False, rtol=1e-9)
+    back = pd.read_csv(out / "benchmark.csv")
+    # exact patching recovers every hand-built circuit node (the ground truth comes from the construction)
+    assert (back[(back.method == "exact") & (back.level == "node")]["auroc"] == 1.0).all()
+    assert set(back.model) == {"prev_token", "induction"} and "pruning" in set(back.method)
+    summary = pd.read_csv(out / "mib_summary.csv")
+    assert set(summary.method) == {"exact", "eap"}  # pruning ranks no edges: no curve
+    assert (summary["f_at_full"] - 1).abs().max() < 1e-6  # the full model is the clean run
+    from plotly.offline import get_plotlyjs
+
+    assert get_plotlyjs() in (out / "faithfulness.html").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["circuits"], "--benchmark"),
+    (["circuits", "some/ckpt", "--benchmark"], "drop"),
+])
+def test_benchmark_and_checkpoint_are_exclusive(argv, message, tmp_path, capsys):
+    assert cli.main([*argv, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and message in err and "Traceback" not in err

@@ -185,3 +185,27 @@ def test_mib_json_has_eap_igs_names_and_round_trips():
     back = from_mib_json(d).merge(scores, on=["sender", "receiver"], suffixes=("", "_orig"))
     assert len(back) == len(scores) and (back["score"] == back["score_orig"]).all()
     assert {(u, r) for u, r, g in zip(back.sender, back.receiver, back.in_graph) if g} == set(circuit.edges)
+
+
+def test_faithfulness_figure_from_the_suite_curves():
+    """plot_faithfulness draws run_benchmark_mib's curves: one line per (model, method) with the
+    curve's points, f = 1 at 100 % of the edges, CPR/CMD of the summary in the legend (one model)."""
+    from interp_norm.circuits.benchmark import run_benchmark_mib
+    from interp_norm.plots import plot_faithfulness
+
+    mib = run_benchmark_mib(["prev_token", "induction"], ["exact", "eap"], n_pairs=8, ig_steps=2)
+    fig = plot_faithfulness(mib["curve"], mib["summary"])
+    lines = [t for t in fig.data if t.mode == "lines+markers"]
+    assert len(lines) == 4 and sum(t.showlegend for t in lines) == 2
+    for t in lines:
+        assert list(t.x) == pytest.approx([100 * f for f in MIB_FRACTIONS])
+        assert t.y[-1] == pytest.approx(1.0, abs=1e-6)
+    one = mib["curve"][mib["curve"].model == "induction"]
+    fig1 = plot_faithfulness(one.drop(columns="model"), mib["summary"][mib["summary"].model == "induction"].drop(columns="model"))
+    for t in fig1.data:
+        s = mib["summary"][(mib["summary"].model == "induction") & (mib["summary"].method == t.legendgroup)].iloc[0]
+        assert f"CPR {s.cpr:.3f}, CMD {s.cmd:.3f}" in t.name
+        g = one[one.method == t.legendgroup].sort_values("fraction")
+        assert list(t.y) == pytest.approx(g.faithfulness.tolist())
+    with pytest.raises(Exception, match="faithfulness"):
+        plot_faithfulness(pd.DataFrame({"method": ["x"]}))

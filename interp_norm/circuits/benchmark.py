@@ -186,4 +186,37 @@ def run_benchmark(
                                   rel_threshold=rel_threshold).assign(model=n) for n in names], ignore_index=True)
 
 
-__all__ = ["METHODS", "auroc", "node_scores", "edge_scores", "score_model", "all_ground_truth", "run_benchmark"]
+def run_benchmark_mib(
+    models: Optional[Sequence[str]] = None, methods: Sequence[str] = ("exact", "eap", "eap-ig"), *,
+    n_pairs: int = 32, seed: int = 0, ig_steps: int = 5,
+) -> dict[str, pd.DataFrame]:
+    """MIB's faithfulness curve and CPR/CMD of every method on every suite model (the same pairs and
+    metric as :func:`run_benchmark`): tables ``curve`` and ``summary`` of
+    :func:`~interp_norm.circuits.mib.run_mib`, each with a ``model`` column. ``atp*`` runs on our
+    models only (as in :func:`score_model`); ``pruning`` selects a circuit and ranks no edges, so
+    it has no curve."""
+    from interp_norm.circuits.mib import MIB_METHODS, run_mib
+    from interp_norm.model import HookedNormTransformer
+
+    bad = [m for m in methods if m not in MIB_METHODS]
+    if bad:
+        raise PatchingError(f"methods {bad} have no MIB curve; choose from {MIB_METHODS}")
+
+    suite = all_ground_truth()
+    names = list(models) if models is not None else list(suite)
+    missing = [n for n in names if n not in suite]
+    if missing:
+        raise PatchingError(f"unknown suite models {missing}; choose from {list(suite)}")
+    curves, summaries = [], []
+    for n in names:
+        truth = suite[n]
+        pairs, model = truth.make_pairs(n_pairs, seed), truth.build()
+        ms = [m for m in methods if m != "atp*" or isinstance(model, HookedNormTransformer)]
+        r = run_mib(model, pairs, truth.metric(pairs), methods=ms, ig_steps=ig_steps)
+        curves.append(r["curve"].assign(model=n))
+        summaries.append(r["summary"].assign(model=n))
+    return {"curve": pd.concat(curves, ignore_index=True), "summary": pd.concat(summaries, ignore_index=True)}
+
+
+__all__ = ["METHODS", "auroc", "node_scores", "edge_scores", "score_model", "all_ground_truth", "run_benchmark",
+           "run_benchmark_mib"]

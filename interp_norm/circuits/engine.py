@@ -94,10 +94,17 @@ class IncrementalEngine:
         with torch.inference_mode():  # cheaper per op than no_grad; the results are only read
             resid = model(tokens, stop_at_layer=0)
             self.acts: list[dict[str, Tensor]] = []
-            for blk in model.blocks:
-                self.acts.append(self._block(blk, resid))
+            # the last layer's MLP and the head only where the metric reads (elsewhere: zeros, never read)
+            read_rows = torch.zeros(self.b, self.n, dtype=torch.bool, device=dev)
+            read_rows[:, :ne] = self.need_last
+            self.read_flat = read_rows.flatten().nonzero().squeeze(1)
+            for l, blk in enumerate(model.blocks):
+                self.acts.append(self._block(blk, resid, self.read_flat if l == self.L - 1 else None))
                 resid = self.acts[-1]["resid_post"]
-            self.logits = model(resid, start_at_layer=self.L)
+            d = resid.shape[-1]
+            head = model(resid.reshape(-1, d).index_select(0, self.read_flat).unsqueeze(0), start_at_layer=self.L)[0]
+            self.logits = head.new_zeros(self.b * self.n, head.shape[-1]).index_copy_(0, self.read_flat, head)
+            self.logits = self.logits.view(self.b, self.n, -1)
             if model not in _CHECKED:
                 self._check(tokens)
         self.c = []
@@ -121,8 +128,9 @@ class IncrementalEngine:
         calib = getattr(blk, "calib_attn_out", None)
         return out if calib is None else calib(out, relative_to=resid)
 
-    def _block(self, blk, resid: Tensor) -> dict[str, Tensor]:
-        """Every stage of one block on whole sequences [b, n, ...]."""
+    def _block(self, blk, resid: Tensor, rows: Optional[Tensor] = None) -> dict[str, Tensor]:
+        """Every stage of one block on whole sequences [b, n, ...]; with ``rows`` (flat row indices),
+        the MLP only there (``mlp_out`` zero elsewhere; ``resid_post`` then only right there)."""
         attn = blk.attn
         xs = self._attn_inputs(blk, resid)
         a = {"resid_pre": resid}
@@ -137,14 +145,19 @@ class IncrementalEngine:
             a["pattern"] = causal_softmax(scores, self.causal[:n, :n])
         a["z"] = torch.einsum("bhqk,bkhd->bqhd", a["pattern"], a["v_used"])
         a["attn_out"] = self._attn_update(blk, attn.out(a["z"]), resid)
-        a["resid_mid"] = resid + a["attn_out"]
-        a["mlp_out"] = blk.mlp_update(a["resid_mid"])
+        a["resid_mid"] = mid = resid + a["attn_out"]
+        if rows is None:
+            a["mlp_out"] = blk.mlp_update(mid)
+        else:
+            flat = mid.reshape(-1, mid.shape[-1])
+            upd = blk.mlp_update(flat.index_select(0, rows).unsqueeze(0))[0]
+            a["mlp_out"] = torch.zeros_like(flat).index_copy_(0, rows, upd).view_as(mid)
         a["resid_post"] = a["resid_mid"] + a["mlp_out"]
         return a
 
     def _check(self, tokens: Tensor) -> None:
-        ref = self.model(tokens)
-        err = float((self.logits - ref).abs().max())
+        ref = self.model(tokens).reshape(self.b * self.n, -1).index_select(0, self.read_flat)
+        err = float((self.logits.reshape(self.b * self.n, -1).index_select(0, self.read_flat) - ref).abs().max())
         if not err <= 1e-4 * (float(ref.abs().max()) + 1.0):
             raise PatchingError(
                 f"the incremental patching engine disagrees with model(tokens) by {err:.3g}: the model's block is "
@@ -192,12 +205,15 @@ class IncrementalEngine:
         recomputed rows are a small ragged subset of copies x examples x positions."""
         g, nk = k_g.shape[0], k_g.shape[2]
         w = int(slot.max()) + 1
-        q = q_rows.new_zeros(g, q_rows.shape[1], w, q_rows.shape[2])  # [g, h, w, dh]
-        q[g_of, :, slot] = q_rows
-        pos = idx[2].new_zeros(g, w)  # padding rows: position 0 (a valid, discarded softmax)
-        pos[g_of, slot] = idx[2]
-        scores = attn.scores(q.transpose(1, 2), k_g.transpose(1, 2))  # [g, h, w, keys]
-        return (causal_softmax(scores, self.causal[pos, :nk].unsqueeze(1)) @ v_g)[g_of, :, slot]
+        flat = g_of * w + slot  # flat (group, slot) index: index_copy/index_select, not 2-d advanced indexing
+        q = q_rows.new_zeros(g * w, *q_rows.shape[1:])
+        q.index_copy_(0, flat, q_rows)
+        pos = idx[2].new_zeros(g * w)  # padding rows: position 0 (a valid, discarded softmax)
+        pos.index_copy_(0, flat, idx[2])
+        causal = torch.arange(nk, device=pos.device) <= pos.view(g, 1, w, 1)
+        scores = attn.scores(q.view(g, w, *q.shape[1:]), k_g.transpose(1, 2))  # [g, h, w, keys]
+        z = causal_softmax(scores, causal) @ v_g  # [g, h, w, dh]
+        return z.transpose(1, 2).reshape(g * w, *z.shape[1:2], z.shape[3]).index_select(0, flat)
 
     def _layer(
         self, l: int, X: Optional[Tensor], D: Optional[Tensor], last: bool,

@@ -4,7 +4,7 @@ Figures only draw tables that analyses computed; nothing here runs a model. By c
 
 * :mod:`~interp_norm.plots.models` -- model card, accuracy per split, training curves;
 * :mod:`~interp_norm.plots.attention` -- attention patterns and the attention explorer;
-* :mod:`~interp_norm.plots.circuits` -- patching heatmaps and the one circuit drawer;
+* :mod:`~interp_norm.plots.circuits` -- patching heatmaps, the one circuit drawer, MIB faithfulness;
 * :mod:`~interp_norm.plots.noise` -- accuracy and circuit collapse under norm noise;
 * :mod:`~interp_norm.plots.geometry` -- norm spread, spheres, subspaces, interference, ellipsoids.
 
@@ -24,7 +24,7 @@ from typing import Any
 from interp_norm.card import PAPER_PER_TOKEN_ACCURACY, model_card
 from interp_norm.plots._style import SPLITS, VARIANT_LABELS, escape, variant_label
 from interp_norm.plots.attention import plot_attention_explorer, plot_attention_pattern, plot_attention_patterns
-from interp_norm.plots.circuits import draw_circuit, plot_circuit_graph, plot_patching_heatmap
+from interp_norm.plots.circuits import draw_circuit, plot_circuit_graph, plot_faithfulness, plot_patching_heatmap
 from interp_norm.plots.geometry import (
     plot_attention_sparsity,
     plot_component_cosines,
@@ -58,6 +58,7 @@ __all__ = [
     "plot_patching_heatmap",
     "plot_circuit_graph",
     "draw_circuit",
+    "plot_faithfulness",
     # noise
     "plot_accuracy_vs_noise",
     "plot_collapse_vs_noise",

@@ -1,4 +1,4 @@
-"""Circuit figures: patching heatmaps and the one circuit drawer.
+"""Circuit figures: patching heatmaps, the one circuit drawer, and MIB faithfulness curves.
 
 :func:`plot_circuit_graph` is the entry point for every circuit figure. A
 :class:`~interp_norm.circuits.Circuit` or its edge table (``sender``/``receiver``) is drawn by
@@ -19,7 +19,7 @@ from plotly.subplots import make_subplots
 from interp_norm.errors import ConfigError
 from interp_norm.plots._style import escape
 
-__all__ = ["plot_patching_heatmap", "plot_circuit_graph", "draw_circuit"]
+__all__ = ["plot_patching_heatmap", "plot_circuit_graph", "draw_circuit", "plot_faithfulness"]
 
 
 def plot_patching_heatmap(
@@ -244,5 +244,77 @@ def draw_circuit(circuit: Any, title: Optional[str] = None) -> go.Figure:
                    range=[-0.6, H + 0.6]),
         yaxis=dict(tickmode="array", tickvals=ticks, ticktext=labels, range=[-0.5, 2 * L + 1.6]),
         template="plotly_white", height=250 + 110 * L, width=350 + 90 * H,
+    )
+    return fig
+
+
+# ----------------------------------------------------------------------------- MIB faithfulness
+
+_METHOD_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#7f7f7f")
+
+
+def plot_faithfulness(
+    curve: pd.DataFrame, summary: Optional[pd.DataFrame] = None, *, title: Optional[str] = None, cols: int = 4,
+) -> go.Figure:
+    """MIB's faithfulness curve f(circuit size) per method, CPR and CMD beside each method's name.
+
+    ``curve``: rows of :func:`~interp_norm.circuits.mib.faithfulness_curve` (columns ``method``,
+    ``fraction``, ``faithfulness``; an optional ``model`` column gives one panel per model).
+    ``summary``: its :func:`~interp_norm.circuits.mib.cpr_cmd` (same ``model`` column if any); the
+    areas are read from it, never recomputed here. Sizes are on a log axis (MIB's fractions
+    span 0.1 %..100 %); f = 1 (the full model) and f = 0 (the empty circuit) are dotted.
+    """
+    need = {"method", "fraction", "faithfulness"}
+    if not isinstance(curve, pd.DataFrame) or not need <= set(curve.columns) or curve.empty:
+        raise ConfigError(f"expected faithfulness_curve rows with columns {sorted(need)}")
+    if summary is not None and (not isinstance(summary, pd.DataFrame) or not {"method", "cpr", "cmd"} <= set(summary.columns)):
+        raise ConfigError("summary must be cpr_cmd rows with columns 'method', 'cpr', 'cmd'")
+    models = list(dict.fromkeys(curve["model"])) if "model" in curve.columns else [None]
+    methods = list(dict.fromkeys(curve["method"]))
+    color = {m: _METHOD_COLORS[i % len(_METHOD_COLORS)] for i, m in enumerate(methods)}
+    ncols = min(cols, len(models))
+    nrows = math.ceil(len(models) / ncols)
+    fig = make_subplots(rows=nrows, cols=ncols, subplot_titles=[escape(m) for m in models] if models[0] is not None else None,
+                        horizontal_spacing=0.06, vertical_spacing=0.12 if nrows > 1 else 0.08)
+
+    def areas(model, method) -> Optional[tuple[float, float]]:
+        if summary is None:
+            return None
+        s = summary[summary["method"] == method]
+        if model is not None and "model" in s.columns:
+            s = s[s["model"] == model]
+        return None if s.empty else (float(s["cpr"].iloc[0]), float(s["cmd"].iloc[0]))
+
+    for i, model in enumerate(models):
+        row, col = i // ncols + 1, i % ncols + 1
+        sub = curve if model is None else curve[curve["model"] == model]
+        notes = []
+        for method in methods:
+            g = sub[sub["method"] == method].sort_values("fraction")
+            if g.empty:
+                continue
+            a = areas(model, method)
+            tag = "" if a is None else f" (CPR {a[0]:.3f}, CMD {a[1]:.3f})"
+            name = escape(method) + (tag if len(models) == 1 else "")
+            if a is not None and len(models) > 1:
+                notes.append(f"<span style='color:{color[method]}'>{escape(method)}</span> CPR {a[0]:.2f} CMD {a[1]:.2f}")
+            fig.add_trace(go.Scatter(
+                x=100 * g["fraction"], y=g["faithfulness"], mode="lines+markers", name=name,
+                legendgroup=str(method), showlegend=i == 0, line=dict(color=color[method]),
+                hovertemplate=f"{escape(method)}{tag}<br>%{{x:.3g}} % of edges<br>f = %{{y:.3f}}<extra></extra>",
+            ), row=row, col=col)
+        for y in (0.0, 1.0):
+            fig.add_hline(y=y, line=dict(color="gray", dash="dot", width=1), row=row, col=col)
+        if notes:
+            ref = "" if i == 0 else str(i + 1)
+            fig.add_annotation(text="<br>".join(notes), xref=f"x{ref} domain", yref=f"y{ref} domain", x=0.98, y=0.02,
+                               xanchor="right", yanchor="bottom", showarrow=False, align="right", font=dict(size=10))
+    fig.update_xaxes(type="log", title_text="edges in the circuit (%)")
+    fig.update_yaxes(title_text="faithfulness f", col=1)
+    fig.update_layout(
+        title=escape(title) if title else "MIB faithfulness: f = (m(C) - m(∅)) / (m(N) - m(∅)); CPR = area under f, "
+                                          "CMD = area under |1 - f|",
+        template="plotly_white", height=320 * nrows + 80, width=max(520, 330 * ncols + 160),
+        legend=dict(title="method"),
     )
     return fig
