@@ -5,7 +5,7 @@ Layers, lowest first (CONTRIBUTING.md explains them):
     core          errors, task, hooks, model_config, layers, tl_api, model
     persistence   io, train_config, checkpoint_format, checkpoints, evaluate, train
     analyses      _checks, theory, bridges/, noise/, geometry/, circuits/
-    faces         plots/, card, seed_summary, dashboard/, checkpoint_report, reproduce, _cli_support, cli
+    faces         plots/, card, seed_summary, dashboard/, checkpoint_report, reproduce, cli/
 
 A module may import its own layer and the layers below it, never a layer above; the module graph
 has no cycles; no analysis or face spells a hook name by hand (they ask ``interp_norm.hooks``).
@@ -25,7 +25,7 @@ LAYERS = {
     "core": ("errors", "task", "hooks", "model_config", "layers", "tl_api", "model"),
     "persistence": ("io", "train_config", "checkpoint_format", "checkpoints", "evaluate", "train"),
     "analyses": ("_checks", "theory", "anatomy", "bridges", "noise", "geometry", "circuits"),
-    "faces": ("plots", "card", "seed_summary", "dashboard", "checkpoint_report", "reproduce", "_cli_support", "cli"),
+    "faces": ("plots", "card", "seed_summary", "dashboard", "checkpoint_report", "reproduce", "cli"),
 }
 RANK = {top: i for i, tops in enumerate(LAYERS.values()) for top in tops}
 MAX_LINES = 550  # "no module over ~500 lines"

@@ -1,6 +1,6 @@
 """The machinery under :mod:`interp_norm.cli`: the command registry, the parser, and the CLI boundary.
 
-Kept apart so ``cli.py`` reads as the list of subcommands. Nothing here imports more than the
+Kept apart so the subcommand modules read as lists of subcommands. Nothing here imports more than the
 standard library (``interp-norm --help`` must stay fast). At the boundary, library errors are
 rewritten to speak the command line's language: Python parameter names become the flags that set
 them (``max_steps`` -> ``--steps``), and every ``--out`` is a folder whose existing result files
@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from interp_norm.errors import OutputDirError
 
@@ -293,3 +293,30 @@ def real_model_tables(models: dict, args: argparse.Namespace) -> dict:
         layers.append(geometry_summary(res).assign(model=name))
         anat.append(res["anatomy"].assign(model=name))
     return {"real_layers": pd.concat(layers, ignore_index=True), "real_anatomy": pd.concat(anat, ignore_index=True)}
+
+
+# ----------------------------------------------------------------------------- shared by the subcommands
+
+#: The task's splits (the task module imports torch; --help must not).
+SPLITS = ("id", "interp", "extrap")
+#: The analyses ``reproduce`` can run (checkpoint_report.ANALYSES, which imports pandas; a test keeps them equal).
+ANALYSES = ("evaluate", "circuits", "noise", "collapse", "forward_collapse", "temperature", "geometry", "attention")
+CKPT_HELP = "checkpoint or run folder, or a pretrained name (see 'interp-norm list')"
+MODEL_HELP = (CKPT_HELP[:-1] + "), or a Hugging Face model: a local save_pretrained folder or a name already in the "
+              "Hugging Face cache (never downloaded)")
+
+
+def load_any_checkpoint(ckpt: str, device: str = "cpu") -> tuple[Any, Any]:
+    from interp_norm.checkpoints import load_any
+
+    return load_any(ckpt, device=device)
+
+
+def out_args(p: argparse.ArgumentParser, what: str, default: Optional[str] = None) -> None:
+    p.add_argument("--out", required=default is None, default=default, help=f"folder for {what}")
+    p.add_argument("--force", action="store_true", help="overwrite result files already in --out")
+
+
+def progress_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+

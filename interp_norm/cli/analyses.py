@@ -1,0 +1,256 @@
+"""Subcommands that run one analysis on one model: ``circuits`` (and the ground-truth ``--benchmark``),
+``noise``, ``collapse``, ``geometry`` (our checkpoints, or Hugging Face models through a bridge)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Sequence
+
+from interp_norm.cli._support import (
+    CKPT_HELP,
+    MODEL_HELP,
+    SPLITS,
+    bridge_analysis,
+    command,
+    hf_args,
+    hf_tokens,
+    load_model_spec,
+    load_ours,
+    nonnegative_float,
+    out_args,
+    positive_int,
+    prepare_out,
+    progress_arg,
+    threshold_display,
+)
+
+
+# ----------------------------------------------------------------------------- circuits
+
+
+CIRCUIT_FILES = ("*.csv", "circuit.html", "circuit.json")
+BENCHMARK_FILES = ("benchmark.csv", "mib_curve.csv", "mib_summary.csv", "faithfulness.html")
+
+
+def _circuits_args(p: argparse.ArgumentParser) -> None:
+    from interp_norm.circuits.metrics import METRICS  # the choices shown are the library's
+
+    from interp_norm.circuits.benchmark import METHODS
+
+    p.add_argument("ckpt", nargs="?", help=CKPT_HELP + " (omit with --benchmark)")
+    p.add_argument("--out", help="folder for the tables, circuit.html and circuit.json "
+                                 "(default: ./circuits-<checkpoint name>, or ./circuits-benchmark)")
+    p.add_argument("--force", action="store_true", help="overwrite result files already in --out")
+    p.add_argument("--pairs", type=positive_int, default=32, help="clean/corrupted problem pairs")
+    p.add_argument("--split", default="id", choices=SPLITS, help="split the pairs are drawn from")
+    p.add_argument("--seed", type=int, default=0, help="seed of the pairs and the attention problems")
+    p.add_argument("--corrupt", choices=["digit", "operator", "any"], default="digit",
+                   help="what the corrupted problem changes: one operand digit, the operator, or either")
+    p.add_argument("--unaligned", action="store_true", help="do not force one token layout for all pairs")
+    p.add_argument("--metric", choices=list(METRICS), default="logit_diff",
+                   help="patching metric: logit difference clean vs corrupted answer, probability of the "
+                        "correct token, or KL divergence to the clean distribution")
+    p.add_argument("--top-n", type=positive_int, default=20, help="edges kept in the circuit")
+    p.add_argument("--ig-steps", type=positive_int, default=5, help="EAP-IG integration steps (1 = plain EAP)")
+    p.add_argument("--attention-problems", type=positive_int, default=256,
+                   help="problems for the sparse-attention map")
+    b = p.add_argument_group("ground-truth benchmark (--benchmark; no checkpoint)")
+    b.add_argument("--benchmark", action="store_true",
+                   help="score every discovery method against the known circuits of the ground-truth suite "
+                        "(node/edge precision, recall, AUROC) and MIB faithfulness: benchmark.csv, mib_curve.csv, "
+                        "mib_summary.csv, faithfulness.html")
+    b.add_argument("--models", nargs="+", help="suite models to run (default: all; see the benchmark module)")
+    b.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
+                   help="discovery methods to score")
+    b.add_argument("--threshold", type=nonnegative_float, default=0.05,
+                   help="selection threshold, as a fraction of the clean-corrupted metric gap")
+    progress_arg(p)
+
+
+@command("circuits", help="patching tables, EAP-IG edges, circuit graph and faithfulness for a checkpoint",
+         add_arguments=_circuits_args, flags=dict(n="--pairs", n_pairs="--pairs"))
+def _circuits(args: argparse.Namespace) -> int:
+    from interp_norm.errors import ConfigError
+
+    if args.benchmark:
+        if args.ckpt is not None:
+            raise ConfigError(f"--benchmark runs the ground-truth suite, not a checkpoint; drop {args.ckpt!r} "
+                              "or drop --benchmark")
+        return _circuits_benchmark(args)
+    if args.ckpt is None:
+        raise ConfigError("give a checkpoint (see 'interp-norm list'), or --benchmark for the ground-truth suite")
+    from interp_norm.circuits import run_circuits
+
+    out = prepare_out(args.out or f"circuits-{Path(str(args.ckpt).rstrip('/')).name}", CIRCUIT_FILES, args.force)
+    model, info = load_ours(args.ckpt, "circuits")
+    tables = run_circuits(
+        model, info.task, n_pairs=args.pairs, split=args.split, seed=args.seed, corrupt=args.corrupt,
+        aligned=not args.unaligned, metric=args.metric, top_n=args.top_n, ig_steps=args.ig_steps,
+        attention_problems=args.attention_problems, progress=not args.no_progress,
+    )
+    write_circuit_tables(out, tables, model.cfg.n_layers, model.cfg.n_heads)
+    f = tables["faithfulness"]
+    print(f"wrote {len(tables)} tables, circuit.html and circuit.json to {out}")
+    print(f"circuit: {len(tables['circuit'])} edges; recovered fraction of {args.metric}: "
+          + ", ".join(f"{a} {v:.3f}" for a, v in zip(f["ablation"], f["faithfulness"])))
+    return 0
+
+
+def _circuits_benchmark(args: argparse.Namespace) -> int:
+    """The ground-truth suite: run_benchmark's table, MIB curves/CPR/CMD and the faithfulness figure."""
+    from interp_norm.circuits.benchmark import run_benchmark, run_benchmark_mib
+    from interp_norm.io import write_atomic, write_tables
+    from interp_norm.plots import plot_faithfulness
+
+    out = prepare_out(args.out or "circuits-benchmark", BENCHMARK_FILES, args.force)
+    mib_methods = [m for m in args.methods if m != "pruning"]  # pruning selects a circuit, it ranks no edges
+    table = run_benchmark(args.models, args.methods, n_pairs=args.pairs, seed=args.seed, ig_steps=args.ig_steps,
+                          rel_threshold=args.threshold)
+    mib = run_benchmark_mib(args.models, mib_methods, n_pairs=args.pairs, seed=args.seed, ig_steps=args.ig_steps)
+    write_tables(out, {"benchmark": table, "mib_curve": mib["curve"], "mib_summary": mib["summary"]})
+    fig = plot_faithfulness(mib["curve"], mib["summary"])
+    write_atomic(out / "faithfulness.html", lambda p: fig.write_html(p, include_plotlyjs=True))
+    auc = table.pivot_table(index=["model", "method"], columns="level", values="auroc", sort=False)
+    print(f"wrote benchmark.csv, mib_curve.csv, mib_summary.csv and faithfulness.html to {out}")
+    print("AUROC against the ground truth (node, edge):")
+    print(auc.round(3).to_string())
+    return 0
+
+
+def write_circuit_tables(out: Path, tables: dict, n_layers: int, n_heads: int) -> None:
+    """One CSV per table of ``run_circuits``, the circuit as ``circuit.html`` (plotly, offline) and ``circuit.json``."""
+    import math
+
+    from interp_norm.io import write_atomic, write_json, write_tables
+    from interp_norm.plots import plot_circuit_graph
+
+    write_tables(out, tables)
+    edges = tables["circuit"]
+    fig = plot_circuit_graph(edges, n_layers=n_layers, n_heads=n_heads)
+    write_atomic(out / "circuit.html", lambda p: fig.write_html(p, include_plotlyjs=True))
+    scores = [None if s is None or math.isnan(s) else float(s) for s in edges["score"]]
+    write_json(out / "circuit.json", dict(n_layers=n_layers, n_heads=n_heads, edges=[
+        dict(sender=u, receiver=r, score=s) for u, r, s in zip(edges["sender"], edges["receiver"], scores)
+    ]))
+
+
+# ----------------------------------------------------------------------------- noise and collapse
+
+
+def _noise_common_args(p: argparse.ArgumentParser, default_levels: Sequence[float], default_n: int) -> None:
+    p.add_argument("ckpt", help=MODEL_HELP)
+    out_args(p, "the CSV tables")
+    p.add_argument("--levels", type=nonnegative_float, nargs="+", default=list(default_levels),
+                   help="noise levels: the RMS of κ in the factor (1+κ) on the q/k/v norms")
+    p.add_argument("--split", default="id", choices=SPLITS, help="split the problems are drawn from")
+    p.add_argument("--n-examples", type=positive_int, default=default_n, help="problems per dataset")
+    p.add_argument("--placement", default="before_norm", choices=["before_norm", "after_norm"],
+                   help="for QK/QKV-Norm models: noise before the norm (removed by it) or after it")
+    p.add_argument("--distribution", default="uniform", choices=["uniform", "normal"], help="distribution of κ")
+    p.add_argument("--seed", type=int, default=0, help="seed of the problems and the noise")
+    hf_args(p)
+    progress_arg(p)
+
+
+def _noise_args(p: argparse.ArgumentParser) -> None:
+    from interp_norm.noise import DEFAULT_NOISE_LEVELS  # the defaults shown in --help are the module's
+
+    _noise_common_args(p, DEFAULT_NOISE_LEVELS, 512)
+    p.add_argument("--n-datasets", type=positive_int, default=3, help="independent datasets for the standard error")
+
+
+@command("noise", help="per-token accuracy under multiplicative norm noise (the paper's noise-sensitivity sweep)",
+         add_arguments=_noise_args, flags=dict(levels="--levels"))
+def _noise(args: argparse.Namespace) -> int:
+    from interp_norm.io import write_csv
+    from interp_norm.noise import run_noise
+
+    out = prepare_out(args.out, ["noise_accuracy.csv"], args.force)
+    model, info = load_model_spec(args.ckpt)
+    if info is None:  # a Hugging Face model: agreement with its clean next-token prediction on text
+        text_agreement = bridge_analysis("text_agreement")
+        df = text_agreement(model, hf_tokens(model, args), args.levels)
+        write_csv(out / "noise_accuracy.csv", df)
+        print(df.to_string(index=False))
+        print(f"wrote {out / 'noise_accuracy.csv'}")
+        return 0
+    df = run_noise(model, info.task, args.levels, split=args.split, n_datasets=args.n_datasets,
+                   n_examples=args.n_examples, placement=args.placement, distribution=args.distribution,
+                   seed=args.seed, progress=not args.no_progress)
+    write_csv(out / "noise_accuracy.csv", df)
+    print(df.to_string(index=False))
+    print(f"wrote {out / 'noise_accuracy.csv'}")
+    return 0
+
+
+def _collapse_args(p: argparse.ArgumentParser) -> None:
+    from interp_norm.noise import DEFAULT_COLLAPSE_LEVELS
+
+    _noise_common_args(p, DEFAULT_COLLAPSE_LEVELS, 256)
+
+
+#: Table names shared with ``interp-norm reproduce``.
+COLLAPSE_FILES = ("collapse.csv", "collapse_thresholds.csv")
+
+
+@command("collapse", help="circuit-collapse probability vs noise, measured and predicted by the theory",
+         add_arguments=_collapse_args, flags=dict(levels="--levels"))
+def _collapse(args: argparse.Namespace) -> int:
+    from interp_norm.io import write_csv
+    from interp_norm.noise import collapse_thresholds, run_collapse
+
+    out = prepare_out(args.out, COLLAPSE_FILES, args.force)
+    model, info = load_model_spec(args.ckpt)
+    if info is None:  # a Hugging Face model: collapse from its clean scores on text
+        bridge_collapse = bridge_analysis("bridge_collapse")
+        curves = bridge_collapse(model, hf_tokens(model, args), args.levels)
+        write_csv(out / COLLAPSE_FILES[0], curves)
+        print(curves.to_string(index=False))
+        print(f"wrote {out / COLLAPSE_FILES[0]}")
+        return 0
+    curves = run_collapse(model, info.task, args.levels, split=args.split, n_examples=args.n_examples,
+                          placement=args.placement, distribution=args.distribution, seed=args.seed,
+                          progress=not args.no_progress)
+    thresholds = collapse_thresholds(curves)
+    write_csv(out / COLLAPSE_FILES[0], curves)
+    write_csv(out / COLLAPSE_FILES[1], thresholds)
+    shown, notes = threshold_display(thresholds, curves)
+    print("noise level at which 1% of sparse attention rows collapse:")
+    print(shown.to_string(index=False))
+    for note in notes:
+        print(note)
+    print(f"wrote {out / COLLAPSE_FILES[0]} and {out / COLLAPSE_FILES[1]}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- geometry
+
+
+def _geometry_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ckpt", help=MODEL_HELP)
+    out_args(p, "the CSV tables geometry_*.csv")
+    p.add_argument("--n", type=positive_int, default=256, help="problems analysed")
+    p.add_argument("--split", default="id", choices=SPLITS, help="split the problems are drawn from")
+    p.add_argument("--seed", type=int, default=0, help="seed of the problems")
+    hf_args(p)
+    progress_arg(p)
+
+
+@command("geometry", help="norm spread, orthogonal spheres, subspace angles, interference, sparsity, LayerNorm ellipsoids",
+         add_arguments=_geometry_args, flags=dict(n="--n"))
+def _geometry(args: argparse.Namespace) -> int:
+    from interp_norm.geometry import geometry_summary, run_geometry
+    from interp_norm.io import write_tables
+
+    out = prepare_out(args.out, ["geometry_*.csv"], args.force)
+    model, info = load_model_spec(args.ckpt)
+    if info is None:  # a Hugging Face model: every norm's ellipsoid, sparsity and norm spread on text
+        results = run_geometry(model, tokens=hf_tokens(model, args), progress=not args.no_progress)
+    else:
+        results = run_geometry(model, info.task, n=args.n, split=args.split, seed=args.seed,
+                               progress=not args.no_progress)
+    write_tables(out, {f"geometry_{name}": df for name, df in results.items()})
+    print(geometry_summary(results, per_layer=False).to_string(index=False))
+    print(f"wrote {len(results)} tables geometry_*.csv to {out}")
+    return 0

@@ -1,0 +1,162 @@
+"""Subcommands that make and list models: ``train``, ``evaluate``, ``list``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from interp_norm.cli._support import (
+    CKPT_HELP,
+    SPLITS,
+    command,
+    load_ours,
+    nonnegative_float,
+    positive_int,
+    prepare_out,
+    progress_arg,
+)
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True,
+                   help="run folder (checkpoints step-*/ and LATEST); an existing run is continued with --resume, "
+                        "never overwritten")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its last checkpoint, with its saved options unless given here")
+    p.add_argument("--preset", choices=["cpu", "paper"],
+                   help="model, task and training recipe together (default: cpu, or the saved run's on --resume)")
+    p.add_argument("--model-preset", choices=["tiny", "cpu", "paper"], help="override the model preset (default: --preset)")
+    p.add_argument("--task-preset", choices=["cpu", "paper"], help="override the task preset (default: --preset)")
+    p.add_argument("--attn-norm", choices=["pre", "qkv", "qk", "none"],
+                   help="where attention normalises: Pre-Norm, QKV-Norm, QK-Norm or none (default: pre)")
+    p.add_argument("--norm-kind", choices=["rms", "ln"], help="RMSNorm or LayerNorm (default: rms)")
+    p.add_argument("--seed", type=int, help="seeds both the model init and the data stream (default: the preset's)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: the preset's)")
+    p.add_argument("--threads", type=positive_int,
+                   help="torch CPU threads for training; results are reproducible for a given thread count "
+                        "(default: the training config's)")
+    p.add_argument("--steps", type=positive_int, help="total optimizer steps (overrides --epochs; default: the preset's)")
+    p.add_argument("--epochs", type=positive_int, help="number of epochs (default: the preset's)")
+    p.add_argument("--steps-per-epoch", type=positive_int, help="optimizer steps per epoch (default: the preset's)")
+    p.add_argument("--batch-size", type=positive_int, help="problems per optimizer step (default: the preset's)")
+    p.add_argument("--lr", type=float, help="peak learning rate of AdamW (default: the preset's)")
+    p.add_argument("--grad-clip", type=nonnegative_float, help="gradient-norm clip, 0 = none (default: the preset's)")
+    p.add_argument("--log-every", type=positive_int, help="steps between training-curve rows (default: the preset's)")
+    p.add_argument("--eval-every", type=positive_int, help="steps between held-out evaluations (default: the preset's)")
+    p.add_argument("--eval-size", type=positive_int, help="problems per split in those evaluations (default: the preset's)")
+    p.add_argument("--final-eval-size", type=positive_int,
+                   help="problems per split in the final evaluation (default: the preset's)")
+    p.add_argument("--checkpoint-every", type=positive_int, help="steps between checkpoints (default: the preset's)")
+    progress_arg(p)
+
+
+@command("train", help="train a model (resumable; checkpoints into --out)", add_arguments=_train_args,
+         flags=dict(max_steps="--steps", n_epochs="--epochs", lr="--lr", seed="--seed", device="--device",
+                    attn_norm="--attn-norm", norm_kind="--norm-kind", threads="--threads"))
+def _train(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import pandas as pd
+
+    from interp_norm.checkpoints import latest_checkpoint, read_checkpoint_info
+    from interp_norm.io import ensure_writable_dir
+    from interp_norm.model import ModelConfig
+    from interp_norm.task import AdditionTask
+    from interp_norm.train import TrainConfig, resolve_device, train
+
+    # --resume without options continues with the saved ones; options given here must agree
+    # with them (train() says which differ), except those that cannot change the weights.
+    saved = None
+    if args.resume and Path(args.out).is_dir() and latest_checkpoint(args.out) is not None:
+        saved = read_checkpoint_info(args.out, verify=False)
+    reuse = saved is not None and args.preset is None
+    preset = args.preset or "cpu"
+    model_changes = {k: v for k, v in dict(attn_norm=args.attn_norm, norm_kind=args.norm_kind, seed=args.seed).items()
+                     if v is not None}
+    if reuse and args.model_preset is None:
+        model_cfg = saved.model_cfg.replace(**model_changes)
+    else:
+        model_cfg = ModelConfig.preset(args.model_preset or preset, **model_changes)
+    task = saved.task if reuse and args.task_preset is None else AdditionTask.preset(args.task_preset or preset)
+    overrides = {
+        k: v for k, v in dict(
+            max_steps=args.steps, n_epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
+            batch_size=args.batch_size, lr=args.lr, device=args.device, log_every=args.log_every,
+            eval_every=args.eval_every, eval_size=args.eval_size, final_eval_size=args.final_eval_size,
+            checkpoint_every=args.checkpoint_every, seed=args.seed,
+        ).items() if v is not None
+    }
+    if args.grad_clip is not None:
+        overrides["grad_clip"] = args.grad_clip or None
+    if args.threads is not None:
+        if "threads" in {f.name for f in dataclasses.fields(TrainConfig)}:
+            overrides["threads"] = args.threads  # recorded in the checkpoint; train() sets torch's threads
+        else:
+            # Until TrainConfig has its `threads` field (persist branch), the thread count is set here
+            # for this process only and not recorded in the checkpoint. Remove after the merge.
+            import torch
+
+            torch.set_num_threads(args.threads)
+    if reuse and saved.train_cfg is not None:
+        train_cfg = saved.train_cfg.replace(**overrides)
+    else:
+        train_cfg = TrainConfig.preset(preset, **{"seed": model_cfg.seed, **overrides})
+    resolve_device(train_cfg.device)  # hardware and output folder are checked before any work
+    ensure_writable_dir(args.out)
+    train(model_cfg, task, train_cfg, args.out, resume=args.resume, progress=not args.no_progress)
+    info = read_checkpoint_info(args.out)
+    print(f"trained {info.step} steps; checkpoint: {info.path}")
+    print(pd.DataFrame(info.metrics.get("evaluation", [])).to_string(index=False))
+    return 0
+
+
+# ----------------------------------------------------------------------------- evaluate
+
+
+def _evaluate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ckpt", help=CKPT_HELP)
+    p.add_argument("--size", type=positive_int, default=2048, help="problems per split")
+    p.add_argument("--seed", type=int, default=1234, help="test-set seed")
+    p.add_argument("--splits", nargs="+", default=list(SPLITS), choices=SPLITS, help="splits to evaluate")
+    p.add_argument("--batch-size", type=positive_int, default=512, help="problems per forward pass")
+    p.add_argument("--no-exact-match", action="store_true", help="skip greedy generation (faster)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    p.add_argument("--out", help="also write evaluation.csv into this folder (default: print only)")
+    p.add_argument("--force", action="store_true", help="overwrite evaluation.csv already in --out")
+    progress_arg(p)
+
+
+@command("evaluate", help="per-token and exact-match accuracy of a checkpoint per split", add_arguments=_evaluate_args)
+def _evaluate(args: argparse.Namespace) -> int:
+    from interp_norm.evaluate import evaluate
+    from interp_norm.io import write_csv
+    from interp_norm.train import resolve_device
+
+    out = prepare_out(args.out, ["evaluation.csv"], args.force) if args.out is not None else None
+    resolve_device(args.device)
+    model, info = load_ours(args.ckpt, "evaluate", device=args.device)
+    df = evaluate(model, info.task, splits=args.splits, size=args.size, seed=args.seed,
+                  batch_size=args.batch_size, exact_match=not args.no_exact_match, progress=not args.no_progress)
+    df.insert(0, "checkpoint", args.ckpt)
+    print(df.to_string(index=False))
+    if out is not None:
+        print(f"wrote {write_csv(out / 'evaluation.csv', df)}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- list
+
+
+@command("list", help="list the pretrained checkpoints shipped in data/checkpoints")
+def _list(args: argparse.Namespace) -> int:
+    from interp_norm.checkpoints import list_pretrained, pretrained_dir
+
+    df = list_pretrained()
+    if df.empty:
+        print(f"no pretrained checkpoints in {pretrained_dir()} (set INTERP_NORM_DATA to another data folder)")
+    else:
+        print(df.drop(columns=["path"]).to_string(index=False))
+    return 0
