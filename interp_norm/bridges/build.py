@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from interp_norm.bridges.describe import ArchitectureError
+from interp_norm.errors import ArchitectureError
 
 #: Architectures :func:`tiny_hf_model` can build, with what they exercise.
 ARCHITECTURES: dict[str, str] = {
