@@ -52,6 +52,7 @@ _EXPORTS = {
     "HeadNoise": "noise", "seeded_sampler": "noise", "effective_factors": "noise", "argmax_changes": "noise",
     "collapse_factors": "noise",
     "bridge_collapse": "collapse", "collapse_chunks": "collapse", "collapse_kappa": "collapse",
+    "text_agreement": "agreement",
     "sample_text": "text", "random_tokens": "text", "text_tokens": "text",
 }
 
