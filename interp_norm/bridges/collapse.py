@@ -118,37 +118,55 @@ def _cap(x: Tensor, softcap: Optional[float]) -> Tensor:
     return torch.tanh(x / softcap) * softcap if softcap else x
 
 
-def row_decisions(w: Tensor, fq: Tensor, fk_of: Any, softcap: Optional[float], strict_threshold: float,
-                  max_elements: int) -> tuple[Tensor, Tensor]:
+def row_decisions(w: Tensor, fq: Tensor, fk_at: Any, softcap: Optional[float], strict_threshold: float,
+                  max_elements: int, fk_range: tuple[float, float]) -> tuple[Tensor, Tensor]:
     """(loose, strict) [D, R] for clean rows ``w`` [R, K] (−inf masked) under factors ``fq`` [D, R]
-    and ``fk_of(d0, d1)`` -> [d1−d0, R, K], in blocks of draws of at most ``max_elements`` numbers.
+    and ``fk_at(d0, d1, keys)`` -> [d1−d0, R, keys.shape[1]] (key factors at key indices [R, k];
+    ``fk_at(draws, None, rows)`` -> [n, K]: all key factors of those (draw, row) pairs),
+    in blocks of draws of at most ``max_elements`` numbers.
 
     Noised row = fq·fk·w (first maximum wins, as ``torch.argmax``); strict also needs
-    softmax(cap(noised))[new top] ≥ ``strict_threshold`` (the cap is monotone: it never moves the argmax).
+    softmax(cap(noised))[new top] ≥ ``strict_threshold`` (the cap is monotone: it never moves the
+    argmax). Speed: with every factor positive and key factors within ``fk_range`` = (lo, hi), a
+    key with w_t < w_t*·lo/hi stays strictly below t* in every draw, so only the other keys
+    (in their original order, so ties resolve alike) are multiplied out.
     """
     R, K = w.shape
     D = fq.shape[0]
-    masked = torch.isneginf(w)
-    w0 = w.masked_fill(masked, 0.0)
-    minus_inf = torch.zeros_like(w).masked_fill(masked, -math.inf)
     tstar = w.argmax(-1)
+    wstar = w.gather(-1, tstar[:, None])
+    lo, hi = fk_range
+    keys = torch.arange(K).expand(R, K)
+    if lo > 0 and R and bool((fq > 0).all()) and bool((wstar > 0).all()):
+        cand = w >= wstar * (lo / hi)  # includes t*; masked (−inf) keys never qualify
+        k_eff = int(cand.sum(-1).max())
+        keys = torch.sort(torch.where(cand, keys, K + keys), -1).values[:, :k_eff]  # candidates first, in order
+        valid = keys < K
+        keys = torch.where(valid, keys, torch.zeros_like(keys))
+        wc = torch.where(valid, w.gather(-1, keys), torch.full_like(keys, -math.inf, dtype=w.dtype))
+    else:
+        wc = w
+    masked = torch.isneginf(wc)
+    w0 = wc.masked_fill(masked, 0.0)
+    minus_inf = torch.zeros_like(wc).masked_fill(masked, -math.inf)
+    tstar_c = wc.argmax(-1)
     loose = torch.zeros(D, R, dtype=torch.bool)
     strict = torch.zeros(D, R, dtype=torch.bool)
-    step = max(1, max_elements // max(1, R * K))
+    step = max(1, max_elements // max(1, R * wc.shape[1]))
     for d0 in range(0, D, step):
         d1 = min(D, d0 + step)
-        noised = fk_of(d0, d1).mul_(w0).mul_(fq[d0:d1, :, None]).add_(minus_inf)
-        top, arg = noised.max(-1)
-        lo = arg != tstar
-        loose[d0:d1] = lo
-        hit = lo.nonzero(as_tuple=True)
-        if hit[0].numel():
-            capped = _cap(noised[hit], softcap)
-            p_top = torch.exp(_cap(top[hit], softcap) - torch.logsumexp(capped, -1))
-            s = torch.zeros_like(lo)
-            s[hit] = p_top >= strict_threshold
-            strict[d0:d1] = s
+        noised = fk_at(d0, d1, keys).mul_(w0).mul_(fq[d0:d1, :, None]).add_(minus_inf)
+        lo_ = noised.argmax(-1) != tstar_c
+        loose[d0:d1] = lo_
         del noised
+        dd, rr = lo_.nonzero(as_tuple=True)
+        if dd.numel():  # strict needs the whole noised softmax, only where the argmax moved
+            fk_rows = fk_at(d0 + dd, None, rr)  # [hits, K]: every key of each moved (draw, row)
+            row = (w.masked_fill(torch.isneginf(w), 0.0)[rr] * fk_rows * fq[d0 + dd, rr, None]).masked_fill(
+                torch.isneginf(w[rr]), -math.inf)
+            capped = _cap(row, softcap)
+            p_top = torch.exp(capped.max(-1).values - torch.logsumexp(capped, -1))
+            strict[d0 + dd, rr] = p_top >= strict_threshold
     return loose, strict
 
 
@@ -237,14 +255,18 @@ def collapse_chunks(
             rows = torch.stack([rb, gh, rq], -1)
             loose = torch.zeros(len(levels), draws, len(rb), dtype=torch.bool)
             strict = torch.zeros_like(loose)
+            kvh = kv_of[gh]
             for i, (fq, fk) in enumerate(f):
                 fq_rows = fq[:, rb, rq, gh]  # [D, R]
-                kvh = kv_of[gh]
 
-                def fk_of(d0: int, d1: int, fk: Tensor = fk) -> Tensor:
-                    return fk[d0:d1].permute(0, 1, 3, 2)[:, rb, kvh, :].clone()  # [d, R, n]
+                def fk_at(d0: Any, d1: Optional[int], keys: Tensor, fk: Tensor = fk) -> Tensor:
+                    if d1 is None:  # (draw, row) pairs d0, keys=rows: all keys
+                        return fk[d0, rb[keys]].permute(0, 2, 1)[torch.arange(len(keys)), kvh[keys]]
+                    return fk[d0:d1, rb[:, None], keys, kvh[:, None]]  # [d, R, k]
 
-                loose[i], strict[i] = row_decisions(w, fq_rows, fk_of, la.softcap, strict_threshold, max_elements)
+                fk_range = (float(fk.min()), float(fk.max())) if fk.numel() else (1.0, 1.0)
+                loose[i], strict[i] = row_decisions(w, fq_rows, fk_at, la.softcap, strict_threshold, max_elements,
+                                                    fk_range)
             yield ChunkCollapse(l, heads, levels, rows, w, loose, strict, kind, la.softcap)
 
 
