@@ -259,12 +259,16 @@ def collapse_chunks(
             for i, (fq, fk) in enumerate(f):
                 fq_rows = fq[:, rb, rq, gh]  # [D, R]
 
-                def fk_at(d0: Any, d1: Optional[int], keys: Tensor, fk: Tensor = fk) -> Tensor:
-                    if d1 is None:  # (draw, row) pairs d0, keys=rows: all keys
-                        return fk[d0, rb[keys]].permute(0, 2, 1)[torch.arange(len(keys)), kvh[keys]]
-                    return fk[d0:d1, rb[:, None], keys, kvh[:, None]]  # [d, R, k]
+                fkp = fk.permute(0, 1, 3, 2).reshape(fk.shape[0], -1)  # [D, b·H_kv·n]: flat gathers are fast
+                base = (rb * la.n_kv_heads + kvh) * n  # [R]: where each row's key factors start
 
-                fk_range = (float(fk.min()), float(fk.max())) if fk.numel() else (1.0, 1.0)
+                def fk_at(d0: Any, d1: Optional[int], keys: Tensor, fkp: Tensor = fkp) -> Tensor:
+                    if d1 is None:  # (draw, row) pairs d0, keys=rows: all keys
+                        return fkp[d0[:, None], base[keys][:, None] + torch.arange(n)]
+                    flat = (base[:, None] + keys).reshape(-1)
+                    return fkp[d0:d1].index_select(1, flat).view(d1 - d0, *keys.shape)  # [d, R, k]
+
+                fk_range = (float(fkp.min()), float(fkp.max())) if fkp.numel() else (1.0, 1.0)
                 loose[i], strict[i] = row_decisions(w, fq_rows, fk_at, la.softcap, strict_threshold, max_elements,
                                                     fk_range)
             yield ChunkCollapse(l, heads, levels, rows, w, loose, strict, kind, la.softcap)
