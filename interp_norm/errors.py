@@ -56,6 +56,11 @@ class GeometryError(InterpNormError, ValueError):
     """A geometry analysis got degenerate input (zero norm gains, empty subspaces, no tokens left)."""
 
 
+class ArchitectureError(ConfigError):
+    """A model's attention cannot be described: a norm, hook or scale is missing or ambiguous
+    (raised by :mod:`interp_norm.bridges` for Hugging Face models it cannot read safely)."""
+
+
 __all__ = [
     "InterpNormError",
     "ProblemStringError",
@@ -68,4 +73,5 @@ __all__ = [
     "TrainingDivergedError",
     "OutputDirError",
     "GeometryError",
+    "ArchitectureError",
 ]

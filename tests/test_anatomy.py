@@ -150,3 +150,13 @@ def test_attention_mask_causal_and_sliding_window():
     s = torch.randn(1, 2, 6, 6)
     p = masked_softmax(s, m)
     assert torch.allclose(p.sum(-1), torch.ones(1, 2, 6)) and (p[..., ~m] == 0).all()
+
+
+def test_architecture_error_lives_in_errors_and_is_a_config_error():
+    import interp_norm.bridges as B
+    from interp_norm import errors
+
+    assert B.ArchitectureError is errors.ArchitectureError
+    assert issubclass(errors.ArchitectureError, ConfigError) and issubclass(errors.ArchitectureError, ValueError)
+    for name in B._EXPORTS:  # every public name resolves to its module's object
+        assert getattr(B, name) is not None

@@ -2,11 +2,11 @@
 
 The foundation of issue 12: the analyses (noise, collapse, geometry) call these after the merge.
 
-* :func:`anatomy` (``describe``, ``bridge_anatomy``): per layer, where q, k, v sit before/after
+* :func:`anatomy` (``model_anatomy``; types in ``describe``, bridges in ``bridge_anatomy``): per layer, where q, k, v sit before/after
   their norms and RoPE, the norm's kind/axis/gain, the score scale, grouped k/v heads, sliding
   windows, Gemma 4's KV sharing, and whether ``hook_attn_scores`` can be trusted.
-* :func:`attention_scores` / :func:`verify_scores` (``scores``): scores rebuilt from q and k, and
-  the acceptance check softmax(masked scores) == ``hook_pattern``.
+* :func:`attention_scores` / :func:`verify_scores` (``scores``, maths in ``rebuild``): scores rebuilt
+  from q and k, and the acceptance check softmax(masked scores) == ``hook_pattern``.
 * :func:`tiny_hf_model` / :func:`bridge_from_hf` / :func:`tiny_bridge` (``build``): offline tiny models.
 * :func:`load_model` (``loading``): our checkpoints, a ``save_pretrained`` folder, or a cached HF name.
 * :class:`HeadNoise`, :func:`effective_factors`, :func:`argmax_changes` (``noise``): per-head
@@ -28,7 +28,12 @@ clean scores == brute-force re-runs.
                                                                                        sharing, k = v layers
   ours          any of 4    RMS/LN per head, gain            model's pre-softmax       calibration included
 
-Submodules load lazily (PEP 562): ``import interp_norm.bridges`` imports none of them.
+Modules, lowest first (imports only go down): ``_common`` (layouts, HF originals) -> ``describe``
+(types, norm identification, our models) -> ``rebuild`` (scores given an anatomy) ->
+``bridge_anatomy`` -> ``model_anatomy`` (:func:`anatomy`, cached) -> ``scores``, ``noise``,
+``collapse``, ``agreement`` (functions defaulting ``anat=anatomy(model)``). ``ArchitectureError``
+lives in :mod:`interp_norm.errors`. Submodules load lazily (PEP 562): ``import interp_norm.bridges``
+imports none of them.
 """
 
 from __future__ import annotations
@@ -38,14 +43,16 @@ from typing import Any
 
 _EXPORTS = {
     "ArchitectureError": "describe", "NormSpec": "describe", "LayerAnatomy": "describe", "Anatomy": "describe",
-    "anatomy": "describe", "identify_norm": "describe",
+    "anatomy": "model_anatomy", "identify_norm": "describe",
     "canonical": "scores", "attention_mask": "scores", "masked_softmax": "scores", "query_key": "scores",
     "attention_scores": "scores", "verify_scores": "scores",
     "ARCHITECTURES": "build", "tiny_config": "build", "tiny_hf_model": "build", "bridge_from_hf": "build",
-    "tiny_bridge": "build", "tiny_gemma4_conditional": "build",
+    "tiny_bridge": "build", "tiny_gemma4_conditional": "build", "sharpen": "build",
     "load_model": "loading", "load_hf_model": "loading", "folder_kind": "loading",
     "HeadNoise": "noise", "seeded_sampler": "noise", "effective_factors": "noise", "argmax_changes": "noise",
     "collapse_factors": "noise",
+    "bridge_collapse": "collapse", "collapse_chunks": "collapse", "collapse_kappa": "collapse",
+    "text_agreement": "agreement",
     "sample_text": "text", "random_tokens": "text", "text_tokens": "text",
 }
 

@@ -13,7 +13,7 @@ their gain's shape), the block's ``ln1``/``ln1_post`` norms, and the hooks on ea
 
 Then one probe forward (random ids, a length that is no head count) fixes each hook's layout,
 drops hooks that exist but never fire, checks every "normed" hook against norm(raw hook), and
-checks the rebuilt scores against the pattern (:func:`interp_norm.bridges.scores.verify_anatomy`).
+checks the rebuilt scores against the pattern (:func:`interp_norm.bridges.rebuild.verify_anatomy`).
 """
 
 from __future__ import annotations
@@ -24,32 +24,18 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
+from interp_norm.bridges._common import canonical, is_bridge, original
 from interp_norm.bridges.describe import (
     TARGETS,
     Anatomy,
-    ArchitectureError,
     LayerAnatomy,
     NormSpec,
     _computes_a_norm,
     _module_path,
     identify_norm,
 )
-
-
-def is_bridge(model: Any) -> bool:
-    try:
-        from transformer_lens.model_bridge import TransformerBridge
-    except ImportError:  # pragma: no cover - TL 4 is a dependency
-        return False
-    return isinstance(model, TransformerBridge)
-
-
-def original(component: Any) -> Optional[nn.Module]:
-    """The HF module a bridge component wraps (or the module itself if it is not a bridge)."""
-    if component is None:
-        return None
-    orig = getattr(component, "_modules", {}).get("_original_component")
-    return orig if orig is not None else component
+from interp_norm.bridges.rebuild import verify_anatomy
+from interp_norm.errors import ArchitectureError
 
 
 def _hook(component: Any, attr: str) -> Optional[str]:
@@ -234,8 +220,6 @@ def _layout(shape: tuple[int, ...], n: int, heads: int, d_head: int) -> Optional
 
 def _check_norm_hooks(la: LayerAnatomy, mods: dict[str, nn.Module], cache: Any) -> None:
     """Every normed hook must hold norm(raw hook): catches a hook that is not what its name says."""
-    from interp_norm.bridges.scores import canonical
-
     for t, mod in mods.items():
         heads = la.n_heads_of(t)
         raw = canonical(cache[la.hooks[t]], la.layouts[t], heads, la.d_head)
@@ -253,8 +237,6 @@ def _check_norm_hooks(la: LayerAnatomy, mods: dict[str, nn.Module], cache: Any) 
 
 def bridge_anatomy(model: Any, strict: bool = True) -> Anatomy:
     """The :class:`Anatomy` of a TransformerBridge (module docstring)."""
-    from interp_norm.bridges.scores import verify_anatomy
-
     blocks = getattr(model, "blocks", None)
     if blocks is None or len(blocks) == 0:
         raise ArchitectureError(f"{type(model).__name__} has no 'blocks'; is it a decoder-only TransformerBridge?")

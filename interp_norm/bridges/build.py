@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from interp_norm.bridges.describe import ArchitectureError
+from interp_norm.errors import ArchitectureError
 
 #: Architectures :func:`tiny_hf_model` can build, with what they exercise.
 ARCHITECTURES: dict[str, str] = {
@@ -86,8 +86,39 @@ def _reinit(model: nn.Module, seed: int) -> None:
                 p.add_(0.2 * torch.randn(p.shape, generator=g))
 
 
-def tiny_hf_model(arch: str, *, seed: int = 0, reinit: bool = True, **config_kw: Any) -> nn.Module:
-    """A tiny random ``*ForCausalLM`` (eager attention, eval mode) of ``arch``, seeded."""
+def sharpen(hf_model: nn.Module, factor: float) -> nn.Module:
+    """Multiply every attention's score factor (``scaling``) by ``factor``, in place.
+
+    Random weights give diffuse attention, so a collapse experiment on them has almost no sparse
+    rows; a sharper softmax gives the many near-one-hot rows trained models have. The HF eager
+    attention multiplies q·k by ``self.scaling``, which :func:`~interp_norm.bridges.anatomy` reads
+    and checks against the pattern, so the change is seen consistently (GPT-2: the query
+    projection is scaled instead, see below).
+    """
+    if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+        raise ArchitectureError(f"sharpen factor must be a positive number, got {factor!r}")
+    found = 0
+    for module in hf_model.modules():
+        if not (isinstance(getattr(module, "scaling", None), (int, float)) and hasattr(module, "layer_idx")):
+            continue
+        found += 1
+        c_attn, d = getattr(module, "c_attn", None), getattr(module, "embed_dim", None)
+        if c_attn is not None and isinstance(d, int):
+            # GPT-2: TransformerLens' bridge recomputes attention with 1/√d_head and ignores
+            # `scaling` (found by anatomy's pattern check), so scale the query projection instead
+            with torch.no_grad():
+                c_attn.weight[:, :d] *= factor
+                c_attn.bias[:d] *= factor
+        else:
+            module.scaling = float(module.scaling) * factor
+    if not found:
+        raise ArchitectureError(f"{type(hf_model).__name__} has no attention module with a numeric 'scaling'")
+    return hf_model
+
+
+def tiny_hf_model(arch: str, *, seed: int = 0, reinit: bool = True, sharpness: float = 1.0, **config_kw: Any) -> nn.Module:
+    """A tiny random ``*ForCausalLM`` (eager attention, eval mode) of ``arch``, seeded;
+    ``sharpness`` multiplies every attention's score factor (:func:`sharpen`)."""
     import transformers as tf
 
     cfg = tiny_config(arch, **config_kw)
@@ -99,6 +130,8 @@ def tiny_hf_model(arch: str, *, seed: int = 0, reinit: bool = True, **config_kw:
     model = cls(cfg)
     if reinit:
         _reinit(model, seed)
+    if sharpness != 1.0:
+        sharpen(model, sharpness)
     return model.eval()
 
 
@@ -151,9 +184,9 @@ def _tl_version() -> str:
     return version("transformer-lens")
 
 
-def tiny_bridge(arch: str, *, seed: int = 0, **config_kw: Any) -> Any:
+def tiny_bridge(arch: str, *, seed: int = 0, sharpness: float = 1.0, **config_kw: Any) -> Any:
     """:func:`tiny_hf_model` wrapped by :func:`bridge_from_hf`."""
-    return bridge_from_hf(tiny_hf_model(arch, seed=seed, **config_kw), name=f"tiny-{arch}")
+    return bridge_from_hf(tiny_hf_model(arch, seed=seed, sharpness=sharpness, **config_kw), name=f"tiny-{arch}")
 
 
-__all__ = ["ARCHITECTURES", "tiny_config", "tiny_hf_model", "tiny_gemma4_conditional", "bridge_from_hf", "tiny_bridge"]
+__all__ = ["ARCHITECTURES", "tiny_config", "tiny_hf_model", "sharpen", "tiny_gemma4_conditional", "bridge_from_hf", "tiny_bridge"]

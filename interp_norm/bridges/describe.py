@@ -1,7 +1,8 @@
-"""What a model's attention looks like: where q, k, v live before and after their norms.
+"""What a model's attention looks like: the anatomy types, norm identification, our models' anatomy.
 
-:func:`anatomy` describes every attention layer of our :class:`HookedNormTransformer` (from its
-config, :mod:`interp_norm.hooks` and its module tree) and of a TransformerLens 4
+:func:`~interp_norm.bridges.anatomy` (:mod:`interp_norm.bridges.model_anatomy`) describes every
+attention layer of our :class:`HookedNormTransformer` (:func:`own_anatomy`, from its config,
+:mod:`interp_norm.hooks` and its module tree) and of a TransformerLens 4
 ``TransformerBridge`` around a Hugging Face model (from the bridge's config and the wrapped HF
 module tree: the ``q_norm``/``k_norm``/``v_norm`` children of each attention, identified by what
 they compute, and their weight shapes). Nothing is read from a per-architecture table.
@@ -17,12 +18,12 @@ apart when the sequence length equals the head count. So :func:`anatomy` runs on
 sequence whose length differs from every head count, records which hooks fire and in which
 layout, checks that each "normed" hook really holds norm(q) of the raw hook, and checks that the
 scores it rebuilds from q and k reproduce the model's own attention pattern
-(:mod:`interp_norm.bridges.scores`). A model that fails gets an :class:`ArchitectureError`.
+(:mod:`interp_norm.bridges.rebuild`). A model that fails gets an :class:`ArchitectureError`
+(defined in :mod:`interp_norm.errors`, re-exported here).
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -31,22 +32,13 @@ import torch
 from torch import nn
 
 from interp_norm import hooks as H
-from interp_norm.errors import ConfigError
+from interp_norm.errors import ArchitectureError
 
 TARGETS = ("q", "k", "v")
 LAYOUTS = ("bphd", "bhpd", "flat")
 PLACEMENTS = ("pre", "qk", "qkv", "none")
 #: Hook keys of :attr:`LayerAnatomy.hooks` (values are full hook names, or None where absent).
 HOOK_KEYS = ("q", "k", "v", "q_normed", "k_normed", "v_normed", "q_rot", "k_rot", "attn_scores", "pattern", "z")
-
-
-class ArchitectureError(ConfigError):
-    """The model's attention cannot be described: a norm, hook or scale is missing or ambiguous.
-
-    Subclasses :class:`~interp_norm.errors.ConfigError` (so ``InterpNormError`` and ``ValueError``
-    handlers catch it); it lives here because ``errors.py`` belongs to the lead — move it there
-    at the merge.
-    """
 
 
 @dataclass(frozen=True)
@@ -234,7 +226,8 @@ def _module_path(model: nn.Module, module: nn.Module) -> str:
 # ----------------------------------------------------------------------------- our models
 
 
-def _own_anatomy(model: Any) -> Anatomy:
+def own_anatomy(model: Any) -> Anatomy:
+    """The :class:`Anatomy` of our :class:`HookedNormTransformer`, from its config and module tree."""
     cfg = model.cfg
     layers = []
     for l, block in enumerate(model.blocks):
@@ -266,38 +259,4 @@ def _own_anatomy(model: Any) -> Anatomy:
     return Anatomy("interp_norm", f"HookedNormTransformer[{cfg.attn_norm}]", tuple(layers))
 
 
-# ----------------------------------------------------------------------------- entry point
-
-_CACHE: "weakref.WeakKeyDictionary[nn.Module, Anatomy]" = weakref.WeakKeyDictionary()
-
-
-def anatomy(model: Any, *, strict: bool = True, refresh: bool = False) -> Anatomy:
-    """The :class:`Anatomy` of ``model`` (cached per model object; ``refresh=True`` re-derives it).
-
-    For a bridge this runs one probe forward (module docstring). ``strict`` raises
-    :class:`ArchitectureError` when the scores rebuilt from q and k do not reproduce the model's
-    pattern; ``strict=False`` records the error in ``pattern_error`` instead.
-    """
-    if not refresh and model in _CACHE:
-        result = _CACHE[model]
-        bad = [la.layer for la in result.layers if la.pattern_ok is False]
-        if strict and bad:
-            raise ArchitectureError(f"layers {bad}: the rebuilt scores do not reproduce the pattern (see anatomy(model, strict=False).table())")
-        return result
-    from interp_norm.bridges import bridge_anatomy as B
-    from interp_norm.model import HookedNormTransformer
-
-    if isinstance(model, HookedNormTransformer):
-        result = _own_anatomy(model)
-    elif B.is_bridge(model):
-        result = B.bridge_anatomy(model, strict)
-    else:
-        raise ArchitectureError(
-            f"cannot describe the attention of a {type(model).__name__}: pass a HookedNormTransformer or a "
-            "TransformerLens TransformerBridge (interp_norm.bridges.load_model / bridge_from_hf)"
-        )
-    _CACHE[model] = result
-    return result
-
-
-__all__ = ["ArchitectureError", "NormSpec", "LayerAnatomy", "Anatomy", "anatomy", "identify_norm", "TARGETS", "HOOK_KEYS"]
+__all__ = ["ArchitectureError", "NormSpec", "LayerAnatomy", "Anatomy", "identify_norm", "own_anatomy", "TARGETS", "HOOK_KEYS"]

@@ -24,8 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from interp_norm.bridges.describe import ArchitectureError
-from interp_norm.errors import CheckpointError, CheckpointNotFoundError
+from interp_norm.errors import ArchitectureError, CheckpointError, CheckpointNotFoundError
 
 
 def _hub_cache_dir() -> Optional[str]:

@@ -25,29 +25,32 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from interp_norm.bridges.describe import Anatomy, ArchitectureError, LayerAnatomy, anatomy
-from interp_norm.bridges.scores import canonical, from_canonical
-from interp_norm.errors import NoiseSpecError
+from interp_norm.bridges._common import canonical, from_canonical
+from interp_norm.bridges.describe import Anatomy, LayerAnatomy
+from interp_norm.bridges.model_anatomy import anatomy
+from interp_norm import theory
+from interp_norm.errors import ArchitectureError, NoiseSpecError
+from interp_norm.theory import NoiseLaw
 
 PLACEMENTS = ("before_norm", "after_norm")
 #: κ for (layer, target, shape [batch, pos, head], forward-pass count) -> Tensor of that shape.
 Sampler = Callable[[int, str, tuple, int], Tensor]
 
 
+def generator(*keys: int) -> torch.Generator:
+    """A CPU generator seeded from non-negative ints (NumPy's SeedSequence mixing)."""
+    state = np.random.SeedSequence([int(k) for k in keys]).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator().manual_seed(int(state) & 0x7FFF_FFFF_FFFF_FFFF)
+
+
 def seeded_sampler(level: float, seed: int = 0, distribution: str = "uniform") -> Sampler:
-    """κ = level·z, z of unit RMS (uniform on ±√3, or standard normal), seeded per (layer, target, pass)."""
-    if not (isinstance(level, (int, float)) and math.isfinite(level) and level >= 0):
-        raise NoiseSpecError(f"noise level must be a non-negative number, got {level!r}")
-    if distribution not in ("uniform", "normal"):
-        raise NoiseSpecError(f"distribution must be 'uniform' or 'normal', got {distribution!r}")
-    if distribution == "uniform" and level >= 1 / math.sqrt(3):
-        raise NoiseSpecError(f"uniform noise of level {level} can make 1+κ ≤ 0; use a level below 1/√3 ≈ 0.577")
+    """κ = level·z, z of unit RMS from :func:`interp_norm.theory.sample_kappa` (the one κ sampler),
+    seeded per (layer, target, pass): the same seed gives proportional κ at every level."""
+    law = NoiseLaw(level, distribution)  # validates level and distribution (NoiseSpecError)
 
     def draw(layer: int, target: str, shape: tuple, call: int) -> Tensor:
-        state = np.random.SeedSequence([int(seed), int(layer), "qkv".index(target), int(call)]).generate_state(1, dtype=np.uint64)[0]
-        g = torch.Generator().manual_seed(int(state) & 0x7FFF_FFFF_FFFF_FFFF)
-        z = (2 * torch.rand(shape, generator=g) - 1) * math.sqrt(3) if distribution == "uniform" else torch.randn(shape, generator=g)
-        return level * z
+        g = generator(seed, layer, "qkv".index(target), call)
+        return law.level * theory.sample_kappa(shape, g, law.distribution, 1.0, dtype=torch.float32)
 
     return draw
 

@@ -1,0 +1,55 @@
+"""Small helpers every bridges module needs: hook-tensor layouts and the HF module behind a component.
+
+They sit below :mod:`describe`, :mod:`rebuild` and :mod:`bridge_anatomy` so that none of those
+has to import another only for a layout conversion (the import graph stays acyclic).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import Tensor, nn
+
+from interp_norm.errors import ArchitectureError
+
+
+def canonical(x: Tensor, layout: str, heads: int, d_head: int) -> Tensor:
+    """A hook tensor in ``layout`` ("bphd", "bhpd", "flat") as [batch, pos, head, d_head]."""
+    if layout == "bphd":
+        return x
+    if layout == "bhpd":
+        return x.transpose(1, 2)
+    if layout == "flat":
+        return x.unflatten(-1, (heads, d_head))
+    raise ArchitectureError(f"unknown hook layout {layout!r}")
+
+
+def from_canonical(x: Tensor, layout: str) -> Tensor:
+    """Inverse of :func:`canonical`: [batch, pos, head, d_head] back to the hook's own layout."""
+    if layout == "bphd":
+        return x
+    if layout == "bhpd":
+        return x.transpose(1, 2)
+    if layout == "flat":
+        return x.flatten(-2)
+    raise ArchitectureError(f"unknown hook layout {layout!r}")
+
+
+def is_bridge(model: Any) -> bool:
+    """Whether ``model`` is a TransformerLens 4 ``TransformerBridge``."""
+    try:
+        from transformer_lens.model_bridge import TransformerBridge
+    except ImportError:  # pragma: no cover - TL 4 is a dependency
+        return False
+    return isinstance(model, TransformerBridge)
+
+
+def original(component: Any) -> Optional[nn.Module]:
+    """The HF module a bridge component wraps (or the module itself if it is not a bridge)."""
+    if component is None:
+        return None
+    orig = getattr(component, "_modules", {}).get("_original_component")
+    return orig if orig is not None else component
+
+
+__all__ = ["canonical", "from_canonical", "is_bridge", "original"]

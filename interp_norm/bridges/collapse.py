@@ -1,0 +1,394 @@
+"""Circuit collapse on any bridge, from one clean run, with the theory's prediction beside it.
+
+The paper's protocol (digest §3.6, :mod:`interp_norm.noise.collapse` for our models) on a Hugging
+Face model: a clean *sparse* row (max attention ≥ :data:`interp_norm.hooks.SPARSE_THRESHOLD`)
+collapses when multiplicative noise on q and k makes it pick another key ("loose"), and
+"strict"-ly when the new key also gets ≥ the threshold. Each layer is judged on its own clean
+inputs ("noise every layer independently"), so the model runs once.
+
+Why no re-run is needed, with RoPE and grouped heads: scaling q by 1+κ_q and k_t by 1+κ_t scales
+the score q_rot·k_rot by (1+κ_q)(1+κ_t) exactly, because the rotation is linear and acts on each
+vector alone; a grouped k/v head is noised once, and every query head reading it sees the same
+κ. Before a q/k norm the factor that survives is :func:`~interp_norm.bridges.effective_factors`
+(≈ 1 per head: the norm removes the noise; a mix of the heads' factors for OLMo-2's all-heads
+norm, which no :class:`~interp_norm.theory.NoiseLaw` describes, so its prediction is NaN).
+
+Memory: a real model's scores are large (batch · heads · pos² per layer), so the clean scores are
+rebuilt from the cached q and k one block of heads at a time, and the noised rows one block of
+draws at a time, each block holding at most ``max_elements`` numbers. What stays whole is O(pos):
+the cached q/k and the κ draws of one layer.
+
+The prediction is the theory's (:func:`interp_norm.theory.predicted_collapse_probability`, exact
+for "loose"; :func:`~interp_norm.theory.predicted_collapse_probability_strict`, a Monte Carlo) on
+the same clean rows, and κ comes from :func:`interp_norm.theory.sample_kappa`: agreement checks
+the code, not the theory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+import pandas as pd
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from interp_norm import theory
+from interp_norm.bridges._common import canonical
+from interp_norm.bridges.describe import Anatomy, LayerAnatomy
+from interp_norm.bridges.model_anatomy import anatomy
+from interp_norm.bridges.noise import PLACEMENTS, effective_factors, generator
+from interp_norm.bridges.rebuild import attention_mask, masked_softmax, rebuilt_query_key, scores_from_qk
+from interp_norm.errors import ArchitectureError, ConfigError, NoiseSpecError
+from interp_norm.hooks import SPARSE_THRESHOLD
+from interp_norm.theory import NoiseLaw
+
+DEFAULT_LEVELS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3)
+DEFAULT_MAX_ELEMENTS = 1 << 24  # 16M numbers per block: ≈ 128 MB in float64
+_STREAM = 0xB21C0  # seed stream of the collapse draws (distinct from HeadNoise's per-pass stream)
+
+
+# ----------------------------------------------------------------------------- noise draws
+
+
+def collapse_kappa(anat: Anatomy, layer: int, batch: int, pos: int, draws: int, seed: int = 0,
+                   distribution: str = "uniform") -> tuple[Tensor, Tensor]:
+    """Unit-RMS draws (z_q [draws, b, p, n_heads], z_k [draws, b, p, n_kv_heads]) of one layer;
+    κ = level · z at every level (common random numbers: curves are smooth in the level).
+
+    z_k is seeded by the layer whose keys are read (``kv_layer``), so a Gemma 4 KV-sharing layer
+    sees the κ of its source's keys. Public so a brute-force check can rebuild every κ.
+    """
+    la = anat[layer]
+    src = la.layer if la.kv_layer is None else la.kv_layer
+    z_q = theory.sample_kappa((draws, batch, pos, la.n_heads), generator(seed, _STREAM, layer, 0), distribution,
+                              dtype=torch.float32)
+    z_k = theory.sample_kappa((draws, batch, pos, la.n_kv_heads), generator(seed, _STREAM, src, 1), distribution,
+                              dtype=torch.float32)
+    return z_q, z_k
+
+
+def _factors(la: LayerAnatomy, target: str, kappa: Tensor, raw: Optional[Tensor], placement: str) -> Tensor:
+    """Factor [D, b, p, heads] (float64) that κ at ``placement`` leaves on the q or k the scores use."""
+    if placement == "after_norm" or la.norms.get(target) is None:
+        return 1.0 + kappa.to(torch.float64)
+    return effective_factors(la, target, kappa, raw)
+
+
+def theory_kind(la: LayerAnatomy, targets: Sequence[str], placement: str) -> str:
+    """How the theory models this layer's noise: "multiplicative" (factors 1+κ reach the scores),
+    "removed_by_norm" (per-head norms after the noise) or "not_modelled" (an all-heads norm mixes
+    the heads' factors)."""
+    if placement == "after_norm":
+        return "multiplicative"
+    normed = [la.norms.get(t) for t in targets if la.norms.get(t) is not None]
+    if not normed:
+        return "multiplicative"
+    if any(n.axis != "per_head" for n in normed):
+        return "not_modelled"
+    return "removed_by_norm" if len(normed) == len(targets) else "not_modelled"
+
+
+# ----------------------------------------------------------------------------- decisions
+
+
+@dataclass
+class ChunkCollapse:
+    """Per-draw decisions for the sparse rows of one (layer, block of query heads).
+
+    ``rows`` [R, 3] (batch, head, query) with the model's head index; ``scores`` [R, K] clean
+    scores before any soft cap (float64, masked keys −inf); ``loose``/``strict`` [levels, draws, R];
+    ``theory`` as :func:`theory_kind`; ``softcap`` the layer's cap or None.
+    """
+
+    layer: int
+    heads: tuple[int, ...]
+    levels: tuple[float, ...]
+    rows: Tensor
+    scores: Tensor
+    loose: Tensor
+    strict: Tensor
+    theory: str
+    softcap: Optional[float]
+
+
+def _cap(x: Tensor, softcap: Optional[float]) -> Tensor:
+    return torch.tanh(x / softcap) * softcap if softcap else x
+
+
+def row_decisions(w: Tensor, fq: Tensor, fk_at: Any, softcap: Optional[float], strict_threshold: float,
+                  max_elements: int, fk_range: tuple[float, float]) -> tuple[Tensor, Tensor]:
+    """(loose, strict) [D, R] for clean rows ``w`` [R, K] (−inf masked) under factors ``fq`` [D, R]
+    and ``fk_at(d0, d1, keys)`` -> [d1−d0, R, keys.shape[1]] (key factors at key indices [R, k];
+    ``fk_at(draws, None, rows)`` -> [n, K]: all key factors of those (draw, row) pairs),
+    in blocks of draws of at most ``max_elements`` numbers.
+
+    Noised row = fq·fk·w (first maximum wins, as ``torch.argmax``); strict also needs
+    softmax(cap(noised))[new top] ≥ ``strict_threshold`` (the cap is monotone: it never moves the
+    argmax). Speed: with every factor positive and key factors within ``fk_range`` = (lo, hi), a
+    key with w_t < w_t*·lo/hi stays strictly below t* in every draw, so only the other keys
+    (in their original order, so ties resolve alike) are multiplied out.
+    """
+    R, K = w.shape
+    D = fq.shape[0]
+    tstar = w.argmax(-1)
+    wstar = w.gather(-1, tstar[:, None])
+    lo, hi = fk_range
+    keys = torch.arange(K).expand(R, K)
+    if lo > 0 and R and bool((fq > 0).all()) and bool((wstar > 0).all()):
+        cand = w >= wstar * (lo / hi)  # includes t*; masked (−inf) keys never qualify
+        k_eff = int(cand.sum(-1).max())
+        keys = torch.sort(torch.where(cand, keys, K + keys), -1).values[:, :k_eff]  # candidates first, in order
+        valid = keys < K
+        keys = torch.where(valid, keys, torch.zeros_like(keys))
+        wc = torch.where(valid, w.gather(-1, keys), torch.full_like(keys, -math.inf, dtype=w.dtype))
+    else:
+        wc = w
+    masked = torch.isneginf(wc)
+    w0 = wc.masked_fill(masked, 0.0)
+    minus_inf = torch.zeros_like(wc).masked_fill(masked, -math.inf)
+    tstar_c = wc.argmax(-1)
+    loose = torch.zeros(D, R, dtype=torch.bool)
+    strict = torch.zeros(D, R, dtype=torch.bool)
+    step = max(1, max_elements // max(1, R * wc.shape[1]))
+    for d0 in range(0, D, step):
+        d1 = min(D, d0 + step)
+        noised = fk_at(d0, d1, keys).mul_(w0).mul_(fq[d0:d1, :, None]).add_(minus_inf)
+        lo_ = noised.argmax(-1) != tstar_c
+        loose[d0:d1] = lo_
+        del noised
+        dd, rr = lo_.nonzero(as_tuple=True)
+        if dd.numel():  # strict needs the whole noised softmax, only where the argmax moved
+            fk_rows = fk_at(d0 + dd, None, rr)  # [hits, K]: every key of each moved (draw, row)
+            row = (w.masked_fill(torch.isneginf(w), 0.0)[rr] * fk_rows * fq[d0 + dd, rr, None]).masked_fill(
+                torch.isneginf(w[rr]), -math.inf)
+            capped = _cap(row, softcap)
+            p_top = torch.exp(capped.max(-1).values - torch.logsumexp(capped, -1))
+            strict[d0 + dd, rr] = p_top >= strict_threshold
+    return loose, strict
+
+
+def _check(tokens: Any, levels: Any, draws: Any, targets: Any, placement: Any, distribution: str, max_elements: Any,
+           allowed: tuple[str, ...]) -> tuple[Tensor, tuple[float, ...], tuple[str, ...]]:
+    if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.is_floating_point() or tokens.shape[1] < 2:
+        raise ConfigError("tokens must be an integer tensor [batch, pos] with pos >= 2 (unpadded sequences)")
+    if isinstance(levels, (int, float)):
+        levels = (levels,)
+    levels = tuple(NoiseLaw(lv, distribution).level for lv in levels)  # validates each level (NoiseSpecError)
+    if not levels:
+        raise NoiseSpecError("levels is empty; pass at least one noise level")
+    for name, v in (("draws", draws), ("max_elements", max_elements)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise NoiseSpecError(f"{name} must be a positive integer, got {v!r}")
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    if not targets or any(t not in allowed for t in targets) or len(set(targets)) != len(targets):
+        raise NoiseSpecError(f"targets must be distinct names among {allowed}, got {targets!r}")
+    if placement not in PLACEMENTS:
+        raise NoiseSpecError(f"unknown placement {placement!r}; choose one of {PLACEMENTS}")
+    return tokens, levels, targets
+
+
+@torch.no_grad()
+def collapse_chunks(
+    model: Any, tokens: Tensor, levels: Sequence[float] = DEFAULT_LEVELS, *, draws: int = 64,
+    targets: Sequence[str] = ("q", "k"), placement: str = "before_norm", distribution: str = "uniform",
+    layers: Optional[Sequence[int]] = None, max_elements: int = DEFAULT_MAX_ELEMENTS, seed: int = 0,
+    sparse_threshold: float = SPARSE_THRESHOLD, strict_threshold: float = SPARSE_THRESHOLD,
+    progress: bool = False, anat: Optional[Anatomy] = None,
+) -> Iterator[ChunkCollapse]:
+    """Per (layer, block of query heads): the sparse rows and their decisions at every level and
+    draw (:class:`ChunkCollapse`), from one clean forward pass. Arguments as :func:`bridge_collapse`.
+
+    Rows counted: every (example, head, query) whose clean max attention (softmax of the rebuilt,
+    soft-capped, masked scores — verified equal to ``hook_pattern`` by :func:`anatomy`) is ≥
+    ``sparse_threshold``, except query 0, which has a single key and cannot collapse.
+    """
+    tokens, levels, targets = _check(tokens, levels, draws, targets, placement, distribution, max_elements, ("q", "k"))
+    anat = anat or anatomy(model)
+    if anat.kind != "bridge":
+        raise ArchitectureError("bridge_collapse is for TransformerBridges; for a HookedNormTransformer use "
+                                "interp_norm.noise.measure_collapse / run_collapse")
+    layers = list(range(anat.n_layers)) if layers is None else list(layers)
+    for l in layers:
+        anat[l]  # range check (ArchitectureError)
+    wanted = set()
+    for l in layers:
+        la = anat[l]
+        for t in ("q", "k"):
+            wanted.add(la.hooks[f"{t}_rot" if la.rope_from_hooks else la.used(t)])
+            if placement == "before_norm" and la.norms.get(t) is not None:
+                wanted.add(la.hooks[t])
+    device = getattr(model.cfg, "device", None) or "cpu"
+    _, cache = model.run_with_cache(tokens.to(device), names_filter=lambda name: name in wanted)
+    b, n = tokens.shape
+    for l in tqdm(layers, desc="collapse", disable=not progress):
+        la = anat[l]
+        q, k = rebuilt_query_key(model, cache, anat, l)
+        z_q, z_k = collapse_kappa(anat, l, b, n, draws, seed, distribution)
+        raw = {t: canonical(cache[la.hooks[t]], la.layouts.get(t, "bphd"), la.n_heads_of(t), la.d_head).cpu()
+               for t in ("q", "k") if placement == "before_norm" and la.norms.get(t) is not None}
+        f = []  # per level: (f_q [D, b, p, H], f_k [D, b, p, H_kv]) float64; O(pos), not O(pos²)
+        for level in levels:
+            kq = level * z_q if "q" in targets else torch.zeros_like(z_q)
+            kk = level * z_k if "k" in targets else torch.zeros_like(z_k)
+            f.append((_factors(la, "q", kq, raw.get("q"), placement), _factors(la, "k", kk, raw.get("k"), placement)))
+        mask = attention_mask(la, n, n, q.device)
+        mask_cpu = mask.cpu()
+        usable = mask_cpu.sum(-1) >= 2  # [query]: query 0 has one key
+        per_head = b * n * n
+        block = max(1, min(la.n_heads, max_elements // max(1, per_head)))
+        kind = theory_kind(la, targets, placement)
+        kv_of = torch.as_tensor(la.kv_head_of)
+        for h0 in range(0, la.n_heads, block):
+            heads = tuple(range(h0, min(la.n_heads, h0 + block)))
+            s = scores_from_qk(model, anat, l, q, k, heads=heads, softcap=False).cpu()  # [b, hc, n, n]
+            pattern = masked_softmax(_cap(s, la.softcap), mask_cpu)
+            sparse = theory.sparse_mask(pattern, sparse_threshold) & usable[None, None, :]
+            del pattern
+            rows = sparse.nonzero()  # (batch, head in block, query)
+            rb, rh, rq = rows.unbind(-1)
+            w = s[rb, rh, rq].to(torch.float64).masked_fill(~mask_cpu[rq], -math.inf)  # [R, n]
+            del s
+            gh = rh + h0
+            rows = torch.stack([rb, gh, rq], -1)
+            loose = torch.zeros(len(levels), draws, len(rb), dtype=torch.bool)
+            strict = torch.zeros_like(loose)
+            kvh = kv_of[gh]
+            for i, (fq, fk) in enumerate(f):
+                fq_rows = fq[:, rb, rq, gh]  # [D, R]
+
+                fkp = fk.permute(0, 1, 3, 2).reshape(fk.shape[0], -1)  # [D, b·H_kv·n]: flat gathers are fast
+                base = (rb * la.n_kv_heads + kvh) * n  # [R]: where each row's key factors start
+
+                def fk_at(d0: Any, d1: Optional[int], keys: Tensor, fkp: Tensor = fkp) -> Tensor:
+                    if d1 is None:  # (draw, row) pairs d0, keys=rows: all keys
+                        return fkp[d0[:, None], base[keys][:, None] + torch.arange(n)]
+                    flat = (base[:, None] + keys).reshape(-1)
+                    return fkp[d0:d1].index_select(1, flat).view(d1 - d0, *keys.shape)  # [d, R, k]
+
+                fk_range = (float(fkp.min()), float(fkp.max())) if fkp.numel() else (1.0, 1.0)
+                loose[i], strict[i] = row_decisions(w, fq_rows, fk_at, la.softcap, strict_threshold, max_elements,
+                                                    fk_range)
+            yield ChunkCollapse(l, heads, levels, rows, w, loose, strict, kind, la.softcap)
+
+
+def predict_chunk(chunk: ChunkCollapse, level: float, distribution: str, targets: Sequence[str],
+                  strict_threshold: float, strict_samples: int, gen: torch.Generator) -> tuple[Tensor, Tensor, float]:
+    """Per-row predicted (loose, strict) probabilities for one chunk at one level, and the strict
+    estimate's sample count (inf when exact or absent). NaN where the theory has no answer."""
+    R = len(chunk.rows)
+    zeros = torch.zeros(R, dtype=torch.float64)
+    law = NoiseLaw(level, distribution)
+    if law.level == 0 or R == 0:
+        return zeros, zeros, math.inf
+    if chunk.theory == "not_modelled":
+        return zeros + math.nan, zeros + math.nan, math.inf
+    if chunk.theory == "removed_by_norm":  # only a sign flip (1+κ < 0) would survive a per-head norm
+        p = zeros if law.prob_negative_factor < 1e-12 else zeros + math.nan
+        return p, p, math.inf
+    if "k" not in targets:  # query noise alone rescales the row; it reorders it only if 1+κ_q < 0
+        p = law.prob_negative_factor
+        return zeros + p, (zeros if p == 0 else zeros + math.nan), math.inf
+    query = "q" in targets
+    loose = theory.predicted_collapse_probability(chunk.scores, law, include_query_noise=query).to(torch.float64)
+    if strict_samples <= 0 or chunk.softcap:  # the theory's strict event has no soft cap
+        return loose, zeros + math.nan, math.inf
+    strict = theory.predicted_collapse_probability_strict(
+        chunk.scores, law, strict_threshold, strict_samples, gen, include_query_noise=query).to(torch.float64)
+    return loose, strict, float(strict_samples)
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def _summary(keys: dict, rates: Tensor, pred: Tensor, n_draws: int, ns: float) -> dict:
+    R = len(rates)
+    measured = float(rates.mean()) if R else math.nan
+    se = float(rates.std() / math.sqrt(R)) if R > 1 else math.nan
+    predicted = float(pred.mean()) if R else math.nan
+    var = (pred * (1 - pred)).sum() * (1.0 / n_draws + (0.0 if math.isinf(ns) else 1.0 / ns))
+    mc_se = float(var.sqrt() / R) if R else math.nan
+    z = (measured - predicted) / mc_se if mc_se > 0 else (0.0 if measured == predicted else math.nan)
+    return dict(keys, n_rows=R, n_draws=n_draws, measured=measured, se=se, predicted=predicted, mc_se=mc_se, z=z)
+
+
+def bridge_collapse(
+    model: Any, tokens: Tensor, levels: Sequence[float] = DEFAULT_LEVELS, *, draws: int = 64,
+    targets: Sequence[str] = ("q", "k"), placement: str = "before_norm", distribution: str = "uniform",
+    layers: Optional[Sequence[int]] = None, by_head: bool = False, max_elements: int = DEFAULT_MAX_ELEMENTS,
+    seed: int = 0, predict: bool = True, strict_samples: int = 256, sparse_threshold: float = SPARSE_THRESHOLD,
+    strict_threshold: float = SPARSE_THRESHOLD, progress: bool = False, anat: Optional[Anatomy] = None,
+) -> pd.DataFrame:
+    """Collapse rate of sparse attention rows vs noise level on a TransformerBridge, measured and
+    predicted side by side (module docstring), from one clean forward pass of ``tokens`` [batch, pos].
+
+    Noise: κ per (example, position, head) on ``targets`` ("q" and/or "k"; k once per key/value
+    head), uniform or normal with RMS ``level``, ``draws`` draws per level (the same unit draws at
+    every level), at ``placement`` "before_norm" (the projection output, where upstream
+    interference arrives; a per-head q/k norm then removes it) or "after_norm" (what the scores
+    use). ``layers`` None = all. ``max_elements`` bounds every score block (clean scores per block of
+    heads, noised rows per block of draws); peak memory grows with it, results do not change.
+    ``predict=False`` skips the theory (NaN); ``strict_samples`` Monte-Carlo samples per row for the
+    strict prediction (0: NaN).
+
+    One row per (layer, level, definition) — per (layer, head, level, definition) with ``by_head``
+    — plus pooled rows with ``layer == "all"`` (and ``head == "all"``). Columns: ``architecture``,
+    ``placement``, ``distribution``, ``targets``, ``layer``, ``head``, ``level``, ``definition``
+    ("loose": argmax moved; "strict": and the new key gets ≥ ``strict_threshold``), ``theory``
+    (:func:`theory_kind`; "mixed" when pooled layers differ), ``n_rows`` (sparse rows), ``n_draws``,
+    ``measured`` (fraction of (row, draw) pairs that collapse), ``se`` (clustered by row: std of
+    per-row rates / √n_rows), ``predicted`` (mean over the same rows of the theory's probability),
+    ``mc_se`` (Monte-Carlo error of measured around predicted: √(Σ p(1−p)(1/draws + 1/strict_samples))
+    / n_rows) and ``z`` = (measured − predicted) / mc_se.
+    """
+    anat = anat or anatomy(model)
+    gen = generator(seed, _STREAM, 0x7E0E)
+    groups: dict[tuple, list] = {}  # (layer, head, level index, definition) -> [(rates, pred, ns, theory)]
+    chunks = collapse_chunks(model, tokens, levels, draws=draws, targets=targets, placement=placement,
+                             distribution=distribution, layers=layers, max_elements=max_elements, seed=seed,
+                             sparse_threshold=sparse_threshold, strict_threshold=strict_threshold,
+                             progress=progress, anat=anat)
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    level_list: tuple[float, ...] = ()
+    for chunk in chunks:
+        level_list = chunk.levels
+        heads = chunk.rows[:, 1]
+        for i, level in enumerate(chunk.levels):
+            if predict:
+                pl, ps, ns = predict_chunk(chunk, level, distribution, targets, strict_threshold, int(strict_samples), gen)
+            else:
+                pl = ps = torch.full((len(chunk.rows),), math.nan, dtype=torch.float64)
+                ns = math.inf
+            for definition, dec, pred in (("loose", chunk.loose[i], pl), ("strict", chunk.strict[i], ps)):
+                rates = dec.double().mean(0)
+                for h in (chunk.heads if by_head else ("all",)):
+                    sel = slice(None) if h == "all" else heads == h
+                    groups.setdefault((chunk.layer, h, i, definition), []).append((rates[sel], pred[sel], ns, chunk.theory))
+    base = dict(architecture=anat.architecture, placement=placement, distribution=distribution, targets="".join(targets))
+    out = []
+    pooled: dict[tuple, list] = {}
+    for (layer, h, i, definition), items in groups.items():
+        rates = torch.cat([it[0] for it in items])
+        pred = torch.cat([it[1] for it in items])
+        kinds = {it[3] for it in items}
+        keys = dict(base, layer=layer, head=h, level=level_list[i], definition=definition,
+                    theory=kinds.pop() if len(kinds) == 1 else "mixed")
+        out.append(_summary(keys, rates, pred, draws, items[0][2]))
+        pooled.setdefault((i, definition), []).extend(items)
+    for (i, definition), items in sorted(pooled.items()):
+        kinds = {it[3] for it in items}
+        keys = dict(base, layer="all", head="all", level=level_list[i], definition=definition,
+                    theory=kinds.pop() if len(kinds) == 1 else "mixed")
+        out.append(_summary(keys, torch.cat([it[0] for it in items]), torch.cat([it[1] for it in items]), draws,
+                            items[0][2]))
+    df = pd.DataFrame(out)
+    if len(df):
+        df["layer"] = df["layer"].astype(object)
+        df["head"] = df["head"].astype(object)
+    return df
+
+
+__all__ = ["DEFAULT_LEVELS", "collapse_kappa", "theory_kind", "ChunkCollapse", "row_decisions", "collapse_chunks",
+           "predict_chunk", "bridge_collapse"]
