@@ -15,7 +15,6 @@ import pandas as pd
 import pytest
 import torch
 
-import interp_norm.bridges as B
 from interp_norm import cli
 from interp_norm.bridges import tiny_hf_model
 
@@ -89,24 +88,14 @@ def test_commands_on_the_addition_task_refuse_a_hf_model(hf_folder, tmp_path, ca
     one_line_error(code, err, "Hugging Face model", "interp-norm evaluate")
 
 
-@pytest.mark.parametrize("command,engine", [("collapse", "bridge_collapse"), ("noise", "text_agreement")])
-def test_collapse_and_noise_route_a_hf_folder_to_the_bridge_engine(hf_folder, tmp_path, capsys, command, engine):
-    if not hasattr(B, engine) and engine not in getattr(B, "_EXPORTS", {}):
-        # bridges2 adds these on its branch; the lead removes this skip at the merge
-        pytest.skip(f"interp_norm.bridges.{engine} is not on this branch yet (helper bridges2)")
+@pytest.mark.parametrize("command", ["collapse", "noise"])  # -> bridges.bridge_collapse / bridges.text_agreement
+def test_collapse_and_noise_route_a_hf_folder_to_the_bridge_engine(hf_folder, tmp_path, capsys, command):
     code, out, err = run(capsys, command, hf_folder, "--out", tmp_path / "o", "--levels", "0", "0.3",
                          "--windows", "2", "--n-ctx", "9", "--no-progress")
     assert code == 0, err
     name = "collapse.csv" if command == "collapse" else "noise_accuracy.csv"
-    assert len(pd.read_csv(tmp_path / "o" / name))
-
-
-def test_collapse_without_the_engine_says_so(hf_folder, tmp_path, capsys, monkeypatch):
-    """Until bridge_collapse exists, the routing fails with a typed one-line error, never a traceback."""
-    monkeypatch.setattr(B, "_EXPORTS", {k: v for k, v in B._EXPORTS.items() if k != "bridge_collapse"})
-    monkeypatch.delattr(B, "bridge_collapse", raising=False)
-    code, _, err = run(capsys, "collapse", hf_folder, "--out", tmp_path / "o", "--levels", "0.1")
-    one_line_error(code, err, "bridge_collapse", "Hugging Face model")
+    df = pd.read_csv(tmp_path / "o" / name)
+    assert len(df) and set(df["level"].round(6)) >= {0.3}
 
 
 def test_dashboard_with_a_hf_model_has_the_real_model_section(hf_folder, tmp_path, capsys):

@@ -250,19 +250,6 @@ def hf_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--windows", type=positive_int, default=8, help="Hugging Face models: text windows analysed")
 
 
-def bridge_analysis(name: str) -> Any:
-    """``interp_norm.bridges.<name>`` (bridge_collapse, text_agreement), with a clear error if this build lacks it."""
-    import importlib
-
-    from interp_norm.errors import ConfigError
-
-    try:
-        return getattr(importlib.import_module("interp_norm.bridges"), name)
-    except AttributeError:
-        raise ConfigError(f"this interp_norm has no interp_norm.bridges.{name} yet, so this command cannot run on a "
-                          "Hugging Face model; use one of our checkpoints") from None
-
-
 def looks_hf(spec: str) -> bool:
     """Whether ``spec`` names a Hugging Face model rather than one of ours (a folder's config decides;
     a name that is not one of our pretrained ones is looked up in the Hugging Face cache)."""

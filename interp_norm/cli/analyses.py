@@ -11,7 +11,6 @@ from interp_norm.cli._support import (
     CKPT_HELP,
     MODEL_HELP,
     SPLITS,
-    bridge_analysis,
     command,
     hf_args,
     hf_tokens,
@@ -169,8 +168,10 @@ def _noise(args: argparse.Namespace) -> int:
     out = prepare_out(args.out, ["noise_accuracy.csv"], args.force)
     model, info = load_model_spec(args.ckpt)
     if info is None:  # a Hugging Face model: agreement with its clean next-token prediction on text
-        text_agreement = bridge_analysis("text_agreement")
-        df = text_agreement(model, hf_tokens(model, args), args.levels)
+        from interp_norm.bridges import text_agreement
+
+        df = text_agreement(model, hf_tokens(model, args), args.levels, placement=args.placement,
+                            distribution=args.distribution, seed=args.seed, progress=not args.no_progress)
         write_csv(out / "noise_accuracy.csv", df)
         print(df.to_string(index=False))
         print(f"wrote {out / 'noise_accuracy.csv'}")
@@ -203,15 +204,14 @@ def _collapse(args: argparse.Namespace) -> int:
     out = prepare_out(args.out, COLLAPSE_FILES, args.force)
     model, info = load_model_spec(args.ckpt)
     if info is None:  # a Hugging Face model: collapse from its clean scores on text
-        bridge_collapse = bridge_analysis("bridge_collapse")
-        curves = bridge_collapse(model, hf_tokens(model, args), args.levels)
-        write_csv(out / COLLAPSE_FILES[0], curves)
-        print(curves.to_string(index=False))
-        print(f"wrote {out / COLLAPSE_FILES[0]}")
-        return 0
-    curves = run_collapse(model, info.task, args.levels, split=args.split, n_examples=args.n_examples,
-                          placement=args.placement, distribution=args.distribution, seed=args.seed,
-                          progress=not args.no_progress)
+        from interp_norm.bridges import bridge_collapse
+
+        curves = bridge_collapse(model, hf_tokens(model, args), args.levels, placement=args.placement,
+                                 distribution=args.distribution, seed=args.seed, progress=not args.no_progress)
+    else:
+        curves = run_collapse(model, info.task, args.levels, split=args.split, n_examples=args.n_examples,
+                              placement=args.placement, distribution=args.distribution, seed=args.seed,
+                              progress=not args.no_progress)
     thresholds = collapse_thresholds(curves)
     write_csv(out / COLLAPSE_FILES[0], curves)
     write_csv(out / COLLAPSE_FILES[1], thresholds)
