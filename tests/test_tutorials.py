@@ -487,7 +487,7 @@ def test_notebook_executes(path):
 
 
 @pytest.mark.slow
-def test_html_export_is_offline_with_plotly_embedded_once(tmp_path):
+def test_html_export_is_offline_and_loads_the_shared_local_plotly(tmp_path):
     pytest.importorskip("nbconvert")
     import nbformat
     from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
@@ -500,4 +500,5 @@ def test_html_export_is_offline_with_plotly_embedded_once(tmp_path):
     html = _export.to_offline_html(_export.execute_notebook(path, timeout=120), "t")
     assert not _export.external_references(html)
     assert html.count("Plotly.newPlot") >= 2
-    assert html.count("* plotly.js v") == 1, "plotly.js is embedded exactly once"
+    assert html.count("* plotly.js v") == 0, "plotly.js is not embedded in the page"
+    assert html.count(f'<script src="{_export.PLOTLY_JS}"></script>') == 1, "the page loads the shared local copy"

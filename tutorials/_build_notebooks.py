@@ -5,7 +5,7 @@
 
 Notebooks are written without outputs; CI executes them top to bottom (tests/test_tutorials.py).
 ``--execute`` runs each in a fresh kernel and, if nbconvert is installed, writes an offline HTML page
-per notebook (plotly.js embedded once, no CDN; see ``_export.py``) so the figures show without Jupyter.
+per notebook (all pages share one local plotly.min.js, no CDN; see ``_export.py``) so the figures show without Jupyter.
 
 Exercise convention (ARENA-style; every section opens with "What you will learn"):
 
