@@ -58,20 +58,26 @@ class Crash(BaseException):
     """A failure that saves nothing (as SIGKILL would): resuming starts from the last periodic checkpoint."""
 
 
+def raise_at_call(monkeypatch, n: int, error):
+    """Make the ``n``-th training-loss call raise ``error``; returns the real function, to put back."""
+    real = train_mod.training_loss
+    calls = {"n": 0}
+
+    def failing(model, tokens, pos_offset):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise error
+        return real(model, tokens, pos_offset)
+
+    monkeypatch.setattr(train_mod, "training_loss", failing)
+    return real
+
+
 @pytest.mark.parametrize("interrupt_at", [6, 13])  # just after a checkpoint; mid-epoch, mid-log-window
 @pytest.mark.parametrize("error", [Crash, KeyboardInterrupt])
 def test_resume_after_interrupt_equals_uninterrupted(reference, tmp_path, monkeypatch, interrupt_at, error):
     ref, ref_curve, ref_out = reference
-    real = train_mod.training_loss
-    calls = {"n": 0}
-
-    def interrupt(model, tokens, pos_offset):
-        calls["n"] += 1
-        if calls["n"] == interrupt_at:
-            raise error
-        return real(model, tokens, pos_offset)
-
-    monkeypatch.setattr(train_mod, "training_loss", interrupt)
+    real = raise_at_call(monkeypatch, interrupt_at, error)
     cfg = ModelConfig.preset("tiny", attn_norm="qkv")
     with pytest.raises(error):
         train(cfg, EASY, quick_cfg(), tmp_path, progress=False)
@@ -245,16 +251,7 @@ def test_checkpoint_from_before_threads_and_schedule_length_still_resumes_exactl
     cfg = ModelConfig.preset("tiny", attn_norm="qkv")
     tcfg = quick_cfg(schedule=schedule, min_lr=1e-4)
     clean, clean_curve = train(cfg, EASY, tcfg, tmp_path / "clean", progress=False)
-    real = train_mod.training_loss
-    calls = {"n": 0}
-
-    def crash_at_8(model, tokens, pos_offset):
-        calls["n"] += 1
-        if calls["n"] == 8:
-            raise Crash
-        return real(model, tokens, pos_offset)
-
-    monkeypatch.setattr(train_mod, "training_loss", crash_at_8)
+    real = raise_at_call(monkeypatch, 8, Crash)
     with pytest.raises(Crash):
         train(cfg, EASY, tcfg, tmp_path / "old", progress=False)
     monkeypatch.setattr(train_mod, "training_loss", real)
@@ -307,16 +304,7 @@ def test_interrupted_cosine_run_resumes_bit_identically(tmp_path, monkeypatch):
     cfg = ModelConfig.preset("tiny", attn_norm="qkv")
     tcfg = quick_cfg(schedule="cosine", warmup_frac=0.25)
     clean, clean_curve = train(cfg, EASY, tcfg, tmp_path / "clean", progress=False)
-    real = train_mod.training_loss
-    calls = {"n": 0}
-
-    def interrupt(model, tokens, pos_offset):
-        calls["n"] += 1
-        if calls["n"] == 9:
-            raise KeyboardInterrupt
-        return real(model, tokens, pos_offset)
-
-    monkeypatch.setattr(train_mod, "training_loss", interrupt)
+    real = raise_at_call(monkeypatch, 9, KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):
         train(cfg, EASY, tcfg, tmp_path / "run", progress=False)
     monkeypatch.setattr(train_mod, "training_loss", real)

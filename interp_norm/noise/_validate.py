@@ -13,7 +13,7 @@ from interp_norm.errors import ConfigError, NoiseSpecError
 from interp_norm.evaluate import trim_padding
 from interp_norm.hooks import VARIANT_LABELS
 from interp_norm.model import HookedNormTransformer, ModelConfig
-from interp_norm.task import Batch
+from interp_norm.task import AdditionTask, Batch
 from interp_norm.theory import NoiseLaw
 
 #: What the noise can act on: q, k, v (= the message m = W_O v) and the Pre-Norm divisor.
@@ -147,3 +147,14 @@ def trimmed_tokens(tokens: Tensor | Batch, model: HookedNormTransformer) -> Tens
     if not isinstance(tokens, Tensor) or tokens.ndim != 2:
         raise ConfigError("tokens must be a Batch or a [batch, pos] token tensor")
     return trim_padding(tokens).to(model.W_E.device)
+
+
+def on_test_set(measure, model, task, split: str, n_examples: int, data_seed: int, *args, **kwargs):
+    """``measure(model, task.test_set(split, n_examples, seed=data_seed), *args, **kwargs)`` with a
+    ``split`` column: the one-call ``run_*`` form of every tokens-level measurement."""
+    if not isinstance(task, AdditionTask):
+        raise ConfigError(f"task must be an AdditionTask, got {type(task).__name__}")
+    n_examples = check_positive_int(n_examples, "n_examples")
+    df = measure(model, task.test_set(split, n_examples, seed=data_seed), *args, **kwargs)
+    df.insert(5, "split", split)
+    return df

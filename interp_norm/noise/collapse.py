@@ -435,12 +435,7 @@ def run_collapse(
     """The paper's circuit-collapse experiment in one call, on ``task.test_set(split, n_examples,
     seed=data_seed)``. Returns :func:`measure_collapse`'s table (other keyword arguments go to it);
     pass it to :func:`collapse_thresholds` for the 1%-collapse noise levels."""
-    if not isinstance(task, AdditionTask):
-        raise ConfigError(f"task must be an AdditionTask, got {type(task).__name__}")
-    n_examples = V.check_positive_int(n_examples, "n_examples")
-    df = measure_collapse(model, task.test_set(split, n_examples, seed=data_seed), levels, spec, **kwargs)
-    df.insert(5, "split", split)
-    return df
+    return V.on_test_set(measure_collapse, model, task, split, n_examples, data_seed, levels, spec, **kwargs)
 
 
 def collapse_thresholds(curves: pd.DataFrame, target: float = 0.01) -> pd.DataFrame:

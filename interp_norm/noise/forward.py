@@ -25,7 +25,6 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from interp_norm import theory
-from interp_norm.errors import ConfigError
 from interp_norm.hooks import act_name
 from interp_norm.model import HookedNormTransformer
 from interp_norm.noise import _validate as V
@@ -144,12 +143,7 @@ def run_forward_collapse(
 ) -> pd.DataFrame:
     """:func:`measure_forward_collapse` on ``task.test_set(split, n_examples, seed=data_seed)`` (the
     same problems as :func:`interp_norm.noise.run_collapse`), with a ``split`` column."""
-    if not isinstance(task, AdditionTask):
-        raise ConfigError(f"task must be an AdditionTask, got {type(task).__name__}")
-    n_examples = V.check_positive_int(n_examples, "n_examples")
-    df = measure_forward_collapse(model, task.test_set(split, n_examples, seed=data_seed), levels, spec, **kwargs)
-    df.insert(5, "split", split)
-    return df
+    return V.on_test_set(measure_forward_collapse, model, task, split, n_examples, data_seed, levels, spec, **kwargs)
 
 
 __all__ = ["forward_collapse_decisions", "measure_forward_collapse", "run_forward_collapse"]

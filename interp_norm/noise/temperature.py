@@ -22,7 +22,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from interp_norm import theory
-from interp_norm.errors import ConfigError, NoiseSpecError
+from interp_norm.errors import NoiseSpecError
 from interp_norm.model import HookedNormTransformer
 from interp_norm.noise import _validate as V
 from interp_norm.noise.collapse import DEFAULT_COLLAPSE_LEVELS, CollapseSpec, clean_attention, layer_decisions
@@ -130,12 +130,7 @@ def run_temperature_sweep(
 ) -> pd.DataFrame:
     """:func:`temperature_sweep` on ``task.test_set(split, n_examples, seed=data_seed)`` (the same
     problems as :func:`interp_norm.noise.run_collapse`), with a ``split`` column."""
-    if not isinstance(task, AdditionTask):
-        raise ConfigError(f"task must be an AdditionTask, got {type(task).__name__}")
-    n_examples = V.check_positive_int(n_examples, "n_examples")
-    df = temperature_sweep(model, task.test_set(split, n_examples, seed=data_seed), multipliers, levels, spec, **kwargs)
-    df.insert(5, "split", split)
-    return df
+    return V.on_test_set(temperature_sweep, model, task, split, n_examples, data_seed, multipliers, levels, spec, **kwargs)
 
 
 __all__ = ["DEFAULT_MULTIPLIERS", "temperature_sweep", "run_temperature_sweep"]
