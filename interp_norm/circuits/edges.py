@@ -103,6 +103,20 @@ def receiver_node(receiver: str) -> str:
 
 
 @torch.no_grad()
+def prune_edges(edges: set) -> set:
+    """Keep the edges on some embed -> ... -> logits path: drop, until nothing changes, every edge
+    whose sender is not reached from the embedding or whose receiver node reaches no logits.
+    (The same rule as MIB's ``Graph.prune``.)"""
+    edges = set(edges)
+    while True:
+        entered = {receiver_node(r) for _, r in edges} | {"embed"}
+        leaves = {u for u, _ in edges} | {"logits"}
+        keep = {(u, r) for u, r in edges if u in entered and receiver_node(r) in leaves}
+        if keep == edges:
+            return edges
+        edges = keep
+
+
 def _resid_mid_feeds_mlp_only(model) -> bool:
     """Probe: does a change written at layer 0's ``hook_resid_mid`` reach the residual stream?
 

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from interp_norm.circuits._types import MetricFn, PatchResult, device, metric_values
-from interp_norm.circuits.edges import EdgeGraph, EdgeRunner, receiver_node
+from interp_norm.circuits.edges import EdgeGraph, EdgeRunner, prune_edges, receiver_node
 from interp_norm.circuits.metrics import LogitDiff
 from interp_norm.circuits.pairs import PatchingPairs
 from interp_norm.errors import PatchingError
@@ -159,13 +159,13 @@ class Circuit:
         if top_n is None:
             edges = set(ranked[: int((key.loc[order] >= threshold).sum())])
             if prune:
-                edges = _prune(edges)
+                edges = prune_edges(edges)
         elif not prune:
             edges = set(ranked[:top_n])
         else:  # grow down the ranking until top_n edges survive pruning
             edges = set()
             for k in range(top_n, len(ranked) + 1):
-                edges = _prune(set(ranked[:k]))
+                edges = prune_edges(set(ranked[:k]))
                 if len(edges) >= top_n:
                     break
         scores = {(u, r): float(s) for u, r, s in zip(df["sender"], df["receiver"], df["score"]) if (u, r) in edges}
@@ -229,21 +229,6 @@ def _node_table(scores: Union[PatchResult, pd.DataFrame]) -> pd.DataFrame:
         for l, h, k in zip(df["layer"], df["head"] if has_head else [0] * len(df), df["kind"])
     ]
     return df.groupby("node", as_index=False)["score"].sum()
-
-
-def _prune(edges: set) -> set:
-    """Keep edges on some embed -> ... -> logits path."""
-    edges = set(edges)
-    while True:
-        fed = {receiver_node(r) for _, r in edges} | {"embed"}
-        feeds = {u for u, _ in edges} | {"logits"}
-        keep = {(u, r) for u, r in edges if u in fed and receiver_node(r) in feeds}
-        if keep == edges:
-            return edges
-        edges = keep
-
-
-# ----------------------------------------------------------------------------- faithfulness
 
 
 def _ablation_values(kind: str, s_clean: Tensor, s_corr: Tensor) -> Tensor:

@@ -46,8 +46,8 @@ from interp_norm.circuits import (
     edge_attribution,
     exact_edge_patch,
     faithfulness,
-    receiver_node,
 )
+from interp_norm.circuits.edges import prune_edges
 from interp_norm.errors import PatchingError
 
 #: MIB's circuit sizes, as fractions of all edges (0.1 % ... 100 %).
@@ -61,17 +61,8 @@ Scores = Union[pd.DataFrame, Mapping[str, pd.DataFrame]]
 # ----------------------------------------------------------------------------- circuits by size
 
 
-def mib_prune(edges: set) -> set:
-    """MIB's ``Graph.prune``: keep edges whose sender is reached from the embedding and whose
-    receiver node reaches the logits through kept edges, until nothing changes."""
-    edges = set(edges)
-    while True:
-        entered = {receiver_node(r) for _, r in edges} | {"embed"}
-        leaves = {u for u, _ in edges} | {"logits"}
-        keep = {(u, r) for u, r in edges if u in entered and receiver_node(r) in leaves}
-        if keep == edges:
-            return edges
-        edges = keep
+#: MIB's ``Graph.prune``: the same rule as :func:`interp_norm.circuits.edges.prune_edges`.
+mib_prune = prune_edges
 
 
 def edge_counts(n_edges: int, fractions: Sequence[float] = MIB_FRACTIONS) -> list[int]:
