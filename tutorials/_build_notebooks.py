@@ -546,7 +546,7 @@ NB03 = [
                      run_noise(qkv, task, levels, variant="QKV-Norm", **kw)], ignore_index=True)
     plots.plot_accuracy_vs_noise(acc)
     """),
-    md(f"""
+    md("""
     ## 3. When does a circuit collapse?
     **What you will learn:** the condition and its probability. Scaling q by (1+κ_q) and key t by (1+κ_t)
     turns score w_t into (1+κ_q)(1+κ_t)w_t. The query factor rescales the whole row, so it cannot change the

@@ -263,7 +263,7 @@ def check_query_norm_ratio(learner, model, tokens) -> str:
         kappa = noise.last_kappa[(0, "q")][..., 0].double()  # [batch, pos, head]
         got = _as_tensor(got, f"query_norm_ratio(model, tokens, {level}, {seed})", kappa.shape, "[batch, pos, head]")
         hint = ("That is clean/noisy: divide the noisy norm by the clean one" if _is_close(got, 1 / (1 + kappa), 1e-4)
-                else f"Use NormNoise(model, level, targets='q', layers=[0], seed=seed) around one forward pass")
+                else "Use NormNoise(model, level, targets='q', layers=[0], seed=seed) around one forward pass")
         _close(got, 1 + kappa, f"level {level}, seed {seed}: |q_noisy| / |q_clean| vs 1 + κ", atol=1e-4, rtol=1e-4, hint=hint)
         rms.append(f"{float((got.double() - 1).pow(2).mean().sqrt()):.4f} at level {level}")
     return f"|q_noisy| / |q_clean| = 1 + κ at every position and head; RMS of the ratio − 1: {', '.join(rms)}"
