@@ -24,7 +24,6 @@ module (the model: embedding, blocks, head, tokens, TransformerLens conveniences
 
 from __future__ import annotations
 
-import importlib
 import math
 from contextlib import contextmanager
 from typing import Any, Iterator, Literal, Optional, Sequence
@@ -219,9 +218,12 @@ class HookedNormTransformer(HookedRootModule):
         """
         if tl_options:
             raise ConfigError(f"from_pretrained loads weights as trained; TransformerLens options {sorted(tl_options)} are not supported")
-        # Users look for the loader on the class, as in TL; it lives one layer up (checkpoints imports this module).
-        checkpoints = importlib.import_module("interp_norm.checkpoints")
-        return checkpoints.load_any(name, device=device)[0]
+        # Users look for the loader on the class, as in TL. Checkpoints are read one layer up (that
+        # module builds models from this one), so this calls the package's public, lazily loaded
+        # ``interp_norm.load_any`` at call time instead of importing the persistence layer here.
+        import interp_norm
+
+        return interp_norm.load_any(name, device=device)[0]
 
     # -- hooks: TransformerLens's API, refusing names that do not exist or never fire ---------------
     def run_with_cache(self, *args: Any, **kwargs: Any) -> tuple[Any, NormActivationCache]:
