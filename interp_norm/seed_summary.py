@@ -47,8 +47,9 @@ def _noise_cost(T: Mapping[str, pd.DataFrame], name: str, placement: str) -> flo
 
 
 def per_checkpoint(tables: Mapping[str, pd.DataFrame], checkpoints: pd.DataFrame) -> pd.DataFrame:
-    """One row per (checkpoint, quantity): ``value`` (NaN where the analysis did not run or the
-    level was never reached)."""
+    """One row per (checkpoint, quantity): ``value`` (NaN where the level was never reached or the
+    analysis did not run). Checkpoints marked ``analysed == False`` (evaluated only) get their
+    accuracies and nothing else."""
     rows = []
     ev = tables.get("evaluation", pd.DataFrame())
     sparse = tables.get("geometry_sparsity_summary", pd.DataFrame())
@@ -63,7 +64,10 @@ def per_checkpoint(tables: Mapping[str, pd.DataFrame], checkpoints: pd.DataFrame
                   _noise_cost(tables, name, "before_norm"), _noise_cost(tables, name, "after_norm"),
                   _threshold(tables, "collapse_thresholds", label, ck.attn_norm in ("qk", "qkv")),
                   _threshold(tables, "forward_collapse_thresholds", label, ck.attn_norm in ("qk", "qkv")), frac)
+        analysed = bool(getattr(ck, "analysed", True))
         for (quantity, unit), value in zip(QUANTITIES, values):
+            if not analysed and not quantity.endswith("accuracy"):
+                continue  # evaluated only: no noise, collapse or geometry numbers to report
             rows.append(dict(checkpoint=name, attn_norm=ck.attn_norm, calibration=getattr(ck, "calibration", "none"),
                              seed=ck.seed, quantity=quantity, unit=unit, value=value))
     return pd.DataFrame(rows)

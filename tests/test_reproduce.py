@@ -101,3 +101,14 @@ def test_temperature_figure_has_one_colour_per_variant():
     assert len(colours) == 1  # two seeds of one variant share its colour
     assert [list(t.y) for t in fig.data if t.xaxis == "x"][0] == [0.1, 0.2]
     assert any("never reached" in a.text for a in fig.layout.annotations)
+
+
+def test_evaluated_only_checkpoints_report_accuracy_and_nothing_else():
+    from interp_norm.seed_summary import per_checkpoint
+
+    ck = pd.DataFrame([dict(checkpoint="c", label="Pre-Norm (c)", attn_norm="pre", calibration="paper", seed=0,
+                            analysed=False)])
+    ev = pd.DataFrame([dict(checkpoint="c", split=s, per_token_acc=0.5) for s in ("id", "interp", "extrap")])
+    rows = per_checkpoint(dict(evaluation=ev), ck)
+    assert list(rows["quantity"]) == ["ID accuracy", "interpolation accuracy", "extrapolation accuracy"]
+    assert (rows["value"] == 50.0).all()
