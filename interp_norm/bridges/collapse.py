@@ -274,32 +274,6 @@ def collapse_chunks(
             yield ChunkCollapse(l, heads, levels, rows, w, loose, strict, kind, la.softcap)
 
 
-def predict_chunk(chunk: ChunkCollapse, level: float, distribution: str, targets: Sequence[str],
-                  strict_threshold: float, strict_samples: int, gen: torch.Generator) -> tuple[Tensor, Tensor, float]:
-    """Per-row predicted (loose, strict) probabilities for one chunk at one level, and the strict
-    estimate's sample count (inf when exact or absent). NaN where the theory has no answer."""
-    R = len(chunk.rows)
-    zeros = torch.zeros(R, dtype=torch.float64)
-    law = NoiseLaw(level, distribution)
-    if law.level == 0 or R == 0:
-        return zeros, zeros, math.inf
-    if chunk.theory == "not_modelled":
-        return zeros + math.nan, zeros + math.nan, math.inf
-    if chunk.theory == "removed_by_norm":  # only a sign flip (1+κ < 0) would survive a per-head norm
-        p = zeros if law.prob_negative_factor < 1e-12 else zeros + math.nan
-        return p, p, math.inf
-    if "k" not in targets:  # query noise alone rescales the row; it reorders it only if 1+κ_q < 0
-        p = law.prob_negative_factor
-        return zeros + p, (zeros if p == 0 else zeros + math.nan), math.inf
-    query = "q" in targets
-    loose = theory.predicted_collapse_probability(chunk.scores, law, include_query_noise=query).to(torch.float64)
-    if strict_samples <= 0 or chunk.softcap:  # the theory's strict event has no soft cap
-        return loose, zeros + math.nan, math.inf
-    strict = theory.predicted_collapse_probability_strict(
-        chunk.scores, law, strict_threshold, strict_samples, gen, include_query_noise=query).to(torch.float64)
-    return loose, strict, float(strict_samples)
-
-
 # ----------------------------------------------------------------------------- the table
 
 
@@ -357,7 +331,8 @@ def bridge_collapse(
         heads = chunk.rows[:, 1]
         for i, level in enumerate(chunk.levels):
             if predict:
-                pl, ps, ns = predict_chunk(chunk, level, distribution, targets, strict_threshold, int(strict_samples), gen)
+                pl, ps, ns = theory.predict_rows(chunk.scores, NoiseLaw(level, distribution), targets, chunk.theory,
+                                                  strict_threshold, int(strict_samples), gen, softcap=chunk.softcap)
             else:
                 pl = ps = torch.full((len(chunk.rows),), math.nan, dtype=torch.float64)
                 ns = math.inf
@@ -391,4 +366,4 @@ def bridge_collapse(
 
 
 __all__ = ["DEFAULT_LEVELS", "collapse_kappa", "theory_kind", "ChunkCollapse", "row_decisions", "collapse_chunks",
-           "predict_chunk", "bridge_collapse"]
+           "bridge_collapse"]
