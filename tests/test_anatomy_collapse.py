@@ -189,3 +189,33 @@ def test_level_zero_collapses_nothing_and_bad_input_is_refused(models):
         bridge_collapse(model, tokens, (0.7,))  # uniform noise this large can flip a sign
     with pytest.raises(ArchitectureError, match="measure_collapse"):
         bridge_collapse(make_model(attn_norm="qk"), tokens % 10, (0.1,))
+
+
+@pytest.mark.parametrize("case", ["positive", "sign_flips", "softcap", "tiny_blocks"])
+def test_row_decisions_equal_the_whole_noised_softmax(case):
+    """row_decisions' shortcuts (ragged candidate keys, bounded far keys in strict, first-maximum
+    ties) against argmax and softmax of the whole noised row computed directly (float64)."""
+    from interp_norm.bridges.collapse import row_decisions
+
+    g = torch.Generator().manual_seed(11)
+    R, K, D, F = 300, 40, 24, 6 * 40
+    w = torch.randn(R, K, generator=g, dtype=torch.float64) * 3
+    w[:, 0] = w.max(-1).values + torch.rand(R, generator=g, dtype=torch.float64) * 6  # sparse-ish tops
+    w[:100] *= -1  # rows whose scores are all negative but one... or not: every sign appears
+    w[100:120, 5] = w[100:120, 0]  # exact ties: the first maximum wins
+    w[:, K - 3:] = -math.inf  # masked keys
+    w[:50, 1:] = -math.inf  # rows with one key
+    a = 0.6 if case == "sign_flips" else 0.4
+    fq = 1 + a * (torch.rand(D, R, generator=g, dtype=torch.float64) * 2 - 1) * (1.8 if case == "sign_flips" else 1)
+    fk = 1 + a * (torch.rand(D, F, generator=g, dtype=torch.float64) * 2 - 1)
+    base = torch.randint(0, F // K, (R,), generator=g) * K
+    softcap = 15.0 if case == "softcap" else None
+    budget = 97 if case == "tiny_blocks" else 1 << 20
+    loose, strict = row_decisions(w, fq, fk, base, softcap, 0.9, budget)
+    x = (w.masked_fill(w.isneginf(), 0) * fk[:, base[:, None] + torch.arange(K)] * fq[..., None]).masked_fill(
+        w.isneginf(), -math.inf)
+    if softcap:
+        x = torch.tanh(x / softcap) * softcap
+    moved = x.argmax(-1) != w.argmax(-1)
+    assert torch.equal(loose, moved) and 0.05 < moved.double().mean() < 0.95
+    assert torch.equal(strict, moved & (x.softmax(-1).max(-1).values >= 0.9)) and strict.any()

@@ -118,55 +118,108 @@ def _cap(x: Tensor, softcap: Optional[float]) -> Tensor:
     return torch.tanh(x / softcap) * softcap if softcap else x
 
 
-def row_decisions(w: Tensor, fq: Tensor, fk_at: Any, softcap: Optional[float], strict_threshold: float,
-                  max_elements: int, fk_range: tuple[float, float]) -> tuple[Tensor, Tensor]:
-    """(loose, strict) [D, R] for clean rows ``w`` [R, K] (−inf masked) under factors ``fq`` [D, R]
-    and ``fk_at(d0, d1, keys)`` -> [d1−d0, R, keys.shape[1]] (key factors at key indices [R, k];
-    ``fk_at(draws, None, rows)`` -> [n, K]: all key factors of those (draw, row) pairs),
-    in blocks of draws of at most ``max_elements`` numbers.
+def row_decisions(w: Tensor, fq: Tensor, fk: Tensor, base: Tensor, softcap: Optional[float], strict_threshold: float,
+                  max_elements: int) -> tuple[Tensor, Tensor]:
+    """(loose, strict) [D, R] for clean rows ``w`` [R, K] (−inf masked) under query factors ``fq``
+    [D, R] and key factors ``fk`` [D, F] (a flat table: key t of row r is column ``base[r] + t``),
+    in blocks of at most ``max_elements`` numbers.
 
     Noised row = fq·fk·w (first maximum wins, as ``torch.argmax``); strict also needs
     softmax(cap(noised))[new top] ≥ ``strict_threshold`` (the cap is monotone: it never moves the
-    argmax). Speed: with every factor positive and key factors within ``fk_range`` = (lo, hi), a
-    key with w_t < w_t*·lo/hi stays strictly below t* in every draw, so only the other keys
-    (in their original order, so ties resolve alike) are multiplied out.
+    argmax). Speed, when every factor is positive: fq cancels from the argmax, and with key factors
+    within [lo, hi] > 0 a key t can beat t* only if max_f f·w_t ≥ min_f f·w_t* (f in [lo, hi]),
+    so only those (row, key) "candidate" pairs are kept — a ragged list, not a [R, K_max]
+    block, so a few rows with many candidates cost only their own pairs, and rows whose only
+    candidate is t* cost nothing. The argmax moves iff some candidate t has fk_t·w_t > fk_t*·w_t*,
+    or = with t before t* (the first-maximum rule).
     """
     R, K = w.shape
     D = fq.shape[0]
-    tstar = w.argmax(-1)
-    wstar = w.gather(-1, tstar[:, None])
-    lo, hi = fk_range
-    keys = torch.arange(K).expand(R, K)
-    if lo > 0 and R and bool((fq > 0).all()) and bool((wstar > 0).all()):
-        cand = w >= wstar * (lo / hi)  # includes t*; masked (−inf) keys never qualify
-        k_eff = int(cand.sum(-1).max())
-        keys = torch.sort(torch.where(cand, keys, K + keys), -1).values[:, :k_eff]  # candidates first, in order
-        valid = keys < K
-        keys = torch.where(valid, keys, torch.zeros_like(keys))
-        wc = torch.where(valid, w.gather(-1, keys), torch.full_like(keys, -math.inf, dtype=w.dtype))
-    else:
-        wc = w
-    masked = torch.isneginf(wc)
-    w0 = wc.masked_fill(masked, 0.0)
-    minus_inf = torch.zeros_like(wc).masked_fill(masked, -math.inf)
-    tstar_c = wc.argmax(-1)
     loose = torch.zeros(D, R, dtype=torch.bool)
     strict = torch.zeros(D, R, dtype=torch.bool)
-    step = max(1, max_elements // max(1, R * wc.shape[1]))
+    if R == 0 or D == 0:
+        return loose, strict
+    tstar = w.argmax(-1)
+    wstar = w.gather(-1, tstar[:, None])[:, 0]
+    lo, hi = (float(fk.min()), float(fk.max())) if fk.numel() else (1.0, 1.0)
+    all_keys = torch.arange(K)
+    masked_w = torch.isneginf(w)
+    w0 = w.masked_fill(masked_w, 0.0)
+
+    def strict_at(dd: Tensor, rr: Tensor) -> Tensor:  # (draw, row) pairs whose argmax moved
+        out = torch.empty(len(dd), dtype=torch.bool)
+        step = max(1, max_elements // K)
+        for i in range(0, len(dd), step):
+            d, r = dd[i:i + step], rr[i:i + step]
+            row = (w0[r] * fk[d[:, None], base[r][:, None] + all_keys] * fq[d, r, None]).masked_fill(masked_w[r], -math.inf)
+            capped = _cap(row, softcap)
+            out[i:i + step] = torch.exp(capped.max(-1).values - torch.logsumexp(capped, -1)) >= strict_threshold
+        return out
+
+    if not (lo > 0 and bool((fq > 0).all())):
+        # general case (a factor ≤ 0 can reverse a row's order): the whole noised row, blocks of draws
+        minus_inf = torch.zeros_like(w).masked_fill(masked_w, -math.inf)
+        cols = base[:, None] + all_keys
+        step = max(1, max_elements // (R * K))
+        for d0 in range(0, D, step):
+            d1 = min(D, d0 + step)
+            noised = fk[d0:d1].index_select(1, cols.reshape(-1)).view(d1 - d0, R, K)
+            moved = noised.mul_(w0).mul_(fq[d0:d1, :, None]).add_(minus_inf).argmax(-1) != tstar
+            loose[d0:d1] = moved
+            dd, rr = moved.nonzero(as_tuple=True)
+            strict[d0 + dd, rr] = strict_at(d0 + dd, rr)
+        return loose, strict
+    best = torch.where(w >= 0, w * hi, w * lo)  # largest f·w_t over the factor range (−inf stays −inf)
+    floor = torch.where(wstar >= 0, wstar * lo, wstar * hi)  # smallest f·w_t*: the top's noised score is above it
+    cand = best >= floor[:, None]  # t* included; masked (−inf) keys never qualify
+    count = cand.sum(-1)
+    cand &= (count >= 2)[:, None]  # a row whose only candidate is t* never moves
+    # strict without the far keys: with x = fq·fk·w, M = max_t fk_t·w_t ≥ floor and fq ≥ q_lo (its row
+    # minimum, > 0), Σ_{t not candidate} exp(x_t − max x) ≤ far[r]·exp(q_lo·(floor − M))
+    q_lo = fq.min(0).values
+    far = torch.exp(q_lo[:, None] * (best - floor[:, None])).masked_fill_(cand | masked_w, 0.0).sum(-1)
+    del best
+    pr, pk = cand.nonzero(as_tuple=True)  # [P] candidate pairs (t* included), by row then key
+    del cand
+    if not len(pr):
+        return loose, strict
+    ptr = torch.zeros(R + 1, dtype=torch.long)
+    ptr[1:] = torch.bincount(pr, minlength=R).cumsum(0)
+    before = (pk < tstar[pr])[:, None]
+    wp = w[pr, pk]
+    pair_col, star_col = base[pr] + pk, base + tstar
+    fkT = fk.T  # [F, D]: one pair's factors over draws are one row
+    step = max(1, max_elements // len(pr))
     for d0 in range(0, D, step):
         d1 = min(D, d0 + step)
-        noised = fk_at(d0, d1, keys).mul_(w0).mul_(fq[d0:d1, :, None]).add_(minus_inf)
-        lo_ = noised.argmax(-1) != tstar_c
-        loose[d0:d1] = lo_
-        del noised
-        dd, rr = lo_.nonzero(as_tuple=True)
-        if dd.numel():  # strict needs the whole noised softmax, only where the argmax moved
-            fk_rows = fk_at(d0 + dd, None, rr)  # [hits, K]: every key of each moved (draw, row)
-            row = (w.masked_fill(torch.isneginf(w), 0.0)[rr] * fk_rows * fq[d0 + dd, rr, None]).masked_fill(
-                torch.isneginf(w[rr]), -math.inf)
-            capped = _cap(row, softcap)
-            p_top = torch.exp(capped.max(-1).values - torch.logsumexp(capped, -1))
-            strict[d0 + dd, rr] = p_top >= strict_threshold
+        f = fkT[:, d0:d1].contiguous()
+        v = f.index_select(0, pair_col).mul_(wp[:, None])  # [P, d]
+        vs = f.index_select(0, star_col).mul_(wstar[:, None]).index_select(0, pr)  # [P, d]: the row's top
+        beats = (v > vs).logical_or_(v.eq_(vs).logical_and_(before))  # t* vs itself: False
+        del v, vs, f
+        moved = torch.zeros(R, d1 - d0).index_add_(0, pr, beats.to(torch.float32)) > 0  # [R, d]
+        del beats
+        rr, dd = moved.nonzero(as_tuple=True)
+        loose[d0:d1] = moved.T
+        dd = dd + d0
+        if softcap or not len(rr):  # the cap is not a scale: compute the whole row
+            strict[dd, rr] = strict_at(dd, rr)
+            continue
+        for i in range(0, len(rr), max(1, max_elements // K)):  # (draw, row) hits, ragged over their candidates
+            hr, hd = rr[i:i + max_elements // K or 1], dd[i:i + max_elements // K or 1]
+            n_c = ptr[hr + 1] - ptr[hr]
+            hit = torch.repeat_interleave(torch.arange(len(hr)), n_c)
+            start = torch.repeat_interleave(ptr[hr] - (n_c.cumsum(0) - n_c), n_c)
+            pair = start + torch.arange(len(hit))
+            y = fk[hd[hit], pair_col[pair]] * wp[pair]  # fq cancels from the max and scales the exponent
+            top = torch.full((len(hr),), -math.inf, dtype=y.dtype).scatter_reduce_(0, hit, y, "amax")
+            fqh = fq[hd, hr]
+            s_c = torch.zeros(len(hr), dtype=y.dtype).index_add_(0, hit, torch.exp(fqh[hit] * (y - top[hit])))
+            sure = 1.0 / (s_c + far[hr] * torch.exp(q_lo[hr] * (floor[hr] - top))) >= strict_threshold
+            unsure = ~sure & (1.0 / s_c >= strict_threshold)  # the far keys could decide: compute the whole row
+            strict[hd[sure], hr[sure]] = True
+            if bool(unsure.any()):
+                strict[hd[unsure], hr[unsure]] = strict_at(hd[unsure], hr[unsure])
     return loose, strict
 
 
@@ -255,49 +308,12 @@ def collapse_chunks(
             rows = torch.stack([rb, gh, rq], -1)
             loose = torch.zeros(len(levels), draws, len(rb), dtype=torch.bool)
             strict = torch.zeros_like(loose)
-            kvh = kv_of[gh]
+            base = (rb * la.n_kv_heads + kv_of[gh]) * n  # [R]: where each row's key factors start
             for i, (fq, fk) in enumerate(f):
                 fq_rows = fq[:, rb, rq, gh]  # [D, R]
-
-                fkp = fk.permute(0, 1, 3, 2).reshape(fk.shape[0], -1)  # [D, b·H_kv·n]: flat gathers are fast
-                base = (rb * la.n_kv_heads + kvh) * n  # [R]: where each row's key factors start
-
-                def fk_at(d0: Any, d1: Optional[int], keys: Tensor, fkp: Tensor = fkp) -> Tensor:
-                    if d1 is None:  # (draw, row) pairs d0, keys=rows: all keys
-                        return fkp[d0[:, None], base[keys][:, None] + torch.arange(n)]
-                    flat = (base[:, None] + keys).reshape(-1)
-                    return fkp[d0:d1].index_select(1, flat).view(d1 - d0, *keys.shape)  # [d, R, k]
-
-                fk_range = (float(fkp.min()), float(fkp.max())) if fkp.numel() else (1.0, 1.0)
-                loose[i], strict[i] = row_decisions(w, fq_rows, fk_at, la.softcap, strict_threshold, max_elements,
-                                                    fk_range)
+                fkp = fk.permute(0, 1, 3, 2).reshape(fk.shape[0], -1)  # [D, b·H_kv·n]
+                loose[i], strict[i] = row_decisions(w, fq_rows, fkp, base, la.softcap, strict_threshold, max_elements)
             yield ChunkCollapse(l, heads, levels, rows, w, loose, strict, kind, la.softcap)
-
-
-def predict_chunk(chunk: ChunkCollapse, level: float, distribution: str, targets: Sequence[str],
-                  strict_threshold: float, strict_samples: int, gen: torch.Generator) -> tuple[Tensor, Tensor, float]:
-    """Per-row predicted (loose, strict) probabilities for one chunk at one level, and the strict
-    estimate's sample count (inf when exact or absent). NaN where the theory has no answer."""
-    R = len(chunk.rows)
-    zeros = torch.zeros(R, dtype=torch.float64)
-    law = NoiseLaw(level, distribution)
-    if law.level == 0 or R == 0:
-        return zeros, zeros, math.inf
-    if chunk.theory == "not_modelled":
-        return zeros + math.nan, zeros + math.nan, math.inf
-    if chunk.theory == "removed_by_norm":  # only a sign flip (1+κ < 0) would survive a per-head norm
-        p = zeros if law.prob_negative_factor < 1e-12 else zeros + math.nan
-        return p, p, math.inf
-    if "k" not in targets:  # query noise alone rescales the row; it reorders it only if 1+κ_q < 0
-        p = law.prob_negative_factor
-        return zeros + p, (zeros if p == 0 else zeros + math.nan), math.inf
-    query = "q" in targets
-    loose = theory.predicted_collapse_probability(chunk.scores, law, include_query_noise=query).to(torch.float64)
-    if strict_samples <= 0 or chunk.softcap:  # the theory's strict event has no soft cap
-        return loose, zeros + math.nan, math.inf
-    strict = theory.predicted_collapse_probability_strict(
-        chunk.scores, law, strict_threshold, strict_samples, gen, include_query_noise=query).to(torch.float64)
-    return loose, strict, float(strict_samples)
 
 
 # ----------------------------------------------------------------------------- the table
@@ -357,7 +373,8 @@ def bridge_collapse(
         heads = chunk.rows[:, 1]
         for i, level in enumerate(chunk.levels):
             if predict:
-                pl, ps, ns = predict_chunk(chunk, level, distribution, targets, strict_threshold, int(strict_samples), gen)
+                pl, ps, ns = theory.predict_rows(chunk.scores, NoiseLaw(level, distribution), targets, chunk.theory,
+                                                  strict_threshold, int(strict_samples), gen, softcap=chunk.softcap)
             else:
                 pl = ps = torch.full((len(chunk.rows),), math.nan, dtype=torch.float64)
                 ns = math.inf
@@ -391,4 +408,4 @@ def bridge_collapse(
 
 
 __all__ = ["DEFAULT_LEVELS", "collapse_kappa", "theory_kind", "ChunkCollapse", "row_decisions", "collapse_chunks",
-           "predict_chunk", "bridge_collapse"]
+           "bridge_collapse"]

@@ -34,7 +34,7 @@ from interp_norm.model import HookedNormTransformer, ModelConfig
 from interp_norm.noise import _validate as V
 from interp_norm.noise.hooks import effective_factor, seeded_generator, unit_noise
 from interp_norm.task import PAD_ID, AdditionTask, Batch
-from interp_norm.theory import NoiseLaw
+from interp_norm.theory import NoiseLaw, predict_rows  # noqa: F401 (predict_rows: also importable from here)
 
 #: Dense around the paper's 1%-collapse levels (7.5%–17%); uniform needs level < 1/√3 ≈ 0.577.
 DEFAULT_COLLAPSE_LEVELS = (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.13, 0.17, 0.2, 0.3, 0.4, 0.5)
@@ -291,34 +291,6 @@ def collapse_decisions(
 # ----------------------------------------------------------------------------- tables
 
 
-def predict_rows(
-    w: Tensor, law: NoiseLaw, targets: tuple[str, ...], removed: bool, strict_threshold: float,
-    strict_samples: int, generator: torch.Generator,
-) -> tuple[Tensor, Tensor, float]:
-    """Per-row predicted (loose, strict) probabilities and the strict estimate's sample count."""
-    R = w.shape[0]
-    zeros = torch.zeros(R, dtype=torch.float64)
-    if law.level == 0 or R == 0:
-        return zeros, zeros, math.inf
-    if removed:
-        # noise before a q/k norm is removed by it (effective factor 1 + O(eps)), except a sign
-        # flip when 1+κ < 0 (normal law), which the norm keeps and no NoiseLaw describes
-        if law.prob_negative_factor < 1e-12:
-            return zeros, zeros, math.inf
-        return zeros + math.nan, zeros + math.nan, math.inf
-    if "k" not in targets:
-        # query noise alone rescales the row; it reverses the order only when 1+κ_q < 0
-        p = law.prob_negative_factor
-        return zeros + p, (zeros if p == 0 else zeros + math.nan), math.inf
-    loose = theory.predicted_collapse_probability(w, law, include_query_noise="q" in targets).to(torch.float64)
-    if strict_samples <= 0:
-        return loose, zeros + math.nan, math.inf
-    strict = theory.predicted_collapse_probability_strict(
-        w, law, strict_threshold, strict_samples, generator, include_query_noise="q" in targets
-    ).to(torch.float64)
-    return loose, strict, float(strict_samples)
-
-
 def rate_table(
     per_layer: list[tuple], levels: tuple[float, ...], n_draws: int, columns: dict
 ) -> pd.DataFrame:
@@ -407,7 +379,8 @@ def collapse_table(
     for r in results:
         for i, level in enumerate(levels):
             if predict:
-                pl, ps, ns = predict_rows(r.scores, NoiseLaw(level, spec.distribution), spec.targets, removed,
+                pl, ps, ns = predict_rows(r.scores, NoiseLaw(level, spec.distribution), spec.targets,
+                                          "removed_by_norm" if removed else "multiplicative",
                                           spec.strict_threshold, strict_samples, gen)
             else:
                 pl = ps = torch.full((len(r.rows),), math.nan, dtype=torch.float64)

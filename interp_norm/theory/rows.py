@@ -1,0 +1,73 @@
+"""Per-row predicted collapse probabilities, given how the noise reaches the scores.
+
+One function shared by the collapse sweeps of our models (:mod:`interp_norm.noise.collapse`) and
+of Hugging Face bridges (:mod:`interp_norm.bridges.collapse`), so both tables are judged by the
+same prediction. What differs between models is only *how* noise on q and k reaches the scores —
+the ``kind`` below — which the caller works out from its model's anatomy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from interp_norm.errors import NoiseSpecError
+from interp_norm.hooks import SPARSE_THRESHOLD
+from interp_norm.theory.law import NoiseLaw, _as_law
+from interp_norm.theory.probabilities import predicted_collapse_probability, predicted_collapse_probability_strict
+
+#: How multiplicative noise on q and k reaches the scores:
+#: "multiplicative" — the factors 1+κ multiply the scores (no norm after the noise);
+#: "removed_by_norm" — a per-head norm after the noise divides it out (only a sign flip survives);
+#: "not_modelled" — a norm mixes several heads' factors (OLMo-2's all-heads norm): no NoiseLaw fits.
+THEORY_KINDS = ("multiplicative", "removed_by_norm", "not_modelled")
+
+
+def predict_rows(
+    w: Tensor, law: NoiseLaw, targets: Sequence[str], kind: Union[str, bool] = "multiplicative",
+    strict_threshold: float = SPARSE_THRESHOLD, strict_samples: int = 256,
+    generator: Optional[torch.Generator] = None, *, softcap: Optional[float] = None,
+) -> tuple[Tensor, Tensor, float]:
+    """Per-row predicted (loose, strict) collapse probabilities of clean rows ``w`` [R, K] (−inf
+    masked), and the strict estimate's sample count (inf when exact or absent). NaN where the
+    theory has no answer.
+
+    ``kind`` one of :data:`THEORY_KINDS` (a bool is read as "removed_by_norm" if True, else
+    "multiplicative", the older form). ``targets`` the noised vectors among "q", "k". Strict is a
+    Monte Carlo of ``strict_samples`` per row (0: NaN) and NaN under a soft cap (``softcap``),
+    which the theory's strict event does not include.
+    """
+    if isinstance(kind, bool):
+        kind = "removed_by_norm" if kind else "multiplicative"
+    if kind not in THEORY_KINDS:
+        raise NoiseSpecError(f"unknown theory kind {kind!r}; choose one of {THEORY_KINDS}")
+    law = _as_law(law)
+    R = w.shape[0]
+    zeros = torch.zeros(R, dtype=torch.float64)
+    if law.level == 0 or R == 0:
+        return zeros, zeros, math.inf
+    if kind == "not_modelled":
+        return zeros + math.nan, zeros + math.nan, math.inf
+    if kind == "removed_by_norm":
+        # the norm divides the noise out (effective factor 1 + O(eps)), except a sign flip when
+        # 1+κ < 0 (normal law), which the norm keeps and no NoiseLaw describes
+        p = zeros if law.prob_negative_factor < 1e-12 else zeros + math.nan
+        return p, p, math.inf
+    if "k" not in targets:  # query noise alone rescales the row; it reorders it only if 1+κ_q < 0
+        p = law.prob_negative_factor
+        return zeros + p, (zeros if p == 0 else zeros + math.nan), math.inf
+    query = "q" in targets
+    loose = predicted_collapse_probability(w, law, include_query_noise=query).to(torch.float64)
+    if strict_samples <= 0 or softcap:
+        return loose, zeros + math.nan, math.inf
+    if generator is None:
+        generator = torch.Generator().manual_seed(0)
+    strict = predicted_collapse_probability_strict(
+        w, law, strict_threshold, strict_samples, generator, include_query_noise=query).to(torch.float64)
+    return loose, strict, float(strict_samples)
+
+
+__all__ = ["THEORY_KINDS", "predict_rows"]
