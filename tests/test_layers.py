@@ -2,7 +2,7 @@
 
 Layers, lowest first (CONTRIBUTING.md explains them):
 
-    core          errors, task, hooks, model_config, layers, tl_api, model
+    core          errors, defaults, task, hooks, model_config, layers, tl_api, model
     persistence   io, train_config, checkpoint_format, checkpoints, evaluate, train
     analyses      _checks, theory, bridges/, noise/, geometry/, circuits/
     faces         plots/, card, seed_summary, dashboard/, checkpoint_report, reproduce, cli/
@@ -22,7 +22,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "interp_norm"
 LAYERS = {
-    "core": ("errors", "task", "hooks", "model_config", "layers", "tl_api", "model"),
+    "core": ("errors", "defaults", "task", "hooks", "model_config", "layers", "tl_api", "model"),
     "persistence": ("io", "train_config", "checkpoint_format", "checkpoints", "evaluate", "train"),
     "analyses": ("_checks", "theory", "anatomy", "bridges", "noise", "geometry", "circuits"),
     "faces": ("plots", "card", "seed_summary", "dashboard", "checkpoint_report", "reproduce", "cli"),

@@ -32,7 +32,7 @@ from interp_norm import theory
 from interp_norm.errors import ArchitectureError, NoiseSpecError
 from interp_norm.theory import NoiseLaw
 
-PLACEMENTS = ("before_norm", "after_norm")
+from interp_norm.defaults import PLACEMENTS  # noqa: E402
 #: κ for (layer, target, shape [batch, pos, head], forward-pass count) -> Tensor of that shape.
 Sampler = Callable[[int, str, tuple, int], Tensor]
 

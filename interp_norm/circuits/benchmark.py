@@ -48,7 +48,7 @@ from interp_norm.circuits.atp_star import atp_star, edge_atp_star
 from interp_norm.circuits.ground_truth import SUITE, GroundTruth
 from interp_norm.errors import PatchingError
 
-METHODS: tuple[str, ...] = ("exact", "eap", "eap-ig", "atp*", "pruning")
+from interp_norm.defaults import BENCHMARK_METHODS as METHODS  # noqa: E402
 
 
 def auroc(scores: Sequence[float], labels: Sequence[bool]) -> float:

@@ -173,7 +173,7 @@ def kl_to_clean(pairs: PatchingPairs, clean_logits: Tensor, positions: Positions
     return KLToClean(pairs, clean_logits, positions)
 
 
-METRICS = ("logit_diff", "correct_prob", "kl_to_clean")
+from interp_norm.defaults import CIRCUIT_METRICS as METRICS  # noqa: E402
 
 
 @torch.no_grad()

@@ -10,9 +10,9 @@ options) and ``run(args) -> exit code`` (imports what it needs, calls the librar
     def _noise(args): ...; return 0
 
 Subcommands appear in ``--help`` in registration order. Only the parser of the subcommand being
-run is built and heavy modules load inside ``run``, so ``interp-norm --help`` imports neither torch
-nor pandas; a subcommand whose shown defaults belong to an analysis module (noise levels, circuit
-metrics) imports that module for its own ``--help``.
+run is built and heavy modules load inside ``run``, so no ``--help`` imports torch or pandas: the
+defaults it shows (noise levels, circuit metrics) come from :mod:`interp_norm.defaults`, the
+import-free module the analyses read them from too.
 
 Conventions every subcommand follows: ``--out`` is a folder, and result files already in it are
 kept unless ``--force``; progress bars are on (``--no-progress``); every option's help shows its

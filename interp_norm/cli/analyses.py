@@ -23,7 +23,7 @@ from interp_norm.cli._support import (
     progress_arg,
     threshold_display,
 )
-
+from interp_norm.defaults import DISTRIBUTIONS, PLACEMENTS
 
 # ----------------------------------------------------------------------------- circuits
 
@@ -33,9 +33,10 @@ BENCHMARK_FILES = ("benchmark.csv", "mib_curve.csv", "mib_summary.csv", "faithfu
 
 
 def _circuits_args(p: argparse.ArgumentParser) -> None:
-    from interp_norm.circuits.metrics import METRICS  # the choices shown are the library's
-
-    from interp_norm.circuits.benchmark import METHODS
+    from interp_norm.defaults import BENCHMARK_METHODS as METHODS
+    from interp_norm.defaults import (
+        CIRCUIT_METRICS as METRICS,  # the library's choices, without importing it
+    )
 
     p.add_argument("ckpt", nargs="?", help=CKPT_HELP + " (omit with --benchmark)")
     p.add_argument("--out", help="folder for the tables, circuit.html and circuit.json "
@@ -144,16 +145,18 @@ def _noise_common_args(p: argparse.ArgumentParser, default_levels: Sequence[floa
                    help="noise levels: the RMS of κ in the factor (1+κ) on the q/k/v norms")
     p.add_argument("--split", default="id", choices=SPLITS, help="split the problems are drawn from")
     p.add_argument("--n-examples", type=positive_int, default=default_n, help="problems per dataset")
-    p.add_argument("--placement", default="before_norm", choices=["before_norm", "after_norm"],
+    p.add_argument("--placement", default="before_norm", choices=PLACEMENTS,
                    help="for QK/QKV-Norm models: noise before the norm (removed by it) or after it")
-    p.add_argument("--distribution", default="uniform", choices=["uniform", "normal"], help="distribution of κ")
+    p.add_argument("--distribution", default="uniform", choices=DISTRIBUTIONS, help="distribution of κ")
     p.add_argument("--seed", type=int, default=0, help="seed of the problems and the noise")
     hf_args(p)
     progress_arg(p)
 
 
 def _noise_args(p: argparse.ArgumentParser) -> None:
-    from interp_norm.noise import DEFAULT_NOISE_LEVELS  # the defaults shown in --help are the module's
+    from interp_norm.defaults import (
+        DEFAULT_NOISE_LEVELS,  # the library's defaults, without importing torch
+    )
 
     _noise_common_args(p, DEFAULT_NOISE_LEVELS, 512)
     p.add_argument("--n-datasets", type=positive_int, default=3, help="independent datasets for the standard error")
@@ -186,7 +189,7 @@ def _noise(args: argparse.Namespace) -> int:
 
 
 def _collapse_args(p: argparse.ArgumentParser) -> None:
-    from interp_norm.noise import DEFAULT_COLLAPSE_LEVELS
+    from interp_norm.defaults import DEFAULT_COLLAPSE_LEVELS
 
     _noise_common_args(p, DEFAULT_COLLAPSE_LEVELS, 256)
 

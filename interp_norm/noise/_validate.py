@@ -21,7 +21,7 @@ TARGETS = ("q", "k", "v", "scale")
 ALIASES = {"m": "v", "message": "v", "query": "q", "key": "k", "value": "v"}
 TARGET_CODE = {"q": 0, "k": 1, "v": 2, "scale": 3}
 #: Where noise on q/k/v enters a QK-/QKV-Norm model: before the per-head norm or after it.
-PLACEMENTS = ("before_norm", "after_norm")
+from interp_norm.defaults import PLACEMENTS  # noqa: E402  (re-exported)
 
 
 def check_model(model: HookedNormTransformer) -> ModelConfig:

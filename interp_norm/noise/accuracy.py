@@ -34,7 +34,7 @@ from interp_norm.noise.hooks import NormNoise, seeded_generator
 from interp_norm.task import AdditionTask, Batch
 
 #: The paper's accuracy sweep (0, 0.1%, 0.3%, 1%, 3%, 10%, 30%).
-DEFAULT_NOISE_LEVELS = (0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
+from interp_norm.defaults import DEFAULT_NOISE_LEVELS  # noqa: E402  (re-exported)
 #: The matched-count control group (opt-in: ``noised=NOISE_GROUPS``).
 MATCHED = "nonsparse_matched"
 #: Every ``noised`` group :func:`accuracy_under_noise` knows; the default is the paper's ``NOISED_ROWS``.

@@ -37,7 +37,7 @@ from interp_norm.task import PAD_ID, AdditionTask, Batch
 from interp_norm.theory import NoiseLaw, predict_rows  # noqa: F401 (predict_rows: also importable from here)
 
 #: Dense around the paper's 1%-collapse levels (7.5%–17%); uniform needs level < 1/√3 ≈ 0.577.
-DEFAULT_COLLAPSE_LEVELS = (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.13, 0.17, 0.2, 0.3, 0.4, 0.5)
+from interp_norm.defaults import DEFAULT_COLLAPSE_LEVELS  # noqa: E402  (re-exported)
 _CHUNK = 1 << 22  # elements per vectorised block in the collapse sweep
 
 
