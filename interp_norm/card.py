@@ -41,7 +41,8 @@ def model_card(
         info = item[1] if isinstance(item, tuple) else item
         cfg, tc = info.model_cfg, info.train_cfg
         row: dict[str, Any] = dict(
-            checkpoint=name, attn_norm=cfg.attn_norm, norm_kind=cfg.norm_kind, seed=cfg.seed,
+            checkpoint=name, attn_norm=cfg.attn_norm, norm_kind=cfg.norm_kind,
+            calibration=getattr(cfg, "calibration", "none"), seed=cfg.seed,
             n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_model=cfg.d_model, d_head=cfg.d_head, d_mlp=cfg.d_mlp,
             n_params=_n_params(item[0]) if isinstance(item, tuple) else math.nan,
             task_terms="/".join(

@@ -406,3 +406,16 @@ def test_page_title_fits_what_was_analysed(run):
     assert D.page_title(report) == "Pre-Norm vs QKV-Norm: interp_norm dashboard"
     one = SimpleNamespace(checkpoints=report.checkpoints.iloc[:1])
     assert D.page_title(one) == "Pre-Norm: interp_norm dashboard"
+
+
+def test_models_text_keeps_the_two_score_scalings_apart():
+    from interp_norm.dashboard.sections import models_finding
+
+    card = pd.DataFrame([dict(checkpoint="pre", attn_norm="pre", calibration="none", id_acc=0.9, extrap_acc=0.70),
+                         dict(checkpoint="qkv", attn_norm="qkv", calibration="none", id_acc=0.9, extrap_acc=0.80),
+                         dict(checkpoint="pre-cal", attn_norm="pre", calibration="paper", id_acc=0.8, extrap_acc=0.68),
+                         dict(checkpoint="qkv-cal", attn_norm="qkv", calibration="paper", id_acc=0.8, extrap_acc=0.66)])
+    text = models_finding(card)
+    # by hand, never pooled across scalings: 80.0 vs 70.0 without calibration, 66.0 vs 68.0 with it
+    assert "QKV-Norm is better than Pre-Norm here (80.0% vs 70.0%)" in text
+    assert "Checkpoint calibration, extrapolating, QKV-Norm is worse than Pre-Norm here (66.0% vs 68.0%): agreeing" in text

@@ -13,6 +13,7 @@ import plotly.graph_objects as go
 
 from interp_norm import plots
 from interp_norm.dashboard.page import Panel, Section, _esc, _escape_variants
+from interp_norm.plots._style import fit_legend
 
 __all__ = ["figure_sections"]
 
@@ -28,7 +29,7 @@ def figure_sections(report: Any, strict: bool = False) -> tuple[list[Section], l
 
     def panel(title: str, build: Callable[[], go.Figure], caption: str = "", kind: str = "figure") -> Optional[Panel]:
         try:
-            return Panel(title, figure=build(), caption=caption, kind=kind)
+            return Panel(title, figure=fit_legend(build()), caption=caption, kind=kind)
         except Exception as e:
             if strict:
                 raise
@@ -202,8 +203,9 @@ def _control_sections(T: dict, panel: Callable) -> list[Section]:
 
 
 def models_finding(card: Optional[pd.DataFrame]) -> str:
-    """What THESE models show, from the model card (means over seeds): the in-distribution spread and
-    which variant is best and worst when extrapolating, set against the paper's Pre-Norm vs QKV-Norm gap."""
+    """What THESE models show, from the model card (means over seeds, each score scaling apart):
+    the in-distribution spread, which variant is best and worst when extrapolating, and the Pre-Norm
+    vs QKV-Norm gap set against the paper's."""
     from interp_norm.card import PAPER_PER_TOKEN_ACCURACY, SPLITS
     from interp_norm.hooks import VARIANT_LABELS
 
@@ -212,13 +214,19 @@ def models_finding(card: Optional[pd.DataFrame]) -> str:
     splits = [sp for sp in SPLITS if f"{sp}_acc" in card.columns and card[f"{sp}_acc"].notna().any()]
     if not splits:
         return ""
-    acc = card.groupby("attn_norm", sort=False)[[f"{sp}_acc" for sp in splits]].mean()
-    name = {a: VARIANT_LABELS.get(a, str(a)) for a in acc.index}
-    seeds = " (means over seeds)" if card["attn_norm"].duplicated().any() else ""
+    card = card.assign(calibration=card["calibration"] if "calibration" in card.columns else "none")
+    acc = card.groupby(["attn_norm", "calibration"], sort=False)[[f"{sp}_acc" for sp in splits]].mean()
+    calibrations = list(dict.fromkeys(acc.index.get_level_values(1)))
+
+    def name(key: tuple) -> str:
+        a, cal = key
+        return VARIANT_LABELS.get(a, str(a)) + (" with Checkpoint calibration" if cal != "none" and len(calibrations) > 1 else "")
+
+    seeds = " (means over seeds)" if card.duplicated(["attn_norm", "calibration"]).any() else ""
     if len(acc) == 1:
-        a = acc.index[0]
-        return f"This model ({name[a]}), per-token accuracy: " + ", ".join(
-            f"{sp} {acc.loc[a, f'{sp}_acc']:.1%}" for sp in splits) + "."
+        key = acc.index[0]
+        return f"This model ({name(key)}), per-token accuracy: " + ", ".join(
+            f"{sp} {acc.loc[key, f'{sp}_acc']:.1%}" for sp in splits) + "."
     out = []
     if "id_acc" in acc:
         lo, hi = acc["id_acc"].min(), acc["id_acc"].max()
@@ -226,15 +234,20 @@ def models_finding(card: Optional[pd.DataFrame]) -> str:
     last = "extrap" if "extrap" in splits else splits[-1]
     col = acc[f"{last}_acc"]
     word = {"extrap": "extrapolating", "interp": "interpolating", "id": "in-distribution"}[last]
-    out.append(f"{word}, {name[col.idxmax()]} is best ({col.max():.1%}) and {name[col.idxmin()]} worst ({col.min():.1%})")
+    out.append(f"{word}, {name(col.idxmax())} is best ({col.max():.1%}) and {name(col.idxmin())} worst ({col.min():.1%})")
     text = "; ".join(out) + "."
-    if {"pre", "qkv"} <= set(acc.index) and last == "extrap":
-        p, q = col["pre"], col["qkv"]
-        pp, pq = PAPER_PER_TOKEN_ACCURACY["pre"]["extrap"], PAPER_PER_TOKEN_ACCURACY["qkv"]["extrap"]
-        same = (q < p) == (pq < pp)
-        text += (f" Extrapolating, QKV-Norm is {'worse' if q < p else 'better'} than Pre-Norm here ({q:.1%} vs {p:.1%}); "
-                 f"the paper found QKV-Norm worse ({pq:.1%} vs {pp:.1%}), so these models "
-                 f"{'agree with' if same else 'show the opposite of'} the paper on this point.")
+    if last != "extrap":
+        return text
+    pp, pq = PAPER_PER_TOKEN_ACCURACY["pre"]["extrap"], PAPER_PER_TOKEN_ACCURACY["qkv"]["extrap"]
+    for cal in calibrations:
+        if ("pre", cal) in col.index and ("qkv", cal) in col.index:
+            p, q = col[("pre", cal)], col[("qkv", cal)]
+            scaling = (" With the paper's Checkpoint calibration" if cal != "none" else
+                       " With 1/√d_head scores" if len(calibrations) > 1 else "")
+            same = (q < p) == (pq < pp)
+            text += (f"{scaling}{',' if scaling else ''} extrapolating, QKV-Norm is {'worse' if q < p else 'better'} than "
+                     f"Pre-Norm here ({q:.1%} vs {p:.1%}): {'agreeing with' if same else 'the opposite of'} the "
+                     f"paper ({pq:.1%} vs {pp:.1%}).")
     return text
 
 

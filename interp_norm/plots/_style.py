@@ -14,6 +14,7 @@ reach plotly, which would otherwise interpret tags like ``<b>`` inside them.
 from __future__ import annotations
 
 import html
+import math
 import zlib
 from typing import Any, Optional
 
@@ -94,5 +95,19 @@ def colour_map(labels: Any) -> dict[str, str]:
     return {str(v): variant_colour(v) for v in dict.fromkeys(labels)}
 
 
-__all__ = ["SPLITS", "VARIANT_LABELS", "VARIANT_COLOURS", "PAPER_LINE", "escape", "variant_label",
+def fit_legend(fig: Any, max_side_entries: int = 8) -> Any:
+    """A legend of more than ``max_side_entries`` entries moves below the plot, laid out
+    horizontally, and the figure grows to hold it, so it never needs a scroll box."""
+    entries = [t for t in fig.data if t.showlegend is not False and t.name]
+    seen = {t.legendgroup or t.name for t in entries}
+    if len(seen) <= max_side_entries or (fig.layout.legend and fig.layout.legend.orientation == "h"):
+        return fig
+    rows = math.ceil(len(seen) / 3)
+    height = (fig.layout.height or 450) + 22 * rows
+    fig.update_layout(height=height, legend=dict(orientation="h", yanchor="top", y=-0.18 - 0.02 * rows * 450 / height,
+                                                 xanchor="left", x=0), margin=dict(b=60 + 22 * rows))
+    return fig
+
+
+__all__ = ["fit_legend", "SPLITS", "VARIANT_LABELS", "VARIANT_COLOURS", "PAPER_LINE", "escape", "variant_label",
            "base_variant", "variant_colour", "colour_map", "member_dashes"]
