@@ -1,0 +1,247 @@
+"""Acceptance gaps of the "real architectures" issue, each against an independent computation.
+
+* Our own variants with LayerNorm attention norms: softmax of the rebuilt scores == the model's own
+  ``hook_pattern`` (test_anatomy.py covers the RMS variants).
+* Grouped k/v heads are noised once per key/value head: the query heads sharing a k/v head see the
+  same factor, read off the model's own ``hook_attn_scores`` (k) and ``hook_z`` (v, by
+  ``z = pattern · (1+κ)v``), the grouping taken from the Hugging Face config; q noise stays per
+  query head.
+* The CLI on a name in the Hugging Face cache with the hub offline, and ``--text``: the numbers
+  come from the cached model reloaded with transformers / its own attentions, not via interp_norm.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import re
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pandas as pd
+import pytest
+import torch
+
+from interp_norm.bridges import HeadNoise, anatomy, random_tokens, sample_text, tiny_hf_model, verify_scores
+from interp_norm.bridges import bridge_from_hf
+from interp_norm.hooks import ATTN_NORMS, SPARSE_THRESHOLD, act_name
+
+from _models import make_model
+
+
+# ----------------------------------------------------------------------------- our variants, LayerNorm
+
+
+@pytest.mark.parametrize("attn_norm", ATTN_NORMS)
+@torch.no_grad()
+def test_own_layernorm_variant_scores_reproduce_the_pattern(attn_norm):
+    model = make_model(attn_norm=attn_norm, norm_kind="ln")
+    tokens = random_tokens(model, 3, 12, seed=2)
+    check = verify_scores(model, tokens)
+    assert check["ok"].all() and check["pattern_error"].max() <= 1e-5
+    # by hand: the q and k the scores use (after the LayerNorm of q/k where there is one), q·k/attn_scale,
+    # causal mask, softmax -- against the model's own pattern
+    _, cache = model.run_with_cache(tokens)
+    n = tokens.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    for l in range(model.cfg.n_layers):
+        kind = "normed" if attn_norm in ("qk", "qkv") else ""
+        q = cache[act_name(f"q_{kind}" if kind else "q", l)]
+        k = cache[act_name(f"k_{kind}" if kind else "k", l)]
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) / model.cfg.attn_scale
+        p = s.masked_fill(~causal, -math.inf).softmax(-1)
+        assert (p - cache[act_name("pattern", l)]).abs().max() <= 1e-5
+
+
+# ----------------------------------------------------------------------------- grouped k/v heads
+
+
+GQA = ["llama", "qwen3", "olmo2", "gemma4"]
+
+
+@pytest.fixture(scope="module")
+def gqa_models():
+    out = {}
+    for arch in GQA:
+        hf = tiny_hf_model(arch, seed=4)
+        group = hf.config.num_attention_heads // hf.config.num_key_value_heads  # from the HF config itself
+        out[arch] = (bridge_from_hf(hf, name=f"tiny-{arch}"), group)
+    return out
+
+
+def _group_of(n_heads: int, group: int) -> torch.Tensor:
+    """The k/v head each query head reads (HF's repeat_kv: query head h uses k/v head h // group)."""
+    return torch.arange(n_heads) // group
+
+
+@pytest.mark.parametrize("arch,placement", [("llama", "before_norm"), ("llama", "after_norm"), ("qwen3", "after_norm"),
+                                            ("olmo2", "after_norm")])
+@torch.no_grad()
+def test_query_heads_sharing_a_kv_head_see_the_same_key_noise(gqa_models, arch, placement):
+    """k noise on layer 0: the model's own pre-softmax scores change by (1+κ[key, h // group]), the
+    same factor for every query head of a group and different factors across groups."""
+    model, group = gqa_models[arch]
+    la = anatomy(model)[0]
+    assert la.scores_hook == "pre_softmax" and group > 1
+    tokens = random_tokens(model, 2, 9, seed=3)
+    name = la.hooks["attn_scores"]
+    _, clean = model.run_with_cache(tokens, names_filter=lambda n: n == name)
+    noise = HeadNoise(model, level=0.3, targets=("k",), placement=placement, layers=[0], seed=5)
+    with model.hooks(fwd_hooks=noise.hooks()):
+        _, noised = model.run_with_cache(tokens, names_filter=lambda n: n == name)
+    kappa = noise.last_kappa[(0, "k")]  # [b, key, kv head]
+    assert kappa.shape == (2, 9, model.cfg.n_heads // group)
+    allowed = torch.ones(9, 9, dtype=torch.bool).tril()
+    s0, s1 = clean[name].double(), noised[name].double()  # [b, h, q, k]
+    expect = (1 + kappa.double())[:, :, _group_of(model.cfg.n_heads, group)].permute(0, 2, 1)[:, :, None, :]  # [b, h, 1, k]
+    big = s0.abs() > 1e-3  # the ratio is only informative away from zero scores
+    sel = big & allowed
+    assert torch.allclose(s1[sel], (s0 * expect)[sel], rtol=1e-4, atol=1e-5)
+    ratio = torch.where(sel, s1 / s0.where(sel, torch.ones_like(s0)), torch.nan)
+    for h in range(model.cfg.n_heads):
+        partner = h + 1 if h % group == 0 else h - 1  # same k/v head
+        both = sel[:, h] & sel[:, partner]
+        assert torch.allclose(ratio[:, h][both], ratio[:, partner][both], rtol=1e-4)
+    other = ratio[:, 0] - ratio[:, group]  # heads 0 and `group` read different k/v heads
+    assert other[sel[:, 0] & sel[:, group]].abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("arch", GQA)
+@torch.no_grad()
+def test_query_heads_sharing_a_kv_head_see_the_same_value_noise(gqa_models, arch):
+    """v noise (after the v-norm where there is one) on layer 0: the model's own z equals
+    pattern · ((1+κ[key, h // group]) · v) with the clean pattern and v -- one κ per k/v head."""
+    model, group = gqa_models[arch]
+    la = anatomy(model)[0]
+    tokens = random_tokens(model, 2, 9, seed=6)
+    names = {la.hooks["pattern"], la.hooks[la.used("v")], act_name("z", 0)}
+    _, clean = model.run_with_cache(tokens, names_filter=lambda n: n in names)
+    noise = HeadNoise(model, level=0.4, targets=("v",), placement="after_norm", layers=[0], seed=8)
+    with model.hooks(fwd_hooks=noise.hooks()):
+        _, noised = model.run_with_cache(tokens, names_filter=lambda n: n in names)
+    kappa = noise.last_kappa[(0, "v")].double()
+    n_kv = model.cfg.n_heads // group
+    assert kappa.shape == (2, 9, n_kv)
+    v = clean[la.hooks[la.used("v")]].double().reshape(2, 9, n_kv, -1)  # [b, key, kv head, d]
+    idx = _group_of(model.cfg.n_heads, group)
+    vn = (v * (1 + kappa)[..., None])[:, :, idx]  # [b, key, h, d]
+    pattern = clean[la.hooks["pattern"]].double()  # v noise does not change this layer's pattern
+    assert torch.allclose(noised[la.hooks["pattern"]].double(), pattern, atol=1e-6)
+    z = torch.einsum("bhqk,bkhd->bqhd", pattern, vn)
+    got = noised[act_name("z", 0)].double().reshape(z.shape)
+    assert torch.allclose(got, z, rtol=1e-4, atol=1e-5)
+    assert (got - clean[act_name("z", 0)].double().reshape(z.shape)).abs().max() > 1e-3  # the noise did something
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@torch.no_grad()
+def test_query_noise_is_per_query_head(gqa_models, arch):
+    """q noise: each query head its own factor, also within a group (scores change by 1+κ[query, h])."""
+    model, group = gqa_models[arch]
+    la = anatomy(model)[0]
+    tokens = random_tokens(model, 2, 9, seed=3)
+    name = la.hooks["attn_scores"]
+    _, clean = model.run_with_cache(tokens, names_filter=lambda n: n == name)
+    noise = HeadNoise(model, level=0.3, targets=("q",), placement="after_norm", layers=[0], seed=5)
+    with model.hooks(fwd_hooks=noise.hooks()):
+        _, noised = model.run_with_cache(tokens, names_filter=lambda n: n == name)
+    kappa = noise.last_kappa[(0, "q")].double()  # [b, query, head]
+    assert kappa.shape == (2, 9, model.cfg.n_heads)
+    assert (kappa[..., 0] - kappa[..., 1]).abs().max() > 1e-3  # heads 0 and 1 share a k/v head, not a κ
+    allowed = torch.ones(9, 9, dtype=torch.bool).tril()
+    expect = clean[name].double() * (1 + kappa).permute(0, 2, 1)[..., None]
+    assert torch.allclose(noised[name].double()[..., allowed], expect[..., allowed], rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the CLI on a cached name
+
+
+def _word_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = collections.Counter(re.findall(r"\w+|[^\w\s]", sample_text()))
+    vocab = {"[UNK]": 0}
+    for w, _ in words.most_common(vocab_size - 1):
+        vocab[w] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory):
+    """A Hugging Face cache (models--org--name/refs/main + snapshots/<commit>) holding a tiny Qwen3 and its tokenizer."""
+    root = tmp_path_factory.mktemp("hub")
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    repo = root / "models--tiny-org--tiny-qwen3"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    hf = tiny_hf_model("qwen3", seed=9)
+    with torch.no_grad():  # sharper attention that survives save_pretrained (the gain is a weight; `scaling` is not)
+        for layer in hf.model.layers:
+            layer.self_attn.q_norm.weight *= 4.0
+    hf.save_pretrained(snapshot)
+    _word_tokenizer(128).save_pretrained(snapshot)
+    return root, snapshot
+
+
+def _run(capsys, *argv):
+    from interp_norm import cli
+
+    try:
+        code = cli.main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_geometry_on_a_cached_name_with_the_hub_offline(hub_cache, tmp_path, capsys, monkeypatch):
+    import transformers
+
+    root, snapshot = hub_cache
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    code, out, err = _run(capsys, "geometry", "tiny-org/tiny-qwen3", "--out", tmp_path / "g", "--windows", "2",
+                          "--n-ctx", "9", "--no-progress")
+    assert code == 0, err
+    mem = pd.read_csv(tmp_path / "g" / "geometry_ellipsoid_membership.csv")
+    assert {"q_norm", "k_norm", "residual"} <= set(mem["role"]) and mem["max_abs_err"].max() < 1e-5
+    # the k-norm ellipsoid's semi-axes are the cached weights |g|·√N (read back with transformers alone)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(snapshot, local_files_only=True)
+    axes = pd.read_csv(tmp_path / "g" / "geometry_ellipsoid_axes.csv")
+    k0 = axes[axes["module"] == mem[mem["role"] == "k_norm"]["module"].iloc[0]]["semi_axis"].sort_values().to_numpy()
+    g = ref.model.layers[0].self_attn.k_norm.weight.detach().double()
+    assert k0 == pytest.approx(torch.sort(g.abs() * g.numel() ** 0.5).values.numpy(), rel=1e-4)
+
+
+@torch.no_grad()
+def test_cli_collapse_on_a_cached_name_reads_the_text_file(hub_cache, tmp_path, capsys, monkeypatch):
+    """``collapse NAME --text FILE``: the sparse rows counted are those of the HF model's own attentions
+    on FILE's words (tokenised here by the cached tokenizer, through transformers alone)."""
+    import transformers
+
+    root, snapshot = hub_cache
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    text = " ".join(sample_text().split()[::-1][:200])  # not the default sample: the file must be read
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    n_ctx, windows = 16, 3
+    code, out, err = _run(capsys, "collapse", "tiny-org/tiny-qwen3", "--out", tmp_path / "c", "--text",
+                          tmp_path / "t.txt", "--n-ctx", n_ctx, "--windows", windows, "--levels", "0", "0.2", "--placement", "after_norm",
+                          "--no-progress")
+    assert code == 0, err
+    df = pd.read_csv(tmp_path / "c" / "collapse.csv")
+    tok = transformers.AutoTokenizer.from_pretrained(snapshot, local_files_only=True)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(snapshot, local_files_only=True, attn_implementation="eager")
+    ids = torch.tensor(tok(text)["input_ids"][: windows * n_ctx]).view(windows, n_ctx)
+    atts = ref(ids, output_attentions=True).attentions  # per layer [b, h, q, k]
+    sparse = sum(int((a.max(-1).values[:, :, 1:] >= SPARSE_THRESHOLD).sum()) for a in atts)  # query 0 excluded
+    pooled = df[(df["layer"].astype(str) == "all") & (df["definition"] == "loose")]
+    assert sparse > 10 and set(pooled["n_rows"]) == {sparse}
+    assert float(pooled[pooled["level"] == 0]["measured"].iloc[0]) == 0.0
+    assert float(pooled[pooled["level"] == 0.2]["measured"].iloc[0]) > 0.0
