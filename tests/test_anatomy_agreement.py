@@ -19,10 +19,10 @@ from interp_norm.errors import ConfigError, NoiseSpecError
 
 @pytest.fixture(scope="module")
 def models():
-    return {a: tiny_bridge(a, seed=5) for a in ("qwen3", "gemma4", "gpt2")}
+    return {a: tiny_bridge(a, seed=5) for a in ("qwen3", "gemma4", "gpt2", "llama", "olmo2")}
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma4", "gpt2"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma4", "gpt2", "llama", "olmo2"])
 @pytest.mark.parametrize("placement", ["before_norm", "after_norm"])
 @torch.no_grad()
 def test_level_zero_is_bit_identical_to_clean(models, arch, placement):

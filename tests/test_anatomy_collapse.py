@@ -1,4 +1,4 @@
-"""Circuit collapse on tiny random bridges (GPT-2, Qwen3, OLMo-2, Gemma 4 with grouped k/v heads).
+"""Circuit collapse on tiny random bridges (GPT-2, Llama, Qwen3, OLMo-2, Gemma 4 with grouped k/v heads).
 
 Every decision of :func:`collapse_chunks` (from the clean scores) equals a brute-force re-run:
 the model run again with that draw's κ on one layer (its own HF attention module computes the
@@ -30,7 +30,7 @@ from interp_norm.bridges import (
 from interp_norm.errors import ArchitectureError, NoiseSpecError
 from interp_norm.hooks import SPARSE_THRESHOLD
 
-ARCHS = ["gpt2", "qwen3", "olmo2", "gemma4", "gemma4-shared"]
+ARCHS = ["gpt2", "llama", "qwen3", "olmo2", "gemma4", "gemma4-shared"]
 B, N = 3, 16
 
 
@@ -131,7 +131,7 @@ def test_decisions_equal_a_brute_force_rerun_per_draw(models, arch, placement):
     assert (moved == 0) if removed else (moved > 0)
 
 
-@pytest.mark.parametrize("arch,placement", [("gpt2", "after_norm"), ("qwen3", "after_norm"), ("olmo2", "after_norm"),
+@pytest.mark.parametrize("arch,placement", [("gpt2", "after_norm"), ("llama", "after_norm"), ("qwen3", "after_norm"), ("olmo2", "after_norm"),
                                             ("gemma4", "after_norm"), ("gemma4-shared", "after_norm"),
                                             ("gemma4", "before_norm"), ("qwen3", "before_norm")])
 def test_predicted_within_monte_carlo_error_of_measured(models, arch, placement):

@@ -43,10 +43,10 @@ def _pairs(bridge, seed: int = 1) -> PatchingPairs:
 def bridges():
     return {"qwen3": tiny_bridge("qwen3", seed=2), "gemma4": tiny_bridge("gemma4", seed=2),
             "qwen3-mha": tiny_bridge("qwen3", seed=2, n_kv_heads=4), "llama-mha": tiny_bridge("llama", seed=2, n_kv_heads=4),
-            "olmo2": tiny_bridge("olmo2", seed=2)}
+            "olmo2": tiny_bridge("olmo2", seed=2), "gpt2": tiny_bridge("gpt2", seed=2), "llama": tiny_bridge("llama", seed=2)}
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma4"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma4", "gpt2", "llama", "olmo2"])
 @pytest.mark.parametrize("act,fn", [
     ("z", patching.get_act_patch_attn_head_out_by_pos),
     ("resid_pre", patching.get_act_patch_resid_pre),
@@ -103,7 +103,7 @@ def _brute_eap_ig(bridge, pairs: PatchingPairs, steps: int) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma4"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma4", "gpt2", "llama", "olmo2"])
 @pytest.mark.parametrize("steps", [1, 4])
 def test_eap_and_eap_ig_equal_a_brute_force_loop(bridges, arch, steps):
     bridge = bridges[arch]
@@ -114,9 +114,9 @@ def test_eap_and_eap_ig_equal_a_brute_force_loop(bridges, arch, steps):
     assert ref.abs().max() > 1e-3  # the check compares something
 
 
-@pytest.mark.parametrize("arch", ["qwen3-mha", "llama-mha"])
+@pytest.mark.parametrize("arch", ["qwen3-mha", "llama-mha", "gpt2"])
 def test_edge_scores_add_up_to_node_scores_on_rotary_bridges(bridges, arch):
-    """RoPE bridges have no positional-embedding sender; edges out of each head sum to its node score."""
+    """Edges out of each head sum to its node score (on RoPE bridges and on GPT-2's learned positions)."""
     bridge = bridges[arch]
     pairs = _pairs(bridge, seed=4)
     node = attribution_patch(bridge, pairs, _metric, "z", by="all", ig_steps=2).effect()

@@ -1,4 +1,4 @@
-"""Geometry on TransformerBridges of tiny random GPT-2, Qwen3, OLMo-2 and Gemma 4 models (issue 12).
+"""Geometry on TransformerBridges of tiny random GPT-2, Llama, Qwen3, OLMo-2 and Gemma 4 models (issue 12).
 
 Every expected value is computed here independently of interp_norm.geometry: norm inputs/outputs
 are captured with plain torch forward hooks on the Hugging Face norm modules (found by class name,
@@ -34,7 +34,7 @@ from interp_norm.geometry import (
 )
 from interp_norm.hooks import SPARSE_THRESHOLD
 
-ARCHS = ("gpt2", "qwen3", "olmo2", "gemma4")
+ARCHS = ("gpt2", "llama", "qwen3", "olmo2", "gemma4")
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def built():
 
 def _is_hf_norm(module: torch.nn.Module) -> bool:
     """The HF norm classes of these four architectures, by name (the test's own independent list)."""
-    return type(module).__name__ in ("LayerNorm", "Qwen3RMSNorm", "Olmo2RMSNorm", "Gemma4RMSNorm")
+    return type(module).__name__ in ("LayerNorm", "LlamaRMSNorm", "Qwen3RMSNorm", "Olmo2RMSNorm", "Gemma4RMSNorm")
 
 
 def _captured(ref, tokens):
@@ -111,7 +111,7 @@ def test_ellipsoid_membership_equals_the_formula_for_every_norm(built, arch):
         assert r.predicted_mean == pytest.approx(float(formula.mean()), abs=1e-9)
         assert r.max_abs_err < 1e-5
         kinds.add((r.role, r.axis))
-    expected = {"gpt2": {("residual", "residual")},
+    expected = {"gpt2": {("residual", "residual")}, "llama": {("residual", "residual")},
                 "qwen3": {("residual", "residual"), ("q_norm", "per_head"), ("k_norm", "per_head")},
                 "olmo2": {("residual", "residual"), ("q_norm", "all_heads"), ("k_norm", "all_heads")},
                 "gemma4": {("residual", "residual"), ("q_norm", "per_head"), ("k_norm", "per_head"),
