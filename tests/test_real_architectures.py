@@ -8,6 +8,8 @@
   query head.
 * The CLI on a name in the Hugging Face cache with the hub offline, and ``--text``: the numbers
   come from the cached model reloaded with transformers / its own attentions, not via interp_norm.
+* Riechers's ellipsoid on our own per-head q/k/v norms (``ellipsoid_membership`` lists only the
+  residual-stream norms of our models): membership == σ²/(σ²+ε) from the raw hook, per head.
 """
 
 from __future__ import annotations
@@ -245,3 +247,38 @@ def test_cli_collapse_on_a_cached_name_reads_the_text_file(hub_cache, tmp_path, 
     assert sparse > 10 and set(pooled["n_rows"]) == {sparse}
     assert float(pooled[pooled["level"] == 0]["measured"].iloc[0]) == 0.0
     assert float(pooled[pooled["level"] == 0.2]["measured"].iloc[0]) > 0.0
+
+
+# ----------------------------------------------------------------------------- our per-head q/k/v norms' ellipsoids
+
+
+@pytest.mark.parametrize("attn_norm,norm_kind,qkv_gain", [("qkv", "rms", "per_head"), ("qkv", "ln", "per_head"),
+                                                          ("qk", "rms", "shared"), ("qk", "ln", "shared")])
+@torch.no_grad()
+def test_own_per_head_norm_outputs_lie_on_their_ellipsoid(attn_norm, norm_kind, qkv_gain):
+    """Riechers on our QK/QKV-Norm q/k/v norms (per head, per-head or shared gains): the geometry's
+    ellipsoid of head h's gain gives membership σ²/(σ²+ε), σ² read from the raw q/k/v hook."""
+    from interp_norm.geometry import norm_ellipsoid
+
+    eps = 0.3  # large, so that membership is far from 1 and the check is informative
+    model = make_model(attn_norm=attn_norm, norm_kind=norm_kind, qkv_gain=qkv_gain, eps=eps)
+    tokens = random_tokens(model, 3, 10, seed=1)
+    _, cache = model.run_with_cache(tokens)
+    inside = 0
+    for l, block in enumerate(model.blocks):
+        for t in ("qkv" if attn_norm == "qkv" else "qk"):
+            norm = getattr(block.attn, f"{t}_norm")
+            x = cache[act_name(t, l)].double()  # [b, p, h, d] before the norm
+            y = cache[act_name(f"{t}_normed", l)].double()
+            if norm_kind == "ln":
+                x = x - x.mean(-1, keepdim=True)
+            var = x.pow(2).mean(-1)
+            for h in range(model.cfg.n_heads):
+                gain = norm.w[h] if norm.w.ndim == 2 else norm.w
+                e = norm_ellipsoid(gain, None, norm_kind)
+                m = e.membership(y[:, :, h])
+                assert torch.allclose(m, var[:, :, h] / (var[:, :, h] + eps), atol=1e-5, rtol=0), (l, t, h)
+                if norm_kind == "ln":
+                    assert e.plane_residual(y[:, :, h]).abs().max() < 1e-5
+                inside += int((m < 0.99).sum())
+    assert inside > 0
