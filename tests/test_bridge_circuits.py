@@ -128,7 +128,8 @@ def test_edge_scores_add_up_to_node_scores_on_rotary_bridges(bridges, arch):
     assert "embed" in set(edges["sender"])
 
 
-@pytest.mark.parametrize("arch,match", [("olmo2", "post-norm"), ("gemma4", "post-norm"), ("qwen3", "groups key/value")])
+@pytest.mark.parametrize("arch,match", [("olmo2", "post-norm"), ("gemma4", "post-norm"), ("qwen3", "groups key/value"),
+                                        ("llama", "groups key/value")])
 def test_edges_refuse_what_is_not_a_sum_with_the_reason(bridges, arch, match):
     with pytest.raises(PatchingError, match=match):
         edge_attribution(bridges[arch], _pairs(bridges[arch]), _metric)
