@@ -22,8 +22,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# name -> (attn_norm, seed, calibration): "none" divides scores by sqrt(d_head); "paper" adds the
-# paper's Checkpoint calibration layers (interp_norm.model.Calibration).
+# name -> (attn_norm, seed, calibration[, n_epochs]): "none" divides scores by sqrt(d_head); "paper"
+# adds the paper's Checkpoint calibration layers (interp_norm.model.Calibration). n_epochs (of 250
+# steps) defaults to the cpu preset's 40 (10k steps); the "-30k" runs train three times as long, with
+# the cosine schedule stretched over the whole run, to measure what longer training does to attention
+# temperature and circuit collapse (issue 13).
 REFERENCE = {
     "pre": ("pre", 0, "none"),
     "pre-s1": ("pre", 1, "none"),
@@ -35,6 +38,8 @@ REFERENCE = {
     "qkv-cal": ("qkv", 0, "paper"),
     "pre-cal-s1": ("pre", 1, "paper"),
     "qkv-cal-s1": ("qkv", 1, "paper"),
+    "pre-30k": ("pre", 0, "none", 120),
+    "pre-30k-s1": ("pre", 1, "none", 120),
 }
 
 
@@ -43,10 +48,10 @@ def train_one(name: str, runs: Path, data: Path, progress: bool = True) -> None:
     from interp_norm.checkpoints import load_checkpoint, save_checkpoint
     from interp_norm.train import TrainConfig, train
 
-    attn_norm, seed, calibration = REFERENCE[name]
+    attn_norm, seed, calibration, *epochs = REFERENCE[name]
     model_cfg = ModelConfig.preset("cpu", attn_norm=attn_norm, seed=seed, calibration=calibration)
     task = AdditionTask.preset("cpu")
-    train_cfg = TrainConfig.preset("cpu", seed=seed)
+    train_cfg = TrainConfig.preset("cpu", seed=seed, **({"n_epochs": epochs[0]} if epochs else {}))
     t0 = time.perf_counter()
     train(model_cfg, task, train_cfg, runs / name, resume=True, progress=progress)
     seconds = time.perf_counter() - t0
