@@ -5,7 +5,11 @@
    resid_mid, resid_post, attn_out, mlp_out, z, q, k, v, pattern; by position) both tables are
    computed and checked equal (max |diff| <= 1e-5) first; then TransformerLens and ours are timed
    alternately in each repeat, so machine load hits both alike. Time is this process's CPU time
-   (median); the ratio is TransformerLens / ours. Target >= 30x.
+   (median); the ratio is TransformerLens / ours. Target >= 30x. Beside it, the arithmetic each
+   side does, in forward passes: TransformerLens one per cell; ours the corrupted run plus every
+   block row the engine recomputes (``PatchResult.rows_computed`` / rows of one forward). Their
+   quotient ("bound") is the ratio exact recomputation could reach at equal cost per row: where
+   it is below 30 the target cannot be met by an exact method that recomputes what a patch changes.
 2. **Scaling** (``z`` by position): time and peak memory as the number of cells (explicit cell
    subsets), pairs, and the model size grow, up to the paper's size (10 layers, d_model 512,
    12 heads of 64). TransformerLens is timed on the same cells (or, for the larger models, on a
@@ -117,7 +121,7 @@ def ratio_table(model, pairs, repeats: int, batch_size: int) -> list[float]:
     print(f"\n1. every activation by position: ModelConfig.preset('cpu', attn_norm={model.cfg.attn_norm!r}), "
           f"{len(pairs)} aligned pairs, {pairs.n_pos} positions; CPU ms (median of {repeats} rounds)")
     print(f"   {'activation':<11}{'cells':>6}{'max|diff|':>11}{'TransformerLens':>17}{'ours':>9}{'ratio':>9}"
-          f"{'ours MB':>9}")
+          f"{'ours MB':>9}{'ours fwd':>9}{'bound':>8}")
     ratios = []
     for act, fn in TL_FN.items():
         def tl():
@@ -131,8 +135,9 @@ def ratio_table(model, pairs, repeats: int, batch_size: int) -> list[float]:
         t = interleaved({"tl": tl, "ours": ours}, repeats, first=first)
         mb = peak_mb(ours)
         ratios.append(t["tl"] / t["ours"])
+        fwd = ours().rows_computed / (len(pairs) * pairs.n_pos * model.cfg.n_layers)  # forward passes of arithmetic
         print(f"   {act:<11}{n_cells:>6}{diff:>11.1e}{t['tl'] * 1e3:>17.1f}{t['ours'] * 1e3:>9.2f}"
-              f"{ratios[-1]:>8.1f}x{fmt_mb(mb):>9}")
+              f"{ratios[-1]:>8.1f}x{fmt_mb(mb):>9}{fwd:>9.2f}{n_cells / fwd:>7.1f}x")
     return ratios
 
 

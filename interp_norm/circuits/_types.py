@@ -58,6 +58,10 @@ class PatchResult:
     metric_name: str = "metric"
     method: str = "exact"
     flat: bool = False
+    #: Block rows (example x position x layer) the incremental engine computed: the corrupted run's
+    #: plus every recomputed row. A forward pass computes ``batch * pos * n_layers``; the ratio says
+    #: how much arithmetic a sweep costs in forward passes (None for the hooks method).
+    rows_computed: Optional[int] = None
 
     def effect(self) -> Tensor:
         """Patched minus unpatched corrupted metric: what the patch changes."""

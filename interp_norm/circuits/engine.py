@@ -98,6 +98,8 @@ class IncrementalEngine:
             read_rows = torch.zeros(self.b, self.n, dtype=torch.bool, device=dev)
             read_rows[:, :ne] = self.need_last
             self.read_flat = read_rows.flatten().nonzero().squeeze(1)
+            # work done, in block rows: the corrupted run's (the last layer's MLP only where read) ...
+            self.rows_computed = self.b * self.n * (self.L - 1) + len(self.read_flat)
             for l, blk in enumerate(model.blocks):
                 self.acts.append(self._block(blk, resid, self.read_flat if l == self.L - 1 else None))
                 resid = self.acts[-1]["resid_post"]
@@ -337,6 +339,8 @@ class IncrementalEngine:
             entering = l in lay
             Pl = P & enter.to(P.device).view(K, 1, 1) if entering else None
             X, D = self._layer(l, X, D, l == self.L - 1, stage if entering else None, patch_at(l) if entering else None, Pl)
+            if D is not None:  # ... plus the rows each patched copy recomputes
+                self.rows_computed += int(D.sum())
             if X is None and l >= lay[-1]:
                 return None
         out = self.logits.unsqueeze(0).expand(K, *self.logits.shape).clone()

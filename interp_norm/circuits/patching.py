@@ -422,6 +422,7 @@ def activation_patch(
         index_df=pd.DataFrame(cells_np, columns=list(axes)), per_example=per_example,
         baseline=baseline.detach().double().cpu(), clean=None if clean_val is None else clean_val.detach().double().cpu(),
         metric_name=metric_name(metric), method=f"exact-{'incremental' if engine is not None else 'hooks'}", flat=flat,
+        rows_computed=None if engine is None else engine.rows_computed,
     )
 
 
