@@ -300,15 +300,8 @@ def rate_table(
     :func:`measure_collapse`; ``columns`` are constant leading columns (variant, placement, ...)."""
 
     def summarise(layer, i, definition, rates: Tensor, pred: Tensor, ns: float) -> dict:
-        R = len(rates)
-        measured = float(rates.mean()) if R else math.nan
-        se = float(rates.std() / math.sqrt(R)) if R > 1 else math.nan
-        predicted = float(pred.mean()) if R else math.nan
-        var = (pred * (1 - pred)).sum() * (1.0 / n_draws + (0.0 if math.isinf(ns) else 1.0 / ns))
-        mc_se = float(var.sqrt() / R) if R else math.nan
-        z = (measured - predicted) / mc_se if mc_se > 0 else (0.0 if measured == predicted else math.nan)
-        return dict(columns, layer=layer, level=levels[i], definition=definition, n_rows=R, n_draws=n_draws,
-                    measured=measured, se=se, predicted=predicted, mc_se=mc_se, z=z)
+        return dict(columns, layer=layer, level=levels[i], definition=definition,
+                    **theory.rate_summary(rates, pred, n_draws, ns))
 
     rows = [summarise(*item) for item in per_layer]
     for i in range(len(levels)):
