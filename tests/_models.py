@@ -1,10 +1,16 @@
-"""Model builders shared by several test files."""
+"""Model builders, and checks run on them, shared by several test files."""
 
 from __future__ import annotations
 
+import copy
+from typing import Sequence
+
+import pandas as pd
+import pytest
 import torch
 
 from interp_norm import HookedNormTransformer, ModelConfig
+from interp_norm.task import BOS_ID, PAD_ID
 
 
 def make_model(seed: int = 0, **kw) -> HookedNormTransformer:
@@ -16,3 +22,77 @@ def make_model(seed: int = 0, **kw) -> HookedNormTransformer:
             if name.endswith(".w") or name.endswith(".b") or name.endswith("b_O"):
                 p.add_(0.3 * torch.randn(p.shape, generator=g))
     return model
+
+
+def sharpened_model(attn_norm: str = "pre", calibration: str = "none") -> HookedNormTransformer:
+    """A tiny random model (seed 3) with sharpened attention (W_Q × 3, and the q norm's gain × 3 where
+    there is one) so that many rows are sparse, for the noise and collapse tests; with
+    ``calibration="paper"`` also a score factor ≠ 1, so code that re-derived scores from q·k/√d
+    would fail. A new model each call: each test file keeps its own."""
+    model = HookedNormTransformer(ModelConfig.preset("tiny", attn_norm=attn_norm, seed=3, calibration=calibration)).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.W_Q.mul_(3.0)
+            if attn_norm in ("qk", "qkv"):
+                block.attn.q_norm.w.mul_(3.0)
+            if calibration == "paper":
+                block.attn.calib_scores.factor.fill_(1.7)
+    return model
+
+
+def bridges_with_hf_copies(archs: Sequence[str], seed: int) -> dict:
+    """arch -> (a tiny random TransformerBridge, an untouched deep copy of its Hugging Face model):
+    the copy is the independent reference the bridge tests compare against."""
+    from interp_norm.bridges import bridge_from_hf, tiny_hf_model
+
+    out = {}
+    for arch in archs:
+        hf = tiny_hf_model(arch, seed=seed)
+        ref = copy.deepcopy(hf)
+        out[arch] = (bridge_from_hf(hf, name=f"tiny-{arch}"), ref)
+    return out
+
+
+def check_read_matrices_reproduce_qkv(model: HookedNormTransformer, tokens: torch.Tensor) -> None:
+    """hook_q/k/v = (resid_pre / scale) @ M for Pre-Norm, resid_pre @ M otherwise, per head."""
+    from interp_norm import geometry as G
+
+    _, cache = model.run_with_cache(tokens)
+    for l in range(model.cfg.n_layers):
+        x = cache[f"blocks.{l}.hook_resid_pre"].double()
+        s = cache[f"blocks.{l}.ln1.hook_scale"].double() if model.cfg.attn_norm == "pre" else 1.0
+        for (h, n), M in G.effective_read_matrices(model, l).items():
+            got = (x / s) @ M
+            assert torch.allclose(got, cache[f"blocks.{l}.attn.hook_{n}"][:, :, h].double(), atol=1e-4), (l, h, n)
+
+
+def check_spheres_match_direct(model: HookedNormTransformer, tokens: torch.Tensor, pairs: bool = True) -> None:
+    """The streamed all-layer orthogonal_spheres equals sphere_structure on each layer's decomposition
+    (``pairs``: the pair table too), and its resid_norm_cv is the CV of |resid_pre| from the cache."""
+    from interp_norm import geometry as G
+
+    sph = G.orthogonal_spheres(model, tokens, center=False)
+    _, cache = model.run_with_cache(tokens)
+    mask = (tokens != PAD_ID) & (tokens != BOS_ID)
+    for layer in range(model.cfg.n_layers + 1):
+        direct = G.sphere_structure(G.residual_components(model, tokens, layer), mask)
+        got = {k: v[v["layer"] == layer].drop(columns="layer").reset_index(drop=True) for k, v in sph.items()}
+        pd.testing.assert_frame_equal(got["components"], direct["components"], rtol=1e-6)
+        if pairs:
+            pd.testing.assert_frame_equal(got["pairs"], direct["pairs"], rtol=1e-5, atol=1e-6)
+        pd.testing.assert_frame_equal(got["scores"], direct["scores"], rtol=1e-5)
+        if layer < model.cfg.n_layers:
+            r = cache[f"blocks.{layer}.hook_resid_pre"][mask].double().norm(dim=-1)
+            assert got["scores"]["resid_norm_cv"].iloc[0] == pytest.approx(float(r.std(unbiased=False) / r.mean()), rel=1e-5)
+
+
+def layer1_change_from_doubled_embed(model: HookedNormTransformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The direct effect of ``ScaleComponent("hook_embed", 2.0)`` on layer 1, by a plain hooked run:
+    |Δ hook_pattern| [b, h, q, k] of layer 1 when hook_embed is added once more to layer 1's input
+    (layer 0 left clean), and the rows that count [b, q] (no padding, no BOS)."""
+    _, cache = model.run_with_cache(tokens)
+    emb = cache["hook_embed"]
+    with model.hooks(fwd_hooks=[("blocks.1.hook_resid_pre", lambda x, hook: x + emb)]):
+        _, patched = model.run_with_cache(tokens)
+    d = (patched["blocks.1.attn.hook_pattern"] - cache["blocks.1.attn.hook_pattern"]).abs()
+    return d, (tokens != PAD_ID) & (tokens != BOS_ID)

@@ -7,7 +7,6 @@ k) equals the model's own hook_pattern — holds on sequences longer than Gemma 
 
 from __future__ import annotations
 
-import copy
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,12 +19,11 @@ from interp_norm.bridges import (
     anatomy,
     attention_mask,
     attention_scores,
-    bridge_from_hf,
     masked_softmax,
     random_tokens,
-    tiny_hf_model,
     verify_scores,
 )
+from _models import bridges_with_hf_copies
 
 ARCHS = sorted(ARCHITECTURES)
 
@@ -33,12 +31,7 @@ ARCHS = sorted(ARCHITECTURES)
 @pytest.fixture(scope="module")
 def built():
     """arch -> (bridge, untouched HF copy)."""
-    out = {}
-    for arch in ARCHS:
-        hf = tiny_hf_model(arch, seed=3)
-        ref = copy.deepcopy(hf)
-        out[arch] = (bridge_from_hf(hf, name=f"tiny-{arch}"), ref)
-    return out
+    return bridges_with_hf_copies(ARCHS, seed=3)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -9,7 +9,6 @@ residual streams taken from the untouched HF model's own ``output_attentions`` /
 
 from __future__ import annotations
 
-import copy
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from interp_norm.bridges import bridge_from_hf, random_tokens, tiny_hf_model
+from interp_norm.bridges import random_tokens
 from interp_norm.errors import ConfigError
 from interp_norm.geometry import (
     attended_norms,
@@ -33,6 +32,7 @@ from interp_norm.geometry import (
     sparsity_summary,
 )
 from interp_norm.hooks import SPARSE_THRESHOLD
+from _models import bridges_with_hf_copies
 
 ARCHS = ("gpt2", "llama", "qwen3", "olmo2", "gemma4")
 
@@ -40,13 +40,8 @@ ARCHS = ("gpt2", "llama", "qwen3", "olmo2", "gemma4")
 @pytest.fixture(scope="module")
 def built():
     """arch -> (bridge, untouched HF copy, tokens)."""
-    out = {}
-    for arch in ARCHS:
-        hf = tiny_hf_model(arch, seed=5)
-        ref = copy.deepcopy(hf)
-        bridge = bridge_from_hf(hf, name=f"tiny-{arch}")
-        out[arch] = (bridge, ref, random_tokens(bridge, 3, 12, seed=4, low=3))
-    return out
+    return {arch: (bridge, ref, random_tokens(bridge, 3, 12, seed=4, low=3))
+            for arch, (bridge, ref) in bridges_with_hf_copies(ARCHS, seed=5).items()}
 
 
 def _is_hf_norm(module: torch.nn.Module) -> bool:

@@ -7,14 +7,13 @@ activations or with an independent hooked forward pass.
 
 from __future__ import annotations
 
-import pandas as pd
 import pytest
 import torch
 
 from interp_norm import AdditionTask, HookedNormTransformer
 from interp_norm import geometry as G
 from interp_norm.task import BOS_ID, PAD_ID
-from _models import make_model
+from _models import check_read_matrices_reproduce_qkv, check_spheres_match_direct, layer1_change_from_doubled_embed, make_model
 
 
 @pytest.fixture(scope="module")
@@ -44,27 +43,11 @@ def test_residual_components_sum_to_the_stream(model, tokens, granularity):
 
 def test_effective_read_matrices_reproduce_q_k_v(model, tokens):
     """hook_q = (resid_pre / scale) @ M_q for Pre-Norm, resid_pre @ M_q otherwise, Checkpoints included."""
-    _, cache = model.run_with_cache(tokens)
-    for l in range(model.cfg.n_layers):
-        x = cache[f"blocks.{l}.hook_resid_pre"].double()
-        s = cache[f"blocks.{l}.ln1.hook_scale"].double() if model.cfg.attn_norm == "pre" else 1.0
-        for (h, n), M in G.effective_read_matrices(model, l).items():
-            got = (x / s) @ M
-            assert torch.allclose(got, cache[f"blocks.{l}.attn.hook_{n}"][:, :, h].double(), atol=1e-4), (l, h, n)
+    check_read_matrices_reproduce_qkv(model, tokens)
 
 
 def test_orthogonal_spheres_match_decomposition_and_stream_norm(model, tokens):
-    sph = G.orthogonal_spheres(model, tokens, center=False)
-    _, cache = model.run_with_cache(tokens)
-    mask = (tokens != PAD_ID) & (tokens != BOS_ID)
-    for layer in range(model.cfg.n_layers + 1):
-        direct = G.sphere_structure(G.residual_components(model, tokens, layer), mask)
-        got = {k: v[v["layer"] == layer].drop(columns="layer").reset_index(drop=True) for k, v in sph.items()}
-        pd.testing.assert_frame_equal(got["components"], direct["components"], rtol=1e-6)
-        pd.testing.assert_frame_equal(got["scores"], direct["scores"], rtol=1e-5)
-        if layer < model.cfg.n_layers:
-            r = cache[f"blocks.{layer}.hook_resid_pre"][mask].double().norm(dim=-1)
-            assert got["scores"]["resid_norm_cv"].iloc[0] == pytest.approx(float(r.std(unbiased=False) / r.mean()), rel=1e-5)
+    check_spheres_match_direct(model, tokens, pairs=False)
 
 
 def test_subspaces_match_formed_components(model, tokens):
@@ -84,12 +67,7 @@ def test_direct_interference_matches_a_hooked_run(tokens):
     df = G.direct_interference(m, tokens, {"x2": G.ScaleComponent("hook_embed", 2.0),
                                            "none": G.ScaleComponent("hook_embed", 1.0)})
     assert df[df["intervention"] == "none"]["max_abs"].max() < 1e-6
-    _, cache = m.run_with_cache(tokens)
-    emb = cache["hook_embed"]
-    with m.hooks(fwd_hooks=[("blocks.1.hook_resid_pre", lambda x, hook: x + emb)]):
-        _, patched = m.run_with_cache(tokens)
-    d = (patched["blocks.1.attn.hook_pattern"] - cache["blocks.1.attn.hook_pattern"]).abs()
-    rows = (tokens != PAD_ID) & (tokens != BOS_ID)
+    d, rows = layer1_change_from_doubled_embed(m, tokens)
     got = df[(df["intervention"] == "x2") & (df["layer"] == 1)].set_index("head")
     for h in range(m.cfg.n_heads):
         assert got.loc[h, "mean_tv"] == pytest.approx(float((0.5 * d[:, h].sum(-1))[rows].mean()), rel=1e-4, abs=1e-7)

@@ -15,7 +15,7 @@ from interp_norm import geometry as G
 from interp_norm import plots as P
 from interp_norm.errors import ConfigError, GeometryError, ProblemStringError
 from interp_norm.task import BOS_ID, PAD_ID
-from _models import make_model
+from _models import check_read_matrices_reproduce_qkv, check_spheres_match_direct, layer1_change_from_doubled_embed, make_model
 
 
 @pytest.fixture(scope="module")
@@ -158,31 +158,13 @@ def test_residual_components_sum_to_the_stream(model, tokens, granularity):
                                      dict(attn_norm="pre", pre_norm_gains="shared"), dict(attn_norm="qkv")])
 def test_effective_read_matrices_reproduce_q_k_v(variant, tokens):
     """hook_q = (resid_pre / scale) @ M_q for Pre-Norm, resid_pre @ M_q otherwise."""
-    m = make_model(**variant)
-    _, cache = m.run_with_cache(tokens)
-    for l in range(m.cfg.n_layers):
-        x = cache[f"blocks.{l}.hook_resid_pre"].double()
-        s = cache[f"blocks.{l}.ln1.hook_scale"].double() if variant["attn_norm"] == "pre" else 1.0
-        for (h, n), M in G.effective_read_matrices(m, l).items():
-            got = (x / s) @ M
-            assert torch.allclose(got, cache[f"blocks.{l}.attn.hook_{n}"][:, :, h].double(), atol=1e-4), (l, h, n)
+    check_read_matrices_reproduce_qkv(make_model(**variant), tokens)
 
 
 def test_orthogonal_spheres_per_layer_matches_direct_computation(model, tokens):
     """The streamed all-layer pass equals sphere_structure on each layer's decomposition, and its
     resid_norm_cv is the CV of |resid_pre| read straight from the cache."""
-    sph = G.orthogonal_spheres(model, tokens, center=False)
-    _, cache = model.run_with_cache(tokens)
-    mask = (tokens != PAD_ID) & (tokens != BOS_ID)
-    for layer in range(model.cfg.n_layers + 1):
-        direct = G.sphere_structure(G.residual_components(model, tokens, layer), mask)
-        got = {k: v[v["layer"] == layer].drop(columns="layer").reset_index(drop=True) for k, v in sph.items()}
-        pd.testing.assert_frame_equal(got["components"], direct["components"], rtol=1e-6)
-        pd.testing.assert_frame_equal(got["pairs"], direct["pairs"], rtol=1e-5, atol=1e-6)
-        pd.testing.assert_frame_equal(got["scores"], direct["scores"], rtol=1e-5)
-        if layer < model.cfg.n_layers:
-            r = cache[f"blocks.{layer}.hook_resid_pre"][mask].double().norm(dim=-1)
-            assert got["scores"]["resid_norm_cv"].iloc[0] == pytest.approx(float(r.std(unbiased=False) / r.mean()), rel=1e-5)
+    check_spheres_match_direct(model, tokens)
     lay = G.orthogonal_spheres(model, tokens, layers=[2], granularity="layer")
     assert set(lay["components"]["component"]) == {"tok", "pos", "L0.attn", "L1.attn", "L0.mlp", "L1.mlp"}
 
@@ -310,12 +292,7 @@ def test_direct_interference_is_layer_isolated_and_identity_is_zero(tokens):
     assert _no_hooks(m)
     # layer 1's change must be the direct one: only layer 1's input scaled, layer 0 left clean
     df = G.direct_interference(m, tokens, {"x2": G.ScaleComponent("hook_embed", 2.0)})
-    _, cache = m.run_with_cache(tokens)
-    emb = cache["hook_embed"]
-    with m.hooks(fwd_hooks=[("blocks.1.hook_resid_pre", lambda x, hook: x + emb)]):
-        _, patched = m.run_with_cache(tokens)
-    d = (patched["blocks.1.attn.hook_pattern"] - cache["blocks.1.attn.hook_pattern"]).abs()
-    rows = (tokens != PAD_ID) & (tokens != BOS_ID)
+    d, rows = layer1_change_from_doubled_embed(m, tokens)
     for h in range(m.cfg.n_heads):
         tv = 0.5 * d[:, h].sum(-1)[rows]
         got = df[(df["layer"] == 1) & (df["head"] == h)].iloc[0]

@@ -9,13 +9,14 @@ import pandas as pd
 import pytest
 import torch
 
-from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig
+from interp_norm import AdditionTask, HookedNormTransformer
 from interp_norm import noise as N
 from interp_norm import theory
 from interp_norm.errors import ConfigError, NoiseSpecError
 from interp_norm.evaluate import per_token_accuracy
 from interp_norm.plots import plot_accuracy_vs_noise, plot_collapse_thresholds, plot_collapse_vs_noise
 from interp_norm.task import PAD_ID
+from _models import sharpened_model
 
 TASK = AdditionTask.preset("cpu")
 
@@ -32,15 +33,9 @@ _MODELS: dict = {}
 
 
 def make_model(attn_norm: str) -> HookedNormTransformer:
-    """A tiny random model with sharpened attention (W_Q × 3) so that many rows are sparse."""
+    """:func:`_models.sharpened_model` (many sparse rows), built once per variant for this file."""
     if attn_norm not in _MODELS:
-        model = HookedNormTransformer(ModelConfig.preset("tiny", attn_norm=attn_norm, seed=3)).eval()
-        with torch.no_grad():
-            for block in model.blocks:
-                block.attn.W_Q.mul_(3.0)
-                if attn_norm in ("qk", "qkv"):
-                    block.attn.q_norm.w.mul_(3.0)
-        _MODELS[attn_norm] = model
+        _MODELS[attn_norm] = sharpened_model(attn_norm)
     return _MODELS[attn_norm]
 
 

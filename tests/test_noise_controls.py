@@ -8,32 +8,25 @@ import math
 import pytest
 import torch
 
-from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig
+from interp_norm import AdditionTask, HookedNormTransformer
 from interp_norm import noise as N
 from interp_norm import theory
 from interp_norm.errors import NoiseSpecError
 from interp_norm.hooks import act_name, used_name
 from interp_norm.noise.accuracy import pass_seed
 from interp_norm.task import EQ_ID, PAD_ID
+from _models import sharpened_model
 
 TASK = AdditionTask.preset("cpu")
 _MODELS: dict = {}
 
 
 def make_model(attn_norm: str = "pre", calibration: str = "none") -> HookedNormTransformer:
-    """A tiny random model with sharpened attention (W_Q × 3) so that many rows are sparse; with
-    ``calibration="paper"`` a score factor ≠ 1, so code that re-derived scores from q·k/√d would fail."""
+    """:func:`_models.sharpened_model` (many sparse rows; ``calibration="paper"``: a score factor ≠ 1,
+    so code that re-derived scores from q·k/√d would fail), built once per setting for this file."""
     key = (attn_norm, calibration)
     if key not in _MODELS:
-        model = HookedNormTransformer(ModelConfig.preset("tiny", attn_norm=attn_norm, seed=3, calibration=calibration)).eval()
-        with torch.no_grad():
-            for block in model.blocks:
-                block.attn.W_Q.mul_(3.0)
-                if attn_norm in ("qk", "qkv"):
-                    block.attn.q_norm.w.mul_(3.0)
-                if calibration == "paper":
-                    block.attn.calib_scores.factor.fill_(1.7)
-        _MODELS[key] = model
+        _MODELS[key] = sharpened_model(attn_norm, calibration)
     return _MODELS[key]
 
 

@@ -87,13 +87,20 @@ def wait_for_first_checkpoint(proc: subprocess.Popen, out: Path) -> None:
         time.sleep(0.01)
 
 
-def test_sigkill_at_a_random_moment_then_resume_is_bit_identical(reference, tmp_path):
-    out = tmp_path / "run"
+def run_until_a_random_moment(out: Path, what: str) -> tuple[subprocess.Popen, float]:
+    """Start a run into ``out``; return it, still running, and the random delay (0-0.3 s) waited after
+    its first checkpoint. ``what`` the caller does next ("killed", "interrupted"), for the message."""
     proc = cli(out)
     wait_for_first_checkpoint(proc, out)
     delay = random.uniform(0.0, 0.3)
     time.sleep(delay)
-    assert proc.poll() is None, "the run finished before it could be killed; make it longer"
+    assert proc.poll() is None, f"the run finished before it could be {what}; make it longer"
+    return proc, delay
+
+
+def test_sigkill_at_a_random_moment_then_resume_is_bit_identical(reference, tmp_path):
+    out = tmp_path / "run"
+    proc, delay = run_until_a_random_moment(out, "killed")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
@@ -106,11 +113,7 @@ def test_sigkill_at_a_random_moment_then_resume_is_bit_identical(reference, tmp_
 
 def test_ctrl_c_at_a_random_moment_saves_the_current_step_then_resume_is_bit_identical(reference, tmp_path):
     out = tmp_path / "run"
-    proc = cli(out)
-    wait_for_first_checkpoint(proc, out)
-    delay = random.uniform(0.0, 0.3)
-    time.sleep(delay)
-    assert proc.poll() is None, "the run finished before it could be interrupted; make it longer"
+    proc, delay = run_until_a_random_moment(out, "interrupted")
     periodic = int((out / "LATEST").read_text().strip().split("-")[1])
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)

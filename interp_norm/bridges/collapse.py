@@ -319,17 +319,6 @@ def collapse_chunks(
 # ----------------------------------------------------------------------------- the table
 
 
-def _summary(keys: dict, rates: Tensor, pred: Tensor, n_draws: int, ns: float) -> dict:
-    R = len(rates)
-    measured = float(rates.mean()) if R else math.nan
-    se = float(rates.std() / math.sqrt(R)) if R > 1 else math.nan
-    predicted = float(pred.mean()) if R else math.nan
-    var = (pred * (1 - pred)).sum() * (1.0 / n_draws + (0.0 if math.isinf(ns) else 1.0 / ns))
-    mc_se = float(var.sqrt() / R) if R else math.nan
-    z = (measured - predicted) / mc_se if mc_se > 0 else (0.0 if measured == predicted else math.nan)
-    return dict(keys, n_rows=R, n_draws=n_draws, measured=measured, se=se, predicted=predicted, mc_se=mc_se, z=z)
-
-
 def bridge_collapse(
     model: Any, tokens: Tensor, levels: Sequence[float] = DEFAULT_LEVELS, *, draws: int = 64,
     targets: Sequence[str] = ("q", "k"), placement: str = "before_norm", distribution: str = "uniform",
@@ -392,14 +381,14 @@ def bridge_collapse(
         kinds = {it[3] for it in items}
         keys = dict(base, layer=layer, head=h, level=level_list[i], definition=definition,
                     theory=kinds.pop() if len(kinds) == 1 else "mixed")
-        out.append(_summary(keys, rates, pred, draws, items[0][2]))
+        out.append(dict(keys, **theory.rate_summary(rates, pred, draws, items[0][2])))
         pooled.setdefault((i, definition), []).extend(items)
     for (i, definition), items in sorted(pooled.items()):
         kinds = {it[3] for it in items}
         keys = dict(base, layer="all", head="all", level=level_list[i], definition=definition,
                     theory=kinds.pop() if len(kinds) == 1 else "mixed")
-        out.append(_summary(keys, torch.cat([it[0] for it in items]), torch.cat([it[1] for it in items]), draws,
-                            items[0][2]))
+        out.append(dict(keys, **theory.rate_summary(torch.cat([it[0] for it in items]),
+                                                    torch.cat([it[1] for it in items]), draws, items[0][2])))
     df = pd.DataFrame(out)
     if len(df):
         df["layer"] = df["layer"].astype(object)

@@ -51,6 +51,19 @@ def _sample_tokens(model: HookedNormTransformer, task, tokens, n: int, split: st
     return as_tokens(model, task.sample_batch(n, split, seed=seed).tokens)
 
 
+def _spread_and_sparsity(model: Any, tokens: Tensor, cache, coverage: float, tolerance: float, bins: int,
+                         steps: tqdm) -> dict[str, pd.DataFrame]:
+    """``norm_spread``, ``sparsity_hist`` and ``sparsity_summary`` from the cache (two progress
+    steps): the analyses our models and bridges share, written once for both runners."""
+    out = {"norm_spread": norm_spread(model, tokens, coverage=coverage, tolerance=tolerance, cache=cache)}
+    steps.update()
+    mx = max_attention(model, tokens, cache=cache)
+    out["sparsity_hist"] = sparsity_histogram(mx, bins=bins)
+    out["sparsity_summary"] = sparsity_summary(mx)
+    steps.update()
+    return out
+
+
 def run_geometry(
     model: HookedNormTransformer,
     task=None,
@@ -85,13 +98,7 @@ def run_geometry(
     steps = tqdm(total=8, desc="geometry", disable=not progress)
     cache = run_cached(model, tokens, geometry_hook_names(model))  # one forward pass for every analysis
     steps.update()
-    out: dict[str, pd.DataFrame] = {}
-    out["norm_spread"] = norm_spread(model, tokens, coverage=coverage, tolerance=tolerance, cache=cache)
-    steps.update()
-    mx = max_attention(model, tokens, cache=cache)
-    out["sparsity_hist"] = sparsity_histogram(mx, bins=bins)
-    out["sparsity_summary"] = sparsity_summary(mx)
-    steps.update()
+    out: dict[str, pd.DataFrame] = _spread_and_sparsity(model, tokens, cache, coverage, tolerance, bins, steps)
     sph = orthogonal_spheres(model, tokens, weighting=weighting, cache=cache)
     out["sphere_components"], out["sphere_pairs"], out["sphere_scores"] = sph["components"], sph["pairs"], sph["scores"]
     steps.update()
@@ -145,12 +152,7 @@ def bridge_geometry(
     cache = run_cached(model, toks, names)
     steps.update()
     out: dict[str, pd.DataFrame] = {"anatomy": anatomy(model).table()}
-    out["norm_spread"] = norm_spread(model, toks, coverage=coverage, tolerance=tolerance, cache=cache)
-    steps.update()
-    mx = max_attention(model, toks, cache=cache)
-    out["sparsity_hist"] = sparsity_histogram(mx, bins=bins)
-    out["sparsity_summary"] = sparsity_summary(mx)
-    steps.update()
+    out.update(_spread_and_sparsity(model, toks, cache, coverage, tolerance, bins, steps))
     out["ellipsoids"] = bridge_ellipsoid_table(model, norms)
     out["ellipsoid_axes"] = bridge_ellipsoid_axes(model, norms)
     out["ellipsoid_membership"] = bridge_ellipsoid_membership(model, toks, cache=cache, norms=norms)

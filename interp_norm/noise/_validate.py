@@ -34,16 +34,25 @@ def check_distribution(distribution: str) -> str:
     return distribution
 
 
+def number_tuple(values, not_numbers: str, empty: str) -> tuple:
+    """``values`` as a non-empty tuple, one number (not a bool) becoming a 1-tuple; NoiseSpecError
+    ``"<not_numbers>, got <values>"`` when it is not iterable, ``empty`` when it is empty. The one
+    reading of "a number or a list of them" (noise levels, score multipliers); each checks its items."""
+    if isinstance(values, (int, float, np.floating, np.integer)) and not isinstance(values, bool):
+        values = (values,)
+    try:
+        values = tuple(values)
+    except TypeError:
+        raise NoiseSpecError(f"{not_numbers}, got {values!r}") from None
+    if not values:
+        raise NoiseSpecError(empty)
+    return values
+
+
 def check_levels(levels: Sequence[float] | float, distribution: str) -> tuple[float, ...]:
     """Each level through :class:`NoiseLaw` (NaN, negative, uniform ≥ 1/√3 → NoiseSpecError)."""
-    if isinstance(levels, (int, float, np.floating, np.integer)) and not isinstance(levels, bool):
-        levels = (levels,)
-    try:
-        levels = tuple(levels)
-    except TypeError:
-        raise NoiseSpecError(f"noise levels must be a number or a list of numbers, got {levels!r}") from None
-    if not levels:
-        raise NoiseSpecError("no noise levels given; pass e.g. levels=(0, 0.01, 0.1)")
+    levels = number_tuple(levels, "noise levels must be a number or a list of numbers",
+                          "no noise levels given; pass e.g. levels=(0, 0.01, 0.1)")
     return tuple(NoiseLaw(lv, check_distribution(distribution)).level for lv in levels)
 
 
@@ -149,9 +158,11 @@ def trimmed_tokens(tokens: Tensor | Batch, model: HookedNormTransformer) -> Tens
     return trim_padding(tokens).to(model.W_E.device)
 
 
-def on_test_set(measure, model, task, split: str, n_examples: int, data_seed: int, *args, **kwargs):
+def on_test_set(measure, model, task, *args, split: str = "id", n_examples: int = 256, data_seed: int = 1234,
+                **kwargs):
     """``measure(model, task.test_set(split, n_examples, seed=data_seed), *args, **kwargs)`` with a
-    ``split`` column: the one-call ``run_*`` form of every tokens-level measurement."""
+    ``split`` column: the one-call ``run_*`` form of every tokens-level measurement. The test-set
+    defaults live here, once, so that every ``run_*`` of the collapse family reads the same problems."""
     if not isinstance(task, AdditionTask):
         raise ConfigError(f"task must be an AdditionTask, got {type(task).__name__}")
     n_examples = check_positive_int(n_examples, "n_examples")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import pandas as pd
 import torch
@@ -122,6 +122,20 @@ class CleanAttention:
     q_scale: dict[int, Optional[Tensor]]
     k_scale: dict[int, Optional[Tensor]]
     valid: Bool[Tensor, "batch head query"]
+
+    def sparse_rows(self, pattern: Float[Tensor, "batch head query key"], threshold: float) -> Int[Tensor, "row 3"]:
+        """(batch, head, query) of each row that counts (:attr:`valid`) and is sparse in ``pattern``
+        (max ≥ ``threshold``): one definition for the per-layer, forward and temperature measurements."""
+        return (theory.sparse_mask(pattern, threshold) & self.valid).nonzero()
+
+
+def check_inputs(model: HookedNormTransformer, levels: Sequence[float], spec: Optional[CollapseSpec],
+            options: dict) -> tuple[CollapseSpec, ModelConfig, tuple[float, ...]]:
+    """(spec with ``options``, the model's config, the levels), checked in the order every collapse
+    measurement checks them (options, then the model, then the levels against the distribution)."""
+    spec = CollapseSpec.make(spec, **options)
+    cfg = V.check_model(model)
+    return spec, cfg, V.check_levels(levels, spec.distribution)
 
 
 @torch.no_grad()
@@ -236,8 +250,7 @@ def layer_decisions(
         scores = scores * multiplier
         pattern = scores.softmax(-1)
     b, h, n, _ = scores.shape
-    select = theory.sparse_mask(pattern, spec.sparse_threshold) & clean.valid
-    rows = select.nonzero()  # [R, 3]: (batch, head, query)
+    rows = clean.sparse_rows(pattern, spec.sparse_threshold)  # [R, 3]: (batch, head, query)
     rb, rh, rq = rows.unbind(-1)
     w = scores[rb, rh, rq].to(torch.float64)  # [R, n]
     D = spec.n_draws
@@ -280,9 +293,7 @@ def collapse_decisions(
     the factor is :func:`effective_factor`, i.e. almost 1); decisions come from
     :func:`collapse_from_scores`. ``options`` are :class:`CollapseSpec` fields.
     """
-    spec = CollapseSpec.make(spec, **options)
-    cfg = V.check_model(model)
-    levels = V.check_levels(levels, spec.distribution)
+    spec, cfg, levels = check_inputs(model, levels, spec, options)
     clean = clean_attention(model, tokens, spec)
     return [layer_decisions(clean, l, levels, spec, cfg.eps)
             for l in tqdm(clean.layers, desc="collapse", disable=not progress)]
@@ -300,15 +311,8 @@ def rate_table(
     :func:`measure_collapse`; ``columns`` are constant leading columns (variant, placement, ...)."""
 
     def summarise(layer, i, definition, rates: Tensor, pred: Tensor, ns: float) -> dict:
-        R = len(rates)
-        measured = float(rates.mean()) if R else math.nan
-        se = float(rates.std() / math.sqrt(R)) if R > 1 else math.nan
-        predicted = float(pred.mean()) if R else math.nan
-        var = (pred * (1 - pred)).sum() * (1.0 / n_draws + (0.0 if math.isinf(ns) else 1.0 / ns))
-        mc_se = float(var.sqrt() / R) if R else math.nan
-        z = (measured - predicted) / mc_se if mc_se > 0 else (0.0 if measured == predicted else math.nan)
-        return dict(columns, layer=layer, level=levels[i], definition=definition, n_rows=R, n_draws=n_draws,
-                    measured=measured, se=se, predicted=predicted, mc_se=mc_se, z=z)
+        return dict(columns, layer=layer, level=levels[i], definition=definition,
+                    **theory.rate_summary(rates, pred, n_draws, ns))
 
     rows = [summarise(*item) for item in per_layer]
     for i in range(len(levels)):
@@ -335,6 +339,7 @@ def measure_collapse(
     strict_samples: int = 256,
     variant: Optional[str] = None,
     progress: bool = False,
+    decisions: Callable[..., list[LayerCollapse]] = collapse_decisions,
     **options,
 ) -> pd.DataFrame:
     """Collapse probability vs noise level, per layer and overall (``layer == "all"``), with the
@@ -350,13 +355,14 @@ def measure_collapse(
     the code, not of the theory (see :func:`interp_norm.noise.measure_forward_collapse`). With
     ``placement="before_norm"`` on a QK-/QKV-Norm model the norm removes the noise, so the
     prediction is 0 (``theory = "removed_by_norm"``; NaN for normal noise large enough that
-    P(1+κ < 0) ≥ 1e-12, since the norm keeps such sign flips). ``options`` are
-    :class:`CollapseSpec` fields.
+    P(1+κ < 0) ≥ 1e-12, since the norm keeps such sign flips). ``decisions`` makes the per-layer
+    decisions (:func:`collapse_decisions`; :func:`interp_norm.noise.forward_collapse_decisions` for
+    the real noisy forward pass). ``options`` are :class:`CollapseSpec` fields.
     """
     spec = CollapseSpec.make(spec, **options)
     cfg = V.check_model(model)
     strict_samples = int(strict_samples)
-    results = collapse_decisions(model, tokens, levels, spec, progress=progress)
+    results = decisions(model, tokens, levels, spec, progress=progress)
     return collapse_table(results, spec, cfg, predict=predict, strict_samples=strict_samples, variant=variant)
 
 
@@ -399,16 +405,14 @@ def run_collapse(
     task: AdditionTask,
     levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
     spec: Optional[CollapseSpec] = None,
-    *,
-    split: str = "id",
-    n_examples: int = 256,
-    data_seed: int = 1234,
     **kwargs,
 ) -> pd.DataFrame:
     """The paper's circuit-collapse experiment in one call, on ``task.test_set(split, n_examples,
-    seed=data_seed)``. Returns :func:`measure_collapse`'s table (other keyword arguments go to it);
-    pass it to :func:`collapse_thresholds` for the 1%-collapse noise levels."""
-    return V.on_test_set(measure_collapse, model, task, split, n_examples, data_seed, levels, spec, **kwargs)
+    seed=data_seed)`` (keywords; defaults ``split="id"``, ``n_examples=256``, ``data_seed=1234``, as
+    :func:`~interp_norm.noise._validate.on_test_set`), with a ``split`` column. Returns
+    :func:`measure_collapse`'s table (other keyword arguments go to it); pass it to
+    :func:`collapse_thresholds` for the 1%-collapse noise levels."""
+    return V.on_test_set(measure_collapse, model, task, levels, spec, **kwargs)
 
 
 def collapse_thresholds(curves: pd.DataFrame, target: float = 0.01) -> pd.DataFrame:

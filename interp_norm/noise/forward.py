@@ -24,7 +24,6 @@ from jaxtyping import Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from interp_norm import theory
 from interp_norm.hooks import act_name
 from interp_norm.model import HookedNormTransformer
 from interp_norm.noise import _validate as V
@@ -32,8 +31,9 @@ from interp_norm.noise.collapse import (
     DEFAULT_COLLAPSE_LEVELS,
     CollapseSpec,
     LayerCollapse,
+    check_inputs,
     clean_attention,
-    collapse_table,
+    measure_collapse,
 )
 from interp_norm.noise.hooks import NormNoise
 from interp_norm.task import AdditionTask, Batch
@@ -60,15 +60,12 @@ def forward_collapse_decisions(
     argmax differs from the clean one; strict: also its attention weight ≥ ``spec.strict_threshold``.
     ``scores`` holds the clean rows, for the prediction. ``options`` are :class:`CollapseSpec` fields.
     """
-    spec = CollapseSpec.make(spec, **options)
-    V.check_model(model)
-    levels = V.check_levels(levels, spec.distribution)
+    spec, _, levels = check_inputs(model, levels, spec, options)
     clean = clean_attention(model, tokens, spec)
     tokens = clean.tokens
     rows, tstar = {}, {}
     for l in clean.layers:
-        select = theory.sparse_mask(clean.pattern[l], spec.sparse_threshold) & clean.valid
-        rows[l] = select.nonzero()
+        rows[l] = clean.sparse_rows(clean.pattern[l], spec.sparse_threshold)
         rb, rh, rq = rows[l].unbind(-1)
         tstar[l] = clean.scores[l][rb, rh, rq].argmax(-1)
     D = spec.n_draws
@@ -104,12 +101,7 @@ def measure_forward_collapse(
     tokens: Int[Tensor, "batch pos"] | Batch,
     levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
     spec: Optional[CollapseSpec] = None,
-    *,
-    predict: bool = True,
-    strict_samples: int = 256,
-    variant: Optional[str] = None,
-    progress: bool = False,
-    **options,
+    **kwargs,
 ) -> pd.DataFrame:
     """Collapse rate in the real noisy forward pass (all chosen layers noised at once) beside the
     theory's per-layer prediction: a test of the theory, downstream effects included.
@@ -119,13 +111,11 @@ def measure_forward_collapse(
     whose argmax moved in the actual run), ``se`` (clustered by row), ``predicted`` (the theory on
     the clean scores: exact integral for loose, ``strict_samples`` Monte Carlo for strict),
     ``mc_se`` and ``z`` (the deviation expected if each layer behaved as on its clean inputs), and
-    ``protocol = "forward"``. ``options`` are :class:`CollapseSpec` fields.
+    ``protocol = "forward"``. It is :func:`interp_norm.noise.measure_collapse` with these decisions,
+    so the keyword arguments are the same (``predict``, ``strict_samples``, ``variant``,
+    ``progress`` and :class:`CollapseSpec` fields).
     """
-    spec = CollapseSpec.make(spec, **options)
-    cfg = V.check_model(model)
-    strict_samples = int(strict_samples)
-    results = forward_collapse_decisions(model, tokens, levels, spec, progress=progress)
-    df = collapse_table(results, spec, cfg, predict=predict, strict_samples=strict_samples, variant=variant)
+    df = measure_collapse(model, tokens, levels, spec, decisions=forward_collapse_decisions, **kwargs)
     df["protocol"] = "forward"
     return df
 
@@ -135,15 +125,12 @@ def run_forward_collapse(
     task: AdditionTask,
     levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
     spec: Optional[CollapseSpec] = None,
-    *,
-    split: str = "id",
-    n_examples: int = 256,
-    data_seed: int = 1234,
     **kwargs,
 ) -> pd.DataFrame:
     """:func:`measure_forward_collapse` on ``task.test_set(split, n_examples, seed=data_seed)`` (the
-    same problems as :func:`interp_norm.noise.run_collapse`), with a ``split`` column."""
-    return V.on_test_set(measure_forward_collapse, model, task, split, n_examples, data_seed, levels, spec, **kwargs)
+    same keywords and defaults, so the same problems, as :func:`interp_norm.noise.run_collapse`),
+    with a ``split`` column."""
+    return V.on_test_set(measure_forward_collapse, model, task, levels, spec, **kwargs)
 
 
 __all__ = ["forward_collapse_decisions", "measure_forward_collapse", "run_forward_collapse"]

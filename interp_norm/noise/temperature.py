@@ -25,7 +25,7 @@ from interp_norm import theory
 from interp_norm.errors import NoiseSpecError
 from interp_norm.model import HookedNormTransformer
 from interp_norm.noise import _validate as V
-from interp_norm.noise.collapse import DEFAULT_COLLAPSE_LEVELS, CollapseSpec, clean_attention, layer_decisions
+from interp_norm.noise.collapse import DEFAULT_COLLAPSE_LEVELS, CollapseSpec, check_inputs, clean_attention, layer_decisions
 from interp_norm.task import AdditionTask, Batch
 
 #: Score multipliers c of the default sweep (c > 1: colder, sharper attention).
@@ -33,14 +33,8 @@ DEFAULT_MULTIPLIERS = (0.5, 1.0, 2.0, 4.0)
 
 
 def _check_multipliers(multipliers: Sequence[float] | float) -> tuple[float, ...]:
-    if isinstance(multipliers, (int, float, np.integer, np.floating)) and not isinstance(multipliers, bool):
-        multipliers = (multipliers,)
-    try:
-        values = tuple(multipliers)
-    except TypeError:
-        raise NoiseSpecError(f"multipliers must be a positive number or a list of them, got {multipliers!r}") from None
-    if not values:
-        raise NoiseSpecError("no score multipliers given; pass e.g. multipliers=(1, 2, 4)")
+    values = V.number_tuple(multipliers, "multipliers must be a positive number or a list of them",
+                            "no score multipliers given; pass e.g. multipliers=(1, 2, 4)")
     for c in values:
         if isinstance(c, bool) or not isinstance(c, (int, float, np.integer, np.floating)) or not (
             math.isfinite(c) and c > 0
@@ -74,9 +68,7 @@ def temperature_sweep(
     (``hook_attn_scores``: 1/√d_head and any calibration included). ``options`` are
     :class:`CollapseSpec` fields; the draws do not depend on c (common random numbers).
     """
-    spec = CollapseSpec.make(spec, **options)
-    cfg = V.check_model(model)
-    levels = V.check_levels(levels, spec.distribution)
+    spec, cfg, levels = check_inputs(model, levels, spec, options)
     multipliers = _check_multipliers(multipliers)
     rate = float(rate)
     if not (math.isfinite(rate) and 0 < rate <= 1):
@@ -122,15 +114,12 @@ def run_temperature_sweep(
     multipliers: Sequence[float] = DEFAULT_MULTIPLIERS,
     levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
     spec: Optional[CollapseSpec] = None,
-    *,
-    split: str = "id",
-    n_examples: int = 256,
-    data_seed: int = 1234,
     **kwargs,
 ) -> pd.DataFrame:
     """:func:`temperature_sweep` on ``task.test_set(split, n_examples, seed=data_seed)`` (the same
-    problems as :func:`interp_norm.noise.run_collapse`), with a ``split`` column."""
-    return V.on_test_set(temperature_sweep, model, task, split, n_examples, data_seed, multipliers, levels, spec, **kwargs)
+    keywords and defaults, so the same problems, as :func:`interp_norm.noise.run_collapse`), with a
+    ``split`` column."""
+    return V.on_test_set(temperature_sweep, model, task, multipliers, levels, spec, **kwargs)
 
 
 __all__ = ["DEFAULT_MULTIPLIERS", "temperature_sweep", "run_temperature_sweep"]

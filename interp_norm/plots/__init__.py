@@ -25,16 +25,8 @@ from interp_norm.card import PAPER_PER_TOKEN_ACCURACY, model_card
 from interp_norm.plots._style import SPLITS, VARIANT_LABELS, escape, variant_label
 from interp_norm.plots.attention import plot_attention_explorer, plot_attention_pattern, plot_attention_patterns
 from interp_norm.plots.circuits import draw_circuit, plot_circuit_graph, plot_faithfulness, plot_patching_heatmap
-from interp_norm.plots.geometry import (
-    plot_attention_sparsity,
-    plot_component_cosines,
-    plot_ellipsoid_axes,
-    plot_interference,
-    plot_norm_distribution,
-    plot_norm_spread,
-    plot_sphere_scores,
-    plot_subspace_angles,
-)
+from interp_norm.plots import geometry
+from interp_norm.plots.geometry import *  # noqa: F401,F403  (its __all__: the geometry figures, listed once there)
 from interp_norm.plots.models import plot_accuracy_by_split, plot_model_card, plot_training_curves
 from interp_norm.plots.noise import plot_accuracy_vs_noise, plot_collapse_thresholds, plot_collapse_vs_noise, plot_temperature
 
@@ -65,14 +57,7 @@ __all__ = [
     "plot_collapse_thresholds",
     "plot_temperature",
     # geometry
-    "plot_norm_spread",
-    "plot_norm_distribution",
-    "plot_attention_sparsity",
-    "plot_sphere_scores",
-    "plot_component_cosines",
-    "plot_subspace_angles",
-    "plot_interference",
-    "plot_ellipsoid_axes",
+    *geometry.__all__,
 ]
 
 

@@ -32,7 +32,7 @@ from interp_norm.theory.conditions import (  # noqa: F401
 from interp_norm.theory.probabilities import (  # noqa: F401
     predicted_collapse_probability, predicted_collapse_probability_strict, collapse_probability_small_angle, noise_level_at_rate, sparse_mask, nonsparse_mask,
 )
-from interp_norm.theory.rows import THEORY_KINDS, predict_rows  # noqa: F401
+from interp_norm.theory.rows import THEORY_KINDS, predict_rows, rate_summary  # noqa: F401
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -51,4 +51,5 @@ __all__ = [
     "nonsparse_mask",
     "THEORY_KINDS",
     "predict_rows",
+    "rate_summary",
 ]

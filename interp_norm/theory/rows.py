@@ -1,8 +1,8 @@
 """Per-row predicted collapse probabilities, given how the noise reaches the scores.
 
-One function shared by the collapse sweeps of our models (:mod:`interp_norm.noise.collapse`) and
-of Hugging Face bridges (:mod:`interp_norm.bridges.collapse`), so both tables are judged by the
-same prediction. What differs between models is only *how* noise on q and k reaches the scores —
+Shared by the collapse sweeps of our models (:mod:`interp_norm.noise.collapse`) and of Hugging
+Face bridges (:mod:`interp_norm.bridges.collapse`), so both tables are judged by the same
+prediction (:func:`predict_rows`) and the same errors (:func:`rate_summary`). What differs between models is only *how* noise on q and k reaches the scores —
 the ``kind`` below — which the caller works out from its model's anatomy.
 """
 
@@ -70,4 +70,21 @@ def predict_rows(
     return loose, strict, float(strict_samples)
 
 
-__all__ = ["THEORY_KINDS", "predict_rows"]
+def rate_summary(rates: Tensor, pred: Tensor, n_draws: int, ns: float) -> dict:
+    """One row of a collapse table from per-row measured ``rates`` (fraction of ``n_draws`` draws
+    that collapse) and per-row predictions ``pred`` whose strict estimate used ``ns`` samples (inf:
+    exact): ``n_rows``, ``n_draws``, ``measured``, ``se`` (clustered by row: std of per-row rates /
+    √n_rows), ``predicted``, ``mc_se`` = √(Σ p(1−p)(1/n_draws + 1/ns)) / n_rows (the sampling error
+    of measured around predicted) and ``z`` = (measured − predicted) / mc_se. Here, not in each
+    sweep, so that our models' and the bridges' tables are judged by one formula."""
+    R = len(rates)
+    measured = float(rates.mean()) if R else math.nan
+    se = float(rates.std() / math.sqrt(R)) if R > 1 else math.nan
+    predicted = float(pred.mean()) if R else math.nan
+    var = (pred * (1 - pred)).sum() * (1.0 / n_draws + (0.0 if math.isinf(ns) else 1.0 / ns))
+    mc_se = float(var.sqrt() / R) if R else math.nan
+    z = (measured - predicted) / mc_se if mc_se > 0 else (0.0 if measured == predicted else math.nan)
+    return dict(n_rows=R, n_draws=n_draws, measured=measured, se=se, predicted=predicted, mc_se=mc_se, z=z)
+
+
+__all__ = ["THEORY_KINDS", "predict_rows", "rate_summary"]
