@@ -204,3 +204,33 @@ def test_gemma4_kv_sharing_and_k_equals_v_restrict_where_noise_can_go(models):
     assert [la.kv_layer for la in an.layers] == [0, 1, 0, 1]
     # k noise at a source layer reaches the layer that shares its keys: layer 2's k hook is layer 0's
     assert an[2].hooks["k_normed"] == an[0].hooks["k_normed"]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma4"])
+@torch.no_grad()
+def test_norm_noise_on_a_bridge_is_head_noise_and_a_context_manager(models, name):
+    """The README's ``with NormNoise(model, level, seed=...)`` works on a bridge: inside, the
+    hooked k after its norm is (1+κ)·clean per key/value head (κ from ``last_kappa``); on exit
+    the hooks are gone and the logits are the clean ones again, bit for bit."""
+    from interp_norm.errors import NoiseSpecError
+    from interp_norm.noise import NormNoise
+
+    model = models[name]
+    la = anatomy(model)[0]
+    tokens = random_tokens(model, 2, 10, seed=4)
+    clean_logits, clean = model.run_with_cache(tokens)
+    noise = NormNoise(model, 0.1, "k", placement="after_norm", seed=7)
+    assert isinstance(noise, HeadNoise) and {t for _, t in noise.sites} == {"k"}
+    hook = la.hooks[la.used("k")]
+    with noise:
+        noised_logits, noised = model.run_with_cache(tokens)
+    layout = la.layouts.get(la.used("k"), "bphd")
+    k_clean = canonical(clean[hook], layout, la.n_heads_of("k"), la.d_head)
+    k_noised = canonical(noised[hook], layout, la.n_heads_of("k"), la.d_head)
+    kappa = noise.last_kappa[(0, "k")]
+    assert kappa.shape[2] == la.n_heads_of("k") and kappa.abs().max() > 0
+    torch.testing.assert_close(k_noised, k_clean * (1 + kappa)[..., None])
+    assert not torch.allclose(noised_logits, clean_logits)
+    assert torch.equal(model(tokens), clean_logits)  # hooks removed on exit
+    with pytest.raises(NoiseSpecError, match="heads"):
+        NormNoise(model, 0.1, heads=[0])

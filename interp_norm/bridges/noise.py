@@ -12,8 +12,8 @@ with a scalar factor — so the noised scores are the clean ones times f_q·f_k 
 Before a norm, the factor that survives is :func:`effective_factors` (≈ 1 for a per-head norm,
 *not* 1 for OLMo-2's all-heads norm, whose common divisor mixes the heads' factors).
 
-This module is standalone; the ``interp_norm.noise`` package will wrap it with its κ sampler,
-row gates and collapse tables after the merge (issue 12).
+:class:`interp_norm.noise.NormNoise` hands a bridge to :class:`HeadNoise`, so the README's
+``with NormNoise(model, level=0.1): ...`` works on any described model.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ class HeadNoise:
         seed: int = 0,
         anat: Optional[Anatomy] = None,
     ):
+        self.model, self._ctx = model, None
         self.anat = anat or anatomy(model)
         if placement not in PLACEMENTS:
             raise NoiseSpecError(f"unknown placement {placement!r}; choose one of {PLACEMENTS}")
@@ -157,6 +158,18 @@ class HeadNoise:
             name, layout = self.site(l, t)
             out.append((name, self._hook(l, t, layout)))
         return out
+
+    def __enter__(self) -> "HeadNoise":
+        """``with HeadNoise(bridge, level=0.1): bridge(tokens)`` -- the hooks are removed on exit."""
+        if self._ctx is not None:
+            raise NoiseSpecError("this noise is already active; exit it before entering again")
+        self._ctx = self.model.hooks(fwd_hooks=self.hooks())
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        ctx, self._ctx = self._ctx, None
+        ctx.__exit__(*exc)
 
 
 def effective_factors(la: LayerAnatomy, target: str, kappa: Tensor, raw: Tensor) -> Tensor:

@@ -158,11 +158,13 @@ def trimmed_tokens(tokens: Tensor | Batch, model: HookedNormTransformer) -> Tens
     return trim_padding(tokens).to(model.W_E.device)
 
 
-def on_test_set(measure, model, task, *args, split: str = "id", n_examples: int = 256, data_seed: int = 1234,
-                **kwargs):
+#: The test set every ``run_*`` of the collapse family reads by default (the same problems for all).
+TEST_SPLIT, TEST_EXAMPLES, TEST_SEED = "id", 256, 1234
+
+
+def on_test_set(measure, model, task, *args, split: str, n_examples: int, data_seed: int, **kwargs):
     """``measure(model, task.test_set(split, n_examples, seed=data_seed), *args, **kwargs)`` with a
-    ``split`` column: the one-call ``run_*`` form of every tokens-level measurement. The test-set
-    defaults live here, once, so that every ``run_*`` of the collapse family reads the same problems."""
+    ``split`` column: the one-call ``run_*`` form of every tokens-level measurement."""
     if not isinstance(task, AdditionTask):
         raise ConfigError(f"task must be an AdditionTask, got {type(task).__name__}")
     n_examples = check_positive_int(n_examples, "n_examples")

@@ -405,14 +405,18 @@ def run_collapse(
     task: AdditionTask,
     levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
     spec: Optional[CollapseSpec] = None,
+    *,
+    split: str = V.TEST_SPLIT,
+    n_examples: int = V.TEST_EXAMPLES,
+    data_seed: int = V.TEST_SEED,
     **kwargs,
 ) -> pd.DataFrame:
     """The paper's circuit-collapse experiment in one call, on ``task.test_set(split, n_examples,
-    seed=data_seed)`` (keywords; defaults ``split="id"``, ``n_examples=256``, ``data_seed=1234``, as
-    :func:`~interp_norm.noise._validate.on_test_set`), with a ``split`` column. Returns
+    seed=data_seed)``, with a ``split`` column. Returns
     :func:`measure_collapse`'s table (other keyword arguments go to it); pass it to
     :func:`collapse_thresholds` for the 1%-collapse noise levels."""
-    return V.on_test_set(measure_collapse, model, task, levels, spec, **kwargs)
+    return V.on_test_set(measure_collapse, model, task, levels, spec, split=split, n_examples=n_examples,
+                         data_seed=data_seed, **kwargs)
 
 
 def collapse_thresholds(curves: pd.DataFrame, target: float = 0.01) -> pd.DataFrame:

@@ -101,7 +101,12 @@ def measure_forward_collapse(
     tokens: Int[Tensor, "batch pos"] | Batch,
     levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
     spec: Optional[CollapseSpec] = None,
-    **kwargs,
+    *,
+    predict: bool = True,
+    strict_samples: int = 256,
+    variant: Optional[str] = None,
+    progress: bool = False,
+    **options,
 ) -> pd.DataFrame:
     """Collapse rate in the real noisy forward pass (all chosen layers noised at once) beside the
     theory's per-layer prediction: a test of the theory, downstream effects included.
@@ -115,7 +120,8 @@ def measure_forward_collapse(
     so the keyword arguments are the same (``predict``, ``strict_samples``, ``variant``,
     ``progress`` and :class:`CollapseSpec` fields).
     """
-    df = measure_collapse(model, tokens, levels, spec, decisions=forward_collapse_decisions, **kwargs)
+    df = measure_collapse(model, tokens, levels, spec, predict=predict, strict_samples=strict_samples, variant=variant,
+                          progress=progress, decisions=forward_collapse_decisions, **options)
     df["protocol"] = "forward"
     return df
 
@@ -125,12 +131,17 @@ def run_forward_collapse(
     task: AdditionTask,
     levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
     spec: Optional[CollapseSpec] = None,
+    *,
+    split: str = V.TEST_SPLIT,
+    n_examples: int = V.TEST_EXAMPLES,
+    data_seed: int = V.TEST_SEED,
     **kwargs,
 ) -> pd.DataFrame:
     """:func:`measure_forward_collapse` on ``task.test_set(split, n_examples, seed=data_seed)`` (the
     same keywords and defaults, so the same problems, as :func:`interp_norm.noise.run_collapse`),
     with a ``split`` column."""
-    return V.on_test_set(measure_forward_collapse, model, task, levels, spec, **kwargs)
+    return V.on_test_set(measure_forward_collapse, model, task, levels, spec, split=split, n_examples=n_examples,
+                         data_seed=data_seed, **kwargs)
 
 
 __all__ = ["forward_collapse_decisions", "measure_forward_collapse", "run_forward_collapse"]

@@ -90,6 +90,15 @@ class NormNoise:
     [b, p, 1] for ``scale``).
     """
 
+    def __new__(cls, model=None, *args, **kwargs):
+        # A TransformerLens bridge of a Hugging Face model: the same noise, placed through the
+        # model's attention anatomy (interp_norm.bridges.HeadNoise).
+        from interp_norm.bridges._common import is_bridge
+
+        if is_bridge(model):
+            return _bridge_noise(model, *args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(
         self,
         model: HookedNormTransformer,
@@ -245,6 +254,25 @@ class NormNoise:
         ctx, self._ctx = self._ctx, None
         self._scales.clear()
         ctx.__exit__(*exc)
+
+
+def _bridge_noise(model, level: float, targets: str | Sequence[str] = ("q", "k", "v"), *, distribution: str = "uniform",
+                  layers: Optional[int | Sequence[int]] = None, heads: Optional[int | Sequence[int]] = None,
+                  placement: str = "before_norm", seed: int = 0, row_gate: Optional[Mapping[int, Tensor]] = None):
+    """:class:`NormNoise`'s arguments on a bridge, as a :class:`interp_norm.bridges.HeadNoise`
+    (κ per example, position and head; grouped k/v heads noised once per key/value head)."""
+    from interp_norm.bridges.noise import HeadNoise, seeded_sampler
+
+    unsupported = [name for name, v in (("heads", heads), ("row_gate", row_gate)) if v is not None]
+    if unsupported:
+        raise NoiseSpecError(
+            f"{' and '.join(unsupported)} are not available on a TransformerBridge; noise whole layers "
+            "(layers=...) or use interp_norm.bridges.HeadNoise with explicit kappa per head"
+        )
+    targets = V.check_targets(targets, None, allowed=("q", "k", "v"))
+    layers = None if layers is None else list(V.check_index_form(layers, "layer"))
+    return HeadNoise(model, level=level, targets=targets, placement=V.check_placement(placement), layers=layers,
+                     sampler=seeded_sampler(level, V.check_seed(seed), V.check_distribution(distribution)), seed=seed)
 
 
 def norm_noise_hooks(model: HookedNormTransformer, level: float, targets: str | Sequence[str] = ("q", "k", "v"), **kwargs) -> list[tuple[str, Callable]]:

@@ -114,12 +114,17 @@ def run_temperature_sweep(
     multipliers: Sequence[float] = DEFAULT_MULTIPLIERS,
     levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
     spec: Optional[CollapseSpec] = None,
+    *,
+    split: str = V.TEST_SPLIT,
+    n_examples: int = V.TEST_EXAMPLES,
+    data_seed: int = V.TEST_SEED,
     **kwargs,
 ) -> pd.DataFrame:
     """:func:`temperature_sweep` on ``task.test_set(split, n_examples, seed=data_seed)`` (the same
     keywords and defaults, so the same problems, as :func:`interp_norm.noise.run_collapse`), with a
     ``split`` column."""
-    return V.on_test_set(temperature_sweep, model, task, multipliers, levels, spec, **kwargs)
+    return V.on_test_set(temperature_sweep, model, task, multipliers, levels, spec, split=split, n_examples=n_examples,
+                         data_seed=data_seed, **kwargs)
 
 
 __all__ = ["DEFAULT_MULTIPLIERS", "temperature_sweep", "run_temperature_sweep"]
