@@ -379,7 +379,7 @@ def load_any(spec: str | os.PathLike, device: str | torch.device = "cpu") -> tup
 
 
 def list_pretrained() -> pd.DataFrame:
-    """One row per shipped checkpoint: name, architecture, seed, step and per-token accuracies."""
+    """One row per shipped checkpoint: name, architecture, seed, step, set and per-token accuracies."""
     rows = []
     for name in _pretrained_names():
         try:
@@ -396,13 +396,16 @@ def list_pretrained() -> pd.DataFrame:
             "d_model": cfg.d_model,
             "seed": cfg.seed,
             "step": info.step,
+            # "reference": the set `interp-norm reproduce` analyses by default; other sets (e.g. the
+            # Pre-Norm seeds trained three times as long) load by name and are analysed on request
+            "set": info.metrics.get("set", "reference"),
         }
         for rec in info.metrics.get("evaluation", []):
             if "split" in rec and "per_token_acc" in rec:
                 row[f"{rec['split']}_acc"] = rec["per_token_acc"]
         row["path"] = str(info.path)
         rows.append(row)
-    cols = ["name", "attn_norm", "norm_kind", "n_layers", "d_model", "seed", "step", "id_acc", "interp_acc", "extrap_acc", "path"]
+    cols = ["name", "attn_norm", "norm_kind", "n_layers", "d_model", "seed", "step", "set", "id_acc", "interp_acc", "extrap_acc", "path"]
     df = pd.DataFrame(rows)
     return df.reindex(columns=cols + [c for c in df.columns if c not in cols])
 

@@ -147,11 +147,16 @@ def _load(spec: str) -> tuple[str, Any, Any]:
 
 
 def load_models(checkpoints: Optional[Sequence[str]] = None) -> dict[str, tuple[Any, Any]]:
-    """``{name: (model, info)}`` for checkpoint folders / pretrained names; all shipped ones if None."""
+    """``{name: (model, info)}`` for checkpoint folders / pretrained names; None: the shipped
+    reference set (``list_pretrained()["set"] == "reference"``: every architecture trained alike,
+    so its tables compare like with like; other sets are named explicitly)."""
     from interp_norm.checkpoints import list_pretrained, pretrained_dir
 
     if checkpoints is None:
-        checkpoints = [n for n in list_pretrained()["name"]]
+        listed = list_pretrained()
+        if "set" in listed.columns:
+            listed = listed[listed["set"].fillna("reference") == "reference"]
+        checkpoints = [n for n in listed["name"]]
         if not checkpoints:
             raise CheckpointNotFoundError(
                 f"no shipped checkpoints in {pretrained_dir()}; pass checkpoint folders explicitly, set "
@@ -234,7 +239,7 @@ def run_analyses(
 ) -> Report:
     """Run every analysis and return the :class:`Report` (no files written).
 
-    ``checkpoints``: names/folders, or already loaded ``{name: (model, info)}``; None = all shipped.
+    ``checkpoints``: names/folders, or already loaded ``{name: (model, info)}``; None = the shipped reference set (:func:`load_models`).
     ``analyse``: checkpoint names for the heavy analyses, ``"all"``, or None (see
     :func:`default_analysed`; every checkpoint when they were given explicitly). ``threads``: torch
     threads for the run (restored afterwards). ``workers``: forked processes that analyse

@@ -35,6 +35,7 @@ def collect(data: Path) -> pd.DataFrame:
                     name=metrics_file.parent.name,
                     variant=config["model"]["attn_norm"],
                     calibration=config["model"].get("calibration", "none"),
+                    set=metrics.get("set", "reference"),
                     seed=config["model"]["seed"],
                     split=rec["split"],
                     per_token=100 * rec["per_token_acc"],
@@ -56,11 +57,14 @@ def table(df: pd.DataFrame) -> str:
         "| variant | scaling | seeds | split | per-token % | per-token % without `]` | exact match % | paper per-token % | train time (s, 1 thread) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    groups = [(v, c) for c in ("none", "paper") for v in ("pre", "qkv", "qk", "none")
-              if ((df.variant == v) & (df.calibration == c)).any()]
-    for variant, calibration in groups:
-        d = df[(df.variant == variant) & (df.calibration == calibration)]
+    sets = ["reference"] + sorted(set(df.set) - {"reference"})
+    groups = [(v, c, st) for st in sets for c in ("none", "paper") for v in ("pre", "qkv", "qk", "none")
+              if ((df.variant == v) & (df.calibration == c) & (df.set == st)).any()]
+    for variant, calibration, st in groups:
+        d = df[(df.variant == variant) & (df.calibration == calibration) & (df.set == st)]
         scaling = "Checkpoint calibration" if calibration == "paper" else "1/√d_head"
+        if st != "reference":
+            scaling += f", {st}"
         seeds = ",".join(str(s) for s in sorted(d.seed.unique()))
         times = d.groupby("name").train_seconds.first()
         for i, split in enumerate(("id", "interp", "extrap")):

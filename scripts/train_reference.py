@@ -60,6 +60,8 @@ def train_one(name: str, runs: Path, data: Path, progress: bool = True) -> None:
     metrics.setdefault("train_seconds", round(seconds, 1))  # a resumed finished run keeps the first figure
     metrics["threads"] = train_cfg.threads
     metrics["name"] = name
+    if epochs:  # not the reference recipe: its own set, analysed on request (see README)
+        metrics["set"] = f"{epochs[0] * train_cfg.steps_per_epoch // 1000}k steps"
     save_checkpoint(model, data / name, task=info.task, train_cfg=info.train_cfg, metrics=metrics, curve=info.curve, step=info.step)
     print(f"{name}: {seconds:.0f} s -> {data / name}", flush=True)
 

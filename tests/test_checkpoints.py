@@ -331,3 +331,20 @@ def test_pretrained_lookup_and_listing(tmp_path, monkeypatch):
 def test_default_data_dir_is_the_repository_data_folder(monkeypatch):
     monkeypatch.delenv("INTERP_NORM_DATA", raising=False)
     assert C.data_dir() == C.Path(C.__file__).resolve().parent.parent / "data"
+
+
+def test_reproduce_defaults_to_the_reference_set(tmp_path, monkeypatch):
+    """A shipped checkpoint of another set (metrics ``set``, e.g. longer training) is listed and
+    loads by name, but `reproduce` without --checkpoints leaves it out: its tables group seeds by
+    variant, which would mix training recipes."""
+    from interp_norm.reproduce import load_models
+
+    monkeypatch.setenv("INTERP_NORM_DATA", str(tmp_path))
+    root = tmp_path / "checkpoints"
+    save_checkpoint(tiny("pre", seed=0), root / "pre", task=TASK, metrics={"evaluation": []})
+    save_checkpoint(tiny("pre", seed=0), root / "pre-long", task=TASK, metrics={"evaluation": [], "set": "30k steps"})
+    df = list_pretrained().set_index("name")
+    assert df.loc["pre", "set"] == "reference" and df.loc["pre-long", "set"] == "30k steps"
+    assert list(load_models()) == ["pre"]
+    assert list(load_models(["pre-long"])) == ["pre-long"]
+    assert load_pretrained("pre-long")[0].cfg.attn_norm == "pre"

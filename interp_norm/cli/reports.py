@@ -63,7 +63,7 @@ REPORT_FILES = ("*.csv", "run.json", "dashboard.html")
 def _reproduce_args(p: argparse.ArgumentParser) -> None:
     out_args(p, "the report: one CSV per table, run.json and dashboard.html", default="report")
     p.add_argument("--checkpoints", nargs="+", metavar="CKPT",
-                   help="checkpoint folders or pretrained names (default: every shipped checkpoint)")
+                   help="checkpoint folders or pretrained names (default: the shipped reference set, see interp-norm list)")
     _settings_args(p)
 
 
