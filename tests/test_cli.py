@@ -239,6 +239,13 @@ def test_library_errors_name_the_command_and_its_flags(capsys, tmp_path):
     assert S.with_flag_names(msg, {**noise, "lr": "--lr"}) == "--n-examples=0 (--n-examples); lr_factor; in sum, the --levels"
 
 
+def test_a_noise_level_too_large_for_uniform_noise_names_the_flags(ckpt, capsys, tmp_path):
+    for name in ("noise", "collapse"):
+        code, _, err = run(capsys, name, str(ckpt), "--out", str(tmp_path / name), "--levels", "0.7", "--no-progress")
+        assert_one_line_error(code, err, f"interp-norm {name}: error: uniform noise level 0.7", "--distribution")
+        assert "distribution=" not in err.replace("--distribution=", "")
+
+
 def test_counts_are_checked_where_they_are_typed(capsys):
     assert_one_line_error(*run(capsys, "circuits", "x", "--pairs", "0")[::2],
                           "interp-norm circuits: error: argument --pairs: must be a positive integer, got 0")

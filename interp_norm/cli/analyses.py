@@ -164,7 +164,7 @@ def _noise_args(p: argparse.ArgumentParser) -> None:
 
 
 @command("noise", help="per-token accuracy under multiplicative norm noise (the paper's noise-sensitivity sweep)",
-         add_arguments=_noise_args, flags=dict(levels="--levels"))
+         add_arguments=_noise_args, flags=dict(levels="--levels", distribution="--distribution"))
 def _noise(args: argparse.Namespace) -> int:
     from interp_norm.io import write_csv
     from interp_norm.noise import run_noise
@@ -200,7 +200,7 @@ COLLAPSE_FILES = ("collapse.csv", "collapse_thresholds.csv")
 
 
 @command("collapse", help="circuit-collapse probability vs noise, measured and predicted by the theory",
-         add_arguments=_collapse_args, flags=dict(levels="--levels"))
+         add_arguments=_collapse_args, flags=dict(levels="--levels", distribution="--distribution"))
 def _collapse(args: argparse.Namespace) -> int:
     from interp_norm.io import write_csv
     from interp_norm.noise import collapse_thresholds, run_collapse
