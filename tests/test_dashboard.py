@@ -298,6 +298,21 @@ def test_figures_with_many_rows_keep_their_panels_apart_and_readable(n):
         assert min(hi - lo for lo, hi in doms) * height >= 150, "panels shrank"
 
 
+def test_fit_legend_moves_long_legends_below_and_ignores_named_heatmaps():
+    import plotly.graph_objects as go
+
+    from interp_norm.plots._style import fit_legend
+
+    lines = go.Figure([go.Scatter(x=[0, 1], y=[i, i], name=f"series {i}") for i in range(24)]).update_layout(height=400)
+    fit_legend(lines)
+    assert lines.layout.legend.orientation == "h" and lines.layout.height == 400 + 22 * 8  # 24 entries, 3 per row
+    short = fit_legend(go.Figure([go.Scatter(y=[i], name=f"s{i}") for i in range(8)]).update_layout(height=400))
+    assert short.layout.legend.orientation is None and short.layout.height == 400
+    # the attention explorer: one named heatmap per (model, problem, layer, head), none in the legend
+    maps = go.Figure([go.Heatmap(z=[[0, 1]], name=f"L{i}H0", visible=i == 0) for i in range(120)]).update_layout(height=620)
+    assert fit_legend(maps).layout.height == 620 and maps.layout.legend.orientation is None
+
+
 def test_circuit_graph_draws_the_strongest_edges_left_to_right():
     edges = pd.DataFrame(dict(
         source=["embed", "a0.1", "a0.1", "m0", "a1.0", "embed"],
