@@ -137,6 +137,11 @@ def parse_problem(text: str) -> Problem:
         raise ProblemStringError(
             f"problem {text!r} has an 'N' not followed by a non-zero number; 'N' marks a negative integer, e.g. N7"
         )
+    if s[0] == "-":
+        raise ProblemStringError(
+            f"problem {text!r} starts with '-'; a negative number is written with N, not '-': "
+            f"write {(BOS if text.strip().startswith(BOS) else '') + 'N' + s[1:] + EQ!r}"
+        )
     if s[0] in "+-" or s[-1] in "+-":
         raise ProblemStringError(f"problem {text!r} starts or ends with an operator; terms go on both sides")
     if not _QUESTION_RE.match(s):

@@ -113,9 +113,24 @@ def _check_threads(state: dict, threads: int, path: Path) -> None:
     elif int(saved) != threads:
         raise ConfigError(
             f"cannot resume {path}: it was trained with {int(saved)} CPU thread(s) and would continue with {threads}, "
-            f"which changes the result of every later step; resume with threads={int(saved)} (--threads {int(saved)}) "
+            f"which changes the result of every later step; resume with threads={int(saved)} "
             "or train into a new --out"
         )
+
+
+def extension_message(train_cfg: TrainConfig, schedule_total: int, total: int) -> str:
+    """What resuming with ``total`` steps does to a run whose schedule was planned for ``schedule_total``."""
+    if train_cfg.schedule != "cosine":
+        return (f"extending this run from {schedule_total} to {total} steps: the plateau schedule has no planned "
+                f"length, so this continues exactly as a run started with max_steps={total} would")
+    head = (f"extending this run from {schedule_total} to {total} steps: its cosine schedule keeps the length it "
+            f"started with ({schedule_total} steps), so steps {schedule_total}-{total}")
+    if train_cfg.min_lr == 0:
+        return (f"{head} continue the decayed schedule where it ended: they run at min_lr=0 and will not change "
+                "the weights (no restart, no new warm-up). To train longer, start a new run with the longer total "
+                "(or with min_lr > 0 if you may extend it)")
+    return (f"{head} continue the decayed schedule at min_lr={train_cfg.min_lr:g} (no restart, no new warm-up). "
+            f"For a full cosine schedule over {total} steps, start a new run with that total")
 
 
 def curve_from(rows: list[dict]) -> pd.DataFrame:
@@ -204,7 +219,7 @@ def train(
     Torch runs with ``train_cfg.threads`` CPU threads (restored on return); resuming with another
     count than the run used raises :class:`ConfigError`. Resuming with a larger total extends the
     run: the cosine schedule keeps the length it started with, so the extra steps run at
-    ``min_lr`` (see :class:`TrainConfig`). Ctrl-C saves a checkpoint of the last completed step,
+    ``min_lr`` (see :class:`TrainConfig`); a ``UserWarning`` says so when the extension starts. Ctrl-C saves a checkpoint of the last completed step,
     then re-raises ``KeyboardInterrupt``. Raises :class:`TrainingDivergedError` on a NaN/inf loss
     or gradient, leaving the last good checkpoint untouched.
     """
@@ -278,13 +293,8 @@ def _train(
         if step >= total and info.step == step and info.metrics.get("final"):
             return model.eval(), curve_from(rows)  # a finished run: nothing to do
 
-    cosine = train_cfg.schedule == "cosine"
-    if cosine and total > schedule_total and train_cfg.min_lr == 0:
-        warnings.warn(
-            f"this run's cosine schedule ends at step {schedule_total}; steps {schedule_total}-{total} run at "
-            "min_lr=0 and will not change the weights. To train longer, start a run with the longer total "
-            "(or with min_lr > 0 if you may extend it)", stacklevel=3,
-        )
+    if total > schedule_total:  # extending the run: say what that means for the learning rate
+        warnings.warn(extension_message(train_cfg, schedule_total, total), stacklevel=3)
     max_off = model_cfg.max_pos_offset if (train_cfg.pos_offsets and model_cfg.pos_embed == "sinusoidal") else 0
     params = [p for p in model.parameters() if p.requires_grad]
     eval_sets = {s: task.test_set(s, size=train_cfg.eval_size, seed=train_cfg.eval_seed).tokens for s in train_cfg.eval_splits}

@@ -110,6 +110,21 @@ def test_benchmark_writes_the_suite_tables_and_the_faithfulness_figure(tmp_path,
     assert get_plotlyjs() in (out / "faithfulness.html").read_text()
 
 
+def test_benchmark_shows_progress_by_default(tmp_path, monkeypatch):
+    from interp_norm.errors import ConfigError
+
+    seen = []
+
+    def fake(*args, **kw):
+        seen.append(kw["progress"])
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr("interp_norm.circuits.benchmark.run_benchmark", fake)
+    base = ["circuits", "--benchmark", "--models", "prev_token", "--out", str(tmp_path / "b")]
+    assert cli.main(base) == 2 and cli.main([*base, "--no-progress"]) == 2
+    assert seen == [True, False]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["circuits"], "--benchmark"),
     (["circuits", "some/ckpt", "--benchmark"], "drop"),

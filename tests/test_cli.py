@@ -239,6 +239,13 @@ def test_library_errors_name_the_command_and_its_flags(capsys, tmp_path):
     assert S.with_flag_names(msg, {**noise, "lr": "--lr"}) == "--n-examples=0 (--n-examples); lr_factor; in sum, the --levels"
 
 
+def test_a_noise_level_too_large_for_uniform_noise_names_the_flags(ckpt, capsys, tmp_path):
+    for name in ("noise", "collapse"):
+        code, _, err = run(capsys, name, str(ckpt), "--out", str(tmp_path / name), "--levels", "0.7", "--no-progress")
+        assert_one_line_error(code, err, f"interp-norm {name}: error: uniform noise level 0.7", "--distribution")
+        assert "distribution=" not in err.replace("--distribution=", "")
+
+
 def test_counts_are_checked_where_they_are_typed(capsys):
     assert_one_line_error(*run(capsys, "circuits", "x", "--pairs", "0")[::2],
                           "interp-norm circuits: error: argument --pairs: must be a positive integer, got 0")
@@ -349,30 +356,32 @@ def test_threshold_display_says_why_a_level_is_missing():
     assert th["level_measured"].isna().sum() == 3  # the table itself is unchanged
 
 
-def test_train_threads_reach_the_training_config(tmp_path, monkeypatch):
-    import dataclasses
-
-    from interp_norm.train import TrainConfig
-
-    seen = {}
+def test_train_threads_and_min_lr_reach_the_training_config(tmp_path, monkeypatch):
+    seen = []
 
     def fake_train(model_cfg, task, train_cfg, out, **kw):
-        seen["cfg"], seen["threads"] = train_cfg, torch.get_num_threads()
+        seen.append(train_cfg)
         raise ConfigError("stop here")
 
     monkeypatch.setattr("interp_norm.train.train", fake_train)
-    before = torch.get_num_threads()
-    try:
-        code = cli.main(["train", "--out", str(tmp_path / "r"), "--model-preset", "tiny", "--threads", "1",
-                         "--no-progress"])
-    finally:
-        torch.set_num_threads(before)
-    assert code == 2 and "cfg" in seen
-    if "threads" in {f.name for f in dataclasses.fields(TrainConfig)}:
-        assert seen["cfg"].threads == 1
-    else:  # until TrainConfig.threads lands (persist branch) the CLI sets torch's thread count itself
-        assert seen["threads"] == 1
+    base = ["train", "--out", str(tmp_path / "r"), "--model-preset", "tiny", "--no-progress"]
+    assert cli.main(base) == 2 and seen[-1].threads == 1 and seen[-1].min_lr == 0  # the default path: 1 thread
+    assert cli.main([*base, "--threads", "2", "--min-lr", "1e-4"]) == 2
+    assert seen[-1].threads == 2 and seen[-1].min_lr == 1e-4
     assert_one_line_error(*run_quiet(["train", "--out", "x", "--threads", "0"]), "argument --threads")
+
+
+def test_train_extension_is_explained_in_flags_on_one_line(tmp_path, capsys):
+    run = ["train", "--out", str(tmp_path / "r"), "--model-preset", "tiny", "--batch-size", "8", "--log-every", "2",
+           "--eval-every", "4", "--eval-size", "8", "--final-eval-size", "8", "--checkpoint-every", "4", "--no-progress"]
+    assert cli.main([*run, "--steps", "4"]) == 0
+    capsys.readouterr()
+    assert cli.main([*run, "--steps", "6", "--resume"]) == 0
+    err = capsys.readouterr().err
+    warning = [line for line in err.splitlines() if line.startswith("interp-norm train: warning: ")]
+    assert len(warning) == 1, err
+    assert "from 4 to 6 steps" in warning[0] and "run at --min-lr=0 and will not change the weights" in warning[0]
+    assert "min_lr" not in err and "UserWarning" not in err  # the flag, not the Python parameter
 
 
 def run_quiet(argv):

@@ -274,6 +274,45 @@ def test_patching_heatmap_grid_is_the_hand_pivot():
         plots.plot_patching_heatmap(df.drop(columns="layer"))
 
 
+def _row_domains(fig):
+    """(height px, sorted distinct y domains) of a subplot figure."""
+    return fig.layout.height, sorted({tuple(fig.layout[k].domain) for k in fig.layout if k.startswith("yaxis")})
+
+
+@pytest.mark.parametrize("n", [2, 12])
+def test_figures_with_many_rows_keep_their_panels_apart_and_readable(n):
+    """Ten checkpoints in one report (or a 28-layer model) once broke plotly's vertical-spacing limit."""
+    patch = pd.DataFrame([dict(activation="resid_pre", by="pos", layer=l, pos=p, normalized=0.1 * p,
+                               variant=f"Pre-Norm (seed {v})") for v in range(n) for l in range(2) for p in range(3)])
+    collapse = pd.DataFrame([dict(variant="Pre-Norm", layer=l, definition=d, level=lv, measured=0.0, predicted=0.0)
+                             for l in range(n) for d in ("loose", "strict") for lv in (0.1, 0.2)])
+    attention = pd.DataFrame([dict(model="m", problem="[1=", text="[1=", layer=l, head=h, query=q, key=k,
+                                   weight=1.0 if k == q else 0.0)
+                              for l in range(n) for h in range(2) for q in range(2) for k in range(q + 1)])
+    for fig in (plots.plot_patching_heatmap(patch), plots.plot_collapse_vs_noise(collapse, layer=None, target=None),
+                plots.plot_attention_patterns(attention)):
+        height, doms = _row_domains(fig)
+        assert len(doms) == n
+        for (lo, hi), (lo2, _) in zip(doms, doms[1:]):
+            assert lo2 - hi >= 20 / height, "rows touch"  # a gap for the next panel's title
+        assert min(hi - lo for lo, hi in doms) * height >= 150, "panels shrank"
+
+
+def test_fit_legend_moves_long_legends_below_and_ignores_named_heatmaps():
+    import plotly.graph_objects as go
+
+    from interp_norm.plots._style import fit_legend
+
+    lines = go.Figure([go.Scatter(x=[0, 1], y=[i, i], name=f"series {i}") for i in range(24)]).update_layout(height=400)
+    fit_legend(lines)
+    assert lines.layout.legend.orientation == "h" and lines.layout.height == 400 + 22 * 8  # 24 entries, 3 per row
+    short = fit_legend(go.Figure([go.Scatter(y=[i], name=f"s{i}") for i in range(8)]).update_layout(height=400))
+    assert short.layout.legend.orientation is None and short.layout.height == 400
+    # the attention explorer: one named heatmap per (model, problem, layer, head), none in the legend
+    maps = go.Figure([go.Heatmap(z=[[0, 1]], name=f"L{i}H0", visible=i == 0) for i in range(120)]).update_layout(height=620)
+    assert fit_legend(maps).layout.height == 620 and maps.layout.legend.orientation is None
+
+
 def test_circuit_graph_draws_the_strongest_edges_left_to_right():
     edges = pd.DataFrame(dict(
         source=["embed", "a0.1", "a0.1", "m0", "a1.0", "embed"],

@@ -90,6 +90,9 @@ def test_test_sets_are_fixed_and_distinct_per_split():
         ("12+3==", "more than one"),
         ("+3=", "operator"),
         ("[7 + 3 =", "spaces"),
+        ("[7 + 3 =", r"write '\[7\+3='"),
+        ("[-7+3=", r"negative number is written with N.*write '\[N7\+3='"),
+        ("-12-N5=", r"write 'N12-N5='"),
         ("12\t+3=", "spaces"),
     ],
 )

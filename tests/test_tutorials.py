@@ -426,7 +426,9 @@ def test_stubs_return_none_so_ci_sees_unattempted_exercises(builder):
 def test_markdown_explains_nan_thresholds_resume_and_the_n_notation(builder):
     text = {name[:2]: "\n".join(c.source for c in cells if c.cell_type == "markdown") for name, cells in builder.NOTEBOOKS.items()}
     assert "NaN" in text["03"] and "largest tested noise level" in text["03"]
-    assert "bit-identically" in text["05"] and "interp_norm.train_config.TrainConfig" in text["05"]
+    assert "bit-identically" in text["05"]
+    # the schedule on resume is stated where the learner meets it, not only in a docstring
+    assert "keeps the length it started with" in text["05"] and "never jumps back up" in text["05"]
     assert "TODO" not in "\n".join(text.values())
     first_n = text["01"].index("The `N` notation")
     assert first_n < text["01"].index("[7-N3=10]")
@@ -502,3 +504,19 @@ def test_html_export_is_offline_and_loads_the_shared_local_plotly(tmp_path):
     assert html.count("Plotly.newPlot") >= 2
     assert html.count("* plotly.js v") == 0, "plotly.js is not embedded in the page"
     assert html.count(f'<script src="{_export.PLOTLY_JS}"></script>') == 1, "the page loads the shared local copy"
+    # nbconvert's CSS lives once in notebook.css: the page links it and embeds none of it in its head
+    head = html.split("</head>")[0]
+    assert head.count(f'<link rel="stylesheet" href="{_export.NOTEBOOK_CSS}">') == 1 and "<style" not in head
+    css = _export.shared_css()
+    assert len(css.splitlines()) > 5000 and ".jp-Notebook" in css and ".highlight" in css  # the lab theme + pygments
+
+
+def test_shipped_html_pages_link_one_shared_stylesheet():
+    pages = sorted((TUTORIALS / "html").glob("*.html"))
+    assert pages, "tutorials/html/ holds the exported pages"
+    css = (TUTORIALS / "html" / _export.NOTEBOOK_CSS).read_text(encoding="utf-8")
+    assert ".jp-Notebook" in css and ".jp-Cell" in css
+    for page in pages:
+        head = page.read_text(encoding="utf-8").split("</head>")[0]
+        assert f'href="{_export.NOTEBOOK_CSS}"' in head and "<style" not in head, page.name
+        assert len(head.splitlines()) < 50, f"{page.name}: CSS is embedded again"

@@ -5,7 +5,8 @@
 
 Notebooks are written without outputs; CI executes them top to bottom (tests/test_tutorials.py).
 ``--execute`` runs each in a fresh kernel and, if nbconvert is installed, writes an offline HTML page
-per notebook (all pages share one local plotly.min.js, no CDN; see ``_export.py``) so the figures show without Jupyter.
+per notebook (all pages share one local plotly.min.js and one notebook.css, no CDN; see ``_export.py``) so the
+figures show without Jupyter.
 
 Exercise convention (ARENA-style; every section opens with "What you will learn"):
 
@@ -812,7 +813,7 @@ NB05 = [
     task = AdditionTask.preset("cpu")
     model_cfg = ModelConfig.preset("cpu", attn_norm="qk", seed=0)
     train_cfg = TrainConfig.preset("cpu", max_steps=120, log_every=20, eval_every=60, eval_size=64,
-                                   final_eval_size=128, checkpoint_every=60, seed=0)
+                                   final_eval_size=128, checkpoint_every=60, seed=0, min_lr=2e-4)
     print(task)
     print({k: getattr(model_cfg, k) for k in ("attn_norm", "norm_kind", "n_layers", "n_heads", "d_model", "d_head")})
     print({k: getattr(train_cfg, k) for k in ("lr", "batch_size", "max_steps", "grad_clip")})
@@ -832,10 +833,16 @@ NB05 = [
     md("""
     **Resuming vs extending.** Resuming with the *same* `max_steps` (`--steps` on the command line), e.g. after
     an interruption, continues bit-identically: the weights equal those of an uninterrupted run. Below we
-    resume with a *larger* `max_steps`, which extends the run; the learning-rate schedule was planned for the
-    original number of steps, and what extending does to it is defined in the docstring of
-    `interp_norm.train_config.TrainConfig` (`help(TrainConfig)`). The table shows the learning rate around
-    the step where the extension starts.
+    resume with a *larger* `max_steps`, which extends the run. What that does to the learning rate is a
+    choice, and this is the one made here: **the cosine schedule keeps the length it started with** (recorded
+    in the checkpoint), so the extension continues the already decayed schedule and the extra steps run at
+    `min_lr`; the learning rate never jumps back up to its peak (there is no restart or second warm-up).
+    Training says so with a warning when the extension starts. That is why `train_cfg` above sets
+    `min_lr=2e-4` (`--min-lr`): with the preset's `min_lr=0` the extra steps would run at learning rate 0 and
+    leave the weights unchanged (training warns about that too). To train longer *on a full schedule*, start a
+    new run with the larger total. (The paper's `"plateau"` schedule has no planned length: extending it is
+    the same as having started with the larger total.) The table shows the learning rate around the step
+    where the extension starts: it decays to `min_lr` at step 120 and stays there.
     """),
     code("""
     first_steps = train_cfg.max_steps

@@ -7,20 +7,25 @@ saved in the .ipynb) that registers a renderer writing each figure as plain HTML
 The page template is nbconvert's ``lab`` template without its require.js, MathJax and mermaid
 ``<script src=...>`` tags, plus one ``<script src="plotly.min.js">``: every page in ``html/`` shares
 one local copy of plotly.js (written beside them), so six pages cost 4.6 MB of plotly.js instead of
-28 MB, and nothing is loaded from the network (:func:`external_references` checks that).
+28 MB, and nothing is loaded from the network (:func:`external_references` checks that). The same for
+the ~7300 lines of nbconvert's CSS (the lab theme and the code highlighting, identical on every page):
+they are moved out of each page's ``<head>`` into one local ``notebook.css`` that every page links
+(:func:`shared_css` is that CSS, taken from the export of an empty notebook; a page whose head CSS
+differs from it is an error rather than a page that silently loses its styles).
 
 The checked-in notebooks stay output-free; the HTML pages are what a reader opens without Jupyter.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
 from typing import Optional, Sequence
 
 import nbformat
-from nbformat.v4 import new_code_cell
+from nbformat.v4 import new_code_cell, new_notebook
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -53,6 +58,9 @@ OFFLINE_TEMPLATE = """\
 
 #: The shared local copy of plotly.js that every exported page loads (written by :func:`execute_all`).
 PLOTLY_JS = "plotly.min.js"
+#: The shared stylesheet (nbconvert's lab CSS) that every exported page links (written by :func:`execute_all`).
+NOTEBOOK_CSS = "notebook.css"
+_HEAD_STYLE = re.compile(r"[ \t]*<style[^>]*>(.*?)</style>[ \t]*\n?", re.S | re.I)
 
 _EXTERNAL = re.compile(r"<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)\s*=\s*[\"']?(?:https?:)?//[^\"'\s>]+", re.I)
 _CSS_IMPORT = re.compile(r"@import\s+(?:url\()?[\"']?(?:https?:)?//", re.I)
@@ -101,8 +109,7 @@ def execute_notebook(path: Path, timeout: int = 600) -> nbformat.NotebookNode:
     return nb
 
 
-def to_offline_html(nb: nbformat.NotebookNode, title: str) -> str:
-    """One self-contained page (nbconvert's lab look) that loads nothing from the network."""
+def _export_html(nb: nbformat.NotebookNode, title: str) -> str:
     from jinja2 import DictLoader
     from nbconvert import HTMLExporter
 
@@ -110,7 +117,33 @@ def to_offline_html(nb: nbformat.NotebookNode, title: str) -> str:
                             template_file="offline.html.j2")
     nb = nbformat.from_dict(nb)
     nb.metadata["title"] = title
-    html, _ = exporter.from_notebook_node(nb)
+    return exporter.from_notebook_node(nb)[0]
+
+
+def _split_head_css(html: str) -> tuple[str, str, int]:
+    """(the ``<style>`` blocks of the page's ``<head>`` joined, the page without them, where the first was)."""
+    head, sep, body = html.partition("</head>")
+    blocks = list(_HEAD_STYLE.finditer(head))
+    if not blocks:
+        return "", html, -1
+    css = "\n".join(m.group(1).strip("\n") for m in blocks) + "\n"
+    return css, _HEAD_STYLE.sub("", head) + sep + body, blocks[0].start()
+
+
+@functools.lru_cache(maxsize=None)
+def shared_css() -> str:
+    """nbconvert's lab CSS as this exporter puts it in every page's head (from an empty notebook)."""
+    css, _, _ = _split_head_css(_export_html(new_notebook(), "empty"))
+    return css
+
+
+def to_offline_html(nb: nbformat.NotebookNode, title: str) -> str:
+    """One page (nbconvert's lab look) that loads only ``plotly.min.js`` and ``notebook.css`` from its
+    own folder, nothing from the network."""
+    css, html, at = _split_head_css(_export_html(nb, title))
+    if css != shared_css():
+        raise RuntimeError(f"the exported page {title!r} has head CSS that differs from the shared {NOTEBOOK_CSS}")
+    html = html[:at] + f'<link rel="stylesheet" href="{NOTEBOOK_CSS}">\n' + html[at:]
     found = external_references(html)
     if found:
         raise RuntimeError(f"the exported page {title!r} still references the network: {found[:3]}")
@@ -118,7 +151,8 @@ def to_offline_html(nb: nbformat.NotebookNode, title: str) -> str:
 
 
 def execute_all(names: Sequence[str], html_dir: Optional[Path] = None, timeout: int = 600) -> list[Path]:
-    """Execute each notebook and write ``html_dir/<name>.html``; without nbconvert, execute only."""
+    """Execute each notebook and write ``html_dir/<name>.html`` (plus the shared ``plotly.min.js`` and
+    ``notebook.css``); without nbconvert, execute only."""
     from interp_norm.io import ensure_writable_dir, write_text_atomic
 
     html = has_nbconvert()
@@ -131,6 +165,7 @@ def execute_all(names: Sequence[str], html_dir: Optional[Path] = None, timeout: 
         from plotly.offline import get_plotlyjs
 
         written.append(write_text_atomic(out_dir / PLOTLY_JS, get_plotlyjs(), durable=False))
+        written.append(write_text_atomic(out_dir / NOTEBOOK_CSS, shared_css(), durable=False))
     for name in names:
         nb = execute_notebook(HERE / name, timeout=timeout)
         print(f"executed {name}")

@@ -35,6 +35,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
 from interp_norm.circuits import (
     Circuit,
@@ -173,28 +174,29 @@ def all_ground_truth() -> dict:
 
 def run_benchmark(
     models: Optional[Sequence[str]] = None, methods: Sequence[str] = METHODS, *, n_pairs: int = 32,
-    seed: int = 0, ig_steps: int = 5, rel_threshold: float = 0.05,
+    seed: int = 0, ig_steps: int = 5, rel_threshold: float = 0.05, progress: bool = False,
 ) -> pd.DataFrame:
     """Node and edge precision, recall and AUROC of every method on every suite model: one row
-    per (model, method, level), columns as :func:`score_model`."""
+    per (model, method, level), columns as :func:`score_model`. ``progress``: a bar over the models."""
     suite = all_ground_truth()
     names = list(models) if models is not None else list(suite)
     missing = [n for n in names if n not in suite]
     if missing:
         raise PatchingError(f"unknown suite models {missing}; choose from {list(suite)}")
     return pd.concat([score_model(suite[n], methods, n_pairs=n_pairs, seed=seed, ig_steps=ig_steps,
-                                  rel_threshold=rel_threshold).assign(model=n) for n in names], ignore_index=True)
+                                  rel_threshold=rel_threshold).assign(model=n)
+                      for n in tqdm(names, disable=not progress, desc="benchmark: scoring")], ignore_index=True)
 
 
 def run_benchmark_mib(
     models: Optional[Sequence[str]] = None, methods: Sequence[str] = ("exact", "eap", "eap-ig"), *,
-    n_pairs: int = 32, seed: int = 0, ig_steps: int = 5,
+    n_pairs: int = 32, seed: int = 0, ig_steps: int = 5, progress: bool = False,
 ) -> dict[str, pd.DataFrame]:
     """MIB's faithfulness curve and CPR/CMD of every method on every suite model (the same pairs and
     metric as :func:`run_benchmark`): tables ``curve`` and ``summary`` of
     :func:`~interp_norm.circuits.mib.run_mib`, each with a ``model`` column. ``atp*`` runs on our
     models only (as in :func:`score_model`); ``pruning`` selects a circuit and ranks no edges, so
-    it has no curve."""
+    it has no curve. ``progress``: a bar over the models."""
     from interp_norm.circuits.mib import MIB_METHODS, run_mib
     from interp_norm.model import HookedNormTransformer
 
@@ -208,7 +210,7 @@ def run_benchmark_mib(
     if missing:
         raise PatchingError(f"unknown suite models {missing}; choose from {list(suite)}")
     curves, summaries = [], []
-    for n in names:
+    for n in tqdm(names, disable=not progress, desc="benchmark: MIB curves"):
         truth = suite[n]
         pairs, model = truth.make_pairs(n_pairs, seed), truth.build()
         ms = [m for m in methods if m != "atp*" or isinstance(model, HookedNormTransformer)]

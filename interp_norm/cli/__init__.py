@@ -18,13 +18,17 @@ Conventions every subcommand follows: ``--out`` is a folder, and result files al
 kept unless ``--force``; progress bars are on (``--no-progress``); every option's help shows its
 default. Any :class:`InterpNormError` becomes one line ``interp-norm CMD: error: ...`` on stderr
 with exit code 2 (no traceback), naming flags rather than Python parameters; so do bad arguments.
+The package's warnings (e.g. what extending a run with a larger ``--steps`` does) become one line
+``interp-norm CMD: warning: ...``, also naming flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+import warnings
+from pathlib import Path
+from typing import Callable, Optional, Sequence
 
 # importing a module registers its subcommands; --help lists them in this order
 from interp_norm.cli import training  # noqa: F401, I001
@@ -54,19 +58,37 @@ def _command_in(argv: Sequence[str]) -> Optional[str]:
     return first if first in COMMANDS else None
 
 
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+
+
+def _show_warning(prog: str, flags: dict, default: Callable) -> Callable:
+    """``warnings.showwarning`` for the CLI: the package's own warnings become one line
+    ``interp-norm CMD: warning: ...`` naming flags (as errors do); other libraries' warnings are shown as usual."""
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+        if str(Path(filename).resolve()).startswith(_PACKAGE):
+            print(f"{prog}: warning: {with_flag_names(' '.join(str(message).split()), flags)}", file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    return show
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``interp-norm``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     name = _command_in(argv)
     args = build_parser(only=name or "").parse_args(argv)
     prog = f"{PROG} {args.command}"
-    try:
-        return int(args._run(args) or 0)
-    except InterpNormError as e:
-        message = with_flag_names(" ".join(str(e).split()), flag_map(args._parser, COMMANDS[args.command].flags))
-        print(f"{prog}: error: {message}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted (a training run continues with --resume)", file=sys.stderr)
-        return 130
+    flags = flag_map(args._parser, COMMANDS[args.command].flags)
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning(prog, flags, warnings.showwarning)
+        try:
+            return int(args._run(args) or 0)
+        except InterpNormError as e:
+            print(f"{prog}: error: {with_flag_names(' '.join(str(e).split()), flags)}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print(f"{prog}: interrupted (a training run continues with --resume)", file=sys.stderr)
+            return 130
 

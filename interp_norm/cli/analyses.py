@@ -106,8 +106,9 @@ def _circuits_benchmark(args: argparse.Namespace) -> int:
     out = prepare_out(args.out or "circuits-benchmark", BENCHMARK_FILES, args.force)
     mib_methods = [m for m in args.methods if m != "pruning"]  # pruning selects a circuit, it ranks no edges
     table = run_benchmark(args.models, args.methods, n_pairs=args.pairs, seed=args.seed, ig_steps=args.ig_steps,
-                          rel_threshold=args.threshold)
-    mib = run_benchmark_mib(args.models, mib_methods, n_pairs=args.pairs, seed=args.seed, ig_steps=args.ig_steps)
+                          rel_threshold=args.threshold, progress=not args.no_progress)
+    mib = run_benchmark_mib(args.models, mib_methods, n_pairs=args.pairs, seed=args.seed, ig_steps=args.ig_steps,
+                            progress=not args.no_progress)
     write_tables(out, {"benchmark": table, "mib_curve": mib["curve"], "mib_summary": mib["summary"]})
     fig = plot_faithfulness(mib["curve"], mib["summary"])
     write_atomic(out / "faithfulness.html", lambda p: fig.write_html(p, include_plotlyjs=True))
@@ -163,7 +164,7 @@ def _noise_args(p: argparse.ArgumentParser) -> None:
 
 
 @command("noise", help="per-token accuracy under multiplicative norm noise (the paper's noise-sensitivity sweep)",
-         add_arguments=_noise_args, flags=dict(levels="--levels"))
+         add_arguments=_noise_args, flags=dict(levels="--levels", distribution="--distribution"))
 def _noise(args: argparse.Namespace) -> int:
     from interp_norm.io import write_csv
     from interp_norm.noise import run_noise
@@ -199,7 +200,7 @@ COLLAPSE_FILES = ("collapse.csv", "collapse_thresholds.csv")
 
 
 @command("collapse", help="circuit-collapse probability vs noise, measured and predicted by the theory",
-         add_arguments=_collapse_args, flags=dict(levels="--levels"))
+         add_arguments=_collapse_args, flags=dict(levels="--levels", distribution="--distribution"))
 def _collapse(args: argparse.Namespace) -> int:
     from interp_norm.io import write_csv
     from interp_norm.noise import collapse_thresholds, run_collapse

@@ -36,13 +36,20 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="seeds both the model init and the data stream (default: the preset's)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: the preset's)")
     p.add_argument("--threads", type=positive_int,
-                   help="torch CPU threads for training; results are reproducible for a given thread count "
-                        "(default: the training config's)")
-    p.add_argument("--steps", type=positive_int, help="total optimizer steps (overrides --epochs; default: the preset's)")
+                   help="torch CPU threads for training, recorded in the checkpoint; a run is bit-for-bit "
+                        "reproducible for a given count, so --resume refuses another one (default: 1, whatever "
+                        "OMP_NUM_THREADS says; the saved run's on --resume)")
+    p.add_argument("--steps", type=positive_int,
+                   help="total optimizer steps (overrides --epochs; default: the preset's). A larger value on "
+                        "--resume extends the run and says what that does to the learning rate (see --min-lr)")
     p.add_argument("--epochs", type=positive_int, help="number of epochs (default: the preset's)")
     p.add_argument("--steps-per-epoch", type=positive_int, help="optimizer steps per epoch (default: the preset's)")
     p.add_argument("--batch-size", type=positive_int, help="problems per optimizer step (default: the preset's)")
     p.add_argument("--lr", type=float, help="peak learning rate of AdamW (default: the preset's)")
+    p.add_argument("--min-lr", type=nonnegative_float,
+                   help="learning rate the cosine schedule decays to; a run extended with a larger --steps on "
+                        "--resume continues at this rate (no restart), so set it > 0 if you may extend the run "
+                        "(default: the preset's, 0)")
     p.add_argument("--grad-clip", type=nonnegative_float, help="gradient-norm clip, 0 = none (default: the preset's)")
     p.add_argument("--log-every", type=positive_int, help="steps between training-curve rows (default: the preset's)")
     p.add_argument("--eval-every", type=positive_int, help="steps between held-out evaluations (default: the preset's)")
@@ -57,8 +64,6 @@ def _train_args(p: argparse.ArgumentParser) -> None:
          flags=dict(max_steps="--steps", n_epochs="--epochs", lr="--lr", seed="--seed", device="--device",
                     attn_norm="--attn-norm", norm_kind="--norm-kind", threads="--threads"))
 def _train(args: argparse.Namespace) -> int:
-    import dataclasses
-
     import pandas as pd
 
     from interp_norm.checkpoints import latest_checkpoint, read_checkpoint_info
@@ -86,20 +91,11 @@ def _train(args: argparse.Namespace) -> int:
             max_steps=args.steps, n_epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
             batch_size=args.batch_size, lr=args.lr, device=args.device, log_every=args.log_every,
             eval_every=args.eval_every, eval_size=args.eval_size, final_eval_size=args.final_eval_size,
-            checkpoint_every=args.checkpoint_every, seed=args.seed,
+            checkpoint_every=args.checkpoint_every, seed=args.seed, min_lr=args.min_lr, threads=args.threads,
         ).items() if v is not None
     }
     if args.grad_clip is not None:
         overrides["grad_clip"] = args.grad_clip or None
-    if args.threads is not None:
-        if "threads" in {f.name for f in dataclasses.fields(TrainConfig)}:
-            overrides["threads"] = args.threads  # recorded in the checkpoint; train() sets torch's threads
-        else:
-            # Until TrainConfig has its `threads` field (persist branch), the thread count is set here
-            # for this process only and not recorded in the checkpoint. Remove after the merge.
-            import torch
-
-            torch.set_num_threads(args.threads)
     if reuse and saved.train_cfg is not None:
         train_cfg = saved.train_cfg.replace(**overrides)
     else:

@@ -95,10 +95,25 @@ def colour_map(labels: Any) -> dict[str, str]:
     return {str(v): variant_colour(v) for v in dict.fromkeys(labels)}
 
 
+# trace types plotly leaves out of the legend unless showlegend=True (named heatmaps are not legend entries)
+_NO_LEGEND = frozenset({"heatmap", "heatmapgl", "contour", "histogram2d", "histogram2dcontour", "surface", "image",
+                        "table", "mesh3d", "cone", "streamtube", "volume", "isosurface"})
+
+
+def row_gap(rows: int, height: float, gap_px: float, cap: float) -> float:
+    """``make_subplots``' ``vertical_spacing`` for ``rows`` rows in a figure ``height`` px tall: a gap
+    of ``gap_px`` pixels, at most ``cap`` (the fraction small figures use). Plotly refuses a spacing
+    above 1/(rows - 1), which a fixed fraction reaches as soon as a model has many layers or a
+    report many checkpoints; a gap in pixels shrinks as the figure grows, so the panels keep their size."""
+    if rows <= 1:
+        return cap
+    return min(cap, gap_px / height, 0.5 / (rows - 1))
+
+
 def fit_legend(fig: Any, max_side_entries: int = 8) -> Any:
     """A legend of more than ``max_side_entries`` entries moves below the plot, laid out
     horizontally, and the figure grows to hold it, so it never needs a scroll box."""
-    entries = [t for t in fig.data if t.showlegend is not False and t.name]
+    entries = [t for t in fig.data if t.name and (t.showlegend or (t.showlegend is None and t.type not in _NO_LEGEND))]
     seen = {t.legendgroup or t.name for t in entries}
     if len(seen) <= max_side_entries or (fig.layout.legend and fig.layout.legend.orientation == "h"):
         return fig
@@ -109,5 +124,5 @@ def fit_legend(fig: Any, max_side_entries: int = 8) -> Any:
     return fig
 
 
-__all__ = ["fit_legend", "SPLITS", "VARIANT_LABELS", "VARIANT_COLOURS", "PAPER_LINE", "escape", "variant_label",
+__all__ = ["fit_legend", "row_gap", "SPLITS", "VARIANT_LABELS", "VARIANT_COLOURS", "PAPER_LINE", "escape", "variant_label",
            "base_variant", "variant_colour", "colour_map", "member_dashes"]

@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from interp_norm.errors import ConfigError
-from interp_norm.plots._style import escape
+from interp_norm.plots._style import escape, row_gap
 
 __all__ = ["plot_attention_pattern", "plot_attention_patterns", "plot_attention_explorer"]
 
@@ -80,7 +80,7 @@ def plot_attention_patterns(patterns: pd.DataFrame, model: Optional[str] = None)
     L, H = int(df["layer"].max()) + 1, int(df["head"].max()) + 1
     probs = sorted(set(df["problem"]))
     fig = make_subplots(rows=L, cols=H, subplot_titles=[f"L{l}H{h}" for l in range(L) for h in range(H)],
-                        horizontal_spacing=0.03, vertical_spacing=0.06)
+                        horizontal_spacing=0.03, vertical_spacing=row_gap(L, 260 * L + 80, 52, 0.06))
     for p in probs:
         for (l, h), g in df[df["problem"] == p].groupby(["layer", "head"]):
             fig.add_trace(_pattern_trace(g, visible=p == probs[0], showscale=False, coloraxis="coloraxis"),

@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from interp_norm.errors import ConfigError
-from interp_norm.plots._style import escape
+from interp_norm.plots._style import escape, row_gap
 
 __all__ = ["plot_patching_heatmap", "plot_circuit_graph", "draw_circuit", "plot_faithfulness"]
 
@@ -43,8 +43,10 @@ def plot_patching_heatmap(
     panels = list(dict.fromkeys(zip(df["variant"], df["activation"], df["by"])))
     variants = list(dict.fromkeys(df["variant"]))
     acts = list(dict.fromkeys(zip(df["activation"], df["by"])))
+    height = max(320, 300 * len(variants))
     fig = make_subplots(
-        rows=len(variants), cols=len(acts), horizontal_spacing=0.06, vertical_spacing=0.12,
+        rows=len(variants), cols=len(acts), horizontal_spacing=0.06,
+        vertical_spacing=row_gap(len(variants), height, 72, 0.12),
         subplot_titles=[
             (f"{escape(v)}: " if v else "") + f"{escape(a)}" + (f" ({escape(b)})" if b else "")
             for v in variants for a, b in acts
@@ -80,7 +82,7 @@ def plot_patching_heatmap(
     fig.update_layout(
         title=title or f"Activation patching (clean → corrupted), {value}",
         coloraxis=dict(colorscale="RdBu", cmid=0, cmin=-lim, cmax=lim, colorbar=dict(title=value)),
-        height=max(320, 300 * len(variants)),
+        height=height,
     )
     fig.update_yaxes(autorange="reversed")
     return fig
@@ -275,7 +277,7 @@ def plot_faithfulness(
     ncols = min(cols, len(models))
     nrows = math.ceil(len(models) / ncols)
     fig = make_subplots(rows=nrows, cols=ncols, subplot_titles=[escape(m) for m in models] if models[0] is not None else None,
-                        horizontal_spacing=0.06, vertical_spacing=0.12 if nrows > 1 else 0.08)
+                        horizontal_spacing=0.06, vertical_spacing=row_gap(nrows, 320 * nrows + 80, 48, 0.12))
 
     def areas(model, method) -> Optional[tuple[float, float]]:
         if summary is None:

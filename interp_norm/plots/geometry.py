@@ -15,7 +15,7 @@ import plotly.express as px
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from interp_norm.plots._style import colour_map, escape, variant_colour
+from interp_norm.plots._style import colour_map, escape, row_gap, variant_colour
 
 __all__ = [
     "plot_norm_spread",
@@ -127,7 +127,7 @@ def _heatmap_grid(mats: Sequence[tuple[str, pd.DataFrame]], title: str, zrange: 
     rows = -(-len(mats) // cols)
     ncols = min(cols, len(mats))
     fig = make_subplots(rows=rows, cols=ncols, subplot_titles=[escape(v) for v, _ in mats],
-                        horizontal_spacing=0.14, vertical_spacing=0.08)
+                        horizontal_spacing=0.14, vertical_spacing=row_gap(rows, max(420, panel_height * rows + 60), 80, 0.08))
     n_max = max(len(m) for _, m in mats)
     font = 9 if n_max <= 24 else 8 if n_max <= 40 else 7
     for i, (v, mat) in enumerate(mats):
@@ -204,7 +204,7 @@ def plot_ellipsoid_axes(axes: pd.DataFrame) -> go.Figure:
     ncols = min(3, len(norms))
     nrows = -(-len(norms) // ncols)
     fig = make_subplots(rows=nrows, cols=ncols, subplot_titles=[escape(n) for n in norms], shared_yaxes=True,
-                        horizontal_spacing=0.05, vertical_spacing=0.14)
+                        horizontal_spacing=0.05, vertical_spacing=row_gap(nrows, 330 * nrows + 120, 110, 0.14))
     shown: set = set()
     for i, n in enumerate(norms):
         r, c = i // ncols + 1, i % ncols + 1

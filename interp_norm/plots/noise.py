@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from interp_norm.errors import ConfigError
-from interp_norm.plots._style import variant_colour
+from interp_norm.plots._style import row_gap, variant_colour
 
 __all__ = ["plot_accuracy_vs_noise", "plot_collapse_vs_noise", "plot_collapse_thresholds", "plot_temperature"]
 
@@ -126,7 +126,8 @@ def plot_collapse_vs_noise(
     layers = [layer] if layer is not None else list(dict.fromkeys(df["layer"].astype(str)))
     titles = [f"{d} collapse" + ("" if layer is not None else f", layer {l}") for l in layers for d in defs]
     fig = make_subplots(rows=len(layers), cols=max(1, len(defs)), shared_yaxes=True, subplot_titles=titles,
-                        horizontal_spacing=0.04, vertical_spacing=0.12 if len(layers) > 1 else 0.1)
+                        horizontal_spacing=0.04,
+                        vertical_spacing=row_gap(len(layers), 380 * len(layers) + 120, 200, 0.12))
     shown: set = set()
     for i, l in enumerate(layers):
         for j, d in enumerate(defs):
