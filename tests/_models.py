@@ -96,3 +96,34 @@ def layer1_change_from_doubled_embed(model: HookedNormTransformer, tokens: torch
         _, patched = model.run_with_cache(tokens)
     d = (patched["blocks.1.attn.hook_pattern"] - cache["blocks.1.attn.hook_pattern"]).abs()
     return d, (tokens != PAD_ID) & (tokens != BOS_ID)
+
+
+def run_cli(capsys, *argv):
+    """``interp-norm ARGV`` in-process: (exit code, stdout, stderr); argparse's SystemExit is a code."""
+    from interp_norm import cli
+
+    try:
+        code = cli.main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def word_tokenizer(vocab_size: int):
+    """A word-level fast tokenizer built offline from the shipped sample text's commonest words."""
+    import collections
+    import re
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from interp_norm.bridges import sample_text
+
+    words = collections.Counter(re.findall(r"\w+|[^\w\s]", sample_text()))
+    vocab = {"[UNK]": 0}
+    for w, _ in words.most_common(vocab_size - 1):
+        vocab[w] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")

@@ -3,10 +3,8 @@ checkpoints, and typed errors for everything else. Plus the text inputs for text
 
 from __future__ import annotations
 
-import collections
 import json
 import os
-import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -26,21 +24,7 @@ from interp_norm.bridges import (
 from interp_norm.checkpoints import save_checkpoint
 from interp_norm.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 
-from _models import make_model
-
-
-def _word_tokenizer(vocab_size: int):
-    """A word-level fast tokenizer built offline from the sample text's commonest words."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = collections.Counter(re.findall(r"\w+|[^\w\s]", sample_text()))
-    vocab = {"[UNK]": 0}
-    for w, _ in words.most_common(vocab_size - 1):
-        vocab[w] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+from _models import make_model, word_tokenizer
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma4"])
@@ -94,7 +78,7 @@ def test_load_a_cached_name_with_the_hub_offline(tmp_path, monkeypatch):
     hf = tiny_hf_model("olmo2", seed=4)
     tokens = random_tokens(128, 2, 9, seed=3)
     ref = hf(tokens).logits
-    _populate_hub_cache(hub, "tiny-org/tiny-olmo2", hf, tokenizer=_word_tokenizer(128))
+    _populate_hub_cache(hub, "tiny-org/tiny-olmo2", hf, tokenizer=word_tokenizer(128))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
     bridge = load_model("tiny-org/tiny-olmo2")

@@ -15,17 +15,9 @@ import pandas as pd
 import pytest
 import torch
 
-from interp_norm import cli
 from interp_norm.bridges import tiny_hf_model
 
-
-def run(capsys, *argv):
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+from _models import run_cli
 
 
 def one_line_error(code, err, *needles):
@@ -48,7 +40,7 @@ def hf_folder(tmp_path_factory):
 def test_geometry_on_a_save_pretrained_folder(hf_folder, tmp_path, capsys):
     import transformers
 
-    code, out, err = run(capsys, "geometry", hf_folder, "--out", tmp_path / "g", "--windows", "2", "--n-ctx", "9",
+    code, out, err = run_cli(capsys, "geometry", hf_folder, "--out", tmp_path / "g", "--windows", "2", "--n-ctx", "9",
                          "--no-progress")
     assert code == 0, err
     mem = pd.read_csv(tmp_path / "g" / "geometry_ellipsoid_membership.csv")
@@ -68,29 +60,29 @@ def test_a_folder_that_is_no_model_gets_a_typed_error(tmp_path, capsys):
     bad = tmp_path / "notamodel"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"hello": 1}))
-    code, _, err = run(capsys, "collapse", bad, "--out", tmp_path / "c")
+    code, _, err = run_cli(capsys, "collapse", bad, "--out", tmp_path / "c")
     one_line_error(code, err, "not a supported model folder", "save_pretrained")
     assert "format_version None" not in err
     empty = tmp_path / "empty"
     empty.mkdir()
-    code, _, err = run(capsys, "geometry", empty, "--out", tmp_path / "g")
+    code, _, err = run_cli(capsys, "geometry", empty, "--out", tmp_path / "g")
     one_line_error(code, err, "not a supported model folder")
 
 
 def test_a_missing_name_says_nothing_is_downloaded(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
-    code, _, err = run(capsys, "geometry", "someorg/not-cached-model", "--out", tmp_path / "g")
+    code, _, err = run_cli(capsys, "geometry", "someorg/not-cached-model", "--out", tmp_path / "g")
     one_line_error(code, err, "not in the Hugging Face cache", "never downloads")
 
 
 def test_commands_on_the_addition_task_refuse_a_hf_model(hf_folder, tmp_path, capsys):
-    code, _, err = run(capsys, "evaluate", hf_folder)
+    code, _, err = run_cli(capsys, "evaluate", hf_folder)
     one_line_error(code, err, "Hugging Face model", "interp-norm evaluate")
 
 
 @pytest.mark.parametrize("command", ["collapse", "noise"])  # -> bridges.bridge_collapse / bridges.text_agreement
 def test_collapse_and_noise_route_a_hf_folder_to_the_bridge_engine(hf_folder, tmp_path, capsys, command):
-    code, out, err = run(capsys, command, hf_folder, "--out", tmp_path / "o", "--levels", "0", "0.3",
+    code, out, err = run_cli(capsys, command, hf_folder, "--out", tmp_path / "o", "--levels", "0", "0.3",
                          "--windows", "2", "--n-ctx", "9", "--no-progress")
     assert code == 0, err
     name = "collapse.csv" if command == "collapse" else "noise_accuracy.csv"
@@ -99,7 +91,7 @@ def test_collapse_and_noise_route_a_hf_folder_to_the_bridge_engine(hf_folder, tm
 
 
 def test_dashboard_with_a_hf_model_has_the_real_model_section(hf_folder, tmp_path, capsys):
-    code, out, err = run(capsys, "dashboard", hf_folder, "--out", tmp_path / "d", "--windows", "2", "--n-ctx", "9",
+    code, out, err = run_cli(capsys, "dashboard", hf_folder, "--out", tmp_path / "d", "--windows", "2", "--n-ctx", "9",
                          "--no-progress")
     assert code == 0, err
     page = (tmp_path / "d" / "dashboard.html").read_text()

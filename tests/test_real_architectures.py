@@ -14,11 +14,8 @@
 
 from __future__ import annotations
 
-import collections
-import json
 import math
 import os
-import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -30,7 +27,7 @@ from interp_norm.bridges import HeadNoise, anatomy, random_tokens, sample_text, 
 from interp_norm.bridges import bridge_from_hf
 from interp_norm.hooks import ATTN_NORMS, SPARSE_THRESHOLD, act_name
 
-from _models import make_model
+from _models import make_model, run_cli, word_tokenizer
 
 
 # ----------------------------------------------------------------------------- our variants, LayerNorm
@@ -160,19 +157,6 @@ def test_query_noise_is_per_query_head(gqa_models, arch):
 # ----------------------------------------------------------------------------- the CLI on a cached name
 
 
-def _word_tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = collections.Counter(re.findall(r"\w+|[^\w\s]", sample_text()))
-    vocab = {"[UNK]": 0}
-    for w, _ in words.most_common(vocab_size - 1):
-        vocab[w] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-
-
 @pytest.fixture(scope="module")
 def hub_cache(tmp_path_factory):
     """A Hugging Face cache (models--org--name/refs/main + snapshots/<commit>) holding a tiny Qwen3 and its tokenizer."""
@@ -187,19 +171,8 @@ def hub_cache(tmp_path_factory):
         for layer in hf.model.layers:
             layer.self_attn.q_norm.weight *= 4.0
     hf.save_pretrained(snapshot)
-    _word_tokenizer(128).save_pretrained(snapshot)
+    word_tokenizer(128).save_pretrained(snapshot)
     return root, snapshot
-
-
-def _run(capsys, *argv):
-    from interp_norm import cli
-
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_cli_geometry_on_a_cached_name_with_the_hub_offline(hub_cache, tmp_path, capsys, monkeypatch):
@@ -208,7 +181,7 @@ def test_cli_geometry_on_a_cached_name_with_the_hub_offline(hub_cache, tmp_path,
     root, snapshot = hub_cache
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(root))
-    code, out, err = _run(capsys, "geometry", "tiny-org/tiny-qwen3", "--out", tmp_path / "g", "--windows", "2",
+    code, out, err = run_cli(capsys, "geometry", "tiny-org/tiny-qwen3", "--out", tmp_path / "g", "--windows", "2",
                           "--n-ctx", "9", "--no-progress")
     assert code == 0, err
     mem = pd.read_csv(tmp_path / "g" / "geometry_ellipsoid_membership.csv")
@@ -233,7 +206,7 @@ def test_cli_collapse_on_a_cached_name_reads_the_text_file(hub_cache, tmp_path, 
     text = " ".join(sample_text().split()[::-1][:200])  # not the default sample: the file must be read
     (tmp_path / "t.txt").write_text(text, encoding="utf-8")
     n_ctx, windows = 16, 3
-    code, out, err = _run(capsys, "collapse", "tiny-org/tiny-qwen3", "--out", tmp_path / "c", "--text",
+    code, out, err = run_cli(capsys, "collapse", "tiny-org/tiny-qwen3", "--out", tmp_path / "c", "--text",
                           tmp_path / "t.txt", "--n-ctx", n_ctx, "--windows", windows, "--levels", "0", "0.2", "--placement", "after_norm",
                           "--no-progress")
     assert code == 0, err
