@@ -1,0 +1,79 @@
+"""The cell builders every tutorial's content uses (see ``_build_notebooks.py`` for the conventions)."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import textwrap
+from pathlib import Path
+
+from nbformat.v4 import new_code_cell, new_markdown_cell
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import _solutions  # noqa: E402  (the solution sources shown in the notebooks)
+
+SETUP = """\
+import os
+import sys
+import warnings
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+warnings.filterwarnings("ignore", message="IProgress not found")  # progress bars fall back to text
+if not os.path.exists("_checks.py") and os.path.exists("tutorials/_checks.py"):
+    sys.path.insert(0, "tutorials")  # the kernel was started in the repository root, not in tutorials/
+import numpy as np
+import pandas as pd
+import torch
+torch.set_num_threads(1)   # these small models run fastest on one thread
+torch.manual_seed(0)
+
+from interp_norm import plots
+from interp_norm.checkpoints import list_pretrained, load_pretrained
+"""
+
+
+def setup(*checks: str) -> str:
+    """The setup cell, importing this notebook's exercise checks from tutorials/_checks.py."""
+    return SETUP + f"from _checks import {', '.join(f'check_{c}' for c in checks)}  # tutorials/_checks.py\n"
+
+
+def md(text: str):
+    return new_markdown_cell(textwrap.dedent(text).strip("\n"))
+
+
+def code(text: str):
+    return new_code_cell(textwrap.dedent(text).strip("\n"))
+
+
+def hints(*items: str) -> str:
+    """Collapsed hints for a markdown f-string; continuation lines carry the cell's 4-space indent so
+    that :func:`md`'s dedent still applies to the whole cell."""
+    text = "\n".join(f"<details><summary>Hint {i + 1}</summary>\n\n{textwrap.dedent(h).strip()}\n\n</details>\n"
+                      for i, h in enumerate(items))
+    return text.replace("\n", "\n    ")
+
+
+def difficulty(level: int, minutes: int) -> str:
+    """ARENA-style badge: ``Difficulty: 🔴🔴⚪⚪⚪ · ~10 min``."""
+    return f"> **Difficulty:** {'🔴' * level}{'⚪' * (5 - level)} · **~{minutes} min**"
+
+
+def exercise(name: str, stub: str):
+    """The learner's cell: the stub of ``name`` and the call of its check (``stub`` must contain both)."""
+    cell = code(stub)
+    assert f"def {name}(" in cell.source and f"check_{name}({name}," in cell.source, name
+    cell.metadata["tags"] = ["exercise"]
+    return cell
+
+
+def solution(name: str):
+    """A collapsed markdown block with the source of ``_solutions.<name>`` (text, never executed)."""
+    source = inspect.getsource(getattr(_solutions, name)).strip("\n")
+    cell = new_markdown_cell(
+        f"<details><summary>Solution: <code>{name}</code> (try first!)</summary>\n\n"
+        f"```python\n{source}\n```\n\n</details>"
+    )
+    cell.metadata["tags"] = ["solution"]
+    return cell
