@@ -17,7 +17,6 @@ import pandas as pd
 from _readme import replace_block
 
 ROOT = Path(__file__).resolve().parent.parent
-START, END = "<!-- PHENOMENA:start -->", "<!-- PHENOMENA:end -->"
 LABEL = {"pre": "Pre-Norm", "qkv": "QKV-Norm", "qk": "QK-Norm", "none": "No-Norm"}
 ORDER = ("pre", "qkv", "qk", "none")
 
@@ -46,6 +45,14 @@ def _group(df: pd.DataFrame, ck: pd.DataFrame, by_label: bool = False) -> pd.Dat
         df = df.assign(label=base, after_norm=df["variant"].str.endswith(", noise after norm"))
         return df.drop(columns=[c for c in ("attn_norm",) if c in df]).merge(keys, on="label")
     return df.drop(columns=[c for c in ("attn_norm",) if c in df]).merge(keys, on="checkpoint")
+
+
+def seeds_of(d: pd.DataFrame, col: str, scale: float = 100.0) -> str:
+    """Each seed's value, in seed order ("never" where a level was not reached): the spread's parts."""
+    if d["seed"].nunique() < 2 or d[col].isna().all():
+        return ""
+    vals = d.sort_values("seed")[col] * scale
+    return " (seeds: " + ", ".join("never" if pd.isna(v) else f"{v:.1f}" for v in vals) + ")"
 
 
 def _seed_note(g: pd.DataFrame) -> str:
@@ -90,8 +97,9 @@ def collapse_table(T: dict) -> str:
                     continue
                 f = sel(fwd) if fwd is not None else p.iloc[0:0]
                 where = "after the norm" if after else ("before the norm (removed)" if a in ("qk", "qkv") else "q, k")
-                rows.append(f"| {LABEL[a]} | {_seed_note(p)} | {where} | {definition} | {spread(p['level_measured'])} | "
-                            f"{spread(p['level_predicted'])} | {spread(f['level_measured']) if len(f) else '—'} | "
+                rows.append(f"| {LABEL[a]} | {_seed_note(p)} | {where} | {definition} | {spread(p['level_measured'])}"
+                            f"{seeds_of(p, 'level_measured')} | {spread(p['level_predicted'])} | "
+                            f"{spread(f['level_measured']) + seeds_of(f, 'level_measured') if len(f) else '—'} | "
                             f"{spread(f['level_predicted']) if len(f) else '—'} |")
     return "\n".join(rows)
 
@@ -108,6 +116,25 @@ def sparsity_table(T: dict) -> str:
             continue
         cells = [spread(d[d["layer"] == l]["frac_sparse"]) for l in layers] + [spread(d[d["layer"].isna()]["frac_sparse"])]
         lines.append(f"| {LABEL[a]} | {_seed_note(d)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def histogram_table(T: dict) -> str:
+    """Per layer, the share of rows whose max attention falls in the top bin (≥ 0.95) beside the bin
+    below it (0.90–0.95): a top bin larger than its neighbour is a peak at 1, as in the paper's Pre-Norm."""
+    h = _group(T["geometry_sparsity_hist"], T["checkpoints"])
+    h = h[h["calibration"] == "none"]
+    h = h[h["layer"].notna() & (h["layer"].astype(str) != "all")]
+    h = h.assign(layer=h["layer"].astype(int))
+    layers = sorted(h["layer"].unique())
+    top, below = h[h["lo"].round(6) == 0.95], h[h["lo"].round(6) == 0.9]
+    lines = ["| variant | seeds | " + " | ".join(f"layer {l}: ≥ 0.95 vs 0.90–0.95" for l in layers) + " |",
+             "|---|---|" + "---|" * len(layers)]
+    for a in ORDER:
+        t, b = top[top["attn_norm"] == a], below[below["attn_norm"] == a]
+        if len(t):
+            cells = [f"{spread(t[t['layer'] == l]['fraction'])} vs {spread(b[b['layer'] == l]['fraction'])}" for l in layers]
+            lines.append(f"| {LABEL[a]} | {_seed_note(t)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -156,6 +183,9 @@ def markdown(report: Path) -> str:
         collapse_table(T),
         "\n**Fraction of sparse attention rows** (max attention ≥ 95%, `geometry_sparsity_summary.csv`, 256 ID problems):\n",
         sparsity_table(T),
+        "\n**Max-attention histogram, top of the range** (`geometry_sparsity_hist.csv`: % of rows whose max attention "
+        "lies in the top bin beside the bin below it; a peak at 1 shows as a top bin larger than its neighbour):\n",
+        histogram_table(T),
         "\n**Norm spread at the attention inputs** (`geometry_norm_spread.csv`: median over heads of the ±x within which 90% "
         "of attention-weighted input norms lie around the head's median):\n",
         spread_table(T),
@@ -171,11 +201,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("report", nargs="?", default=str(ROOT / "report"))
     ap.add_argument("--readme", action="store_true", help="rewrite the tables in README.md between the markers")
+    ap.add_argument("--block", default="PHENOMENA", help="the README markers' name (<!-- NAME:start --> ... end)")
     args = ap.parse_args()
     md = markdown(Path(args.report))
     print(md)
     if args.readme:
-        replace_block(START, END, md)
+        replace_block(f"<!-- {args.block}:start -->", f"<!-- {args.block}:end -->", md)
 
 if __name__ == "__main__":
     main()
