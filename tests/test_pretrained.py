@@ -14,7 +14,9 @@ from interp_norm.evaluate import per_token_accuracy
 EXPECTED = {
     "pre": "pre", "pre-s1": "pre", "qkv": "qkv", "qkv-s1": "qkv", "qk": "qk", "none": "none",
     "pre-cal": "pre", "pre-cal-s1": "pre", "qkv-cal": "qkv", "qkv-cal-s1": "qkv",
+    "pre-30k": "pre", "pre-30k-s1": "pre",
 }
+LONGER = {"pre-30k", "pre-30k-s1"}  # the "30k steps" set: three times the reference training
 CALIBRATED = {name for name in EXPECTED if "-cal" in name}
 # The 2-digit cpu task is learned but not solved in 10k CPU steps (README: 78-95 % ID per token);
 # far above chance (~1/14 per token), and below the 0.95 the 1-digit models of the past reached.
@@ -25,7 +27,10 @@ def test_every_reference_checkpoint_is_listed():
     listed = list_pretrained()
     assert set(EXPECTED) <= set(listed["name"]), f"missing: {set(EXPECTED) - set(listed['name'])}"
     for name, attn_norm in EXPECTED.items():
-        assert listed.set_index("name").loc[name, "attn_norm"] == attn_norm
+        row = listed.set_index("name").loc[name]
+        assert row["attn_norm"] == attn_norm
+        assert row["set"] == ("30k steps" if name in LONGER else "reference")
+        assert row["step"] == (30_000 if name in LONGER else 10_000)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
