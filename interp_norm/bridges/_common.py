@@ -6,6 +6,7 @@ has to import another only for a layout conversion (the import graph stays acycl
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 from torch import Tensor, nn
@@ -36,12 +37,13 @@ def from_canonical(x: Tensor, layout: str) -> Tensor:
 
 
 def is_bridge(model: Any) -> bool:
-    """Whether ``model`` is a TransformerLens 4 ``TransformerBridge``."""
-    try:
-        from transformer_lens.model_bridge import TransformerBridge
-    except ImportError:  # pragma: no cover - TL 4 is a dependency
-        return False
-    return isinstance(model, TransformerBridge)
+    """Whether ``model`` is a TransformerLens 4 ``TransformerBridge``.
+
+    A bridge exists only once ``transformer_lens.model_bridge`` has been imported, so the check never
+    imports it itself (that import costs seconds, and our own models never need it)."""
+    bridge_module = sys.modules.get("transformer_lens.model_bridge")
+    TransformerBridge = getattr(bridge_module, "TransformerBridge", None)
+    return TransformerBridge is not None and isinstance(model, TransformerBridge)
 
 
 def original(component: Any) -> Optional[nn.Module]:
