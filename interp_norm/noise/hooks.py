@@ -88,6 +88,11 @@ class NormNoise:
 
     After each forward pass, ``last_kappa[(layer, target)]`` holds the κ used ([b, p, h, 1], or
     [b, p, 1] for ``scale``).
+
+    On a TransformerLens bridge of a Hugging Face model, ``NormNoise(model, level, ...)`` returns an
+    :class:`interp_norm.bridges.HeadNoise` placed through the model's attention anatomy (same
+    ``level``, ``targets``, ``placement``, ``layers``, ``distribution``, ``seed``; ``heads`` and
+    ``row_gate`` are refused there), usable the same way: ``.hooks()`` or ``with``.
     """
 
     def __new__(cls, model=None, *args, **kwargs):
