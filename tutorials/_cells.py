@@ -21,6 +21,7 @@ import sys
 import warnings
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 warnings.filterwarnings("ignore", message="IProgress not found")  # progress bars fall back to text
+warnings.formatwarning = lambda msg, cat, *_, **__: f"{cat.__name__}: {msg}\\n"  # the message, not the kernel's temp file
 if not os.path.exists("_checks.py") and os.path.exists("tutorials/_checks.py"):
     sys.path.insert(0, "tutorials")  # the kernel was started in the repository root, not in tutorials/
 import numpy as np
