@@ -154,9 +154,8 @@ def load_models(checkpoints: Optional[Sequence[str]] = None) -> dict[str, tuple[
 
     if checkpoints is None:
         listed = list_pretrained()
-        if "set" in listed.columns:
-            listed = listed[listed["set"].fillna("reference") == "reference"]
-        checkpoints = [n for n in listed["name"]]
+        # a folder that cannot be read has no set: keep it, so loading it says what is wrong
+        checkpoints = list(listed.loc[listed["set"].fillna("reference") == "reference", "name"])
         if not checkpoints:
             raise CheckpointNotFoundError(
                 f"no shipped checkpoints in {pretrained_dir()}; pass checkpoint folders explicitly, set "

@@ -48,7 +48,7 @@ REFERENCE = {
 
 def train_one(name: str, runs: Path, data: Path, progress: bool = True) -> None:
     from interp_norm import AdditionTask, ModelConfig
-    from interp_norm.checkpoints import load_checkpoint, save_checkpoint
+    from interp_norm.checkpoints import latest_checkpoint, load_checkpoint, read_checkpoint_info, save_checkpoint
     from interp_norm.train import TrainConfig, train
 
     attn_norm, seed, calibration, *epochs = REFERENCE[name]
@@ -56,12 +56,14 @@ def train_one(name: str, runs: Path, data: Path, progress: bool = True) -> None:
     task = AdditionTask.preset("cpu")
     train_cfg = TrainConfig.preset("cpu", seed=seed, **({"n_epochs": epochs[0]} if epochs else {}))
     shipped = data / name / "metrics.json"
+    last = latest_checkpoint(runs / name)
+    finished_before = last is not None and bool(read_checkpoint_info(last, verify=False).metrics.get("final"))
     t0 = time.perf_counter()
     train(model_cfg, task, train_cfg, runs / name, resume=True, progress=progress)
     seconds = time.perf_counter() - t0
     model, info = load_checkpoint(runs / name)
     metrics = dict(info.metrics)
-    if seconds < 60 and shipped.exists():  # the run had finished before: keep the training time measured then
+    if finished_before and shipped.exists():  # nothing was trained now: keep the training time measured then
         seconds = json.loads(shipped.read_text()).get("train_seconds", seconds)
     metrics.setdefault("train_seconds", round(seconds, 1))
     metrics["threads"] = train_cfg.threads

@@ -59,7 +59,8 @@ class HeadNoise:
     """Hooks multiplying q, k and/or v of chosen layers by (1+κ) per (example, position, head).
 
     ``kappa``: explicit κ per ``(layer, target)``, each [batch, pos, heads of that target] (k/v:
-    key/value heads); or a ``sampler`` (default :func:`seeded_sampler` at ``level``).
+    key/value heads); or a ``sampler`` (default :func:`seeded_sampler` at ``level``, ``seed`` and
+    ``distribution``, "uniform" or "normal").
     ``placement`` "before_norm" (the projection output) or "after_norm" (what attention uses;
     the same hook where the target has no norm). After a forward pass ``last_kappa`` holds the κ
     used. Use as ``model.run_with_hooks(tokens, fwd_hooks=noise.hooks())``.
@@ -82,6 +83,7 @@ class HeadNoise:
         layers: Optional[Sequence[int]] = None,
         sampler: Optional[Sampler] = None,
         seed: int = 0,
+        distribution: str = "uniform",
         anat: Optional[Anatomy] = None,
     ):
         self.model, self._ctx = model, None
@@ -118,7 +120,7 @@ class HeadNoise:
             self.sites.append((l, t))
         self.placement = placement
         self.kappa = dict(kappa) if kappa is not None else None
-        self.sampler = sampler or seeded_sampler(level, seed)
+        self.sampler = sampler or seeded_sampler(level, seed, distribution)
         self.last_kappa: dict[tuple[int, str], Tensor] = {}
         self._calls: dict[tuple[int, str], int] = {}
 

@@ -130,7 +130,7 @@ class CleanAttention:
 
 
 def check_inputs(model: HookedNormTransformer, levels: Sequence[float], spec: Optional[CollapseSpec],
-            options: dict) -> tuple[CollapseSpec, ModelConfig, tuple[float, ...]]:
+                 options: dict) -> tuple[CollapseSpec, ModelConfig, tuple[float, ...]]:
     """(spec with ``options``, the model's config, the levels), checked in the order every collapse
     measurement checks them (options, then the model, then the levels against the distribution)."""
     spec = CollapseSpec.make(spec, **options)

@@ -266,7 +266,7 @@ def _bridge_noise(model, level: float, targets: str | Sequence[str] = ("q", "k",
                   placement: str = "before_norm", seed: int = 0, row_gate: Optional[Mapping[int, Tensor]] = None):
     """:class:`NormNoise`'s arguments on a bridge, as a :class:`interp_norm.bridges.HeadNoise`
     (κ per example, position and head; grouped k/v heads noised once per key/value head)."""
-    from interp_norm.bridges.noise import HeadNoise, seeded_sampler
+    from interp_norm.bridges.noise import HeadNoise
 
     unsupported = [name for name, v in (("heads", heads), ("row_gate", row_gate)) if v is not None]
     if unsupported:
@@ -277,7 +277,7 @@ def _bridge_noise(model, level: float, targets: str | Sequence[str] = ("q", "k",
     targets = V.check_targets(targets, None, allowed=("q", "k", "v"))
     layers = None if layers is None else list(V.check_index_form(layers, "layer"))
     return HeadNoise(model, level=level, targets=targets, placement=V.check_placement(placement), layers=layers,
-                     sampler=seeded_sampler(level, V.check_seed(seed), V.check_distribution(distribution)), seed=seed)
+                     seed=V.check_seed(seed), distribution=V.check_distribution(distribution))
 
 
 def norm_noise_hooks(model: HookedNormTransformer, level: float, targets: str | Sequence[str] = ("q", "k", "v"), **kwargs) -> list[tuple[str, Callable]]:
