@@ -182,7 +182,11 @@ class Attention(nn.Module):
     def scores(self, q: Float[Tensor, "... q h dh"], k: Float[Tensor, "... k h dh"]) -> Float[Tensor, "... h q k"]:
         """Pre-softmax scores of the q and k the attention uses, before the causal mask."""
         spec = "bqhd,bkhd->bhqk" if q.ndim == 4 else "...qhd,...khd->...hqk"
-        scores = torch.einsum(spec, q, k) / self.cfg.attn_scale
+        return self.scale_scores(torch.einsum(spec, q, k))
+
+    def scale_scores(self, qk: Tensor) -> Tensor:
+        """``q · k`` to the scores: divided by ``attn_scale``, then the score calibration (if any)."""
+        scores = qk / self.cfg.attn_scale
         if self.cfg.calibration == "paper":
             scores = self.calib_scores(scores)
         return scores

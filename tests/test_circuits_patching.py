@@ -20,6 +20,7 @@ from interp_norm.circuits import (
     make_pairs,
     patch_sweep,
 )
+from interp_norm.circuits.engine import STAGES, IncrementalEngine
 from interp_norm.errors import HookNameError, PatchingError
 from interp_norm.hooks import act_name
 
@@ -46,17 +47,20 @@ VARIANTS = [
     dict(attn_norm="qkv", norm_kind="rms"),
     dict(attn_norm="qk", norm_kind="ln"),
     dict(attn_norm="none", pre_norm_gains="shared"),
+    dict(attn_norm="pre", norm_kind="ln", pre_norm_gains="shared"),
 ]
 TOL = 1e-5
 
 
-def make_model(preset: str = "tiny", seed: int = 0, **kw) -> HookedNormTransformer:
-    """A seeded model with norm gains/biases moved off their init, so gains matter."""
+def make_model(preset: str = "tiny", seed: int = 0, mlp_biases: bool = True, **kw) -> HookedNormTransformer:
+    """A seeded model with norm gains/biases, ``b_O`` and (``mlp_biases``) the MLP biases moved off
+    their init, so every parameter the engine's kernels use matters."""
     model = HookedNormTransformer(ModelConfig.preset(preset, seed=seed, **kw)).eval()
     g = torch.Generator().manual_seed(seed + 1)
+    moved = (".w", ".b", "b_O") + (("b_in", "b_out") if mlp_biases else ())
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith((".w", ".b", "b_O")):
+            if name.endswith(moved):
                 p.add_(0.3 * torch.randn(p.shape, generator=g))
     return model
 
@@ -83,6 +87,26 @@ def test_every_activation_by_position_equals_transformer_lens(variant, pairs):
             ours = activation_patch(model, pairs.corrupted_tokens, cache, metric, act, method=method, batch_size=24)
             assert ours.values.shape == ref.shape
             assert (ours.values - ref).abs().max() <= TOL, (act, method)
+
+
+@pytest.mark.parametrize("variant", VARIANTS + [dict(attn_norm="pre", norm_kind="ln")], ids=lambda v: "-".join(v.values()))
+def test_fused_kernels_compute_the_models_activations(variant, pairs):
+    """The engine's two arithmetics against ``model.run_with_cache``, stage by stage: the model's own
+    steps (``exact_pattern=True``) bit for bit, the fused kernels to float rounding. A hook on the
+    model switches the fused kernels off (they would bypass it)."""
+    model = make_model(**variant)
+    x = pairs.corrupted_tokens
+    _, cache = model.run_with_cache(x)
+    fast, exact = IncrementalEngine(model, x, exact_pattern=False), IncrementalEngine(model, x, exact_pattern=True)
+    assert fast.fast and not exact.fast
+    for l in range(model.cfg.n_layers):
+        for stage in STAGES:
+            ref = cache[act_name(stage, l)]
+            assert torch.equal(exact.acts[l][stage], ref), (l, stage)
+            assert (fast.acts[l][stage] - ref).abs().max() <= 1e-5 * (1 + ref.abs().max()), (l, stage)
+            assert fast.acts[l][stage].shape == ref.shape
+    with model.hooks(fwd_hooks=[(act_name("z", 0), lambda a, hook: a)]):
+        assert not IncrementalEngine(model, x, exact_pattern=False).fast
 
 
 @pytest.mark.parametrize("act", sorted(TL_ALL_POS))
@@ -182,7 +206,7 @@ def test_user_metrics_per_example_and_scalar(pairs):
 def test_result_table_baselines_and_normalisation():
     # pairs whose clean and corrupted logit differences are far apart: normalized() divides by it
     pairs = make_pairs(AdditionTask.preset("cpu"), 4, "id", seed=7)
-    model = make_model()
+    model = make_model(mlp_biases=False)
     res = activation_patch(model, pairs, activation="resid_pre")  # clean cache + logit diff from the pairs
     metric = LogitDiff(pairs)
     with torch.no_grad():

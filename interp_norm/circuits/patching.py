@@ -131,19 +131,32 @@ def _after_first_difference(kind: str, by: str, cells: Tensor, first: Tensor, n:
     return cells[:, col].unsqueeze(1) >= first.unsqueeze(0)
 
 
-def _first_difference(corrupted: Tensor, clean_tokens: Optional[Tensor], clean_cache, corrupted_resid0) -> Optional[Tensor]:
-    """Per example, the first position where the clean and corrupted inputs differ (``n`` if none):
-    from the tokens, or from the clean cache's layer-0 residual; None if neither is known."""
+def _input_differs(corrupted: Tensor, clean_tokens: Optional[Tensor], clean_cache, corrupted_resid0) -> Optional[Tensor]:
+    """[batch, pos] bool: where the clean and corrupted inputs differ, from the tokens or from the
+    clean cache's layer-0 residual; None if neither is known."""
     b, n = corrupted.shape
     if clean_tokens is not None and tuple(clean_tokens.shape) == (b, n):
-        diff = clean_tokens.to(corrupted.device) != corrupted
-    elif corrupted_resid0 is not None and _resid0(clean_cache, b, n) is not None:
+        return clean_tokens.to(corrupted.device) != corrupted
+    if corrupted_resid0 is not None and _resid0(clean_cache, b, n) is not None:
         clean0 = _resid0(clean_cache, b, n)
-        diff = (clean0.to(corrupted_resid0.device, corrupted_resid0.dtype) != corrupted_resid0).any(-1)
-    else:
-        return None
+        return (clean0.to(corrupted_resid0.device, corrupted_resid0.dtype) != corrupted_resid0).any(-1)
+    return None
+
+
+def _first_difference(diff: Tensor) -> Tensor:
+    """Per example, the first position where the inputs differ (``n`` if none)."""
+    b, n = diff.shape
     pos = torch.arange(n, device=diff.device).expand(b, n)
     return torch.where(diff, pos, n).amin(-1)
+
+
+def _layer0_cells_differ(by: str, cells: Tensor, diff: Tensor) -> Tensor:
+    """[n_cells, batch] bool for layer-0 cells before attention (resid_pre, q, k, v): a position's
+    value there is a function of its own input row, so it differs only where the input does."""
+    diff = diff.cpu()
+    if by == "all":
+        return diff.any(-1).unsqueeze(0).repeat(len(cells), 1)
+    return diff[:, cells[:, 1]].T
 
 
 def _resid0(clean_cache, b: int, n: int) -> Optional[Tensor]:
@@ -339,9 +352,10 @@ def activation_patch(
     # engine need not reproduce the clean cache bit for bit to find them
     knows_first = clean_tokens is not None or _resid0(clean_cache, b, n) is not None
     engine = _make_engine(model, corrupted, None if read is None else torch.as_tensor(read).to(dev), method, not knows_first)
-    first = None
+    first = in_diff = None
     if engine is not None and knows_first:
-        first = _first_difference(corrupted, clean_tokens, clean_cache, engine.acts[0]["resid_pre"])
+        in_diff = _input_differs(corrupted, clean_tokens, clean_cache, engine.acts[0]["resid_pre"])
+        first = _first_difference(in_diff)
     start_cache = None
     if engine is not None:
         corrupted_logits = engine.logits
@@ -374,9 +388,9 @@ def activation_patch(
     # or (incremental engine) the position comes after the last one the metric reads
     if engine is not None and not engine.exact_pattern:
         differs = _after_first_difference(kind, by, cell_t, first, n)
-        if activation in _PRE_ATTENTION:  # layer 0 before any softmax: the engine's values are the model's
+        if activation in _PRE_ATTENTION:  # layer 0 before any softmax: as the input row
             at0 = cell_t[:, 0] == 0
-            differs[at0] &= _cell_differs(kind, by, cell_t[at0], clean_acts[:1], corr_acts[:1])
+            differs[at0] &= _layer0_cells_differ(by, cell_t[at0], in_diff)
     else:
         differs = _cell_differs(kind, by, cell_t, clean_acts, corr_acts)  # [cells, b]
     live = differs.any(-1).numpy()
