@@ -354,6 +354,7 @@ class IncrementalEngine:
     def _layer(
         self, l: int, X: Optional[Tensor], D: Optional[Tensor], last: bool,
         S: Optional[str] = None, patch: Optional[RowPatch] = None, P: Optional[Tensor] = None,
+        heads: Optional[Tensor] = None,
     ) -> tuple[Optional[Tensor], Optional[Tensor]]:
         """One block for K copies: rows ``D`` [K, b, n] of its input differ from the corrupted run
         (values ``X``, in ``D``'s order) and copies entering here are patched at stage ``S`` in rows
@@ -382,10 +383,17 @@ class IncrementalEngine:
         xA = None if Ap is None else self._rows(l, X, D, Ap)  # resid_pre rows of the changed copies
         z = None
         if Ap is not None or S in _BEFORE_SCORES:
-            z = self._attention(l, X, D, xA, Ap, A if S in _BEFORE_SCORES else Ap, S, patch, P, ie)
+            z = self._attention(l, X, D, xA, Ap, A if S in _BEFORE_SCORES else Ap, S, patch, P, ie, heads)
         if S == "pattern":
             pattern = patch(entering("pattern"), ie)  # [M, h, keys]
-            z = _cat(z, (pattern.unsqueeze(2) @ self.c[l]["v_p"].index_select(0, ie[1]).transpose(1, 2)).squeeze(2))
+            v = self.c[l]["v_p"].index_select(0, ie[1])  # [M, keys, h, dh]
+            if heads is None:
+                z_e = (pattern.unsqueeze(2) @ v.transpose(1, 2)).squeeze(2)
+            else:  # only the patched head's output changes
+                r, hr = torch.arange(len(ie[0]), device=v.device), heads[ie[0]]
+                z_e = entering("z")
+                z_e[r, hr] = (pattern[r, hr].unsqueeze(1) @ v[r, :, hr]).squeeze(1)
+            z = _cat(z, z_e)
         elif S == "z":
             z = _cat(z, patch(entering("z"), ie))
         # the rest of the block: the changed copies' rows, then the entering ones' from their stage on
@@ -405,7 +413,7 @@ class IncrementalEngine:
             post = _cat(post, patch(entering("resid_post"), ie))
         return post, A
 
-    def _attention(self, l: int, X, D, xA, Ap, Aatt: Tensor, S, patch, P, ie) -> Tensor:
+    def _attention(self, l: int, X, D, xA, Ap, Aatt: Tensor, S, patch, P, ie, heads=None) -> Tensor:
         """z of the query rows ``Aatt``: the changed copies' rows ``Ap`` (their inputs ``xA``) and,
         for a q/k/v patch, the entering copies' rows ``ie``. Keys and values are the corrupted run's,
         with the rows that changed (``D``) or are patched (``S`` = k/v, rows ``P``) replaced."""
@@ -450,11 +458,25 @@ class IncrementalEngine:
             q_e = self._normalize(attn, patch(self._at(l, "q", ie), ie), "q")
         elif S in ("k", "v"):
             q_e = self._at(l, "q_used", ie)
-        return self._attend(attn, _cat(q_p, q_e), idx, k_g, v_g, g_of, slot)
+        if heads is None or q_e is None:
+            return self._attend(attn, _cat(q_p, q_e), idx, k_g, v_g, g_of, slot)
+        # The entering copies (their rows and groups come last) change one head each: the other
+        # heads' z are the corrupted run's, and only the patched head's attention is recomputed.
+        n_p = 0 if q_p is None else len(q_p)
+        G = 0 if n_p == 0 else int(g_of[n_p - 1]) + 1
+        z_p = None if n_p == 0 else self._attend(attn, q_p, tuple(i[:n_p] for i in idx), k_g[:G], v_g[:G], g_of[:n_p], slot[:n_p])
+        r, hr, hg = torch.arange(len(q_e), device=q_e.device), heads[ie[0]], heads[gk[G:]]
+        g = torch.arange(len(hg), device=q_e.device)
+        z1 = self._attend(attn, q_e[r, hr].unsqueeze(1), ie, k_g[G:][g, :, hg].unsqueeze(2),
+                          v_g[G:][g, :, hg].unsqueeze(2), g_of[n_p:] - G, slot[n_p:])
+        z_e = self._at(l, "z", ie)
+        z_e[r, hr] = z1[:, 0]
+        return _cat(z_p, z_e)
 
     # -- entry point ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, layers: Tensor, stage: str, patch_at: Callable[[int], RowPatch], P: Tensor) -> Optional[Tensor]:
+    def run(self, layers: Tensor, stage: str, patch_at: Callable[[int], RowPatch], P: Tensor,
+            heads: Optional[Tensor] = None) -> Optional[Tensor]:
         """Logits [K, b, n, vocab] of K copies, copy ``k`` patched at ``stage`` of layer ``layers[k]``
         (non-decreasing), or None if no read row changes.
 
@@ -462,6 +484,8 @@ class IncrementalEngine:
         clean and corrupted values agree in the cell is left out: the patch cannot change it);
         ``patch_at(l)(rows, idx)`` patches the stage values of layer ``l`` in rows ``idx`` = (copy,
         example, position): ``[M, ...]`` slices of the activation (``pattern``: ``[M, n_heads, n_eff]``).
+        ``heads`` [K]: the one head copy ``k``'s patch changes (q/k/v/pattern cells of one head); then
+        the patched layer recomputes only that head's attention. None: any head may change.
         """
         if stage not in STAGES:
             raise PatchingError(f"unknown stage {stage!r}; choose one of {STAGES}")
@@ -472,7 +496,8 @@ class IncrementalEngine:
             enter = layers == l
             entering = l in lay
             Pl = P & enter.to(P.device).view(K, 1, 1) if entering else None
-            X, D = self._layer(l, X, D, l == self.L - 1, stage if entering else None, patch_at(l) if entering else None, Pl)
+            X, D = self._layer(l, X, D, l == self.L - 1, stage if entering else None, patch_at(l) if entering else None, Pl,
+                               None if heads is None else heads.to(P.device))
             if D is not None:  # ... plus the rows each patched copy recomputes
                 self.rows_computed += int(D.sum())
             if X is None and l >= lay[-1]:

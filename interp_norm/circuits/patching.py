@@ -214,7 +214,7 @@ def _clean_act(clean_cache: Mapping[str, Tensor], name: str) -> Tensor:
 
 
 def _engine_chunk(engine: IncrementalEngine, kind: str, by: str, activation: str, cc: Tensor, clean_acts: list,
-                  live: Tensor, n_heads: int) -> Optional[Tensor]:
+                  live: Tensor, n_heads: int, head_col: Optional[int] = None) -> Optional[Tensor]:
     """Logits of the copies patched in cells ``cc`` (sorted by layer), or None where no read row changes."""
     K, ne = cc.shape[0], engine.n_eff
     dev = clean_acts[0].device
@@ -238,7 +238,8 @@ def _engine_chunk(engine: IncrementalEngine, kind: str, by: str, activation: str
     rowcol = _row_axis(kind, by)
     if rowcol is not None:
         P &= torch.arange(ne).view(1, 1, ne) == cc[:, rowcol].view(K, 1, 1)
-    return engine.run(cc[:, 0], activation, patch_at, P.to(dev))
+    heads = None if head_col is None else cc[:, head_col]  # each cell patches one head
+    return engine.run(cc[:, 0], activation, patch_at, P.to(dev), heads)
 
 
 def _hooks_chunk(model, kind: str, by: str, activation: str, cc: Tensor, clean: Tensor, corrupted: Tensor,
@@ -343,6 +344,7 @@ def activation_patch(
 
     flat = cells is not None
     cell_t = _cells_from_df(cells, axes, sizes) if flat else grid_cells(axes, sizes)
+    head_col = axes.index("head") if "head" in axes else None
     n_cells = len(cell_t)
 
     read = getattr(metric, "read_mask", None)
@@ -417,7 +419,7 @@ def activation_patch(
         cc = cell_t[idx]
         K = len(chunk)
         if engine is not None:
-            logits = _engine_chunk(engine, kind, by, activation, cc, clean_acts, differs[idx], H)
+            logits = _engine_chunk(engine, kind, by, activation, cc, clean_acts, differs[idx], H, head_col)
             if logits is None:
                 vals = baseline.unsqueeze(0).expand(K, *baseline.shape)
             else:
