@@ -5,7 +5,8 @@
   correct-token probability, KL to the clean distribution).
 * :mod:`~interp_norm.circuits.patching` -- exact activation patching, many cells per forward pass,
   equal to ``transformer_lens.patching`` cell by cell; :mod:`~interp_norm.circuits.engine` is its
-  incremental engine (recomputes only the rows a patch changes, with the model's own block steps).
+  incremental engine (recomputes only the rows a patch changes, with the model's block steps or fused
+  kernels equal to them up to rounding).
 * :mod:`~interp_norm.circuits.attribution` -- node-level attribution patching (EAP, EAP-IG) and
   agreement with exact patching.
 * :mod:`~interp_norm.circuits.edges` -- the sender -> receiver edge graph and edge-intervening

@@ -1,4 +1,4 @@
-"""The incremental patching engine: recompute only the rows a patch can change, with the model's own steps.
+"""The incremental patching engine: recompute only the rows a patch can change, with the model's steps.
 
 A patch in layer ``l`` at positions ``>= p`` cannot change anything before layer ``l`` or at
 positions ``< p`` (causal attention). So a chunk of ``K`` patch cells -- ``K`` stacked copies of
@@ -6,31 +6,30 @@ the corrupted batch, each patched in its own cell -- starts from the corrupted r
 recomputes only the *rows* (copy, example, position) whose input or attended keys/values changed
 and that can still reach a position the metric reads (in the last layer: exactly the read
 positions). Attention rows attend to their own (copy, example)'s keys and values: the corrupted
-run's, with the changed rows replaced. Only changed rows are kept between layers.
+run's, with the changed rows replaced. Only changed rows are kept between layers. A q/k/v/pattern
+cell changes one head, so in its layer only that head's attention is recomputed.
 
 The copies of a chunk may be patched in different layers (sorted by layer): a copy *enters* in its
 layer, at its stage, joining the rows of the copies already changed at the point of the block
 where that stage is computed (a ``z`` patch joins at ``attn.out``, an ``mlp_out`` patch after the
 MLP, ...). So a chunk costs one pass over the layers, whatever its cells' layers.
 
-The arithmetic is the model's own: ``blk.ln1`` / ``ln2``, ``attn.project`` / ``normalize`` /
-``scores`` / ``out``, the block's update calibration, ``blk.mlp_update`` and ``model(resid,
-start_at_layer=L)`` for the output head, so norm choices and calibration factors
-(``cfg.calibration == "paper"``) apply exactly as in ``model(tokens)``. The engine adds only the
-wiring between those steps: the causal softmax (written out: ``Tensor.softmax`` is several times
-slower on CPU for these short key axes), ``pattern @ v`` and the two residual sums.
-
-With ``exact_pattern=False`` (the default of :func:`activation_patch` when it knows where the
-inputs first differ) and no hooks on the model, the engine runs the same steps as *fused* CPU
-kernels instead: q, k and v as one ``[d_model, 3 * n_heads * d_head]`` matmul, ``W_O`` and the
-MLP as ``addmm`` (bias fused, ReLU in place), and the softmax on a key axis padded to a multiple
-of 16. They compute the same functions, rounded differently (|diff| ~1e-7 relative); they halve
-the cost of a row against the model's own forward, whose per-head ``einsum`` and 12-wide
-``softmax`` dominate at this size. The norms, calibration layers and score scaling stay the
-model's own modules. ``exact_pattern=True`` keeps every step the model's (activations bit-identical
-to ``model.run_with_cache``). The corrupted run is computed with the same wiring; once per model
-and mode it is compared with ``model(tokens)``, so a block whose wiring differs is refused
-(:class:`PatchingError`) instead of giving wrong numbers.
+Two arithmetics, one wiring. With ``exact_pattern=True`` every step is the model's own:
+``blk.ln1`` / ``ln2``, ``attn.project`` / ``normalize`` / ``scores`` / ``out``, the block's update
+calibration and ``blk.mlp_update``, so the corrupted run's activations equal
+``model.run_with_cache``'s bit for bit. Otherwise (the default of :func:`activation_patch` when it
+knows where the inputs first differ) and when no hook is on the model, the same functions run as
+fused CPU kernels on the model's weights: q, k and v as one ``[d_model, 3 * n_heads * d_head]``
+matmul (separate Pre-Norm gains folded into it), ``W_O`` and the MLP as ``addmm``,
+``F.layer_norm`` / ``F.rms_norm`` for the norms, the softmax on a key axis padded to a multiple of
+16 (``Tensor.softmax`` is ~10x slower on 12 or 14 keys), and for 1-2-row groups the heads folded
+into the matrix rows. They round differently (~1e-7 relative) and make a recomputed row cheaper
+than a row of the model's own forward pass (``benchmarks/bench_patching.py``, ``row cost``).
+Both use the model's own calibration layers, score scaling (``attn.scale_scores``) and output
+head (``model(resid, start_at_layer=L)``). The engine adds the wiring between those steps:
+``pattern @ v`` and the two residual sums. Once per model and arithmetic the corrupted run is
+compared with ``model(tokens)``, so a block wired differently is refused (:class:`PatchingError`)
+instead of giving wrong numbers.
 """
 
 from __future__ import annotations

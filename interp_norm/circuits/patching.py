@@ -5,8 +5,9 @@ TransformerLens's ``patching.get_act_patch_*`` run one full forward pass per cel
 cell, and the metric is read per copy. Two methods compute those copies:
 
 * ``method="incremental"`` (our :class:`~interp_norm.model.HookedNormTransformer`): the
-  :class:`~interp_norm.circuits.engine.IncrementalEngine` recomputes, with the model's own block
-  steps, only the rows a patch can change and the metric can see.
+  :class:`~interp_norm.circuits.engine.IncrementalEngine` recomputes, with the model's block steps
+  (or fused kernels equal to them up to rounding), only the rows a patch can change and the metric
+  can see.
 * ``method="hooks"`` (any TransformerLens-protocol model, e.g. a ``TransformerBridge``): full
   forward passes of the stacked batch with one hook per activation name that writes each copy's
   clean slice (for our model each pass starts at the patched layer: ``model(resid, start_at_layer=l)``).
@@ -15,7 +16,8 @@ Cells that cannot change the metric are the corrupted baseline without a forward
 and corrupted activations agree in the cell for every example, or (incremental engine) the position
 comes after the last one the metric reads. Agreement is exact: positions before an example's first
 differing input (known from the clean tokens, or the clean cache's layer-0 residual) agree by
-causality, and so do the layer-0 activations before attention that compare equal; without either,
+causality, and so do the layer-0 activations before attention at positions whose input agrees
+(each is a function of its own input row); without either,
 the engine reproduces the clean cache's arithmetic bit for bit and the activations are compared.
 
 Both equal ``transformer_lens.patching`` on the same model, inputs and metric (tests check
