@@ -41,7 +41,7 @@ REFERENCE = {
     "qkv-cal-s1": ("qkv", 1, "paper"),
     "pre-30k": ("pre", 0, "none", 120),
     "pre-30k-s1": ("pre", 1, "none", 120),
-    "qkv-30k": ("qkv", 0, "none", 120),  # not trained yet: the QKV-Norm side of the 30k comparison
+    "qkv-30k": ("qkv", 0, "none", 120),  # the QKV-Norm side of the 30k comparison
     "qkv-30k-s1": ("qkv", 1, "none", 120),
 }
 

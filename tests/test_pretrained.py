@@ -14,9 +14,9 @@ from interp_norm.evaluate import per_token_accuracy
 EXPECTED = {
     "pre": "pre", "pre-s1": "pre", "qkv": "qkv", "qkv-s1": "qkv", "qk": "qk", "none": "none",
     "pre-cal": "pre", "pre-cal-s1": "pre", "qkv-cal": "qkv", "qkv-cal-s1": "qkv",
-    "pre-30k": "pre", "pre-30k-s1": "pre",
+    "pre-30k": "pre", "pre-30k-s1": "pre", "qkv-30k": "qkv", "qkv-30k-s1": "qkv",
 }
-LONGER = {"pre-30k", "pre-30k-s1"}  # the "30k steps" set: three times the reference training
+LONGER = {"pre-30k", "pre-30k-s1", "qkv-30k", "qkv-30k-s1"}  # the "30k steps" set: three times the reference training
 CALIBRATED = {name for name in EXPECTED if "-cal" in name}
 # The 2-digit cpu task is learned but not solved in 10k CPU steps (README: 78-95 % ID per token);
 # far above chance (~1/14 per token), and below the 0.95 the 1-digit models of the past reached.
