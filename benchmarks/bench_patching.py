@@ -99,14 +99,14 @@ def interleaved(runs: dict, repeats: int, ours_per_round: int = 3, first: dict |
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def checked_round(tl, ours, compare) -> tuple[dict, float]:
-    """One timed round (ours warmed up first) whose results are checked equal: (times, max |diff|)."""
+def checked_round(tl, ours, compare) -> tuple[dict, float, object]:
+    """One timed round (ours warmed up first) whose results are checked equal: (times, max |diff|, our result)."""
     ours()
     t_tl, ref = cpu_time(tl)
     t_ours, res = cpu_time(ours)
     diff = compare(res, ref)
     assert res.method == "exact-incremental" and diff <= TOL, f"differs from TransformerLens by {diff}"
-    return {"tl": [t_tl], "ours": [t_ours]}, diff
+    return {"tl": [t_tl], "ours": [t_ours]}, diff, res
 
 
 def fmt_mb(x: float) -> str:
@@ -132,12 +132,12 @@ def ratio_table(model, pairs, repeats: int, batch_size: int) -> list[float]:
         def ours():
             return activation_patch(model, x, cache, metric, act, batch_size=batch_size)
 
-        first, diff = checked_round(tl, ours, lambda res, ref: float((res.values - ref).abs().max()))
+        first, diff, res = checked_round(tl, ours, lambda res, ref: float((res.values - ref).abs().max()))
         n_cells = model.cfg.n_layers * pairs.n_pos * (1 if act in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out") else model.cfg.n_heads)
         t = interleaved({"tl": tl, "ours": ours}, repeats, first=first)
         mb = peak_mb(ours)
         ratios.append(t["tl"] / t["ours"])
-        fwd = ours().rows_computed / (len(pairs) * pairs.n_pos * model.cfg.n_layers)  # forward passes of arithmetic
+        fwd = res.rows_computed / (len(pairs) * pairs.n_pos * model.cfg.n_layers)  # forward passes of arithmetic
         print(f"   {act:<11}{n_cells:>6}{diff:>11.1e}{t['tl'] * 1e3:>17.1f}{t['ours'] * 1e3:>9.2f}"
               f"{ratios[-1]:>8.1f}x{fmt_mb(mb):>9}{fwd:>9.2f}{n_cells / fwd:>7.1f}x{n_cells / fwd / ratios[-1]:>10.2f}")
     return ratios
@@ -168,7 +168,7 @@ def scaling_point(model, pairs, cells: pd.DataFrame, tl_sample: int, batch_size:
 
     sample = cells if len(cells) <= tl_sample else cells.sample(tl_sample, random_state=0).sort_index()
     rows = torch.tensor(sample.index.to_numpy())
-    first, diff = checked_round(lambda: tl_cells(model, x, cache, metric, sample), ours,
+    first, diff, _ = checked_round(lambda: tl_cells(model, x, cache, metric, sample), ours,
                                 lambda res, ref: float((res.values[rows] - ref).abs().max()))
     few = sample.iloc[: min(len(sample), 8)]  # TransformerLens's memory does not grow with the cells
     return dict(cells=len(cells), ours=first["ours"][0], tl=first["tl"][0] * len(cells) / len(sample),

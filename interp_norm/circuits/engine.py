@@ -62,14 +62,19 @@ def causal_softmax(scores: Tensor, causal: Tensor) -> Tensor:
 
 def padded_softmax(scores: Tensor, causal: Tensor) -> Tensor:
     """:func:`causal_softmax` through ``Tensor.softmax`` on a key axis padded with ``-inf`` to a
-    multiple of 16 (its vectorised CPU kernel; on 12 or 14 keys it is ~10x slower). Returns the
-    padded pattern (padding columns zero): ``@`` with values padded the same way."""
+    multiple of 16 (its vectorised CPU kernel; on 12 or 14 keys it is ~10x slower)."""
     nk = scores.shape[-1]
     pad = -nk % 16
     x = scores.masked_fill(~causal, float("-inf"))
-    if pad:
-        x = F.pad(x, (0, pad), value=float("-inf"))
-    return x.softmax(-1)
+    if not pad:
+        return x.softmax(-1)
+    return F.pad(x, (0, pad), value=float("-inf")).softmax(-1)[..., :nk]
+
+
+def _unit_norm(norm, x: Tensor) -> Tensor:
+    """``x`` normalised by a Norm/HeadNorm's kind (LayerNorm or RMS) over the last axis, before any gain."""
+    shape = (x.shape[-1],)
+    return F.layer_norm(x, shape, eps=norm.eps) if norm.kind == "ln" else F.rms_norm(x, shape, eps=norm.eps)
 
 
 def _has_hooks(model) -> bool:
@@ -161,7 +166,7 @@ class IncrementalEngine:
             return norm(x)
         shape, w = (x.shape[-1],), norm.w
         if norm.n_gains > 1:
-            y = F.layer_norm(x, shape, eps=norm.eps) if norm.kind == "ln" else F.rms_norm(x, shape, eps=norm.eps)
+            y = _unit_norm(norm, x)
             return tuple(y * w[i] for i in range(norm.n_gains))
         if norm.kind == "ln":
             return F.layer_norm(x, shape, w, norm.b, norm.eps)
@@ -173,9 +178,7 @@ class IncrementalEngine:
         norm = getattr(attn, f"{which}_norm", None)
         if norm is None or not self.fast:
             return attn.normalize(y, which)
-        shape = (y.shape[-1],)
-        y = F.layer_norm(y, shape, eps=norm.eps) if norm.kind == "ln" else F.rms_norm(y, shape, eps=norm.eps)
-        return y * norm.w
+        return _unit_norm(norm, y) * norm.w
 
     def _fuse(self, blk) -> Optional[dict]:
         """The block's weights laid out for plain 2-D matmuls (None: this block keeps the model's steps)."""
@@ -199,9 +202,8 @@ class IncrementalEngine:
         blk = self.model.blocks[l]
         attn, w = blk.attn, self._fused and self._fused[l]
         if w and "qkv_gained" in w:  # separate Pre-Norm gains folded into the weights: one matmul
-            ln1, shape = blk.ln1, (resid.shape[-1],)
-            y = F.layer_norm(resid, shape, eps=ln1.eps) if ln1.kind == "ln" else F.rms_norm(resid, shape, eps=ln1.eps)
-            return self._split_qkv(attn, y.reshape(-1, shape[0]) @ w["qkv_gained"], resid.shape[:-1])
+            y = _unit_norm(blk.ln1, resid).reshape(-1, resid.shape[-1])
+            return self._split_qkv(attn, y @ w["qkv_gained"], resid.shape[:-1])
         xs = self._attn_inputs(blk, resid)
         if not w:
             if resid.ndim == 2:
@@ -238,6 +240,10 @@ class IncrementalEngine:
         calib = getattr(blk, "calib_mlp_out", None)
         return out if calib is None else calib(out, relative_to=x)
 
+    def _softmax(self, scores: Tensor, causal: Tensor) -> Tensor:
+        """The causal softmax of this arithmetic: padded for ``Tensor.softmax`` in fast mode."""
+        return padded_softmax(scores, causal) if self.fast else causal_softmax(scores, causal)
+
     @staticmethod
     def _attn_update(blk, out: Tensor, resid: Tensor) -> Tensor:
         """What the attention adds to the residual: ``attn.out(z)`` through the block's update calibration."""
@@ -257,10 +263,8 @@ class IncrementalEngine:
         scores = attn.scores(a["q_used"], a["k_used"])
         if self.exact_pattern:  # as the model's forward computes it
             a["pattern"] = scores.masked_fill(~self.causal[:n, :n], float("-inf")).softmax(-1)
-        elif self.fast:
-            a["pattern"] = padded_softmax(scores, self.causal[:n, :n])[..., :n]
         else:
-            a["pattern"] = causal_softmax(scores, self.causal[:n, :n])
+            a["pattern"] = self._softmax(scores, self.causal[:n, :n])
         a["z"] = torch.einsum("bhqk,bkhd->bqhd", a["pattern"], a["v_used"])
         a["attn_out"] = self._attn_update(blk, self._out(l, a["z"]), resid)
         a["resid_mid"] = mid = resid + a["attn_out"]
@@ -336,15 +340,11 @@ class IncrementalEngine:
         keys = torch.arange(nk, device=pos.device)
         if not self.fast or w > self.BLOCK_DIAGONAL_MAX_ROWS:
             scores = attn.scores(q.view(g, w, h, dh), k_g)  # [g, h, w, keys]
-            causal = keys <= pos.view(g, 1, w, 1)
-            if self.fast:
-                z = padded_softmax(scores, causal)[..., :nk] @ v_g.transpose(1, 2)
-            else:
-                z = causal_softmax(scores, causal) @ v_g.transpose(1, 2)  # [g, h, w, dh]
+            z = self._softmax(scores, keys <= pos.view(g, 1, w, 1)) @ v_g.transpose(1, 2)  # [g, h, w, dh]
             return z.transpose(1, 2).reshape(g * w, h, dh).index_select(0, flat)
         qk = torch.bmm(q.view(g, w * h, dh), k_g.view(g, nk * h, dh).transpose(1, 2))
         qk = qk.view(g, w, h, nk, h).diagonal(dim1=2, dim2=4).transpose(2, 3)  # [g, w, h, keys]
-        pattern = padded_softmax(attn.scale_scores(qk), keys <= pos.view(g, w, 1, 1))[..., :nk]
+        pattern = padded_softmax(attn.scale_scores(qk), keys <= pos.view(g, w, 1, 1))
         block = pattern.new_zeros(g, w, h, nk, h)
         block.diagonal(dim1=2, dim2=4).copy_(pattern.transpose(2, 3))
         z = torch.bmm(block.view(g, w * h, nk * h), v_g.reshape(g, nk * h, dh))  # [g, w*h, dh]
@@ -491,12 +491,12 @@ class IncrementalEngine:
         K = len(layers)
         lay = layers.tolist()
         X = D = None
+        heads = None if heads is None else heads.to(P.device)
         for l in range(lay[0], self.L):
             enter = layers == l
             entering = l in lay
             Pl = P & enter.to(P.device).view(K, 1, 1) if entering else None
-            X, D = self._layer(l, X, D, l == self.L - 1, stage if entering else None, patch_at(l) if entering else None, Pl,
-                               None if heads is None else heads.to(P.device))
+            X, D = self._layer(l, X, D, l == self.L - 1, stage if entering else None, patch_at(l) if entering else None, Pl, heads)
             if D is not None:  # ... plus the rows each patched copy recomputes
                 self.rows_computed += int(D.sum())
             if X is None and l >= lay[-1]:
