@@ -58,6 +58,12 @@ from interp_norm.hooks import act_name
 
 # activations computed before layer 0's softmax: the engine's corrupted values equal the model's bit for bit
 _PRE_ATTENTION = ("resid_pre", "q", "k", "v")
+#: The incremental engine's chunk holds at most ``ENGINE_CHUNK_VALUES // d_model`` whole sequences'
+#: rows (fewer if batch_size asks): its per-group copies of keys and values then stay in the CPU's
+#: cache. Measured on z patching (32 pairs, 1024 sequences against smaller chunks): d_model 64
+#: (the cpu preset) within ~5% at 256-1024; d_model 256, 6 layers: 1.4x faster at 256; the paper's
+#: d_model 512: 1.5x faster at 64-256.
+ENGINE_CHUNK_VALUES = 2**16
 
 
 def _row_axis(kind: str, by: str) -> Optional[int]:
@@ -309,7 +315,8 @@ def activation_patch(
     value per row, as in TransformerLens. ``batch_size`` bounds the work per forward pass and with
     it the memory: ``batch_size`` rows (copies x examples) for the hooks method; for the incremental
     engine, which keeps only the positions a patch changes, as many changed positions as
-    ``batch_size`` whole sequences have (one pass may then hold cells of several layers).
+    ``batch_size`` whole sequences have, at most ``ENGINE_CHUNK_VALUES // d_model`` (cache-sized;
+    one pass may then hold cells of several layers).
     """
     pairs = corrupted_tokens if isinstance(corrupted_tokens, PatchingPairs) else None
     dev = device(model)
@@ -404,10 +411,11 @@ def activation_patch(
     if len(dead):
         store[torch.from_numpy(dead)] = baseline.to(torch.float64).cpu()
         order = order[live[order]]
-    if engine is not None:  # chunks span layers; as many recomputed positions as batch_size sequences
+    if engine is not None:  # chunks span layers; as many recomputed positions as batch_size sequences (cache-sized)
         ne = engine.n_eff
         cost = differs.sum(-1).numpy()[order] * (ne - np.minimum(rowkey[order], ne - 1) if rowcol is not None else ne)
-        chunks = _pack(order, np.maximum(cost, 1), batch_size * n)
+        sequences = min(batch_size, max(1, ENGINE_CHUNK_VALUES // model.cfg.d_model))
+        chunks = _pack(order, np.maximum(cost, 1), sequences * n)
     else:
         K_max = max(1, batch_size // b)
         layers = cells_np[order, 0]
