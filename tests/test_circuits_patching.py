@@ -109,6 +109,32 @@ def test_fused_kernels_compute_the_models_activations(variant, pairs):
         assert not IncrementalEngine(model, x, exact_pattern=False).fast
 
 
+@pytest.mark.parametrize("attn_norm", ["pre", "qkv"])
+def test_shared_and_copied_keys_attention_equal_transformer_lens(attn_norm, pairs, monkeypatch):
+    """The fast engine attends either against each example's shared keys plus corrections for the
+    changed rows, or against a copy of the keys per (copy, example) group; it picks by cost. Forced
+    each way, every activation equals TransformerLens."""
+    model = make_model("cpu", attn_norm=attn_norm)
+    metric = LogitDiff(pairs)
+    _, cache = model.run_with_cache(pairs.clean_tokens)
+    shared_calls = {}
+    real = IncrementalEngine._attend_shared
+
+    def counting(self, *a, **kw):
+        shared_calls[ratio] = shared_calls.get(ratio, 0) + 1
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(IncrementalEngine, "_attend_shared", counting)
+    refs = {act: tl(fn, model, pairs.corrupted_tokens, cache, metric.mean) for act, fn in TL_BY_POS.items()}
+    for ratio in (0.0, float("inf")):
+        monkeypatch.setattr(IncrementalEngine, "SHARED_KEYS_MAX_PAIRS_PER_ROW", ratio)
+        for act, ref in refs.items():
+            ours = activation_patch(model, pairs.corrupted_tokens, cache, metric, act, batch_size=16)
+            assert (ours.values - ref).abs().max() <= TOL, (act, ratio)
+    # copies forced: shared keys only for the changed copies beside one-head entering rows
+    assert shared_calls[float("inf")] > shared_calls.get(0.0, 0) > 0
+
+
 @pytest.mark.parametrize("act", sorted(TL_ALL_POS))
 def test_all_position_patches_equal_transformer_lens(act, pairs):
     model = make_model(attn_norm="qkv")

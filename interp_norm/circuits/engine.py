@@ -22,8 +22,10 @@ knows where the inputs first differ) and when no hook is on the model, the same 
 fused CPU kernels on the model's weights: q, k and v as one ``[d_model, 3 * n_heads * d_head]``
 matmul (separate Pre-Norm gains folded into it), ``W_O`` and the MLP as ``addmm``,
 ``F.layer_norm`` / ``F.rms_norm`` for the norms, the softmax on a key axis padded to a multiple of
-16 (``Tensor.softmax`` is ~10x slower on 12 or 14 keys), and for 1-2-row groups the heads folded
-into the matrix rows. They round differently (~1e-7 relative) and make a recomputed row cheaper
+16 (``Tensor.softmax`` is ~10x slower on 12 or 14 keys), for 1-2-row groups the heads folded
+into the matrix rows, and attention against each example's corrupted keys and values shared by all
+its copies, with the changed rows as per-pair corrections (instead of a copy of the keys per copy
+and example, where that moves fewer rows). They round differently (~1e-7 relative) and make a recomputed row cheaper
 than a row of the model's own forward pass (``benchmarks/bench_patching.py``, ``row cost``).
 Both use the model's own calibration layers, score scaling (``attn.scale_scores``) and output
 head (``model(resid, start_at_layer=L)``). The engine adds the wiring between those steps:
@@ -111,6 +113,11 @@ class IncrementalEngine:
 
     #: fast mode folds the heads into the matrix rows for groups of at most this many query rows
     BLOCK_DIAGONAL_MAX_ROWS = 2
+    #: fast mode attends against each example's shared keys plus corrections (:meth:`_attend_shared`)
+    #: when its (query row, changed key row) pairs are at most this many per key row that copies of
+    #: the keys per group would move; else it copies them (measured: shared is 1.2-1.3x faster on z
+    #: and pattern patching, neutral on the rest)
+    SHARED_KEYS_MAX_PAIRS_PER_ROW = 1.0
 
     def __init__(self, model, tokens: Tensor, read_mask: Optional[Tensor] = None, exact_pattern: bool = True):
         self.model = model
@@ -350,6 +357,59 @@ class IncrementalEngine:
         z = torch.bmm(block.view(g, w * h, nk * h), v_g.reshape(g, nk * h, dh))  # [g, w*h, dh]
         return z.view(g * w, h, dh).index_select(0, flat)
 
+    @staticmethod
+    def _seen_changed(mask: Optional[Tensor], idx: tuple, nk: int) -> Optional[Tensor]:
+        """[M, keys]: which of its group's changed key rows (``mask`` [K, b, n]) each query row ``idx`` sees."""
+        if mask is None:
+            return None
+        return mask[idx[0], idx[1], :nk] & (torch.arange(nk, device=mask.device) <= idx[2].unsqueeze(1))
+
+    def _attend_shared(self, l: int, q: Tensor, idx: tuple, k_changed: tuple, v_changed: tuple, nk: int) -> Tensor:
+        """z [M, h, dh] of query rows ``idx`` (fast mode) without a copy of the keys per group:
+        scores and ``pattern @ v`` against each example's corrupted keys/values as one batched
+        product (the rows packed per example), then the group's changed keys/values as
+        corrections, one per (query row, changed key row) pair. ``k_changed`` = (mask [K, b, n],
+        :meth:`_seen_changed` of it, values in the mask's row order), or Nones."""
+        attn, c = self.model.blocks[l].attn, self.c[l]
+        kidx, bidx, ridx = idx
+        (M, h, dh), b, dev = q.shape, self.b, q.device
+        counts = torch.bincount(bidx, minlength=b)
+        R = int(counts.max())
+        order = torch.argsort(bidx, stable=True)
+        slot = torch.empty_like(bidx)
+        slot[order] = torch.arange(M, device=dev) - (counts.cumsum(0) - counts)[bidx[order]]
+        flat = bidx * R + slot  # each row's place in the [b, R] packing
+        Q = q.new_zeros(b * R, h, dh).index_copy_(0, flat, q).view(b, R, h, dh)
+        qk = torch.einsum("brhd,bkhd->brhk", Q, c["k_p"][:, :nk]).reshape(b * R, h, nk).index_select(0, flat)
+        causal = torch.arange(nk, device=dev) <= ridx.unsqueeze(1)  # [M, keys]
+
+        def changed(mask: Optional[Tensor], seen: Optional[Tensor], values: Optional[Tensor]):
+            """(row, key) pairs whose key/value is the group's changed one, and that value."""
+            if mask is None:
+                return None
+            i, j = seen.nonzero(as_tuple=True)
+            where = torch.full(mask.shape, -1, dtype=torch.long, device=dev)
+            where[mask] = torch.arange(len(values), device=dev)
+            return i, j, values.index_select(0, where[kidx[i], bidx[i], j])
+
+        kc = changed(*k_changed)
+        if kc is not None:
+            i, j, k = kc
+            qk[i, :, j] = (q.index_select(0, i) * k).sum(-1)
+        pattern = padded_softmax(attn.scale_scores(qk), causal.unsqueeze(1))  # [M, h, keys]
+        vc = changed(*v_changed)
+        p_old = pattern
+        if vc is not None:
+            i, j, v = vc
+            w = pattern[i, :, j]  # [pairs, h]
+            p_old = pattern.clone()
+            p_old[i, :, j] = 0
+        P = p_old.new_zeros(b * R, h, nk).index_copy_(0, flat, p_old).view(b, R, h, nk)
+        z = torch.einsum("brhk,bkhd->brhd", P, c["v_p"][:, :nk]).reshape(b * R, h, dh).index_select(0, flat)
+        if vc is not None:
+            z.index_add_(0, i, w.unsqueeze(-1) * v)
+        return z
+
     def _layer(
         self, l: int, X: Optional[Tensor], D: Optional[Tensor], last: bool,
         S: Optional[str] = None, patch: Optional[RowPatch] = None, P: Optional[Tensor] = None,
@@ -425,8 +485,6 @@ class IncrementalEngine:
         gk, ge = kidx[start], bidx[start]  # each (copy, example) group's copy and example
         seen = _until_last(Aatt)  # a key row matters only to query rows at or after it
         nk = int(ridx.max()) + 1
-        k_g = c["k_p"][:, :nk].index_select(0, ge)  # [g, keys, h, dh]
-        v_g = c["v_p"][:, :nk].index_select(0, ge)
         k_new = v_new = q_new = None
         kv = None if D is None else D & self.need & seen  # changed rows: new keys/values, and queries
         if kv is not None and kv.any():
@@ -435,6 +493,7 @@ class IncrementalEngine:
         else:
             kv = None
         kmask = vmask = kv
+        Pk = new = None
         if S in ("k", "v"):  # the entering copies' patched key/value rows
             Pk = P & seen
             pidx = Pk.nonzero(as_tuple=True)
@@ -444,10 +503,6 @@ class IncrementalEngine:
                 k_new, kmask = _cat(k_new, new), both
             else:
                 v_new, vmask = _cat(v_new, new), both
-        if kmask is not None:  # groups are sorted by (copy, example): same order as the mask's rows
-            k_g[kmask[gk, ge, :nk]] = k_new
-        if vmask is not None:
-            v_g[vmask[gk, ge, :nk]] = v_new
         q_p = q_e = None
         if Ap is not None:  # the corrupted run's queries, new ones where the input changed
             q_p = self._at(l, "q_used", Ap.nonzero(as_tuple=True))
@@ -457,17 +512,43 @@ class IncrementalEngine:
             q_e = self._normalize(attn, patch(self._at(l, "q", ie), ie), "q")
         elif S in ("k", "v"):
             q_e = self._at(l, "q_used", ie)
-        if heads is None or q_e is None:
-            return self._attend(attn, _cat(q_p, q_e), idx, k_g, v_g, g_of, slot)
+        one_head = heads is not None and q_e is not None  # entering copies that change one head each
+        n_p = 0 if q_p is None else len(q_p)
+        G = 0 if n_p == 0 else int(g_of[n_p - 1]) + 1  # the changed copies' groups come first
+        if self.fast:  # no copy of the keys per group where the corrections move fewer rows (below)
+            idx_s = idx if not one_head else tuple(i[:n_p] for i in idx)
+            seen_k = self._seen_changed(kmask, idx_s, nk)
+            seen_v = seen_k if vmask is kmask else self._seen_changed(vmask, idx_s, nk)
+            pairs = sum(int(m.sum()) for m in (seen_k, seen_v) if m is not None)
+            copied = 2 * (len(gk) if not one_head else G) * nk  # key and value rows of the groups' copies
+            shared = one_head or pairs <= self.SHARED_KEYS_MAX_PAIRS_PER_ROW * copied
+        if self.fast and shared:
+            k_changed, v_changed = (kmask, seen_k, k_new), (vmask, seen_v, v_new)
+            if not one_head:
+                return self._attend_shared(l, _cat(q_p, q_e), idx, k_changed, v_changed, nk)
+            z_p = None if n_p == 0 else self._attend_shared(l, q_p, idx_s, k_changed, v_changed, nk)
+            gk, ge = gk[G:], ge[G:]  # the entering copies' groups: corrupted keys, the patched rows replaced
+            k_g = c["k_p"][:, :nk].index_select(0, ge)  # [g, keys, h, dh]
+            v_g = c["v_p"][:, :nk].index_select(0, ge)
+            if new is not None:
+                (k_g if S == "k" else v_g)[Pk[gk, ge, :nk]] = new
+        else:
+            k_g = c["k_p"][:, :nk].index_select(0, ge)  # [g, keys, h, dh]: each group's own copy
+            v_g = c["v_p"][:, :nk].index_select(0, ge)
+            if kmask is not None:  # groups are sorted by (copy, example): same order as the mask's rows
+                k_g[kmask[gk, ge, :nk]] = k_new
+            if vmask is not None:
+                v_g[vmask[gk, ge, :nk]] = v_new
+            if not one_head:
+                return self._attend(attn, _cat(q_p, q_e), idx, k_g, v_g, g_of, slot)
+            z_p = None if n_p == 0 else self._attend(attn, q_p, tuple(i[:n_p] for i in idx), k_g[:G], v_g[:G], g_of[:n_p], slot[:n_p])
+            gk, k_g, v_g = gk[G:], k_g[G:], v_g[G:]
         # The entering copies (their rows and groups come last) change one head each: the other
         # heads' z are the corrupted run's, and only the patched head's attention is recomputed.
-        n_p = 0 if q_p is None else len(q_p)
-        G = 0 if n_p == 0 else int(g_of[n_p - 1]) + 1
-        z_p = None if n_p == 0 else self._attend(attn, q_p, tuple(i[:n_p] for i in idx), k_g[:G], v_g[:G], g_of[:n_p], slot[:n_p])
-        r, hr, hg = torch.arange(len(q_e), device=q_e.device), heads[ie[0]], heads[gk[G:]]
+        r, hr, hg = torch.arange(len(q_e), device=q_e.device), heads[ie[0]], heads[gk]
         g = torch.arange(len(hg), device=q_e.device)
-        z1 = self._attend(attn, q_e[r, hr].unsqueeze(1), ie, k_g[G:][g, :, hg].unsqueeze(2),
-                          v_g[G:][g, :, hg].unsqueeze(2), g_of[n_p:] - G, slot[n_p:])
+        z1 = self._attend(attn, q_e[r, hr].unsqueeze(1), ie, k_g[g, :, hg].unsqueeze(2),
+                          v_g[g, :, hg].unsqueeze(2), g_of[n_p:] - G, slot[n_p:])
         z_e = self._at(l, "z", ie)
         z_e[r, hr] = z1[:, 0]
         return _cat(z_p, z_e)
