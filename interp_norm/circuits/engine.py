@@ -14,24 +14,15 @@ layer, at its stage, joining the rows of the copies already changed at the point
 where that stage is computed (a ``z`` patch joins at ``attn.out``, an ``mlp_out`` patch after the
 MLP, ...). So a chunk costs one pass over the layers, whatever its cells' layers.
 
-Two arithmetics, one wiring. With ``exact_pattern=True`` every step is the model's own:
-``blk.ln1`` / ``ln2``, ``attn.project`` / ``normalize`` / ``scores`` / ``out``, the block's update
-calibration and ``blk.mlp_update``, so the corrupted run's activations equal
-``model.run_with_cache``'s bit for bit. Otherwise (the default of :func:`activation_patch` when it
-knows where the inputs first differ) and when no hook is on the model, the same functions run as
-fused CPU kernels on the model's weights: q, k and v as one ``[d_model, 3 * n_heads * d_head]``
-matmul (separate Pre-Norm gains folded into it), ``W_O`` and the MLP as ``addmm``,
-``F.layer_norm`` / ``F.rms_norm`` for the norms, the softmax on a key axis padded to a multiple of
-16 (``Tensor.softmax`` is ~10x slower on 12 or 14 keys), for 1-2-row groups the heads folded
-into the matrix rows, and attention against each example's corrupted keys and values shared by all
-its copies, with the changed rows as per-pair corrections (instead of a copy of the keys per copy
-and example, where that moves fewer rows). They round differently (~1e-7 relative) and make a recomputed row cheaper
-than a row of the model's own forward pass (``benchmarks/bench_patching.py``, ``row cost``).
-Both use the model's own calibration layers, score scaling (``attn.scale_scores``) and output
-head (``model(resid, start_at_layer=L)``). The engine adds the wiring between those steps:
-``pattern @ v`` and the two residual sums. Once per model and arithmetic the corrupted run is
-compared with ``model(tokens)``, so a block wired differently is refused (:class:`PatchingError`)
-instead of giving wrong numbers.
+Two arithmetics, one wiring (:mod:`interp_norm.circuits.block_steps`): with ``exact_pattern=True``
+the model's own steps, so the corrupted run's activations equal ``model.run_with_cache``'s bit for
+bit; otherwise, when no hook is on the model, fused CPU kernels equal to them up to rounding. In fast
+mode recomputed rows also attend against each example's corrupted keys and values shared by all its
+copies, with the changed rows as per-pair corrections (:meth:`IncrementalEngine._attend_shared`),
+where that moves fewer rows than a copy of the keys per (copy, example). The engine adds the wiring
+between the steps: ``pattern @ v`` and the two residual sums. Once per model and arithmetic the
+corrupted run is compared with ``model(tokens)``, so a block wired differently is refused
+(:class:`PatchingError`) instead of giving wrong numbers.
 """
 
 from __future__ import annotations
@@ -40,9 +31,9 @@ import weakref
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from interp_norm.circuits.block_steps import BlockSteps, causal_softmax, padded_softmax
 from interp_norm.errors import PatchingError
 
 #: Stages of one block, in computation order; a patch enters at one of them.
@@ -53,35 +44,6 @@ _CHECKED = {False: weakref.WeakSet(), True: weakref.WeakSet()}  # models whose w
 
 #: ``patch(rows, idx)`` returns the stage values of rows ``idx = (copy, example, position)`` patched.
 RowPatch = Callable[[Tensor, tuple], Tensor]
-
-
-def causal_softmax(scores: Tensor, causal: Tensor) -> Tensor:
-    """Softmax over the last axis with ``~causal`` entries masked out (zero weight)."""
-    m = scores.masked_fill(~causal, float("-inf")).amax(-1, keepdim=True)
-    e = (scores - m).exp_().mul_(causal)
-    return e.div_(e.sum(-1, keepdim=True))
-
-
-def padded_softmax(scores: Tensor, causal: Tensor) -> Tensor:
-    """:func:`causal_softmax` through ``Tensor.softmax`` on a key axis padded with ``-inf`` to a
-    multiple of 16 (its vectorised CPU kernel; on 12 or 14 keys it is ~10x slower)."""
-    nk = scores.shape[-1]
-    pad = -nk % 16
-    x = scores.masked_fill(~causal, float("-inf"))
-    if not pad:
-        return x.softmax(-1)
-    return F.pad(x, (0, pad), value=float("-inf")).softmax(-1)[..., :nk]
-
-
-def _unit_norm(norm, x: Tensor) -> Tensor:
-    """``x`` normalised by a Norm/HeadNorm's kind (LayerNorm or RMS) over the last axis, before any gain."""
-    shape = (x.shape[-1],)
-    return F.layer_norm(x, shape, eps=norm.eps) if norm.kind == "ln" else F.rms_norm(x, shape, eps=norm.eps)
-
-
-def _has_hooks(model) -> bool:
-    """Does any hook point of the model carry a forward hook (a user's, or TransformerLens's)?"""
-    return any(hp._forward_hooks or hp._forward_pre_hooks for hp in model.hook_dict.values())
 
 
 def _from_first(mask: Tensor) -> Tensor:
@@ -100,7 +62,7 @@ def _cat(*parts: Optional[Tensor]) -> Optional[Tensor]:
     return None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-class IncrementalEngine:
+class IncrementalEngine(BlockSteps):
     """The corrupted run of ``tokens`` and the row-incremental re-runs of patched copies of it.
 
     ``read_mask`` [batch, pos]: the logits positions the metric reads (None: all). ``acts[l][stage]``
@@ -120,12 +82,10 @@ class IncrementalEngine:
     SHARED_KEYS_MAX_PAIRS_PER_ROW = 1.0
 
     def __init__(self, model, tokens: Tensor, read_mask: Optional[Tensor] = None, exact_pattern: bool = True):
-        self.model = model
+        super().__init__(model, fast=not exact_pattern)
         self.L = model.cfg.n_layers
         self.b, self.n = tokens.shape
         self.exact_pattern = exact_pattern
-        self.fast = not exact_pattern and not _has_hooks(model)
-        self._fused = [self._fuse(blk) for blk in model.blocks] if self.fast else None
         dev = tokens.device
         read = torch.ones(self.b, self.n, dtype=torch.bool, device=dev) if read_mask is None else read_mask
         read = read.to(dev, torch.bool).expand(self.b, self.n)
@@ -154,109 +114,10 @@ class IncrementalEngine:
             if model not in _CHECKED[self.fast]:
                 self._check(tokens)
         self.c = []
-        for a in self.acts:  # keys and values head-major [b, h, keys, dh]: batched matmuls take them without copies
+        for a in self.acts:  # keys and values [b, keys, h, dh] up to the last read position, contiguous for the gathers
             self.c.append(dict(k_p=a["k_used"][:, :ne].contiguous(), v_p=a["v_used"][:, :ne].contiguous()))
 
-    # -- the block's wiring, on whole sequences (the corrupted run) and on rows ---------------
-    def _attn_inputs(self, blk, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The inputs of W_Q, W_K, W_V: the residual, or the Pre-Norm's ``ln1`` of it (one per gain)."""
-        ln1 = getattr(blk, "ln1", None)
-        if ln1 is None:
-            return x, x, x
-        out = self._norm(ln1, x)
-        return out if isinstance(out, tuple) else (out, out, out)
-
-    def _norm(self, norm, x: Tensor):
-        """``norm(x)`` for a :class:`~interp_norm.layers.Norm` (fast mode: ``F.layer_norm`` /
-        ``F.rms_norm``, one kernel instead of eight elementwise passes)."""
-        if not self.fast:
-            return norm(x)
-        shape, w = (x.shape[-1],), norm.w
-        if norm.n_gains > 1:
-            y = _unit_norm(norm, x)
-            return tuple(y * w[i] for i in range(norm.n_gains))
-        if norm.kind == "ln":
-            return F.layer_norm(x, shape, w, norm.b, norm.eps)
-        y = F.rms_norm(x, shape, w, norm.eps)
-        return y if norm.b is None else y + norm.b
-
-    def _normalize(self, attn, y: Tensor, which: str) -> Tensor:
-        """``attn.normalize(y, which)``: the per-head norm (fast mode: one fused kernel, then the gain)."""
-        norm = getattr(attn, f"{which}_norm", None)
-        if norm is None or not self.fast:
-            return attn.normalize(y, which)
-        return _unit_norm(norm, y) * norm.w
-
-    def _fuse(self, blk) -> Optional[dict]:
-        """The block's weights laid out for plain 2-D matmuls (None: this block keeps the model's steps)."""
-        from interp_norm.layers import MLP  # our MLP's arithmetic is what the fused kernel repeats
-
-        attn, cfg = blk.attn, self.model.cfg
-        if cfg.use_attn_result or type(blk.mlp) is not MLP:
-            return None
-        d = cfg.d_model
-        w = {t: getattr(attn, f"W_{t.upper()}").detach().permute(1, 0, 2).reshape(d, -1) for t in "qkv"}
-        w["qkv"] = torch.cat([w["q"], w["k"], w["v"]], 1)
-        ln1 = getattr(blk, "ln1", None)
-        if ln1 is not None and ln1.n_gains == 3 and ln1.b is None and cfg.calibration != "paper":
-            # x_normed * g_t @ W_t == x_normed @ (diag(g_t) W_t)
-            w["qkv_gained"] = torch.cat([ln1.w[i].detach()[:, None] * w[t] for i, t in enumerate("qkv")], 1)
-        w["o"] = attn.W_O.detach().reshape(-1, d)
-        return w
-
-    def _qkv(self, l: int, resid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v (as hooked: before any per-head norm) [..., h, dh] of block ``l``'s input ``resid`` [..., d]."""
-        blk = self.model.blocks[l]
-        attn, w = blk.attn, self._fused and self._fused[l]
-        if w and "qkv_gained" in w:  # separate Pre-Norm gains folded into the weights: one matmul
-            y = _unit_norm(blk.ln1, resid).reshape(-1, resid.shape[-1])
-            return self._split_qkv(attn, y @ w["qkv_gained"], resid.shape[:-1])
-        xs = self._attn_inputs(blk, resid)
-        if not w:
-            if resid.ndim == 2:
-                return tuple(attn.project(x.unsqueeze(0), t)[0] for x, t in zip(xs, "qkv"))
-            return tuple(attn.project(x, t) for x, t in zip(xs, "qkv"))
-        if self.model.cfg.calibration == "paper":
-            xs = tuple(getattr(attn, f"calib_{t}_in")(x) for x, t in zip(xs, "qkv"))
-        elif xs[0] is xs[1] is xs[2]:  # one input: one matmul
-            return self._split_qkv(attn, xs[0].reshape(-1, xs[0].shape[-1]) @ w["qkv"], resid.shape[:-1])
-        h, dh = attn.W_Q.shape[::2]
-        return tuple((x.reshape(-1, x.shape[-1]) @ w[t]).view(*resid.shape[:-1], h, dh) for x, t in zip(xs, "qkv"))
-
-    @staticmethod
-    def _split_qkv(attn, y: Tensor, lead) -> tuple[Tensor, Tensor, Tensor]:
-        h, dh = attn.W_Q.shape[::2]
-        y = y.view(*lead, 3, h, dh)
-        return y.select(-3, 0), y.select(-3, 1), y.select(-3, 2)
-
-    def _out(self, l: int, z: Tensor) -> Tensor:
-        """``attn.out(z)`` for z [..., h, dh]."""
-        attn, w = self.model.blocks[l].attn, self._fused and self._fused[l]
-        if not w:
-            return attn.out(z.unsqueeze(0))[0] if z.ndim == 3 else attn.out(z)
-        return torch.addmm(attn.b_O, z.reshape(-1, w["o"].shape[0]), w["o"]).view(*z.shape[:-2], -1)
-
-    def _mlp(self, l: int, x: Tensor) -> Tensor:
-        """``blk.mlp_update(x)`` for x [..., d]."""
-        blk = self.model.blocks[l]
-        if not (self._fused and self._fused[l]):
-            return blk.mlp_update(x.unsqueeze(0))[0] if x.ndim == 2 else blk.mlp_update(x)
-        mlp = blk.mlp
-        hid = torch.addmm(mlp.b_in, self._norm(blk.ln2, x).reshape(-1, x.shape[-1]), mlp.W_in).relu_()
-        out = torch.addmm(mlp.b_out, hid, mlp.W_out).view_as(x)
-        calib = getattr(blk, "calib_mlp_out", None)
-        return out if calib is None else calib(out, relative_to=x)
-
-    def _softmax(self, scores: Tensor, causal: Tensor) -> Tensor:
-        """The causal softmax of this arithmetic: padded for ``Tensor.softmax`` in fast mode."""
-        return padded_softmax(scores, causal) if self.fast else causal_softmax(scores, causal)
-
-    @staticmethod
-    def _attn_update(blk, out: Tensor, resid: Tensor) -> Tensor:
-        """What the attention adds to the residual: ``attn.out(z)`` through the block's update calibration."""
-        calib = getattr(blk, "calib_attn_out", None)
-        return out if calib is None else calib(out, relative_to=resid)
-
+    # -- the block, on whole sequences (the corrupted run) -----------------------------------
     def _block(self, l: int, resid: Tensor, rows: Optional[Tensor] = None) -> dict[str, Tensor]:
         """Every stage of block ``l`` on whole sequences [b, n, ...]; with ``rows`` (flat row indices),
         the MLP only there (``mlp_out`` zero elsewhere; ``resid_post`` then only right there)."""
