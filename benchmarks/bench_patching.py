@@ -30,6 +30,7 @@ import contextlib
 import io
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -76,10 +77,24 @@ def cpu_time(fn) -> tuple[float, object]:
     return time.process_time() - c, out
 
 
+@contextlib.contextmanager
+def _quiet_fd2():
+    """Silence the C++ side's stderr (the profiler's "USDT ... profiler_start/stop" lines)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
 def peak_mb(fn) -> float:
     """Peak memory allocated by tensors while ``fn`` runs, in MB: the running sum of the profiler's
     allocation and free events (the allocator's reuse of freed memory hides this from the RSS)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     cur = peak = 0
     for e in sorted(prof.events(), key=lambda e: e.time_range.start):
