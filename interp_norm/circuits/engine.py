@@ -219,21 +219,21 @@ class IncrementalEngine(BlockSteps):
         return z.view(g * w, h, dh).index_select(0, flat)
 
     @staticmethod
-    def _seen_changed(mask: Optional[Tensor], idx: tuple, nk: int) -> Optional[Tensor]:
-        """[M, keys]: which of its group's changed key rows (``mask`` [K, b, n]) each query row ``idx`` sees."""
-        if mask is None:
-            return None
-        return mask[idx[0], idx[1], :nk] & (torch.arange(nk, device=mask.device) <= idx[2].unsqueeze(1))
+    def _seen_changed(mask: Optional[Tensor], idx: tuple, causal: Tensor) -> Optional[Tensor]:
+        """[M, keys]: which of its group's changed key rows (``mask`` [K, b, n]) each query row ``idx``
+        sees (``causal`` [M, keys]: the keys at or before the row)."""
+        return None if mask is None else mask[idx[0], idx[1], : causal.shape[1]] & causal
 
-    def _attend_shared(self, l: int, q: Tensor, idx: tuple, k_changed: tuple, v_changed: tuple, nk: int) -> Tensor:
+    def _attend_shared(self, l: int, q: Tensor, idx: tuple, causal: Tensor, k_changed: tuple, v_changed: tuple) -> Tensor:
         """z [M, h, dh] of query rows ``idx`` (fast mode) without a copy of the keys per group:
         scores and ``pattern @ v`` against each example's corrupted keys/values as one batched
         product (the rows packed per example), then the group's changed keys/values as
-        corrections, one per (query row, changed key row) pair. ``k_changed`` = (mask [K, b, n],
-        :meth:`_seen_changed` of it, values in the mask's row order), or Nones."""
+        corrections, one per (query row, changed key row) pair. ``causal`` [M, keys]: the keys at or
+        before each row; ``k_changed`` = (mask [K, b, n], :meth:`_seen_changed` of it, values in the
+        mask's row order), or Nones."""
         attn, c = self.model.blocks[l].attn, self.c[l]
         kidx, bidx, ridx = idx
-        (M, h, dh), b, dev = q.shape, self.b, q.device
+        (M, h, dh), b, dev, nk = q.shape, self.b, q.device, causal.shape[1]
         counts = torch.bincount(bidx, minlength=b)
         R = int(counts.max())
         order = torch.argsort(bidx, stable=True)
@@ -242,7 +242,6 @@ class IncrementalEngine(BlockSteps):
         flat = bidx * R + slot  # each row's place in the [b, R] packing
         Q = q.new_zeros(b * R, h, dh).index_copy_(0, flat, q).view(b, R, h, dh)
         qk = torch.einsum("brhd,bkhd->brhk", Q, c["k_p"][:, :nk]).reshape(b * R, h, nk).index_select(0, flat)
-        causal = torch.arange(nk, device=dev) <= ridx.unsqueeze(1)  # [M, keys]
 
         def changed(mask: Optional[Tensor], seen: Optional[Tensor], values: Optional[Tensor]):
             """(row, key) pairs whose key/value is the group's changed one, and that value."""
@@ -378,16 +377,19 @@ class IncrementalEngine(BlockSteps):
         G = 0 if n_p == 0 else int(g_of[n_p - 1]) + 1  # the changed copies' groups come first
         if self.fast:  # no copy of the keys per group where the corrections move fewer rows (below)
             idx_s = idx if not one_head else tuple(i[:n_p] for i in idx)
-            seen_k = self._seen_changed(kmask, idx_s, nk)
-            seen_v = seen_k if vmask is kmask else self._seen_changed(vmask, idx_s, nk)
-            pairs = sum(int(m.sum()) for m in (seen_k, seen_v) if m is not None)
-            copied = 2 * (len(gk) if not one_head else G) * nk  # key and value rows of the groups' copies
-            shared = one_head or pairs <= self.SHARED_KEYS_MAX_PAIRS_PER_ROW * copied
+            causal = torch.arange(nk, device=ridx.device) <= idx_s[2].unsqueeze(1)  # [M, keys]
+            seen_k = self._seen_changed(kmask, idx_s, causal)
+            seen_v = seen_k if vmask is kmask else self._seen_changed(vmask, idx_s, causal)
+            shared = one_head  # (the changed copies' rows beside one-head ones: always shared)
+            if not one_head:
+                pairs = sum(int(m.sum()) for m in (seen_k, seen_v) if m is not None)
+                copied = 2 * len(gk) * nk  # key and value rows of the groups' copies
+                shared = pairs <= self.SHARED_KEYS_MAX_PAIRS_PER_ROW * copied
         if self.fast and shared:
             k_changed, v_changed = (kmask, seen_k, k_new), (vmask, seen_v, v_new)
             if not one_head:
-                return self._attend_shared(l, _cat(q_p, q_e), idx, k_changed, v_changed, nk)
-            z_p = None if n_p == 0 else self._attend_shared(l, q_p, idx_s, k_changed, v_changed, nk)
+                return self._attend_shared(l, _cat(q_p, q_e), idx, causal, k_changed, v_changed)
+            z_p = None if n_p == 0 else self._attend_shared(l, q_p, idx_s, causal, k_changed, v_changed)
             gk, ge = gk[G:], ge[G:]  # the entering copies' groups: corrupted keys, the patched rows replaced
             k_g = c["k_p"][:, :nk].index_select(0, ge)  # [g, keys, h, dh]
             v_g = c["v_p"][:, :nk].index_select(0, ge)
