@@ -142,7 +142,6 @@ def ratio_table(model, pairs, repeats: int, batch_size: int) -> list[float]:
     x = pairs.corrupted_tokens
     dense_rows = len(pairs) * pairs.n_pos * model.cfg.n_layers
     engine = IncrementalEngine(model, x, metric.read_mask, exact_pattern=False)
-    resid0 = model(x, stop_at_layer=0)
     run_rows = engine.rows_computed  # the corrupted run's rows
 
     def init():  # the engine's corrupted run, as activation_patch builds it
@@ -150,7 +149,7 @@ def ratio_table(model, pairs, repeats: int, batch_size: int) -> list[float]:
 
     @torch.inference_mode()
     def dense():  # the same fused blocks on every row of the corrupted batch
-        resid = resid0
+        resid = engine.acts[0]["resid_pre"]  # the embedding
         for l in range(model.cfg.n_layers):
             resid = engine._block(l, resid)["resid_post"]
 
