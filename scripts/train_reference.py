@@ -44,6 +44,12 @@ REFERENCE = {
     "qkv-30k": ("qkv", 0, "none", 120),  # the QKV-Norm side of the 30k comparison
     "qkv-30k-s1": ("qkv", 1, "none", 120),
 }
+# Seeds 2-5 of the four arms the findings compare (issue 23: >= 6 seeds per arm), same recipe as
+# seeds 0-1; ordered by seed so that every arm grows together when they are trained two at a time.
+for _seed in range(2, 6):
+    for _arm, _norm, _cal in (("pre", "pre", "none"), ("qkv", "qkv", "none"),
+                              ("pre-cal", "pre", "paper"), ("qkv-cal", "qkv", "paper")):
+        REFERENCE[f"{_arm}-s{_seed}"] = (_norm, _seed, _cal)
 
 
 def train_one(name: str, runs: Path, data: Path, progress: bool = True) -> None:
