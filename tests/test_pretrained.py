@@ -16,6 +16,9 @@ EXPECTED = {
     "pre-cal": "pre", "pre-cal-s1": "pre", "qkv-cal": "qkv", "qkv-cal-s1": "qkv",
     "pre-30k": "pre", "pre-30k-s1": "pre", "qkv-30k": "qkv", "qkv-30k-s1": "qkv",
 }
+# Seeds 2-5 of the four arms the findings compare (scripts/train_reference.py), as they ship.
+EXTRA_SEEDS = ["pre-s2", "qkv-s2"]
+EXPECTED.update({name: name.split("-")[0] for name in EXTRA_SEEDS})
 LONGER = {"pre-30k", "pre-30k-s1", "qkv-30k", "qkv-30k-s1"}  # the "30k steps" set: three times the reference training
 CALIBRATED = {name for name in EXPECTED if "-cal" in name}
 # The 2-digit cpu task is learned but not solved in 10k CPU steps (README: 78-95 % ID per token);
