@@ -17,7 +17,7 @@ Besides the paper's measurements it runs the controls that make them mean someth
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pandas as pd
 
@@ -93,8 +93,12 @@ def analyse_checkpoint(
     label: str,
     todo: Optional[set[str]] = None,
     progress: bool = False,
+    on_stage: Optional[Callable[[str, bool], None]] = None,
 ) -> tuple[dict[str, list[pd.DataFrame]], dict[str, float]]:
     """The heavy analyses of one checkpoint: ``({table key: [frames]}, {analysis: seconds})``.
+
+    ``on_stage(analysis, finished)`` is called as each analysis starts and ends (``reproduce``'s
+    progress bar ticks per analysis, not per checkpoint).
 
     Table keys are those of the report (``noise_accuracy``, ``collapse``, ``forward_collapse``,
     ``temperature``, ``geometry_<k>``, ``circuits_<k>``, ``attention_patterns``); every frame carries
@@ -115,6 +119,8 @@ def analyse_checkpoint(
     for analysis in HEAVY:
         if analysis not in todo:
             continue
+        if on_stage is not None:
+            on_stage(analysis, False)
         t0 = time.perf_counter()
         if analysis == "circuits":
             for key, df in _circuits(model, task, settings, progress).items():
@@ -166,16 +172,25 @@ def analyse_checkpoint(
             probs = list(settings.problems) or default_problems(task, model.cfg.n_ctx, settings.seed)
             put("attention_patterns", attention_patterns(model, probs, name=label).assign(checkpoint=name))
         seconds[analysis] = time.perf_counter() - t0
+        if on_stage is not None:
+            on_stage(analysis, True)
     return tables, seconds
+
+
+def stages(name: str, todo: set[str], heavy: set[str]) -> int:
+    """Progress ticks of one checkpoint: evaluate (if run) plus each heavy analysis it gets."""
+    return int("evaluate" in todo) + (sum(a in todo for a in HEAVY) if name in heavy else 0)
 
 
 #: What forked workers inherit from the parent: the loaded models and the run's choices.
 _SHARED: dict[str, Any] = {}
 
 
-def share_with_workers(models: dict, settings: Any, labels: dict, todo: set[str], heavy: set[str]) -> None:
-    """Set what :func:`analyse_in_worker` reads; call before forking the workers."""
-    _SHARED.update(models=models, settings=settings, labels=labels, todo=todo, heavy=heavy)
+def share_with_workers(models: dict, settings: Any, labels: dict, todo: set[str], heavy: set[str],
+                       events: Any = None) -> None:
+    """Set what :func:`analyse_in_worker` reads; call before forking the workers. ``events``: a
+    multiprocessing queue that receives ``(name, stage, finished)`` as each stage starts and ends."""
+    _SHARED.update(models=models, settings=settings, labels=labels, todo=todo, heavy=heavy, events=events)
 
 
 def analyse_in_worker(name: str) -> tuple[str, Optional[pd.DataFrame], dict[str, list[pd.DataFrame]], dict[str, float]]:
@@ -188,19 +203,27 @@ def analyse_in_worker(name: str) -> tuple[str, Optional[pd.DataFrame], dict[str,
 
     torch.set_num_threads(1)
     model, info = _SHARED["models"][name]
-    settings, todo = _SHARED["settings"], _SHARED["todo"]
+    settings, todo, events = _SHARED["settings"], _SHARED["todo"], _SHARED.get("events")
+
+    def on_stage(stage: str, finished: bool) -> None:
+        if events is not None:
+            events.put((name, stage, finished))
+
     seconds: dict[str, float] = {}
     ev = None
     if "evaluate" in todo:
+        on_stage("evaluate", False)
         t0 = time.perf_counter()
         ev = evaluate_checkpoint(name, model, info, settings)
         seconds["evaluate"] = time.perf_counter() - t0
+        on_stage("evaluate", True)
     tables: dict[str, list[pd.DataFrame]] = {}
     if name in _SHARED["heavy"]:
-        tables, more = analyse_checkpoint(name, model, info, settings, _SHARED["labels"][name], todo)
+        tables, more = analyse_checkpoint(name, model, info, settings, _SHARED["labels"][name], todo,
+                                          on_stage=on_stage)
         seconds.update(more)
     return name, ev, tables, seconds
 
 
-__all__ = ["ANALYSES", "HEAVY", "analyse_checkpoint", "evaluate_checkpoint", "analyse_in_worker", "share_with_workers",
+__all__ = ["ANALYSES", "HEAVY", "analyse_checkpoint", "stages", "evaluate_checkpoint", "analyse_in_worker", "share_with_workers",
            "default_problems"]

@@ -133,11 +133,11 @@ class Report:
 # ----------------------------------------------------------------------------- loading
 
 
-def _load(spec: str) -> tuple[str, Any, Any]:
+def _load(spec: str, device: str = "cpu") -> tuple[str, Any, Any]:
     """(display name, model, info) for a checkpoint folder or a pretrained name."""
     from interp_norm.checkpoints import load_any, looks_like_path
 
-    model, info = load_any(spec)
+    model, info = load_any(spec, device=device)
     if not looks_like_path(spec):
         return spec, model, info
     name = Path(spec).resolve().name
@@ -146,7 +146,7 @@ def _load(spec: str) -> tuple[str, Any, Any]:
     return name, model, info
 
 
-def load_models(checkpoints: Optional[Sequence[str]] = None) -> dict[str, tuple[Any, Any]]:
+def load_models(checkpoints: Optional[Sequence[str]] = None, device: str = "cpu") -> dict[str, tuple[Any, Any]]:
     """``{name: (model, info)}`` for checkpoint folders / pretrained names; None: the shipped
     reference set (``list_pretrained()["set"] == "reference"``: every architecture trained alike,
     so its tables compare like with like; other sets are named explicitly)."""
@@ -167,7 +167,7 @@ def load_models(checkpoints: Optional[Sequence[str]] = None) -> dict[str, tuple[
         raise ConfigError("give at least one checkpoint (a folder or a pretrained name)")
     out: dict[str, tuple[Any, Any]] = {}
     for spec in checkpoints:
-        name, model, info = _load(str(spec))
+        name, model, info = _load(str(spec), device)
         base, k = name, 2
         while name in out:  # two folders with the same name: keep both
             name, k = f"{base}-{k}", k + 1
@@ -235,6 +235,8 @@ def run_analyses(
     progress: bool = True,
     threads: Optional[int] = None,
     workers: Optional[int] = None,
+    device: str = "cpu",
+    desc: str = "reproduce",
 ) -> Report:
     """Run every analysis and return the :class:`Report` (no files written).
 
@@ -243,7 +245,9 @@ def run_analyses(
     :func:`default_analysed`; every checkpoint when they were given explicitly). ``threads``: torch
     threads for the run (restored afterwards). ``workers``: forked processes that analyse
     checkpoints side by side, each on one torch thread (default: up to 2; 1 runs everything in this
-    process). Every analysis is seeded, so results do not depend on the number of workers.
+    process; on a ``device`` other than cpu, models are loaded there and analysed in this process).
+    Every analysis is seeded, so results do not depend on the number of workers. The progress bar,
+    labelled ``desc``, ticks once per analysis of each checkpoint.
     """
     import torch
 
@@ -253,7 +257,7 @@ def run_analyses(
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return run_analyses(checkpoints, settings, analyse, progress, None, workers)
+            return run_analyses(checkpoints, settings, analyse, progress, None, workers, device, desc)
         finally:
             torch.set_num_threads(before)
     from tqdm.auto import tqdm
@@ -264,6 +268,7 @@ def run_analyses(
         analyse_in_worker,
         evaluate_checkpoint,
         share_with_workers,
+        stages,
     )
     from interp_norm.geometry import geometry_summary
     from interp_norm.noise import collapse_thresholds
@@ -274,7 +279,7 @@ def run_analyses(
     t0 = time.perf_counter()
     explicit = checkpoints is not None
     loaded = isinstance(checkpoints, Mapping)
-    models = dict(checkpoints) if loaded else load_models(checkpoints)
+    models = dict(checkpoints) if loaded else load_models(checkpoints, device=device)
     if not explicit:  # the shipped set: Pre-Norm first, then QKV-Norm, QK-Norm, No-Norm (seeds in order)
         models = dict(sorted(models.items(), key=lambda kv: _arch_key(kv[0], kv[1][1])))
     report.timings["load"] = time.perf_counter() - t0
@@ -289,6 +294,9 @@ def run_analyses(
     evaluate = "evaluate" in todo
     jobs = [n for n in models if evaluate or n in heavy]
     n_workers = _workers(workers if workers is not None else settings.workers, len(jobs))
+    if str(device) != "cpu":  # forked workers cannot share a CUDA context
+        n_workers = 1
+    total = sum(stages(n, todo, set(heavy)) for n in jobs)
     evals: dict[str, pd.DataFrame] = {}
     tables: dict[str, dict[str, list[pd.DataFrame]]] = {}
 
@@ -300,35 +308,51 @@ def run_analyses(
             report.timings[k] = report.timings.get(k, 0.0) + v
 
     # no global torch.no_grad(): attribution patching needs gradients (each analysis manages its own)
-    with tqdm(total=len(jobs), desc="reproduce", unit="checkpoint", disable=not progress, dynamic_ncols=True) as bar:
+    with tqdm(total=total, desc=desc, unit="stage", disable=not progress, dynamic_ncols=True) as bar:
+
+        def on_stage(name: str, stage: str, finished: bool) -> None:
+            if finished:
+                bar.update(1)
+            else:
+                bar.set_postfix_str(f"{name}: {stage}")
+
         if n_workers == 1:
             for name in jobs:
                 model, info = models[name]
-                bar.set_postfix_str(name)
                 seconds: dict[str, float] = {}
                 ev = None
                 if evaluate:
+                    on_stage(name, "evaluate", False)
                     t = time.perf_counter()
                     ev = evaluate_checkpoint(name, model, info, settings, progress=False)
                     seconds["evaluate"] = time.perf_counter() - t
+                    on_stage(name, "evaluate", True)
                 t_tables: dict = {}
                 if name in heavy:
-                    t_tables, more = analyse_checkpoint(name, model, info, settings, labels[name], todo)
+                    t_tables, more = analyse_checkpoint(name, model, info, settings, labels[name], todo,
+                                                        on_stage=lambda s, f, n=name: on_stage(n, s, f))
                     seconds.update(more)
                 collect(name, ev, t_tables, seconds)
-                bar.update(1)
         else:
             import multiprocessing as mp
-            from concurrent.futures import ProcessPoolExecutor, as_completed
+            from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-            share_with_workers(models, settings, labels, todo, set(heavy))
-            with ProcessPoolExecutor(n_workers, mp_context=mp.get_context("fork")) as pool:
-                futures = [pool.submit(analyse_in_worker, name) for name in jobs]
-                for f in as_completed(futures):
-                    name, ev, t_tables, seconds = f.result()
-                    collect(name, ev, t_tables, seconds)
-                    bar.set_postfix_str(name)
-                    bar.update(1)
+            ctx = mp.get_context("fork")
+            events = ctx.SimpleQueue()  # (name, stage, finished) from the workers, as each stage starts and ends
+
+            def drain() -> None:
+                while not events.empty():
+                    on_stage(*events.get())
+
+            share_with_workers(models, settings, labels, todo, set(heavy), events)
+            with ProcessPoolExecutor(n_workers, mp_context=ctx) as pool:
+                pending = {pool.submit(analyse_in_worker, name) for name in jobs}
+                while pending:
+                    done, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+                    drain()
+                    for f in done:
+                        collect(*f.result())
+            drain()
 
     T = report.tables
     order = list(models)  # tables in checkpoint order, whatever order the workers finished in
@@ -419,6 +443,7 @@ def reproduce(
     analyse: Optional[Union[str, Sequence[str]]] = None,
     progress: bool = True,
     threads: Optional[int] = 1,
+    device: str = "cpu",
 ) -> Report:
     """The main job: analyse the (shipped) checkpoints and write ``out/`` (CSVs + dashboard.html).
 
@@ -428,7 +453,7 @@ def reproduce(
 
     ensure_writable_dir(out)
     settings = settings or (Settings.quick() if quick else Settings.full())
-    report = run_analyses(checkpoints, settings, analyse=analyse, progress=progress, threads=threads)
+    report = run_analyses(checkpoints, settings, analyse=analyse, progress=progress, threads=threads, device=device)
     t = time.perf_counter()
     write_report(report, out)
     report.timings["write"] = time.perf_counter() - t
@@ -456,6 +481,7 @@ def make_dashboard(
     analyse: Optional[Union[str, Sequence[str]]] = None,
     progress: bool = True,
     threads: Optional[int] = 1,
+    device: str = "cpu",
 ) -> Path:
     """Analyse any checkpoints and write their dashboard (one HTML file; no CSVs).
 
@@ -471,5 +497,6 @@ def make_dashboard(
         raise OutputDirError(f"{str(out)!r} is a folder; give a file name such as dashboard.html")
     ensure_writable_dir(out.parent if str(out.parent) else Path("."))  # before any work
     settings = settings or (Settings.quick() if quick else Settings.full())
-    report = run_analyses(list(checkpoints), settings, analyse=analyse, progress=progress, threads=threads)
+    report = run_analyses(list(checkpoints), settings, analyse=analyse, progress=progress, threads=threads,
+                          device=device, desc="dashboard")
     return write_dashboard(report, out, csv_links=False)

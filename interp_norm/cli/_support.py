@@ -19,6 +19,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from interp_norm.errors import OutputDirError
 
 PROG = "interp-norm"
+#: What Ctrl-C prints unless the subcommand says otherwise (results are written at the end of a run).
+INTERRUPTED = "interrupted; results are written only at the end of the run, so run it again"
 Runner = Callable[[argparse.Namespace], int]
 
 
@@ -35,17 +37,19 @@ class Command:
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Runner
     flags: Mapping[str, str] = field(default_factory=dict)
+    interrupted: str = INTERRUPTED
 
 
 COMMANDS: dict[str, Command] = {}
 
 
 def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None,
-            flags: Mapping[str, str] = {}) -> Callable[[Runner], Runner]:
-    """Register the decorated ``run(args) -> exit code`` as subcommand ``name``."""
+            flags: Mapping[str, str] = {}, interrupted: str = INTERRUPTED) -> Callable[[Runner], Runner]:
+    """Register the decorated ``run(args) -> exit code`` as subcommand ``name``; ``interrupted`` is
+    the line Ctrl-C prints (after ``interp-norm NAME:``)."""
 
     def deco(run: Runner) -> Runner:
-        COMMANDS[name] = Command(name, help, add_arguments, run, dict(flags))
+        COMMANDS[name] = Command(name, help, add_arguments, run, dict(flags), interrupted)
         return run
 
     return deco
@@ -55,7 +59,11 @@ def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentPars
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows every option's default after its help, unless the help already says it (or there is none)."""
+    """Shows every option's default after its help, unless the help already says it (or there is none);
+    a description or epilog keeps its paragraphs (blank lines)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n\n".join(super(HelpFormatter, self)._fill_text(par, width, indent) for par in text.split("\n\n"))
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -81,7 +89,18 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+        self.exit(2, f"{self.prog}: error: {with_suggestion(message)} (see '{self.prog} --help')\n")
+
+
+def with_suggestion(message: str) -> str:
+    """argparse's ``invalid choice: 'QKV' (choose from ...)`` plus ``; did you mean 'qkv'?``."""
+    m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if not m:
+        return message
+    from interp_norm.cli._grammar import closest
+
+    hit = closest(m.group(1), re.findall(r"'([^']*)'", m.group(2)))
+    return f"{message}; did you mean {hit!r}?" if hit else message
 
 
 def positive_int(text: str) -> int:
@@ -299,11 +318,45 @@ def load_any_checkpoint(ckpt: str, device: str = "cpu") -> tuple[Any, Any]:
     return load_any(ckpt, device=device)
 
 
-def out_args(p: argparse.ArgumentParser, what: str, default: Optional[str] = None) -> None:
-    p.add_argument("--out", required=default is None, default=default, help=f"folder for {what}")
-    p.add_argument("--force", action="store_true", help="overwrite result files already in --out")
+#: Printed columns that hold fractions (shown as percentages; the CSVs keep fractions).
+PERCENT_COLUMNS = re.compile(r"^(.*_acc|per_token_acc.*|accuracy|exact_match|agreement|within_tol|frac_.*|"
+                             r"faithfulness|target|se|agreement_se)$")
 
 
-def progress_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+def as_percent(value: Any) -> Any:
+    """0.8926 -> '89.26%' (NaN and non-numbers unchanged)."""
+    try:
+        v = float(value) * 100
+    except (TypeError, ValueError):
+        return value
+    if math.isnan(v):
+        return value
+    return f"{v:.2f}%" if v == 0 or abs(v) >= 0.01 else f"{v:.2g}%"
+
+
+def percent_table(df: Any) -> str:
+    """``df.to_string`` with every fraction column (:data:`PERCENT_COLUMNS`) as a percentage."""
+    show = df.copy()
+    for col in show.columns:
+        if isinstance(col, str) and PERCENT_COLUMNS.match(col) and show[col].dtype.kind in "fi":
+            show[col] = show[col].map(as_percent)
+    return show.to_string(index=False)
+
+
+def check_placement(model: Any, placement: str) -> None:
+    """``--placement after_norm`` means something only where a norm sits on q, k or v (QK/QKV-Norm,
+    Qwen3, Gemma ...); elsewhere (Pre-Norm, No-Norm, GPT-2-like Pre-LN models) the noise after the
+    norm is the noise before it, so the run would record a placement that changed nothing: a ConfigError."""
+    if placement != "after_norm":
+        return
+    from interp_norm.bridges import anatomy
+    from interp_norm.errors import ConfigError
+
+    anat = anatomy(model)
+    if not any(la.norms.get(t) is not None for la in anat.layers for t in ("q", "k", "v")):
+        kind = getattr(getattr(model, "cfg", None), "attn_norm", None)
+        what = {"pre": "a Pre-Norm model", "none": "a No-Norm model"}.get(kind, f"this {anat.architecture} model")
+        raise ConfigError(f"--placement after_norm means nothing for {what}: it has no norm on q, k or v, so noise "
+                          "after the norm is the noise before it; drop --placement (it applies to QK-/QKV-Norm "
+                          "models and models with q/k norms such as Qwen3)")
 

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
+from interp_norm.cli._grammar import add_alias, add_heavy, add_n_examples, add_out, add_split
 from interp_norm.cli._support import (
     CKPT_HELP,
     MODEL_HELP,
@@ -15,15 +16,19 @@ from interp_norm.cli._support import (
     hf_args,
     hf_tokens,
     load_model_spec,
+    check_placement,
     load_ours,
     nonnegative_float,
-    out_args,
+    as_percent,
+    percent_table,
     positive_int,
     prepare_out,
-    progress_arg,
     threshold_display,
 )
+from interp_norm.cli._grammar import HELP
 from interp_norm.defaults import DISTRIBUTIONS, PLACEMENTS
+
+LEVELS_HELP = HELP["levels"]
 
 # ----------------------------------------------------------------------------- circuits
 
@@ -39,12 +44,11 @@ def _circuits_args(p: argparse.ArgumentParser) -> None:
     )
 
     p.add_argument("ckpt", nargs="?", help=CKPT_HELP + " (omit with --benchmark)")
-    p.add_argument("--out", help="folder for the tables, circuit.html and circuit.json "
-                                 "(default: ./circuits-<checkpoint name>, or ./circuits-benchmark)")
-    p.add_argument("--force", action="store_true", help="overwrite result files already in --out")
+    add_out(p)
     p.add_argument("--pairs", type=positive_int, default=32, help="clean/corrupted problem pairs")
-    p.add_argument("--split", default="id", choices=SPLITS, help="split the pairs are drawn from")
-    p.add_argument("--seed", type=int, default=0, help="seed of the pairs and the attention problems")
+    add_n_examples(p, 256, " for the sparse-attention map")
+    add_alias(p, "--attention-problems", "--n-examples", "n_examples", type=positive_int)
+    add_split(p, SPLITS)
     p.add_argument("--corrupt", choices=["digit", "operator", "any"], default="digit",
                    help="what the corrupted problem changes: one operand digit, the operator, or either")
     p.add_argument("--unaligned", action="store_true", help="do not force one token layout for all pairs")
@@ -53,8 +57,6 @@ def _circuits_args(p: argparse.ArgumentParser) -> None:
                         "correct token, or KL divergence to the clean distribution")
     p.add_argument("--top-n", type=positive_int, default=20, help="edges kept in the circuit")
     p.add_argument("--ig-steps", type=positive_int, default=5, help="EAP-IG integration steps (1 = plain EAP)")
-    p.add_argument("--attention-problems", type=positive_int, default=256,
-                   help="problems for the sparse-attention map")
     b = p.add_argument_group("ground-truth benchmark (--benchmark; no checkpoint)")
     b.add_argument("--benchmark", action="store_true",
                    help="score every discovery method against the known circuits of the ground-truth suite "
@@ -65,13 +67,16 @@ def _circuits_args(p: argparse.ArgumentParser) -> None:
                    help="discovery methods to score")
     b.add_argument("--threshold", type=nonnegative_float, default=0.05,
                    help="selection threshold, as a fraction of the clean-corrupted metric gap")
-    progress_arg(p)
+    add_heavy(p)
 
 
-@command("circuits", help="patching tables, EAP-IG edges, circuit graph and faithfulness for a checkpoint",
-         add_arguments=_circuits_args, flags=dict(n="--pairs", n_pairs="--pairs"))
+@command("circuits", help="patching tables, EAP-IG edges, circuit graph (circuit.html, circuit.json) and faithfulness "
+                          "for a checkpoint; --benchmark scores the methods on circuits known by construction",
+         add_arguments=_circuits_args,
+         flags=dict(n="--pairs", n_pairs="--pairs", attention_problems="--n-examples"))
 def _circuits(args: argparse.Namespace) -> int:
     from interp_norm.errors import ConfigError
+    from interp_norm.train import resolve_device
 
     if args.benchmark:
         if args.ckpt is not None:
@@ -82,18 +87,19 @@ def _circuits(args: argparse.Namespace) -> int:
         raise ConfigError("give a checkpoint (see 'interp-norm list'), or --benchmark for the ground-truth suite")
     from interp_norm.circuits import run_circuits
 
-    out = prepare_out(args.out or f"circuits-{Path(str(args.ckpt).rstrip('/')).name}", CIRCUIT_FILES, args.force)
-    model, info = load_ours(args.ckpt, "circuits")
+    out = prepare_out(args.out, CIRCUIT_FILES, args.force)
+    resolve_device(args.device)
+    model, info = load_ours(args.ckpt, "circuits", device=args.device)
     tables = run_circuits(
         model, info.task, n_pairs=args.pairs, split=args.split, seed=args.seed, corrupt=args.corrupt,
         aligned=not args.unaligned, metric=args.metric, top_n=args.top_n, ig_steps=args.ig_steps,
-        attention_problems=args.attention_problems, progress=not args.no_progress,
+        attention_problems=args.n_examples, progress=not args.no_progress,
     )
     write_circuit_tables(out, tables, model.cfg.n_layers, model.cfg.n_heads)
     f = tables["faithfulness"]
     print(f"wrote {len(tables)} tables, circuit.html and circuit.json to {out}")
-    print(f"circuit: {len(tables['circuit'])} edges; recovered fraction of {args.metric}: "
-          + ", ".join(f"{a} {v:.3f}" for a, v in zip(f["ablation"], f["faithfulness"])))
+    print(f"circuit: {len(tables['circuit'])} edges; share of {args.metric} it recovers: "
+          + ", ".join(f"{a} {as_percent(v)}" for a, v in zip(f["ablation"], f["faithfulness"])))
     return 0
 
 
@@ -103,7 +109,7 @@ def _circuits_benchmark(args: argparse.Namespace) -> int:
     from interp_norm.io import write_atomic, write_tables
     from interp_norm.plots import plot_faithfulness
 
-    out = prepare_out(args.out or "circuits-benchmark", BENCHMARK_FILES, args.force)
+    out = prepare_out(args.out, BENCHMARK_FILES, args.force)
     mib_methods = [m for m in args.methods if m != "pruning"]  # pruning selects a circuit, it ranks no edges
     table = run_benchmark(args.models, args.methods, n_pairs=args.pairs, seed=args.seed, ig_steps=args.ig_steps,
                           rel_threshold=args.threshold, progress=not args.no_progress)
@@ -115,7 +121,7 @@ def _circuits_benchmark(args: argparse.Namespace) -> int:
     auc = table.pivot_table(index=["model", "method"], columns="level", values="auroc", sort=False)
     print(f"wrote benchmark.csv, mib_curve.csv, mib_summary.csv and faithfulness.html to {out}")
     print("AUROC against the ground truth (node, edge):")
-    print(auc.round(3).to_string())
+    print(auc.map(as_percent).to_string())
     return 0
 
 
@@ -139,19 +145,18 @@ def write_circuit_tables(out: Path, tables: dict, n_layers: int, n_heads: int) -
 # ----------------------------------------------------------------------------- noise and collapse
 
 
-def _noise_common_args(p: argparse.ArgumentParser, default_levels: Sequence[float], default_n: int) -> None:
+def _noise_common_args(p: argparse.ArgumentParser, default_levels: Sequence[float], default_n: int, unit: str) -> None:
     p.add_argument("ckpt", help=MODEL_HELP)
-    out_args(p, "the CSV tables")
-    p.add_argument("--levels", type=nonnegative_float, nargs="+", default=list(default_levels),
-                   help="noise levels: the RMS of κ in the factor (1+κ) on the q/k/v norms")
-    p.add_argument("--split", default="id", choices=SPLITS, help="split the problems are drawn from")
-    p.add_argument("--n-examples", type=positive_int, default=default_n, help="problems per dataset")
+    add_out(p)
+    p.add_argument("--levels", type=nonnegative_float, nargs="+", default=list(default_levels), help=LEVELS_HELP)
+    add_split(p, SPLITS)
+    add_n_examples(p, default_n, unit)
     p.add_argument("--placement", default="before_norm", choices=PLACEMENTS,
-                   help="for QK/QKV-Norm models: noise before the norm (removed by it) or after it")
+                   help="models with a norm on q/k/v (QK/QKV-Norm, Qwen3 ...): noise before the norm (removed by "
+                        "it) or after it; elsewhere only before_norm means something")
     p.add_argument("--distribution", default="uniform", choices=DISTRIBUTIONS, help="distribution of κ")
-    p.add_argument("--seed", type=int, default=0, help="seed of the problems and the noise")
     hf_args(p)
-    progress_arg(p)
+    add_heavy(p)
 
 
 def _noise_args(p: argparse.ArgumentParser) -> None:
@@ -159,7 +164,7 @@ def _noise_args(p: argparse.ArgumentParser) -> None:
         DEFAULT_NOISE_LEVELS,  # the library's defaults, without importing torch
     )
 
-    _noise_common_args(p, DEFAULT_NOISE_LEVELS, 512)
+    _noise_common_args(p, DEFAULT_NOISE_LEVELS, 512, " per dataset")
     p.add_argument("--n-datasets", type=positive_int, default=3, help="independent datasets for the standard error")
 
 
@@ -170,29 +175,39 @@ def _noise(args: argparse.Namespace) -> int:
     from interp_norm.noise import run_noise
 
     out = prepare_out(args.out, ["noise_accuracy.csv"], args.force)
-    model, info = load_model_spec(args.ckpt)
+    model, info = _load_for_noise(args)
     if info is None:  # a Hugging Face model: agreement with its clean next-token prediction on text
         from interp_norm.bridges import text_agreement
 
         df = text_agreement(model, hf_tokens(model, args), args.levels, placement=args.placement,
                             distribution=args.distribution, seed=args.seed, progress=not args.no_progress)
         write_csv(out / "noise_accuracy.csv", df)
-        print(df.to_string(index=False))
+        print(percent_table(df))
         print(f"wrote {out / 'noise_accuracy.csv'}")
         return 0
     df = run_noise(model, info.task, args.levels, split=args.split, n_datasets=args.n_datasets,
                    n_examples=args.n_examples, placement=args.placement, distribution=args.distribution,
                    seed=args.seed, progress=not args.no_progress)
     write_csv(out / "noise_accuracy.csv", df)
-    print(df.to_string(index=False))
+    print(percent_table(df))
     print(f"wrote {out / 'noise_accuracy.csv'}")
     return 0
+
+
+def _load_for_noise(args: argparse.Namespace):  # noqa: ANN202
+    """The model of ``noise``/``collapse`` on ``--device``, refusing a ``--placement`` that means nothing for it."""
+    from interp_norm.train import resolve_device
+
+    resolve_device(args.device)
+    model, info = load_model_spec(args.ckpt, device=args.device)
+    check_placement(model, args.placement)
+    return model, info
 
 
 def _collapse_args(p: argparse.ArgumentParser) -> None:
     from interp_norm.defaults import DEFAULT_COLLAPSE_LEVELS
 
-    _noise_common_args(p, DEFAULT_COLLAPSE_LEVELS, 256)
+    _noise_common_args(p, DEFAULT_COLLAPSE_LEVELS, 256, "")
 
 
 #: Table names shared with ``interp-norm reproduce``.
@@ -206,7 +221,7 @@ def _collapse(args: argparse.Namespace) -> int:
     from interp_norm.noise import collapse_thresholds, run_collapse
 
     out = prepare_out(args.out, COLLAPSE_FILES, args.force)
-    model, info = load_model_spec(args.ckpt)
+    model, info = _load_for_noise(args)
     if info is None:  # a Hugging Face model: collapse from its clean scores on text
         from interp_norm.bridges import bridge_collapse
 
@@ -221,7 +236,7 @@ def _collapse(args: argparse.Namespace) -> int:
     write_csv(out / COLLAPSE_FILES[1], thresholds)
     shown, notes = threshold_display(thresholds, curves)
     print("noise level at which 1% of sparse attention rows collapse:")
-    print(shown.to_string(index=False))
+    print(percent_table(shown))
     for note in notes:
         print(note)
     print(f"wrote {out / COLLAPSE_FILES[0]} and {out / COLLAPSE_FILES[1]}")
@@ -233,28 +248,31 @@ def _collapse(args: argparse.Namespace) -> int:
 
 def _geometry_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt", help=MODEL_HELP)
-    out_args(p, "the CSV tables geometry_*.csv")
-    p.add_argument("--n", type=positive_int, default=256, help="problems analysed")
-    p.add_argument("--split", default="id", choices=SPLITS, help="split the problems are drawn from")
-    p.add_argument("--seed", type=int, default=0, help="seed of the problems")
+    add_out(p)
+    add_n_examples(p, 256)
+    add_alias(p, "--n", "--n-examples", "n_examples", type=positive_int)
+    add_split(p, SPLITS)
     hf_args(p)
-    progress_arg(p)
+    add_heavy(p)
 
 
 @command("geometry", help="norm spread, orthogonal spheres, subspace angles, interference, sparsity, LayerNorm ellipsoids",
-         add_arguments=_geometry_args, flags=dict(n="--n"))
+         add_arguments=_geometry_args, flags=dict(n="--n-examples"))
 def _geometry(args: argparse.Namespace) -> int:
     from interp_norm.geometry import geometry_summary, run_geometry
     from interp_norm.io import write_tables
 
+    from interp_norm.train import resolve_device
+
     out = prepare_out(args.out, ["geometry_*.csv"], args.force)
-    model, info = load_model_spec(args.ckpt)
+    resolve_device(args.device)
+    model, info = load_model_spec(args.ckpt, device=args.device)
     if info is None:  # a Hugging Face model: every norm's ellipsoid, sparsity and norm spread on text
         results = run_geometry(model, tokens=hf_tokens(model, args), progress=not args.no_progress)
     else:
-        results = run_geometry(model, info.task, n=args.n, split=args.split, seed=args.seed,
+        results = run_geometry(model, info.task, n=args.n_examples, split=args.split, seed=args.seed,
                                progress=not args.no_progress)
     write_tables(out, {f"geometry_{name}": df for name, df in results.items()})
-    print(geometry_summary(results, per_layer=False).to_string(index=False))
+    print(percent_table(geometry_summary(results, per_layer=False)))
     print(f"wrote {len(results)} tables geometry_*.csv to {out}")
     return 0

@@ -5,16 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
+from interp_norm.cli._grammar import add_alias, add_heavy, add_out
 from interp_norm.cli._support import (
     ANALYSES,
     command,
     hf_args,
     load_model_spec,
     looks_hf,
-    out_args,
     positive_int,
     prepare_out,
-    progress_arg,
     real_model_tables,
 )
 
@@ -31,12 +30,10 @@ def _settings_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--problems", nargs="+", metavar="PROBLEM",
                    help="problems for the attention figure, e.g. '[12+N7=' (default: one per split)")
     p.add_argument("--only", nargs="+", choices=ANALYSES, help="run only these analyses (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="seed for data and noise draws")
-    p.add_argument("--threads", type=positive_int, default=1,
-                   help="torch threads (these small models run fastest on one thread)")
     p.add_argument("--workers", type=positive_int, default=None,
-                   help="processes analysing checkpoints side by side, one thread each (default: up to 2)")
-    progress_arg(p)
+                   help="processes analysing checkpoints side by side, one thread each (default: up to 2 on cpu, "
+                        "1 on another --device)")
+    add_heavy(p)
 
 
 def _settings(args: argparse.Namespace) -> Any:
@@ -58,23 +55,31 @@ def _analyse(args: argparse.Namespace) -> Optional[Any]:
 
 
 REPORT_FILES = ("*.csv", "run.json", "dashboard.html")
+CKPTS_HELP = "checkpoint or run folders, or pretrained names (see 'interp-norm list')"
 
 
 def _reproduce_args(p: argparse.ArgumentParser) -> None:
-    out_args(p, "the report: one CSV per table, run.json and dashboard.html", default="report")
-    p.add_argument("--checkpoints", nargs="+", metavar="CKPT",
-                   help="checkpoint folders or pretrained names (default: the shipped reference set, see interp-norm list)")
+    p.add_argument("ckpt", nargs="*", metavar="CKPT",
+                   help=CKPTS_HELP + "; default: the shipped reference set")
+    add_alias(p, "--checkpoints", "positional CKPT arguments", "checkpoints_old", nargs="+", metavar="CKPT")
+    add_out(p)
     _settings_args(p)
 
 
-@command("reproduce", help="run the paper's whole analysis on the shipped checkpoints -> CSVs + offline dashboard",
-         add_arguments=_reproduce_args, flags=dict(threads="--threads", analyse="--analyse"))
+@command("reproduce", help="run the paper's whole analysis on the shipped checkpoints (or CKPT ...): one CSV per "
+                           "table, run.json and an offline dashboard.html",
+         add_arguments=_reproduce_args, flags=dict(threads="--threads", analyse="--analyse", device="--device"),
+         interrupted="interrupted; the report is written only at the end of the run, so run it again "
+                     "(--quick takes seconds)")
 def _reproduce(args: argparse.Namespace) -> int:
     from interp_norm.reproduce import reproduce
+    from interp_norm.train import resolve_device
 
     out = prepare_out(args.out, REPORT_FILES, args.force)  # before any work
-    report = reproduce(out, args.checkpoints, settings=_settings(args), analyse=_analyse(args),
-                       progress=not args.no_progress, threads=args.threads)
+    resolve_device(args.device)
+    ckpts = list(args.ckpt) + list(getattr(args, "checkpoints_old", None) or [])
+    report = reproduce(out, ckpts or None, settings=_settings(args), analyse=_analyse(args),
+                       progress=not args.no_progress, threads=args.threads, device=args.device)
     print(f"wrote {len(report.tables)} tables and {out / 'dashboard.html'} in {report.timings['total']:.0f} s")
     for note in report.notes:
         print(f"note: {note}")
@@ -82,37 +87,43 @@ def _reproduce(args: argparse.Namespace) -> int:
 
 
 def _dashboard_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("ckpt", nargs="+", help="checkpoint or run folders, or pretrained names (see 'interp-norm list'); "
-                                           "Hugging Face models (save_pretrained folders or cached names) get a "
-                                           "section comparing their layers beside ours")
-    out_args(p, "dashboard.html", default=".")
+    p.add_argument("ckpt", nargs="+", metavar="CKPT",
+                   help=CKPTS_HELP + "; Hugging Face models (save_pretrained folders or cached names) get a section "
+                                     "comparing their layers beside ours")
+    add_out(p)
     _settings_args(p)
     hf_args(p)
 
 
-@command("dashboard", help="analyse any checkpoints and write their offline HTML dashboard (dashboard.html in --out)",
-         add_arguments=_dashboard_args, flags=dict(threads="--threads", analyse="--analyse"))
+@command("dashboard", help="analyse any checkpoints (and Hugging Face models) and write their offline dashboard.html "
+                           "into --out",
+         add_arguments=_dashboard_args, flags=dict(threads="--threads", analyse="--analyse", device="--device"),
+         interrupted="interrupted; the dashboard is written only at the end of the run, so run it again "
+                     "(--quick takes seconds)")
 def _dashboard(args: argparse.Namespace) -> int:
     import time
 
     from interp_norm.reproduce import make_dashboard
 
+    from interp_norm.train import resolve_device
+
     out = prepare_out(args.out, ["dashboard.html"], args.force)  # before any work
+    resolve_device(args.device)
     t = time.perf_counter()
     hf = {}
     for spec in args.ckpt:
         if looks_hf(spec):
-            hf[spec] = load_model_spec(spec)[0]
+            hf[spec] = load_model_spec(spec, device=args.device)[0]
     ours = [spec for spec in args.ckpt if spec not in hf]
     if not hf:
         path = make_dashboard(ours, out / "dashboard.html", settings=_settings(args), analyse=_analyse(args),
-                              progress=not args.no_progress, threads=args.threads)
+                              progress=not args.no_progress, threads=args.threads, device=args.device)
     else:
         from interp_norm.dashboard import write_dashboard
         from interp_norm.reproduce import Report, run_analyses
 
         report = (run_analyses(ours, _settings(args), analyse=_analyse(args), progress=not args.no_progress,
-                               threads=args.threads) if ours else Report())
+                               threads=args.threads, device=args.device, desc="dashboard") if ours else Report())
         report.tables.update(real_model_tables(hf, args))
         path = write_dashboard(report, out / "dashboard.html", csv_links=False)
     print(f"wrote {path} in {time.perf_counter() - t:.0f} s")

@@ -5,15 +5,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from interp_norm.cli._grammar import add_alias, add_batch_size, add_heavy, add_n_examples, add_out
 from interp_norm.cli._support import (
     CKPT_HELP,
     SPLITS,
     command,
     load_ours,
     nonnegative_float,
+    percent_table,
     positive_int,
     prepare_out,
-    progress_arg,
 )
 
 
@@ -21,9 +22,7 @@ from interp_norm.cli._support import (
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True,
-                   help="run folder (checkpoints step-*/ and LATEST); an existing run is continued with --resume, "
-                        "never overwritten")
+    add_out(p, force=False)
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its last checkpoint, with its saved options unless given here")
     p.add_argument("--preset", choices=["cpu", "paper"],
@@ -33,18 +32,12 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn-norm", choices=["pre", "qkv", "qk", "none"],
                    help="where attention normalises: Pre-Norm, QKV-Norm, QK-Norm or none (default: pre)")
     p.add_argument("--norm-kind", choices=["rms", "ln"], help="RMSNorm or LayerNorm (default: rms)")
-    p.add_argument("--seed", type=int, help="seeds both the model init and the data stream (default: the preset's)")
-    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: the preset's)")
-    p.add_argument("--threads", type=positive_int,
-                   help="torch CPU threads for training, recorded in the checkpoint; a run is bit-for-bit "
-                        "reproducible for a given count, so --resume refuses another one (default: 1, whatever "
-                        "OMP_NUM_THREADS says; the saved run's on --resume)")
     p.add_argument("--steps", type=positive_int,
                    help="total optimizer steps (overrides --epochs; default: the preset's). A larger value on "
                         "--resume extends the run and says what that does to the learning rate (see --min-lr)")
     p.add_argument("--epochs", type=positive_int, help="number of epochs (default: the preset's)")
     p.add_argument("--steps-per-epoch", type=positive_int, help="optimizer steps per epoch (default: the preset's)")
-    p.add_argument("--batch-size", type=positive_int, help="problems per optimizer step (default: the preset's)")
+    add_batch_size(p, None, ", one optimizer step (default: the preset's)")
     p.add_argument("--lr", type=float, help="peak learning rate of AdamW (default: the preset's)")
     p.add_argument("--min-lr", type=nonnegative_float,
                    help="learning rate the cosine schedule decays to; a run extended with a larger --steps on "
@@ -57,10 +50,11 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--final-eval-size", type=positive_int,
                    help="problems per split in the final evaluation (default: the preset's)")
     p.add_argument("--checkpoint-every", type=positive_int, help="steps between checkpoints (default: the preset's)")
-    progress_arg(p)
+    add_heavy(p)
 
 
 @command("train", help="train a model (resumable; checkpoints into --out)", add_arguments=_train_args,
+         interrupted="interrupted; continue the run from its last checkpoint with --resume (same --out)",
          flags=dict(max_steps="--steps", n_epochs="--epochs", lr="--lr", seed="--seed", device="--device",
                     attn_norm="--attn-norm", norm_kind="--norm-kind", threads="--threads"))
 def _train(args: argparse.Namespace) -> int:
@@ -105,7 +99,7 @@ def _train(args: argparse.Namespace) -> int:
     train(model_cfg, task, train_cfg, args.out, resume=args.resume, progress=not args.no_progress)
     info = read_checkpoint_info(args.out)
     print(f"trained {info.step} steps; checkpoint: {info.path}")
-    print(pd.DataFrame(info.metrics.get("evaluation", [])).to_string(index=False))
+    print(percent_table(pd.DataFrame(info.metrics.get("evaluation", []))))
     return 0
 
 
@@ -114,32 +108,30 @@ def _train(args: argparse.Namespace) -> int:
 
 def _evaluate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt", help=CKPT_HELP)
-    p.add_argument("--size", type=positive_int, default=2048, help="problems per split")
-    p.add_argument("--seed", type=int, default=1234, help="test-set seed")
+    add_out(p)
+    add_n_examples(p, 2048, " per split")
+    add_alias(p, "--size", "--n-examples", "n_examples", type=positive_int)
     p.add_argument("--splits", nargs="+", default=list(SPLITS), choices=SPLITS, help="splits to evaluate")
-    p.add_argument("--batch-size", type=positive_int, default=512, help="problems per forward pass")
+    add_batch_size(p, 512)
     p.add_argument("--no-exact-match", action="store_true", help="skip greedy generation (faster)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
-    p.add_argument("--out", help="also write evaluation.csv into this folder (default: print only)")
-    p.add_argument("--force", action="store_true", help="overwrite evaluation.csv already in --out")
-    progress_arg(p)
+    add_heavy(p)
 
 
-@command("evaluate", help="per-token and exact-match accuracy of a checkpoint per split", add_arguments=_evaluate_args)
+@command("evaluate", help="per-token and exact-match accuracy of a checkpoint per split (evaluation.csv)",
+         add_arguments=_evaluate_args)
 def _evaluate(args: argparse.Namespace) -> int:
     from interp_norm.evaluate import evaluate
     from interp_norm.io import write_csv
     from interp_norm.train import resolve_device
 
-    out = prepare_out(args.out, ["evaluation.csv"], args.force) if args.out is not None else None
+    out = prepare_out(args.out, ["evaluation.csv"], args.force)
     resolve_device(args.device)
     model, info = load_ours(args.ckpt, "evaluate", device=args.device)
-    df = evaluate(model, info.task, splits=args.splits, size=args.size, seed=args.seed,
+    df = evaluate(model, info.task, splits=args.splits, size=args.n_examples, seed=args.seed,
                   batch_size=args.batch_size, exact_match=not args.no_exact_match, progress=not args.no_progress)
     df.insert(0, "checkpoint", args.ckpt)
-    print(df.to_string(index=False))
-    if out is not None:
-        print(f"wrote {write_csv(out / 'evaluation.csv', df)}")
+    print(percent_table(df))
+    print(f"wrote {write_csv(out / 'evaluation.csv', df)}")
     return 0
 
 
@@ -154,5 +146,5 @@ def _list(args: argparse.Namespace) -> int:
     if df.empty:
         print(f"no pretrained checkpoints in {pretrained_dir()} (set INTERP_NORM_DATA to another data folder)")
     else:
-        print(df.drop(columns=["path"]).to_string(index=False))
+        print(percent_table(df.drop(columns=["path"])))
     return 0
