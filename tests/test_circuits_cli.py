@@ -17,7 +17,7 @@ from interp_norm.circuits import run_circuits
 TASK = AdditionTask.preset("cpu")
 EXPECTED = {"pairs", "answer_metrics", "patch_resid_pre", "patch_attn_out", "patch_mlp_out", "patch_z", "patch_z_all",
             "eap_vs_exact", "edges", "circuit", "faithfulness", "attention_map"}
-ARGS = ["--pairs", "6", "--ig-steps", "2", "--top-n", "6", "--attention-problems", "16"]
+ARGS = ["--pairs", "6", "--ig-steps", "2", "--top-n", "6", "--n-examples", "16"]
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,12 @@ def assert_one_line_error(code, err, *needles):
         assert n in lines[0], (n, lines[0])
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    """Default --out folders (report/...) land in the test's own folder, not the repository."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture
 def ckpt(tmp_path):
     model = HookedNormTransformer(ModelConfig.preset("tiny", attn_norm="qk", seed=4)).eval()
@@ -84,7 +90,7 @@ def test_cuda_requested_on_a_machine_without_it(capsys, tmp_path):
 
 def test_evaluate_a_folder_writes_the_table(ckpt, tmp_path, capsys):
     out = tmp_path / "res"
-    code, stdout, err = run(capsys, "evaluate", str(ckpt), "--size", "16", "--seed", "5", "--out", str(out))
+    code, stdout, err = run(capsys, "evaluate", str(ckpt), "--n-examples", "16", "--seed", "5", "--out", str(out))
     assert code == 0, err
     df = pd.read_csv(out / "evaluation.csv")
     model, _ = load_checkpoint(ckpt)
@@ -92,6 +98,8 @@ def test_evaluate_a_folder_writes_the_table(ckpt, tmp_path, capsys):
     assert df["split"].tolist() == ["id", "interp", "extrap"]
     pd.testing.assert_frame_equal(df.drop(columns="checkpoint"), expected, check_exact=False, rtol=1e-12)
     assert "per_token_acc" in stdout and "extrap" in stdout
+    for v in expected["per_token_acc"]:  # printed as percentages; the CSV keeps fractions
+        assert f"{100 * v:.2f}%" in stdout
 
 
 def test_evaluate_a_pretrained_name_and_list(ckpt, tmp_path, capsys, monkeypatch):
@@ -104,9 +112,10 @@ def test_evaluate_a_pretrained_name_and_list(ckpt, tmp_path, capsys, monkeypatch
     ckpt.rename(tmp_path / "data" / "checkpoints" / "qk")
     code, out, _ = run(capsys, "list")
     assert code == 0 and "qk" in out and "attn_norm" in out
-    code, out, err = run(capsys, "evaluate", "qk", "--size", "8", "--splits", "id", "--no-exact-match")
+    code, out, err = run(capsys, "evaluate", "qk", "--n-examples", "8", "--splits", "id", "--no-exact-match")
     assert code == 0, err
-    assert out.count("\n") == 2 and " id " in out
+    assert out.count("\n") == 3 and " id " in out and "%" in out
+    assert (tmp_path / "report" / "evaluate" / "qk" / "evaluation.csv").is_file()  # the default --out
 
 
 def test_train_maps_options_and_resumes(tmp_path, capsys):
@@ -250,7 +259,8 @@ def test_counts_are_checked_where_they_are_typed(capsys):
     assert_one_line_error(*run(capsys, "circuits", "x", "--pairs", "0")[::2],
                           "interp-norm circuits: error: argument --pairs: must be a positive integer, got 0")
     assert_one_line_error(*run(capsys, "noise", "x", "--out", "o", "--n-examples", "-3")[::2], "argument --n-examples")
-    assert_one_line_error(*run(capsys, "evaluate", "x", "--size", "0")[::2], "argument --size")
+    assert_one_line_error(*run(capsys, "evaluate", "x", "--n-examples", "0")[::2], "argument --n-examples")
+    assert_one_line_error(*run(capsys, "evaluate", "x", "--size", "0")[::2], "argument --size")  # deprecated spelling
     assert_one_line_error(*run(capsys, "circuits", "x", "--split", "train")[::2], "argument --split: invalid choice")
 
 
@@ -265,7 +275,7 @@ def test_every_option_has_help_and_shows_its_default():
         p = subparser(name)
         text = " ".join(p.format_help().split())
         for a in p._actions:
-            if isinstance(a, argparse._HelpAction):
+            if isinstance(a, argparse._HelpAction) or a.help == argparse.SUPPRESS:  # deprecated spellings are hidden
                 continue
             assert a.help, f"{name} {a.option_strings or a.dest}: no help text"
             if not a.option_strings:
@@ -306,7 +316,7 @@ def test_out_is_a_folder_and_results_are_not_overwritten_without_force(ckpt, tmp
         ("collapse", ["collapse", "no/such/ckpt"], ["collapse_thresholds.csv"]),
         ("geometry", ["geometry", "no/such/ckpt"], ["geometry_norm_spread.csv"]),
         ("circuits", ["circuits", "no/such/ckpt"], ["circuit.json"]),
-        ("reproduce", ["reproduce", "--checkpoints", "no/such/ckpt"], ["run.json"]),
+        ("reproduce", ["reproduce", "no/such/ckpt"], ["run.json"]),
         ("dashboard", ["dashboard", "no/such/ckpt"], ["dashboard.html"]),
     ]:
         out = tmp_path / name

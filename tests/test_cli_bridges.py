@@ -111,3 +111,19 @@ def test_layer_comparison_puts_ours_beside_the_real_model():
     assert list(ours["spread"]) == [0.4, 0.5] and list(ours["frac_sparse"]) == [0.2, 0.3]
     assert list(ours["depth"]) == [0.0, 1.0]
     assert list(df[df["source"] == "hugging face"]["depth"]) == [0.0, 0.5, 1.0]
+
+
+def test_placement_after_norm_needs_a_norm_on_q_k_or_v(hf_folder, tmp_path, capsys):
+    """GPT-2 (Pre-LN, no q/k norm): noise after the norm is noise before it, so the flag is refused;
+    Qwen3 has per-head q/k norms, so it runs and records the placement."""
+    gpt2 = tmp_path / "tiny-gpt2"
+    tiny_hf_model("gpt2", seed=2).save_pretrained(gpt2)
+    capsys.readouterr()
+    code, _, err = run_cli(capsys, "noise", gpt2, "--out", tmp_path / "g", "--placement", "after_norm",
+                           "--windows", "2", "--n-ctx", "9", "--no-progress")
+    one_line_error(code, err, "interp-norm noise: error: --placement after_norm means nothing", "no norm on q, k or v")
+    assert not (tmp_path / "g").exists()
+    code, out, err = run_cli(capsys, "collapse", hf_folder, "--out", tmp_path / "q", "--placement", "after_norm",
+                             "--levels", "0.3", "--windows", "2", "--n-ctx", "9", "--no-progress")
+    assert code == 0, err
+    assert set(pd.read_csv(tmp_path / "q" / "collapse.csv")["placement"]) == {"after_norm"}

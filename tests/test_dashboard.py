@@ -237,7 +237,7 @@ def test_settings_and_selection_errors_are_typed(ckpts):
 
 def test_cli_reproduce_and_dashboard(ckpts, tmp_path, capsys):
     pre = str(ckpts["pre"])
-    code = cli.main(["reproduce", "--out", str(tmp_path / "rep"), "--checkpoints", pre, "--quick", "--no-progress",
+    code = cli.main(["reproduce", pre, "--out", str(tmp_path / "rep"), "--quick", "--no-progress",
                      "--only", "evaluate", "attention", "--problems", "[1+2=", "[3-N4="])
     assert code == 0
     att = pd.read_csv(tmp_path / "rep" / "attention_patterns.csv")
@@ -247,10 +247,10 @@ def test_cli_reproduce_and_dashboard(ckpts, tmp_path, capsys):
     assert code == 0 and (tmp_path / "d" / "dashboard.html").stat().st_size > 1_000_000
     capsys.readouterr()
     (tmp_path / "f").write_text("x")
-    assert cli.main(["reproduce", "--out", str(tmp_path / "f"), "--checkpoints", pre, "--quick", "--no-progress"]) == 2
+    assert cli.main(["reproduce", pre, "--out", str(tmp_path / "f"), "--quick", "--no-progress"]) == 2
     assert "error" in capsys.readouterr().err
     assert cli.main(["dashboard", "no/such/ckpt", "--out", str(tmp_path / "e"), "--quick", "--no-progress"]) == 2
-    assert cli.main(["reproduce", "--out", str(tmp_path / "g"), "--checkpoints", pre, "--problems", "[1+x="]) == 2
+    assert cli.main(["reproduce", pre, "--out", str(tmp_path / "g"), "--problems", "[1+x="]) == 2
 
 
 # ----------------------------------------------------------------------------- figure builders

@@ -39,8 +39,18 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from interp_norm.cli import training  # noqa: F401, I001
 from interp_norm.cli import analyses  # noqa: F401, I001
 from interp_norm.cli import reports  # noqa: F401, I001
-from interp_norm.cli._grammar import DEFAULTS, closest, default_out, unknown_options_message
-from interp_norm.cli._support import ANALYSES, COMMANDS, PROG, Command, Parser, command, flag_map, with_flag_names
+from interp_norm.cli._grammar import DEFAULTS, default_out, unknown_options_message
+from interp_norm.cli._support import (
+    ANALYSES,
+    COMMANDS,
+    PROG,
+    Command,
+    Parser,
+    closest,
+    command,
+    flag_map,
+    with_flag_names,
+)
 from interp_norm.errors import CheckpointNotFoundError, InterpNormError
 
 __all__ = ["COMMANDS", "ANALYSES", "Command", "command", "build_parser", "main"]

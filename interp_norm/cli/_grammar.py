@@ -23,12 +23,11 @@ Standard library only (``interp-norm --help`` must stay fast).
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from interp_norm.cli._support import positive_int
+from interp_norm.cli._support import closest, positive_int
 
 #: Root of every default ``--out``.
 OUT_ROOT = "report"
@@ -148,16 +147,6 @@ def default_out(command: str, model: Any = None) -> Path:
 
 
 # ----------------------------------------------------------------------------- did you mean
-
-
-def closest(word: str, choices: Iterable[str]) -> Optional[str]:
-    """The choice the user most likely meant: the same word in another case, else the nearest by spelling."""
-    choices = [str(c) for c in choices]
-    for c in choices:
-        if c.lower() == word.lower():
-            return c
-    hit = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    return hit[0] if hit else None
 
 
 def unknown_options_message(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:

@@ -10,11 +10,12 @@ are kept unless ``--force`` is given.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from interp_norm.errors import OutputDirError
 
@@ -97,10 +98,18 @@ def with_suggestion(message: str) -> str:
     m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
     if not m:
         return message
-    from interp_norm.cli._grammar import closest
-
     hit = closest(m.group(1), re.findall(r"'([^']*)'", m.group(2)))
     return f"{message}; did you mean {hit!r}?" if hit else message
+
+
+def closest(word: str, choices: Iterable[str]) -> Optional[str]:
+    """The choice the user most likely meant: the same word in another case, else the nearest by spelling."""
+    choices = [str(c) for c in choices]
+    for c in choices:
+        if c.lower() == word.lower():
+            return c
+    hit = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return hit[0] if hit else None
 
 
 def positive_int(text: str) -> int:
@@ -355,7 +364,7 @@ def check_placement(model: Any, placement: str) -> None:
     anat = anatomy(model)
     if not any(la.norms.get(t) is not None for la in anat.layers for t in ("q", "k", "v")):
         kind = getattr(getattr(model, "cfg", None), "attn_norm", None)
-        what = {"pre": "a Pre-Norm model", "none": "a No-Norm model"}.get(kind, f"this {anat.architecture} model")
+        what = {"pre": "a Pre-Norm model", "none": "a No-Norm model"}.get(kind, anat.architecture)
         raise ConfigError(f"--placement after_norm means nothing for {what}: it has no norm on q, k or v, so noise "
                           "after the norm is the noise before it; drop --placement (it applies to QK-/QKV-Norm "
                           "models and models with q/k norms such as Qwen3)")

@@ -121,7 +121,7 @@ def _circuits_benchmark(args: argparse.Namespace) -> int:
     auc = table.pivot_table(index=["model", "method"], columns="level", values="auroc", sort=False)
     print(f"wrote benchmark.csv, mib_curve.csv, mib_summary.csv and faithfulness.html to {out}")
     print("AUROC against the ground truth (node, edge):")
-    print(auc.map(as_percent).to_string())
+    print(auc.round(3).to_string())
     return 0
 
 
