@@ -36,8 +36,8 @@ NO_MODEL_PART = ("train", "reproduce", "dashboard")
 
 #: Help of each shared flag: one text for every subcommand.
 HELP = {
-    "out": ("output folder; results in it are never silently replaced (--force replaces result files; train "
-            "continues a run with --resume) (default: report/SUBCOMMAND/MODEL, or report/SUBCOMMAND for train, "
+    "out": ("output folder; result files already in it are kept unless --force (train continues the run in it "
+            "with --resume) (default: report/SUBCOMMAND/MODEL, e.g. report/noise/qkv; report/SUBCOMMAND for train, "
             "reproduce and dashboard)"),
     "force": "replace result files already in --out",
     "seed": "seed of every random draw: problems, noise, model init (default: 0; train: the preset's, or the "
