@@ -158,8 +158,8 @@ def _did_you_mean(message: str, args: argparse.Namespace) -> str:
             return message
         hit = closest(spec, [n for n in names if n != spec])
         if hit:
-            return (f"{spec!r} is neither a checkpoint folder, a pretrained name nor a Hugging Face model in the "
-                    f"cache; did you mean {hit!r}? (names are case-sensitive; see 'interp-norm list')")
+            return (f"{spec!r} is not a checkpoint folder nor a known model name; did you mean {hit!r}? "
+                    "(names are case-sensitive; see 'interp-norm list')")
     return message
 
 
