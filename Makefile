@@ -37,8 +37,12 @@ bench: setup
 
 # The tutorials in JupyterLab: installs the `notebooks` extra into .venv once, then opens tutorials/
 # (kernels start in the notebook's folder, so `import _checks` finds tutorials/_checks.py).
+# Jupyter refuses to run as root (a container, CI) unless given --allow-root: added when uid is 0.
+# Extra options go in JUPYTER_ARGS (e.g. JUPYTER_ARGS="--no-browser --port 8890").
+USER_ID ?= $(shell id -u)
+JUPYTER_ARGS ?=
 notebooks: $(VENV)/.notebooks
-	$(VENV)/bin/jupyter lab tutorials/
+	$(VENV)/bin/jupyter lab $(if $(filter 0,$(USER_ID)),--allow-root) $(JUPYTER_ARGS) tutorials/
 
 $(VENV)/.notebooks: $(VENV)/.installed
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[notebooks]'

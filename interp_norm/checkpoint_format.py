@@ -55,6 +55,34 @@ def manifest_entry(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "sha256": sha256(path)}
 
 
+def folder_kind(path: Path) -> str:
+    """"interp_norm" (our checkpoint or run folder), "hf" (a transformers ``save_pretrained``
+    folder: config.json with ``model_type``) or "unknown", read from config.json alone."""
+    path = Path(path)
+    if (path / LATEST).is_file():
+        return "interp_norm"
+    config = path / CONFIG
+    if not config.is_file():
+        return "unknown"
+    try:
+        data = json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        return "unknown"
+    if not isinstance(data, dict):
+        return "unknown"
+    if "format_version" in data:
+        return "interp_norm"
+    if "model_type" in data or "architectures" in data:
+        return "hf"
+    return "unknown"
+
+
+def hf_folder_message(path: Path) -> str:
+    """What to do with a Hugging Face folder passed where one of our checkpoints is expected."""
+    return (f"{str(path)!r} is a Hugging Face model folder (config.json with model_type), not an interp_norm "
+            f"checkpoint; load it with interp_norm.load({str(path)!r}), which wraps it in a TransformerLens bridge")
+
+
 def read_config(ckpt: Path) -> dict:
     """``config.json`` of a checkpoint folder, checked for version and the model/task sections."""
     try:
@@ -64,6 +92,8 @@ def read_config(ckpt: Path) -> dict:
     if not isinstance(config, dict):
         raise CheckpointError(f"{ckpt / CONFIG} should hold a JSON object; the checkpoint is corrupted")
     version = config.get("format_version")
+    if version is None and ("model_type" in config or "architectures" in config):
+        raise CheckpointError(hf_folder_message(ckpt))
     if version != FORMAT_VERSION:
         raise CheckpointError(
             f"{ckpt / CONFIG} has format_version {version!r}; this interp_norm reads version {FORMAT_VERSION}. "

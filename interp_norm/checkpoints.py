@@ -32,8 +32,8 @@ import pandas as pd
 import torch
 
 from interp_norm.checkpoint_format import (
-    CONFIG, CURVE, FORMAT_VERSION, LATEST, METRICS, STEP_RE, TRAIN_STATE, WEIGHTS, manifest_entry, read_config, read_curve,
-    read_metrics, read_train_state, read_weights, verify_file,
+    CONFIG, CURVE, FORMAT_VERSION, LATEST, METRICS, STEP_RE, TRAIN_STATE, WEIGHTS, folder_kind, hf_folder_message,
+    manifest_entry, read_config, read_curve, read_metrics, read_train_state, read_weights, verify_file,
 )
 from interp_norm.errors import CheckpointError, CheckpointNotFoundError, ConfigError, OutputDirError
 from interp_norm.io import ensure_writable_dir, fsync_dir, fsync_file, write_atomic, write_csv, write_json, write_text_atomic
@@ -278,7 +278,8 @@ def read_checkpoint_info(path: str | os.PathLike, verify: bool = True) -> Checkp
 def load_checkpoint(
     path: str | os.PathLike, device: str | torch.device = "cpu", verify: bool = True
 ) -> tuple[HookedNormTransformer, CheckpointInfo]:
-    """Load ``(model, info)`` from a checkpoint or run folder; the model is in eval mode.
+    """Load ``(model, info)`` from a checkpoint or run folder; the model is in eval mode and carries
+    the task it was trained on (``model.task``, which analyses default to) and ``model.name``.
 
     ``verify`` checks every file read against config.json's sha256 (catches corruption that
     safetensors' header check cannot). Raises :class:`CheckpointNotFoundError` /
@@ -290,7 +291,7 @@ def load_checkpoint(
         verify_file(ckpt, info.config, WEIGHTS)
     elif not (ckpt / WEIGHTS).is_file():
         raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks {WEIGHTS}; it is incomplete")
-    model = HookedNormTransformer(info.model_cfg)
+    model = HookedNormTransformer(info.model_cfg, task=info.task, name=str(path))
     cfg = info.model_cfg
     describe = f"attn_norm={cfg.attn_norm!r}, n_layers={cfg.n_layers}, d_model={cfg.d_model}"
     model.load_state_dict(read_weights(ckpt, model.state_dict(), describe))
@@ -345,13 +346,27 @@ def _pretrained_names() -> list[str]:
     )
 
 
-def load_pretrained(name: str, device: str | torch.device = "cpu") -> tuple[HookedNormTransformer, CheckpointInfo]:
-    """Load a shipped checkpoint by name (``"pre"``, ``"qkv"``...; see :func:`list_pretrained`)."""
+_ANY_MODEL = "interp_norm.load(spec) loads any model (ours, a Hugging Face folder or a cached Hugging Face name)"
+
+
+def load_pretrained(name: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[HookedNormTransformer, CheckpointInfo]:
+    """Load a shipped checkpoint by name (``"pre"``, ``"qkv"``...; see :func:`list_pretrained`).
+
+    One of our checkpoint or run folders loads too (as :func:`load_checkpoint`); a Hugging Face
+    folder or name gets a :class:`CheckpointError` pointing to ``interp_norm.load``.
+    """
+    if isinstance(name, os.PathLike) or (isinstance(name, str) and looks_like_path(name)):
+        path = Path(name)
+        if path.is_dir() and folder_kind(path) == "hf":
+            raise CheckpointError(hf_folder_message(path))
+        return load_checkpoint(path, device=device)
     names = _pretrained_names()
     if not isinstance(name, str) or name not in names:
         avail = ", ".join(names) if names else f"none (no checkpoints under {pretrained_dir()}; set {DATA_ENV} to the data folder)"
-        raise CheckpointNotFoundError(f"no pretrained checkpoint named {name!r}; available: {avail}")
-    return load_checkpoint(pretrained_dir() / name, device=device)
+        raise CheckpointNotFoundError(f"no pretrained checkpoint named {name!r}; available: {avail}. {_ANY_MODEL}")
+    model, info = load_checkpoint(pretrained_dir() / name, device=device)
+    model.name = name
+    return model, info
 
 
 def looks_like_path(spec: str | os.PathLike) -> bool:
@@ -361,13 +376,15 @@ def looks_like_path(spec: str | os.PathLike) -> bool:
 
 
 def load_any(spec: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[HookedNormTransformer, CheckpointInfo]:
-    """A checkpoint or run folder if ``spec`` looks like a path, else a pretrained name.
+    """``(model, info)`` of one of our models: a checkpoint or run folder if ``spec`` looks like a
+    path, else a pretrained name.
 
-    What the CLI and ``reproduce`` accept as CKPT; an unknown name lists the available ones.
+    What the CLI and ``reproduce`` accept as CKPT; an unknown name lists the available ones. For
+    Hugging Face models too, use ``interp_norm.load(spec)`` (the model only; ours carry their task).
     """
     text = str(spec)
     if looks_like_path(text):
-        return load_checkpoint(text, device=device)
+        return load_pretrained(text, device=device)
     try:
         return load_pretrained(text, device=device)
     except CheckpointNotFoundError:

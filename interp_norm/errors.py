@@ -61,6 +61,17 @@ class ArchitectureError(ConfigError):
     (raised by :mod:`interp_norm.bridges` for Hugging Face models it cannot read safely)."""
 
 
+class TaskMismatchWarning(UserWarning):
+    """An analysis was given a task other than the one the model was trained on: it still runs,
+    but its numbers describe problems the model never learnt (e.g. the paper's task on a model
+    trained on the cpu preset)."""
+
+
+class OutOfDistributionWarning(UserWarning):
+    """A problem given to a model lies outside the problems it was trained on (term lengths or
+    number of terms): the answer is extrapolation, not what the model learnt."""
+
+
 __all__ = [
     "InterpNormError",
     "ProblemStringError",
@@ -74,4 +85,6 @@ __all__ = [
     "OutputDirError",
     "GeometryError",
     "ArchitectureError",
+    "TaskMismatchWarning",
+    "OutOfDistributionWarning",
 ]

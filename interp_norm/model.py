@@ -57,13 +57,22 @@ class HookedNormTransformer(HookedRootModule):
 
     ``forward(tokens)`` returns logits ``[batch, pos, d_vocab]``; ``return_type="loss"`` gives the
     paper's masked cross-entropy over answer tokens (see :func:`interp_norm.task.answer_mask`).
+
+    ``task`` is the :class:`~interp_norm.task.AdditionTask` the model is (to be) trained on: models
+    loaded from a checkpoint or returned by ``train`` carry theirs, and every analysis that needs a
+    task defaults to it (:func:`interp_norm.task.task_for`). ``name`` is what messages call the
+    model (the pretrained name or checkpoint folder it was loaded from).
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, task: Optional[T.AdditionTask] = None, name: Optional[str] = None):
         super().__init__()
         if not isinstance(cfg, ModelConfig):
             raise ConfigError(f"HookedNormTransformer needs a ModelConfig, got {type(cfg).__name__}")
+        if task is not None and not isinstance(task, T.AdditionTask):
+            raise ConfigError(f"task must be an AdditionTask (or None), got {type(task).__name__}")
         self.cfg = cfg
+        self.task: Optional[T.AdditionTask] = task
+        self.name: Optional[str] = name
         self.W_E = nn.Parameter(torch.empty(cfg.d_vocab, cfg.d_model))
         if cfg.pos_embed == "learned":
             self.W_pos = nn.Parameter(torch.empty(cfg.n_ctx, cfg.d_model))
@@ -213,8 +222,10 @@ class HookedNormTransformer(HookedRootModule):
     def from_pretrained(cls, name: str, device: str | torch.device = "cpu", **tl_options: Any) -> "HookedNormTransformer":
         """A shipped checkpoint by name (``"pre"``, ``"qkv"`` ...; see ``interp-norm list``) or a checkpoint folder.
 
-        TransformerLens's entry point; the same model as ``interp_norm.load_pretrained(name)[0]``,
-        in eval mode. TL's weight-processing options (``fold_ln`` ...) do not apply: weights load as trained.
+        TransformerLens's entry point; the same model as ``interp_norm.load(name)``, in eval mode,
+        carrying its training task as ``model.task`` (analyses default to it). TL's weight-processing
+        options (``fold_ln`` ...) do not apply: weights load as trained. Hugging Face models load with
+        ``interp_norm.load`` (a TransformerLens bridge, not this class).
         """
         if tl_options:
             raise ConfigError(f"from_pretrained loads weights as trained; TransformerLens options {sorted(tl_options)} are not supported")
@@ -308,16 +319,32 @@ class HookedNormTransformer(HookedRootModule):
         return [T.VOCAB[int(i)] for i in tokens]
 
     @torch.no_grad()
-    def generate(self, problems: str | Sequence[str] | Int[Tensor, "batch pos"], max_new_tokens: Optional[int] = None) -> list[str]:
-        """Greedy answers: for ``"[12+N7="`` returns ``"5]"``. Stops at ``]`` (kept in the output)."""
+    def generate(self, problems: str | Sequence[str] | Int[Tensor, "batch pos"], max_new_tokens: Optional[int] = None,
+                 *, warn_out_of_distribution: bool = True) -> list[str]:
+        """Greedy answers: for ``"[12+N7="`` returns ``"5]"``. Stops at ``]`` (kept in the output).
+
+        Problems outside the training split of ``self.task`` (more or fewer terms, other term
+        lengths) are answered, with an :class:`~interp_norm.errors.OutOfDistributionWarning` saying
+        what is out of distribution (``warn_out_of_distribution=False`` for deliberate OOD tests).
+        """
         if isinstance(problems, Tensor):
             tokens = problems.clone()
+            parsed = []
+            if warn_out_of_distribution and self.task is not None:
+                for row in tokens.reshape(-1, tokens.shape[-1]):
+                    try:
+                        parsed.append(T.parse_problem(T.decode(row)))
+                    except ProblemStringError:
+                        pass  # not a problem string: nothing to compare with the training split
         else:
             if isinstance(problems, str):
                 problems = [problems]
             if len(problems) == 0:
                 raise ProblemStringError("no problems given; pass a string like '[12+N7=' or a list of them")
-            tokens = T.pad_batch([T.encode(T.parse_problem(s).question) for s in problems])
+            parsed = [T.parse_problem(s) for s in problems]
+            tokens = T.pad_batch([T.encode(p.question) for p in parsed])
+        if warn_out_of_distribution:
+            T.warn_out_of_distribution(self, parsed, stacklevel=4)  # past torch.no_grad's wrapper, to the caller
         tokens = tokens.to(self.W_E.device)
         lengths = (tokens != T.PAD_ID).sum(-1)
         longest = int(lengths.max())

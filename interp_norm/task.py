@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -25,7 +26,7 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
-from interp_norm.errors import ConfigError, ProblemStringError
+from interp_norm.errors import ConfigError, OutOfDistributionWarning, ProblemStringError, TaskMismatchWarning
 
 VOCAB: tuple[str, ...] = tuple("0123456789+-=N[]*")
 TOKEN_TO_ID: dict[str, int] = {c: i for i, c in enumerate(VOCAB)}
@@ -310,6 +311,35 @@ class AdditionTask:
             raise ConfigError(f"task config lacks {missing}; expected keys {list(keys)}")
         return cls(**{k: tuple(d[k]) for k in keys})
 
+    def describe(self) -> str:
+        """How to build this task and what it holds, for messages:
+        ``AdditionTask.preset('cpu') (2-digit terms; 2, 3 or 5 terms in training, interpolation 4, extrapolation 6 or 7)``."""
+        d = self.to_dict()
+        name = next((n for n, kw in self.PRESETS.items() if {k: list(v) for k, v in kw.items()} == d), None)
+        if name == "paper":
+            call, prefix = "AdditionTask()", "the paper's task: "
+        elif name is not None:
+            call, prefix = f"AdditionTask.preset({name!r})", ""
+        else:
+            call, prefix = "AdditionTask(" + ", ".join(f"{k}={tuple(v)}" for k, v in d.items()) + ")", ""
+        return (f"{call} ({prefix}{_or(self.n_digits)}-digit terms; {_or(self.train_terms)} terms in training, "
+                f"interpolation {_or(self.interp_terms)}, extrapolation {_or(self.extrap_terms)})")
+
+    def out_of_distribution(self, problem: Problem) -> list[str]:
+        """What puts ``problem`` outside the training split (empty if nothing): its number of terms
+        (naming the task's split that holds it, if any) and term lengths the training never drew."""
+        train = self.splits["id"]
+        reasons = []
+        n = len(problem.terms)
+        if n not in train.n_terms:
+            held = [s.name for s in self.splits.values() if n in s.n_terms]
+            where = f", its {_SPLIT_NAMES[held[0]]} split" if held else ""
+            reasons.append(f"{n} terms (training had {_or(train.n_terms)}{where})")
+        digits = sorted({len(str(abs(t))) for t in problem.terms} - set(train.n_digits))
+        if digits:
+            reasons.append(f"{_or(digits)}-digit terms (training had {_or(train.n_digits)}-digit terms only)")
+        return reasons
+
     def split(self, name: str | Split) -> Split:
         if isinstance(name, Split):
             return name
@@ -357,7 +387,74 @@ class AdditionTask:
         return self.sample_batch(size, sp, seed=10_000 * seed + offset)
 
 
+_SPLIT_NAMES = {"id": "in-distribution", "interp": "interpolation", "extrap": "extrapolation"}
+
+
+def _or(xs: Sequence[int]) -> str:
+    """(2, 3, 5) -> '2, 3 or 5'."""
+    xs = [str(x) for x in xs]
+    return xs[0] if len(xs) == 1 else ", ".join(xs[:-1]) + " or " + xs[-1]
+
+
+def _model_name(model: object) -> str:
+    name = getattr(model, "name", None)
+    return f"model {name!r}" if name else "this model"
+
+
+def task_for(model: object, task: "AdditionTask | None" = None, *, who: str = "this analysis",
+             stacklevel: int = 3) -> AdditionTask:
+    """The task an analysis of ``model`` runs on: ``task`` if given, else the model's own.
+
+    A model loaded from a checkpoint (``interp_norm.load``, ``from_pretrained``, ``load_checkpoint``)
+    or returned by ``train`` carries the task it was trained on as ``model.task``. A ``task`` other
+    than that one still runs, with a :class:`~interp_norm.errors.TaskMismatchWarning` naming both
+    (the numbers then describe problems the model never learnt: ``AdditionTask()``, the paper's task,
+    on a model trained on the cpu preset reads 0.37 per-token accuracy instead of 0.90). No task
+    given and none known: a :class:`ConfigError` saying how to pass one.
+    """
+    own = getattr(model, "task", None)
+    if task is None:
+        if not isinstance(own, AdditionTask):
+            raise ConfigError(
+                f"{who} needs a task, and {_model_name(model)} does not know its own (it was built from a config, "
+                "not loaded from a checkpoint); pass task=AdditionTask.preset('cpu') (the task of the shipped "
+                "checkpoints) or task=AdditionTask() (the paper's), or set model.task once"
+            )
+        return own
+    if not isinstance(task, AdditionTask):
+        hint = ("; the task comes second, so pass levels by name (levels=[...])"
+                if isinstance(task, (list, tuple, float, int)) else "")
+        raise ConfigError(f"task must be an AdditionTask, got {type(task).__name__}{hint}")
+    if isinstance(own, AdditionTask) and task != own:
+        warnings.warn(
+            f"{_model_name(model)} was trained on {own.describe()}; you passed {task.describe()}. {who} runs on "
+            "problems the model never learnt; leave the task out to use the model's own",
+            TaskMismatchWarning, stacklevel=stacklevel,
+        )
+    return task
+
+
+def warn_out_of_distribution(model: object, problems: Sequence[Problem], stacklevel: int = 3) -> None:
+    """One :class:`~interp_norm.errors.OutOfDistributionWarning` naming the problems outside the
+    training split of ``model.task`` and why (nothing if the model has no task, or all are inside)."""
+    task = getattr(model, "task", None)
+    if not isinstance(task, AdditionTask):
+        return
+    bad = [(p, r) for p in problems if (r := task.out_of_distribution(p))]
+    if not bad:
+        return
+    shown = "; ".join(f"{p.question!r} has {' and '.join(r)}" for p, r in bad[:3])
+    more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+    warnings.warn(
+        f"{shown}{more}: {_model_name(model)} was trained on {task.describe()}, so these answers are "
+        "extrapolation, not what it learnt",
+        OutOfDistributionWarning, stacklevel=stacklevel,
+    )
+
+
 __all__ = [
+    "task_for",
+    "warn_out_of_distribution",
     "VOCAB",
     "TOKEN_TO_ID",
     "D_VOCAB",

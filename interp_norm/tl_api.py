@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from transformer_lens import ActivationCache
-from transformer_lens.utilities import Slice
+from transformer_lens.utilities import Slice, get_act_name
 
 from interp_norm.errors import ConfigError, HookNameError
 from interp_norm.hooks import act_name, is_normalised, used_name
@@ -136,6 +136,26 @@ def check_names_filter(model: Any, names_filter: Any) -> None:
 
 # ----------------------------------------------------------------------------- activation cache
 
+
+def missing_from_cache(model: Any, name: Any, cached: Iterable[str]) -> str:
+    """Why ``cache[name]`` holds nothing: no such hook point (closest names), a point that never
+    fires on this model, or one the run's ``names_filter`` left out."""
+    if not isinstance(name, str):
+        return f"cache keys are hook names such as 'blocks.0.attn.hook_q' (or ('q', 0)), got {name!r}"
+    full = name
+    if name not in model.hook_dict:
+        try:
+            full = get_act_name(name)  # TL's shorthands: "q" -> ... only for names it can parse
+        except Exception:  # noqa: BLE001 - an unparseable shorthand is simply an unknown name
+            full = name
+    if full not in model.hook_dict:
+        return unknown_hook_message(model, name)
+    flag = dormant_hooks(model).get(full)
+    if flag:
+        return _dormant_message(full, flag)
+    return (f"hook point {full!r} exists but is not in this cache: the run's names_filter left it out "
+            f"(the cache holds {len(list(cached))} names); add it to run_with_cache(names_filter=...)")
+
 DLA_REFUSAL = (
     "direct logit attribution needs a linear read-out W_U, but this model has the paper's MLP output "
     "head (LayerNorm -> MLP with ReLU hidden layers): the head mixes the residual components "
@@ -153,6 +173,30 @@ class NormActivationCache(ActivationCache):
     and by ``ln1`` only on Pre-Norm models (the only ones with a norm between the residual and W_Q).
     Like TL it excludes the norms' gains and biases (TL folds them into the next weights).
     """
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        """TL's lookup (full names, ``"q"``-style shorthands, ``("q", 0)`` tuples, negative layers),
+        plus this package's head-norm kinds (``("q_normed", 0)``); a name the cache lacks is a
+        :class:`HookNameError` (still a ``KeyError``) naming the closest valid names, as
+        ``run_with_hooks`` does, or saying that ``names_filter`` left an existing point out."""
+        if not isinstance(key, (str, tuple)):
+            raise HookNameError(missing_from_cache(self.model, key, self.cache_dict))
+        try:
+            return super().__getitem__(key)
+        except KeyError:
+            pass
+        name = key
+        if isinstance(key, tuple) and key and isinstance(key[0], str):
+            layer = key[1] if len(key) > 1 else None
+            if isinstance(layer, int) and layer < 0:
+                layer += self.model.cfg.n_layers
+            try:
+                name = act_name(key[0], layer, *key[2:3])
+            except HookNameError as e:
+                raise HookNameError(f"cache[{key!r}]: {e}") from None
+            if name in self.cache_dict:
+                return self.cache_dict[name]
+        raise HookNameError(missing_from_cache(self.model, name, self.cache_dict)) from None
 
     def logit_attrs(self, residual_stack: torch.Tensor, tokens: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """TL's, for ``head='unembed'`` models; a :class:`ConfigError` for the MLP head (see ``DLA_REFUSAL``)."""
@@ -189,5 +233,5 @@ class NormActivationCache(ActivationCache):
 
 __all__ = [
     "dormant_hooks", "check_hook_name", "check_hooks", "check_names_filter", "unknown_hook_message",
-    "NormActivationCache", "DLA_REFUSAL",
+    "NormActivationCache", "DLA_REFUSAL", "missing_from_cache",
 ]

@@ -209,7 +209,8 @@ def train(
     resume: bool = False,
     progress: bool = True,
 ) -> tuple[HookedNormTransformer, pd.DataFrame]:
-    """Train a model, checkpointing into ``out_dir``; returns ``(model in eval mode, curve)``.
+    """Train a model, checkpointing into ``out_dir``; returns ``(model in eval mode, curve)``; the model
+    carries ``task`` (``model.task``), which analyses of it default to.
 
     The curve has one row per ``log_every`` steps: ``step, epoch, examples, lr, loss, acc,
     grad_norm`` (means since the previous row) and ``eval_<split>_acc`` on eval rows.
@@ -257,7 +258,7 @@ def _train(
     C.clean_temporary(out_dir)  # what a killed writer left behind
 
     threads = torch.get_num_threads()
-    model = HookedNormTransformer(model_cfg).to(device)
+    model = HookedNormTransformer(model_cfg, task=task, name=str(out_dir)).to(device)
     opt = torch.optim.AdamW(
         model.parameters(), lr=train_cfg.lr, betas=train_cfg.betas, eps=train_cfg.adam_eps, weight_decay=train_cfg.weight_decay
     )

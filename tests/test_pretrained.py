@@ -60,3 +60,49 @@ def test_fresh_sample_reproduces_recorded_accuracy(name):
     files = {p.name for p in info.path.iterdir()}
     assert {"model.safetensors", "config.json", "training_curve.csv", "metrics.json"} <= files
     assert json.loads((info.path / "metrics.json").read_text())["final"] is True
+
+
+def test_pre_knows_its_task_and_analyses_default_to_it():
+    """Issue 26: a model loaded by name carries the task its config.json records; run_noise without a
+    task scores the same problems as with that task passed explicitly, and its clean accuracy is a
+    per-problem count's; the paper's task instead warns, naming both tasks."""
+    import warnings
+
+    import torch
+
+    import interp_norm
+    from interp_norm import AdditionTask, HookedNormTransformer
+    from interp_norm.errors import TaskMismatchWarning
+    from interp_norm.noise import run_noise
+    from interp_norm.task import encode
+
+    recorded = json.loads((pretrained_dir() / "pre" / "config.json").read_text())["task"]
+    cpu = AdditionTask(**{k: tuple(v) for k, v in recorded.items()})
+    assert cpu == AdditionTask.preset("cpu")
+    model = interp_norm.load("pre")
+    assert model.task == cpu and model.name == "pre"
+    assert HookedNormTransformer.from_pretrained("pre").task == cpu
+    kw = dict(levels=[0.0], noised="all", n_datasets=1, n_examples=128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TaskMismatchWarning)
+        default, explicit = run_noise(model, **kw), run_noise(model, cpu, **kw)
+    assert default["accuracy"].tolist() == explicit["accuracy"].tolist()
+    problems = cpu.test_set("id", 128, seed=1234).problems  # run_noise's dataset 0
+    texts = [p.text for p in problems]
+    width = max(map(len, texts))
+    tokens = torch.stack([encode(t + "*" * (width - len(t))) for t in texts])
+    with torch.no_grad():
+        pred = model(tokens).argmax(-1)
+    right = total = 0
+    for row, t in enumerate(texts):  # scored: each answer character and the closing ']' (after '=')
+        for i in range(t.index("=") + 1, len(t)):
+            right += int(pred[row, i - 1]) == int(tokens[row, i])
+            total += 1
+    assert default["accuracy"].iloc[0] == pytest.approx(right / total, abs=1.5 / total)  # a near-tie may flip
+    assert right / total >= LEARNED
+    with pytest.warns(TaskMismatchWarning) as caught:
+        paper = run_noise(model, AdditionTask(), **kw)
+    said = str(caught[0].message)
+    assert said.startswith("model 'pre' was trained on AdditionTask.preset('cpu') (2-digit terms")
+    assert "you passed AdditionTask() (the paper's task" in said
+    assert paper["accuracy"].iloc[0] < right / total - 0.2  # problems it never learnt

@@ -48,7 +48,7 @@ _EXPORTS = {
     "attention_scores": "scores", "verify_scores": "scores",
     "ARCHITECTURES": "build", "tiny_config": "build", "tiny_hf_model": "build", "bridge_from_hf": "build",
     "tiny_bridge": "build", "tiny_gemma4_conditional": "build", "sharpen": "build",
-    "load_model": "loading", "load_hf_model": "loading", "folder_kind": "loading",
+    "load": "loading", "load_model": "loading", "load_hf_model": "loading", "folder_kind": "loading",
     "HeadNoise": "noise", "seeded_sampler": "noise", "effective_factors": "noise", "argmax_changes": "noise",
     "collapse_factors": "noise",
     "bridge_collapse": "collapse", "collapse_chunks": "collapse", "collapse_kappa": "collapse",

@@ -1,6 +1,7 @@
 """Load any model an analysis accepts: our checkpoints, or a Hugging Face model as a bridge.
 
-:func:`load_model` takes what a user types after ``interp-norm collapse``:
+:func:`load` (public as ``interp_norm.load``; also ``load_model``) takes what a user types after
+``interp-norm collapse``:
 
 * one of our checkpoint or run folders, or a shipped pretrained name -> a
   :class:`~interp_norm.model.HookedNormTransformer` (through ``checkpoints.load_any``);
@@ -16,7 +17,6 @@ instead of being read as one of our checkpoints ("config.json has format_version
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 
+from interp_norm.checkpoint_format import folder_kind
 from interp_norm.errors import ArchitectureError, CheckpointError, CheckpointNotFoundError
 
 
@@ -34,28 +35,6 @@ def _hub_cache_dir() -> Optional[str]:
     if os.environ.get("HF_HOME"):
         return str(Path(os.environ["HF_HOME"]) / "hub")
     return None
-
-
-def folder_kind(path: Path) -> str:
-    """"interp_norm" (our checkpoint or run folder), "hf" (a transformers folder) or "unknown"."""
-    from interp_norm import checkpoints as C
-
-    if (path / C.LATEST).is_file():
-        return "interp_norm"
-    config = path / "config.json"
-    if not config.is_file():
-        return "unknown"
-    try:
-        data = json.loads(config.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
-        return "unknown"
-    if not isinstance(data, dict):
-        return "unknown"
-    if "format_version" in data:
-        return "interp_norm"
-    if "model_type" in data or "architectures" in data:
-        return "hf"
-    return "unknown"
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -109,12 +88,30 @@ def _hf_snapshot(name: str, cache_dir: Optional[str]) -> Optional[Path]:
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def load_model(spec: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               cache_dir: Optional[str] = None) -> Any:
-    """Our checkpoint/run folder or pretrained name -> HookedNormTransformer; an HF folder or a
-    cached HF name -> TransformerBridge (module docstring). ``cache_dir`` overrides the HF cache.
+def load(spec: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+         cache_dir: Optional[str] = None) -> Any:
+    """Any model interp_norm analyses, from one spec (``interp_norm.load``; nothing is downloaded).
 
-    An existing folder wins over a cached name of the same spelling (``org/name``).
+    * a shipped pretrained name (``"pre"``, ``"qkv"``; see ``interp_norm.list_pretrained()``) or one of
+      our checkpoint / training-run folders -> a :class:`~interp_norm.model.HookedNormTransformer` in
+      eval mode that knows its training task (``model.task``; every analysis defaults to it);
+    * a Hugging Face ``save_pretrained`` folder (``config.json`` with ``model_type``), or a Hugging
+      Face name already in the local cache (``HF_HUB_CACHE`` / ``HF_HOME``; ``cache_dir`` overrides it)
+      -> a TransformerLens ``TransformerBridge`` (with the tokenizer if one was saved beside the weights).
+
+    An existing folder wins over a cached name of the same spelling (``org/name``). Anything else is a
+    typed error saying what the folder holds or how to get the model (``hf download NAME`` elsewhere).
+
+    Examples::
+
+        import interp_norm
+        model = interp_norm.load("pre")                     # shipped checkpoint; model.task is its task
+        model = interp_norm.load("runs/my-run")             # a training run (its newest checkpoint)
+        gpt2 = interp_norm.load("path/to/gpt2-folder")      # hf_model.save_pretrained(...) output
+        qwen = interp_norm.load("Qwen/Qwen3-0.6B")          # already in the Hugging Face cache
+
+        from interp_norm.noise import run_collapse
+        run_collapse(model)                                 # on the model's own task
     """
     from interp_norm import checkpoints as C
 
@@ -153,4 +150,7 @@ def load_model(spec: str | os.PathLike, *, device: str = "cpu", dtype: torch.dty
     )
 
 
-__all__ = ["load_model", "load_hf_model", "folder_kind"]
+#: The name the CLI and older code use.
+load_model = load
+
+__all__ = ["load", "load_model", "load_hf_model", "folder_kind"]

@@ -72,11 +72,12 @@ def run_circuits(
     (node-level EAP and EAP-IG against exact ``z`` patching), ``edges`` (EAP-IG edge scores),
     ``circuit`` (top ``top_n`` edges, pruned; ``Circuit.from_dataframe(tables["circuit"], n_layers,
     n_heads)`` rebuilds the :class:`Circuit`, for :func:`interp_norm.plots.draw_circuit` and ``Circuit.to_json()``),
-    ``faithfulness`` (all ablations), ``attention_map``.
+    ``faithfulness`` (all ablations), ``attention_map``. ``task`` defaults to the model's own
+    (``model.task``); another one runs with a warning naming both.
     """
-    from interp_norm.task import AdditionTask
+    from interp_norm.task import task_for
 
-    task = task if task is not None else AdditionTask()
+    task = task_for(model, task, who="run_circuits")
     cfg = model.cfg
     pairs = make_pairs(task, n_pairs, split, seed, corrupt, aligned=aligned)
     met = make_metric(metric, pairs, model)

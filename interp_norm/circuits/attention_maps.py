@@ -15,7 +15,7 @@ over problems gives how often (``frequency`` = events / problems with that query
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import pandas as pd
 import torch
@@ -148,10 +148,13 @@ def attention_map(model, problems, threshold: float = SPARSE_THRESHOLD, query: s
 
 
 def attention_map_split(
-    model, task: T.AdditionTask, split: Union[str, T.Split] = "id", n: int = 512, *, batch_size: int = 128,
-    seed: int = 0, threshold: float = SPARSE_THRESHOLD, query: str = "place", progress: bool = False,
+    model, task: Optional[T.AdditionTask] = None, split: Union[str, T.Split] = "id", n: int = 512, *,
+    batch_size: int = 128, seed: int = 0, threshold: float = SPARSE_THRESHOLD, query: str = "place",
+    progress: bool = False,
 ) -> pd.DataFrame:
-    """:func:`attention_map` over ``n`` seeded problems of a split, in batches."""
+    """:func:`attention_map` over ``n`` seeded problems of a split, in batches (``task``: the
+    model's own unless given)."""
+    task = T.task_for(model, task, who="attention_map_split")
     if not isinstance(n, int) or n < 1 or not isinstance(batch_size, int) or batch_size < 1:
         raise PatchingError("n and batch_size must be positive integers")
     probs = task.sample_problems(n, split, seed)

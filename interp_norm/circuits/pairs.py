@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import pandas as pd
 import torch
@@ -248,7 +248,7 @@ def _sample_like(template: T.Problem, rng: random.Random) -> T.Problem:
 
 
 def make_pairs(
-    task: T.AdditionTask, n: int, split: Union[str, T.Split] = "id", seed: int = 0, corrupt: str = "digit",
+    task: Any, n: int, split: Union[str, T.Split] = "id", seed: int = 0, corrupt: str = "digit",
     *, term: Optional[int] = None, place: Optional[int] = None, op: Optional[int] = None,
     aligned: bool = False, max_tries: int = 200,
 ) -> PatchingPairs:
@@ -258,7 +258,14 @@ def make_pairs(
     term, signs, answer length and corrupted position), so position ``p`` means the same thing in
     every row -- what per-position patching tables need to be readable. It draws the first
     problem from the split, then problems of the same shape.
+
+    ``task``: an :class:`~interp_norm.task.AdditionTask`, or a model, whose own task is used
+    (``make_pairs(model, 32)``).
     """
+    if not isinstance(task, T.AdditionTask) and hasattr(task, "cfg"):
+        task = T.task_for(task, None, who="make_pairs")
+    elif not isinstance(task, T.AdditionTask):
+        raise PatchingError(f"make_pairs needs an AdditionTask or a model that knows its task, got {type(task).__name__}")
     if not isinstance(n, int) or n < 1:
         raise PatchingError(f"n must be a positive integer, got {n!r}")
     rng = random.Random(seed)

@@ -266,6 +266,12 @@ def hf_tokens(model: Any, args: argparse.Namespace) -> Any:
 
     if getattr(args, "text", None):
         from interp_norm.bridges import text_tokens
+        from interp_norm.errors import ConfigError
+
+        if getattr(model, "tokenizer", None) is None:
+            raise ConfigError(f"--text needs a tokenizer, but {getattr(model.cfg, 'model_name', None) or 'the model'!r} has none "
+                              "(no tokenizer files were saved beside the weights); copy tokenizer.json / "
+                              "tokenizer_config.json into the model folder, or leave out --text")
 
         return text_tokens(model, Path(args.text).read_text(encoding="utf-8"), n_ctx=args.n_ctx, max_windows=args.windows)
     return bridge_tokens(model, args.windows, args.n_ctx, args.seed)

@@ -20,6 +20,7 @@ all real tokens (no padding in text windows); ``exclude_bos`` drops position 0, 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -176,15 +177,22 @@ def bridge_norms(model: Any) -> list[BridgeNorm]:
 
 def bridge_tokens(model: Any, n: int = 8, n_ctx: int = 32, seed: int = 0) -> Tensor:
     """Input for a text model: ``n`` windows of the shipped sample text if the bridge has a
-    tokenizer, else seeded random ordinary token ids (tiny models built from a config have none)."""
+    tokenizer, else seeded random ordinary token ids (tiny models built from a config have none),
+    with a warning saying so: numbers measured on random ids describe no text."""
     from interp_norm.bridges import random_tokens, text_tokens
     from interp_norm.bridges.bridge_anatomy import probe_tokens
 
+    name = getattr(getattr(model, "cfg", None), "model_name", None) or "this model"
     if getattr(model, "tokenizer", None) is not None:
         try:
             return text_tokens(model, n_ctx=n_ctx, max_windows=n)
-        except Exception:
-            pass
+        except Exception as e:  # noqa: BLE001 - any tokenizer failure: say it, then fall back
+            why = f"its tokenizer failed on the sample text ({e})"
+    else:
+        why = ("it has no tokenizer (none was saved beside the weights: copy tokenizer.json / "
+               "tokenizer_config.json into the model folder to analyse text)")
+    warnings.warn(f"{name!r}: analysing {n} windows of seeded random token ids, not text, because {why}",
+                  stacklevel=3)
     try:
         return probe_tokens(model, n, n_ctx, seed)
     except Exception:

@@ -31,6 +31,7 @@ from interp_norm.geometry.spread import norm_spread
 from interp_norm.geometry.subspaces import head_read_fractions, subspace_angles, subspaces
 from interp_norm.hooks import act_name
 from interp_norm.model import HookedNormTransformer
+from interp_norm.task import task_for
 
 __all__ = ["geometry_hook_names", "run_geometry", "bridge_geometry", "compare_geometry", "geometry_summary"]
 
@@ -46,8 +47,7 @@ def geometry_hook_names(model: HookedNormTransformer) -> list[str]:
 def _sample_tokens(model: HookedNormTransformer, task, tokens, n: int, split: str, seed: int) -> Tensor:
     if tokens is not None:
         return as_tokens(model, tokens)
-    if task is None:
-        raise ConfigError("run_geometry needs a task (AdditionTask) or tokens; pass task=AdditionTask.preset('cpu') or tokens=...")
+    task = task_for(model, task, who="run_geometry (without tokens=)", stacklevel=4)
     return as_tokens(model, task.sample_batch(n, split, seed=seed).tokens)
 
 
@@ -88,6 +88,7 @@ def run_geometry(
     component–component and component–read pair (head read spaces among themselves are skipped:
     ~65k large SVDs on the paper-size model; call :func:`subspace_angles` for them).
 
+    ``task`` defaults to the model's own (``model.task``); it is only read when ``tokens`` is not given.
     A ``TransformerBridge`` (a Hugging Face model) gets :func:`bridge_geometry` instead.
     """
     if is_bridge(model):

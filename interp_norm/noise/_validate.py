@@ -13,7 +13,7 @@ from interp_norm.errors import ConfigError, NoiseSpecError
 from interp_norm.evaluate import trim_padding
 from interp_norm.hooks import VARIANT_LABELS
 from interp_norm.model import HookedNormTransformer, ModelConfig
-from interp_norm.task import AdditionTask, Batch
+from interp_norm.task import Batch, task_for
 from interp_norm.theory import NoiseLaw
 
 #: What the noise can act on: q, k, v (= the message m = W_O v) and the Pre-Norm divisor.
@@ -162,11 +162,11 @@ def trimmed_tokens(tokens: Tensor | Batch, model: HookedNormTransformer) -> Tens
 TEST_SPLIT, TEST_EXAMPLES, TEST_SEED = "id", 256, 1234
 
 
-def on_test_set(measure, model, task, *args, split: str, n_examples: int, data_seed: int, **kwargs):
+def on_test_set(measure, model, task, *args, split: str, n_examples: int, data_seed: int, who: str, **kwargs):
     """``measure(model, task.test_set(split, n_examples, seed=data_seed), *args, **kwargs)`` with a
-    ``split`` column: the one-call ``run_*`` form of every tokens-level measurement."""
-    if not isinstance(task, AdditionTask):
-        raise ConfigError(f"task must be an AdditionTask, got {type(task).__name__}")
+    ``split`` column: the one-call ``run_*`` form (named ``who``) of every tokens-level measurement.
+    ``task`` None means the model's own (:func:`interp_norm.task.task_for`)."""
+    task = task_for(model, task, who=who, stacklevel=4)  # warns at the caller of run_*
     n_examples = check_positive_int(n_examples, "n_examples")
     df = measure(model, task.test_set(split, n_examples, seed=data_seed), *args, **kwargs)
     df.insert(5, "split", split)

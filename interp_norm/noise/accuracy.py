@@ -260,7 +260,7 @@ def _summarise_accuracy(df: pd.DataFrame) -> pd.DataFrame:
 
 def run_noise(
     model: HookedNormTransformer,
-    task: AdditionTask,
+    task: Optional[AdditionTask] = None,
     levels: Sequence[float] = DEFAULT_NOISE_LEVELS,
     *,
     split: str = "id",
@@ -277,10 +277,10 @@ def run_noise(
     row per (noised, level): ``accuracy`` (mean over datasets), ``se`` (std / √n_datasets, the
     paper's "standard error over 3 datasets"), ``n_datasets``, ``n_tokens``; with
     ``aggregate=False`` the per-dataset rows of :func:`accuracy_under_noise`. Other keyword
-    arguments go to :func:`accuracy_under_noise`.
+    arguments go to :func:`accuracy_under_noise`. ``task`` defaults to the model's own (``model.task``,
+    :func:`interp_norm.task.task_for`; another task runs with a warning naming both).
     """
-    if not isinstance(task, AdditionTask):
-        raise ConfigError(f"task must be an AdditionTask, got {type(task).__name__}")
+    task = T.task_for(model, task, who="run_noise")
     n_datasets = V.check_positive_int(n_datasets, "n_datasets")
     n_examples = V.check_positive_int(n_examples, "n_examples")
     datasets = [task.test_set(split, n_examples, seed=data_seed + i) for i in range(n_datasets)]

@@ -402,7 +402,7 @@ def collapse_table(
 
 def run_collapse(
     model: HookedNormTransformer,
-    task: AdditionTask,
+    task: Optional[AdditionTask] = None,
     levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
     spec: Optional[CollapseSpec] = None,
     *,
@@ -414,9 +414,10 @@ def run_collapse(
     """The paper's circuit-collapse experiment in one call, on ``task.test_set(split, n_examples,
     seed=data_seed)``, with a ``split`` column. Returns
     :func:`measure_collapse`'s table (other keyword arguments go to it); pass it to
-    :func:`collapse_thresholds` for the 1%-collapse noise levels."""
+    :func:`collapse_thresholds` for the 1%-collapse noise levels. ``task`` defaults to the model's
+    own (``model.task``); another one runs with a warning naming both."""
     return V.on_test_set(measure_collapse, model, task, levels, spec, split=split, n_examples=n_examples,
-                         data_seed=data_seed, **kwargs)
+                         data_seed=data_seed, who="run_collapse", **kwargs)
 
 
 def collapse_thresholds(curves: pd.DataFrame, target: float = 0.01) -> pd.DataFrame:

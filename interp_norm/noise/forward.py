@@ -128,7 +128,7 @@ def measure_forward_collapse(
 
 def run_forward_collapse(
     model: HookedNormTransformer,
-    task: AdditionTask,
+    task: Optional[AdditionTask] = None,
     levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
     spec: Optional[CollapseSpec] = None,
     *,
@@ -139,9 +139,9 @@ def run_forward_collapse(
 ) -> pd.DataFrame:
     """:func:`measure_forward_collapse` on ``task.test_set(split, n_examples, seed=data_seed)`` (the
     same keywords and defaults, so the same problems, as :func:`interp_norm.noise.run_collapse`),
-    with a ``split`` column."""
+    with a ``split`` column. ``task`` defaults to the model's own (``model.task``)."""
     return V.on_test_set(measure_forward_collapse, model, task, levels, spec, split=split, n_examples=n_examples,
-                         data_seed=data_seed, **kwargs)
+                         data_seed=data_seed, who="run_forward_collapse", **kwargs)
 
 
 __all__ = ["forward_collapse_decisions", "measure_forward_collapse", "run_forward_collapse"]

@@ -110,7 +110,7 @@ def _row(columns: dict, c: float, layer, n_rows: int, n_sparse: int, levels, rat
 
 def run_temperature_sweep(
     model: HookedNormTransformer,
-    task: AdditionTask,
+    task: Optional[AdditionTask] = None,
     multipliers: Sequence[float] = DEFAULT_MULTIPLIERS,
     levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
     spec: Optional[CollapseSpec] = None,
@@ -122,9 +122,9 @@ def run_temperature_sweep(
 ) -> pd.DataFrame:
     """:func:`temperature_sweep` on ``task.test_set(split, n_examples, seed=data_seed)`` (the same
     keywords and defaults, so the same problems, as :func:`interp_norm.noise.run_collapse`), with a
-    ``split`` column."""
+    ``split`` column. ``task`` defaults to the model's own (``model.task``)."""
     return V.on_test_set(temperature_sweep, model, task, multipliers, levels, spec, split=split, n_examples=n_examples,
-                         data_seed=data_seed, **kwargs)
+                         data_seed=data_seed, who="run_temperature_sweep", **kwargs)
 
 
 __all__ = ["DEFAULT_MULTIPLIERS", "temperature_sweep", "run_temperature_sweep"]
