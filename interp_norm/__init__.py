@@ -3,6 +3,10 @@
 Reproduces and extends Menary, Kaski & Freitas (2024), "Transformer Normalisation Layers and the
 Independence of Semantic Subspaces", on small addition transformers hooked like TransformerLens.
 
+``interp_norm.load(spec)`` loads any model: a shipped name (``"pre"``), one of our checkpoint folders,
+or a Hugging Face folder or cached name (a TransformerLens bridge). Our models know their task
+(``model.task``), and every analysis defaults to it.
+
 The names below load on first use (PEP 562), so ``import interp_norm`` -- and with it
 ``interp-norm --help`` -- does not import torch, TransformerLens, plotly or pandas.
 
