@@ -11,7 +11,13 @@ Besides the paper's measurements it runs the controls that make them mean someth
   (as many non-sparse rows as sparse ones), and for QK-/QKV-Norm the noise placed *after* the norm
   (before it the norm removes the noise by construction);
 * ``forward_collapse``: collapse seen in the real noisy forward pass beside the per-layer theory;
-* ``temperature``: collapse level and sparse fraction vs a score multiplier c.
+* ``temperature``: collapse level and sparse fraction vs a score multiplier c, split into the rows
+  sparse at c = 1 and the rows newly counted as sparse.
+
+and those of issue 23: ``collapse`` also gives ``collapse_heads`` (the 1% level and share of sparse
+rows per head, from the same decisions); ``noise_decomposition`` (q-only, k-only, v-only, all,
+random-direction and one-κ-per-token noise at 1%); ``collapse_consequence`` (accuracy of problems
+with ≥ 1 collapsed sparse row vs none, noise on sparse rows only, with bootstrap intervals).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from typing import Any, Callable, Optional
 import pandas as pd
 
 #: Analyses in the order they run (``evaluate`` is cheap and runs for every checkpoint).
-ANALYSES = ("evaluate", "circuits", "noise", "collapse", "forward_collapse", "temperature", "geometry", "attention")
+ANALYSES = ("evaluate", "circuits", "noise", "collapse", "forward_collapse", "temperature", "geometry", "attention",
+            "noise_decomposition", "collapse_consequence")
 #: The heavy ones (``analyse`` chooses the checkpoints they run on).
 HEAVY = tuple(a for a in ANALYSES if a != "evaluate")
 
@@ -105,7 +112,15 @@ def analyse_checkpoint(
     ``checkpoint`` (and ``variant`` where the analysis does not set it).
     """
     from interp_norm.hooks import is_normalised
-    from interp_norm.noise import MATCHED, run_collapse, run_forward_collapse, run_noise, run_temperature_sweep
+    from interp_norm.noise import (
+        MATCHED,
+        run_collapse_consequence,
+        run_collapse_with_heads,
+        run_forward_collapse,
+        run_noise,
+        run_noise_decomposition,
+        run_temperature_sweep,
+    )
 
     todo = set(HEAVY) if todo is None else set(todo) & set(HEAVY)
     task, a = info.task, info.model_cfg.attn_norm
@@ -138,14 +153,13 @@ def analyse_checkpoint(
         elif analysis == "collapse":
             kw = dict(n_examples=settings.collapse_examples, n_draws=settings.collapse_draws,
                       strict_samples=settings.collapse_strict_samples, seed=settings.seed, progress=progress)
-            put("collapse", _front(run_collapse(model, task, settings.collapse_levels, variant=label, **kw),
-                                   checkpoint=name))
-            if after_norm:
-                # the norm removes noise placed before it; also ask how fragile the attention
-                # itself would be if the noise survived the norm
-                put("collapse", _front(run_collapse(model, task, settings.collapse_levels,
-                                                    variant=f"{label}, noise after norm", placement="after_norm",
-                                                    **kw), checkpoint=name))
+            # the norm removes noise placed before it; for QK/QKV-Norm also ask how fragile the
+            # attention itself would be if the noise survived the norm
+            for v, more in [(label, {})] + ([(f"{label}, noise after norm", dict(placement="after_norm"))]
+                                            if after_norm else []):
+                curves, heads = run_collapse_with_heads(model, task, settings.collapse_levels, variant=v, **kw, **more)
+                put("collapse", _front(curves, checkpoint=name))
+                put("collapse_heads", _front(heads, checkpoint=name))
         elif analysis == "forward_collapse":
             placement = "after_norm" if after_norm else "before_norm"
             v = f"{label}, noise after norm" if after_norm else label
@@ -159,6 +173,18 @@ def analyse_checkpoint(
             put("temperature", _front(run_temperature_sweep(
                 model, task, settings.temperature_multipliers, settings.collapse_levels,
                 n_examples=settings.temperature_examples, n_draws=settings.temperature_draws, seed=settings.seed,
+                variant=v, placement=placement, progress=progress), checkpoint=name))
+        elif analysis == "noise_decomposition":
+            put("noise_decomposition", _front(run_noise_decomposition(
+                model, task, settings.decomposition_levels, n_datasets=settings.noise_datasets,
+                n_examples=settings.noise_examples, seed=settings.seed, variant=label, progress=progress),
+                checkpoint=name))
+        elif analysis == "collapse_consequence":
+            placement = "after_norm" if after_norm else "before_norm"
+            v = f"{label}, noise after norm" if after_norm else label
+            put("collapse_consequence", _front(run_collapse_consequence(
+                model, task, settings.consequence_levels, n_examples=settings.consequence_examples,
+                n_draws=settings.consequence_draws, n_boot=settings.consequence_boot, seed=settings.seed,
                 variant=v, placement=placement, progress=progress), checkpoint=name))
         elif analysis == "geometry":
             from interp_norm.geometry import run_geometry

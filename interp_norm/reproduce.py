@@ -75,6 +75,11 @@ class Settings:
     temperature_multipliers: tuple[float, ...] = field(default_factory=lambda: _noise_default("DEFAULT_MULTIPLIERS"))
     temperature_examples: int = 256
     temperature_draws: int = 32
+    decomposition_levels: tuple[float, ...] = (0.01,)  # noise_decomposition (datasets/examples: noise_*)
+    consequence_levels: tuple[float, ...] = field(default_factory=lambda: _noise_default("CONSEQUENCE_LEVELS"))
+    consequence_examples: int = 512
+    consequence_draws: int = 4
+    consequence_boot: int = 2000
     workers: Optional[int] = None  # processes (None: up to 2); see run_analyses
     geometry_examples: int = 256
     circuit_pairs: int = 64
@@ -86,7 +91,8 @@ class Settings:
     def __post_init__(self) -> None:
         for name in ("eval_size", "noise_examples", "noise_datasets", "collapse_examples", "collapse_draws",
                      "collapse_strict_samples", "forward_examples", "forward_draws", "temperature_examples",
-                     "temperature_draws", "geometry_examples", "circuit_pairs", "circuit_attention_problems"):
+                     "temperature_draws", "geometry_examples", "circuit_pairs", "circuit_attention_problems",
+                     "consequence_examples", "consequence_draws", "consequence_boot"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"Settings.{name} must be a positive integer, got {v!r}")
@@ -106,6 +112,7 @@ class Settings:
             collapse_levels=(0.05, 0.2, 0.5), collapse_examples=16, collapse_draws=8, collapse_strict_samples=16,
             geometry_examples=24, circuit_pairs=6, circuit_attention_problems=16, forward_examples=16,
             forward_draws=4, temperature_multipliers=(1.0, 2.0), temperature_examples=16, temperature_draws=4,
+            consequence_examples=24, consequence_draws=2, consequence_boot=200,
         )
         return cls(**{**base, **overrides})
 
@@ -271,7 +278,7 @@ def run_analyses(
         stages,
     )
     from interp_norm.geometry import geometry_summary
-    from interp_norm.noise import collapse_thresholds
+    from interp_norm.noise import beside_thresholds, collapse_thresholds
     from interp_norm.plots import variant_label
 
     settings = settings or Settings.full()
@@ -366,6 +373,8 @@ def run_analyses(
         T[key] = _concat([f for n in order for f in tables.get(n, {}).get(key, [])])
     if len(T.get("collapse", ())):
         T["collapse_thresholds"] = collapse_thresholds(T["collapse"])
+        if len(T.get("collapse_heads", ())):  # the effective number of heads beside every level
+            T["collapse_thresholds"] = beside_thresholds(T["collapse_thresholds"], T["collapse_heads"])
     if len(T.get("forward_collapse", ())):
         T["forward_collapse_thresholds"] = collapse_thresholds(T["forward_collapse"])
     geo = [k[len("geometry_"):] for k in keys if k.startswith("geometry_")]

@@ -321,7 +321,8 @@ def real_model_tables(models: dict, args: argparse.Namespace) -> dict:
 #: The task's splits (the task module imports torch; --help must not).
 SPLITS = ("id", "interp", "extrap")
 #: The analyses ``reproduce`` can run (checkpoint_report.ANALYSES, which imports pandas; a test keeps them equal).
-ANALYSES = ("evaluate", "circuits", "noise", "collapse", "forward_collapse", "temperature", "geometry", "attention")
+ANALYSES = ("evaluate", "circuits", "noise", "collapse", "forward_collapse", "temperature", "geometry", "attention",
+            "noise_decomposition", "collapse_consequence")
 CKPT_HELP = "checkpoint or run folder, or a pretrained name (see 'interp-norm list')"
 MODEL_HELP = (CKPT_HELP[:-1] + "), or a Hugging Face model: a local save_pretrained folder or a name already in the "
               "Hugging Face cache (never downloaded)")

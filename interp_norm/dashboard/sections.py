@@ -199,6 +199,44 @@ def _control_sections(T: dict, panel: Callable) -> list[Section]:
                                   caption="Scores multiplied by c before the softmax: sharper attention makes more "
                                           "rows sparse and lets smaller noise flip them."))
         out.append(s)
+    issue23 = _issue23_panels(T)
+    if issue23:
+        out.append(Section("Whose collapse, and what noise costs", "Which heads a pooled collapse level rests on, "
+                           "which part of the noise costs the accuracy, and whether the problems in which a sparse "
+                           "row collapsed are the ones that fail.", issue23, anchor="controls-23"))
+    return out
+
+
+def _issue23_panels(T: dict) -> list[Panel]:
+    """Tables of the per-head collapse, the noise-drop decomposition, the consequence of collapse and
+    the temperature sweep's same-rows / new-rows split (every column is in the CSV named in the caption)."""
+    out = []
+    th = T.get("collapse_thresholds")
+    if th is not None and "effective_heads" in th.columns:
+        v = th[(th["layer"].astype(str) == "all") & (th["definition"] == "loose")]
+        out.append(Panel("Effective number of heads behind each pooled 1% level", kind="table", table=v[[
+            c for c in ("variant", "level_measured", "n_sparse", "effective_heads", "top_layer", "top_head", "top_share")
+            if c in v.columns]], caption="effective_heads = 1/Σ share² over the (layer, head) shares of the sparse rows "
+                                         "(2 for two equal heads, 1 for one). Per head: collapse_heads.csv."))
+    if "noise_decomposition" in T:
+        d = T["noise_decomposition"]
+        out.append(Panel("Accuracy lost to 1% noise, by what is noised", kind="table", table=d[[
+            "variant", "level", "mode", "drop", "drop_se", "clean_accuracy"]], caption="drop in points (clean − noisy, "
+            "mean ± se over datasets). random: same-size noise x + κ‖x‖u in a random direction; shared: one κ per "
+            "token for every head and q, k, v. noise_decomposition.csv."))
+    if "collapse_consequence" in T:
+        c = T["collapse_consequence"]
+        out.append(Panel("Accuracy when a sparse row collapsed vs when none did", kind="table", table=c[[
+            "variant", "level", "group", "n_pairs", "accuracy", "accuracy_lo", "accuracy_hi", "drop", "drop_lo",
+            "drop_hi"]], caption="Noise on q, k of sparse rows only; (problem, draw) pairs with ≥ 1 collapsed sparse row "
+            "vs none; 95% bootstrap intervals over problems. collapse_consequence.csv."))
+    tp = T.get("temperature")
+    if tp is not None and "n_same" in tp.columns:
+        v = tp[tp["layer"].astype(str) == "all"]
+        out.append(Panel("Temperature: the same rows vs the newly sparse rows", kind="table", table=v[[
+            "variant", "c", "n_same", "collapse_level_same_loose", "n_new", "collapse_level_new_loose"]],
+            caption="For a fixed row, scaling its scores by c > 0 never changes which key wins under multiplicative "
+                    "noise (an identity): the rows sparse at c = 1 keep their level; only newly counted rows differ."))
     return out
 
 

@@ -19,6 +19,13 @@ queries, keys and values (digest §2.3). This package turns that model into inst
 * :mod:`~interp_norm.noise.temperature` — :func:`temperature_sweep`: collapse level and sparse-row
   fraction vs a score multiplier c (temperature 1/c).
 
+* :mod:`~interp_norm.noise.heads` — :func:`run_collapse_with_heads`: the 1% collapse level per
+  head, each head's share of the sparse rows and the effective number of heads behind a pooled level.
+* :mod:`~interp_norm.noise.decomposition` — :func:`run_noise_decomposition`: the accuracy drop
+  under noise on q, k, v alone, all, same-size noise in a random direction, one κ per token.
+* :mod:`~interp_norm.noise.consequence` — :func:`run_collapse_consequence`: accuracy of problems
+  in which a sparse row collapsed vs those in which none did, at the same noise, with intervals.
+
 Controls: ``noised="nonsparse_matched"`` in :func:`run_noise` noises as many non-sparse rows as
 there are sparse ones (:func:`matched_row_gates`), so sparse-only vs non-sparse-only is a fair contrast.
 
@@ -48,8 +55,31 @@ from interp_norm.noise.collapse import (
     measure_collapse,
     run_collapse,
 )
+from interp_norm.noise.consequence import (
+    CONSEQUENCE_LEVELS,
+    bootstrap_ratios,
+    cluster_bootstrap,
+    collapse_consequence,
+    percentile_interval,
+    run_collapse_consequence,
+)
+from interp_norm.noise.decomposition import (
+    DECOMPOSITION_LEVELS,
+    DECOMPOSITION_MODES,
+    noise_decomposition,
+    run_noise_decomposition,
+)
 from interp_norm.noise.forward import forward_collapse_decisions, measure_forward_collapse, run_forward_collapse
 from interp_norm.noise.hooks import NormNoise, effective_factor, norm_noise_hooks, unit_noise
+from interp_norm.noise.heads import (
+    beside_thresholds,
+    effective_heads,
+    head_collapse_table,
+    head_summary,
+    measure_head_collapse,
+    run_collapse_with_heads,
+    run_head_collapse,
+)
 from interp_norm.noise.temperature import DEFAULT_MULTIPLIERS, run_temperature_sweep, temperature_sweep
 
 __all__ = [
@@ -85,4 +115,22 @@ __all__ = [
     "DEFAULT_MULTIPLIERS",
     "temperature_sweep",
     "run_temperature_sweep",
+    # issue 23 controls
+    "effective_heads",
+    "head_collapse_table",
+    "head_summary",
+    "beside_thresholds",
+    "measure_head_collapse",
+    "run_head_collapse",
+    "run_collapse_with_heads",
+    "DECOMPOSITION_LEVELS",
+    "DECOMPOSITION_MODES",
+    "noise_decomposition",
+    "run_noise_decomposition",
+    "CONSEQUENCE_LEVELS",
+    "bootstrap_ratios",
+    "percentile_interval",
+    "cluster_bootstrap",
+    "collapse_consequence",
+    "run_collapse_consequence",
 ]

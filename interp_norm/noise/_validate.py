@@ -20,6 +20,10 @@ from interp_norm.theory import NoiseLaw
 TARGETS = ("q", "k", "v", "scale")
 ALIASES = {"m": "v", "message": "v", "query": "q", "key": "k", "value": "v"}
 TARGET_CODE = {"q": 0, "k": 1, "v": 2, "scale": 3}
+SHARED_CODE = 4  # the stream of NormNoise(shared=True): one κ per token for every head and target
+DIRECTION_CODE = 16  # + TARGET_CODE: the unit vectors of NormNoise(direction="random")
+#: What ``NormNoise(direction=...)`` can perturb: the norm (x → (1+κ)x) or a random direction.
+DIRECTIONS = ("norm", "random")
 #: Where noise on q/k/v enters a QK-/QKV-Norm model: before the per-head norm or after it.
 from interp_norm.defaults import PLACEMENTS  # noqa: E402  (re-exported)
 
@@ -87,6 +91,21 @@ def check_targets(targets: str | Sequence[str], cfg: Optional[ModelConfig], allo
     if not out:
         raise NoiseSpecError(f"no noise targets given; choose from {tuple(allowed)}")
     return tuple(sorted(out, key=TARGET_CODE.__getitem__))
+
+
+def check_control(shared: bool, direction: str, targets: tuple[str, ...], gated: bool) -> tuple[bool, str]:
+    """NormNoise's ``shared`` / ``direction`` options, checked against the targets and a row gate."""
+    if not isinstance(shared, bool):
+        raise NoiseSpecError(f"shared must be True or False, got {shared!r}")
+    if direction not in DIRECTIONS:
+        raise NoiseSpecError(f"unknown direction {direction!r}; choose one of {DIRECTIONS}")
+    if "scale" in targets and (shared or direction != "norm"):
+        raise NoiseSpecError("target 'scale' is already one κ per token on the Pre-Norm divisor; use shared=True or "
+                             "direction='random' with targets among ('q', 'k', 'v')")
+    if gated and direction != "norm":
+        raise NoiseSpecError("row_gate acts on attention scores, which only norm noise can be moved to; "
+                             "drop row_gate or use direction='norm'")
+    return shared, direction
 
 
 def check_index_list(values: Optional[int | Sequence[int]], n: int, what: str) -> tuple[int, ...]:

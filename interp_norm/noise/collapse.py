@@ -237,12 +237,15 @@ class LayerCollapse:
 
 
 def layer_decisions(
-    clean: CleanAttention, layer: int, levels: tuple[float, ...], spec: CollapseSpec, eps: float, multiplier: float = 1.0
+    clean: CleanAttention, layer: int, levels: tuple[float, ...], spec: CollapseSpec, eps: float, multiplier: float = 1.0,
+    rows: Optional[Int[Tensor, "row 3"]] = None,
 ) -> LayerCollapse:
     """One layer's sparse rows and their decisions at every level and draw, from the clean run.
 
     ``multiplier`` c scales the clean scores first (temperature 1/c): rows are those sparse in
-    softmax(c·w) and the noised rows are f_q·f_k·c·w. c = 1 is the paper's protocol.
+    softmax(c·w) and the noised rows are f_q·f_k·c·w. c = 1 is the paper's protocol. ``rows``
+    [R, 3] of (batch, head, query) fixes the rows instead (a row's draws do not depend on which
+    other rows are judged).
     """
     scores = clean.scores[layer]  # [b, h, q, k]
     pattern = clean.pattern[layer]
@@ -250,7 +253,8 @@ def layer_decisions(
         scores = scores * multiplier
         pattern = scores.softmax(-1)
     b, h, n, _ = scores.shape
-    rows = clean.sparse_rows(pattern, spec.sparse_threshold)  # [R, 3]: (batch, head, query)
+    if rows is None:
+        rows = clean.sparse_rows(pattern, spec.sparse_threshold)  # [R, 3]: (batch, head, query)
     rb, rh, rq = rows.unbind(-1)
     w = scores[rb, rh, rq].to(torch.float64)  # [R, n]
     D = spec.n_draws

@@ -19,6 +19,15 @@ paper can call QKV-Norm "stable by construction" and see "only jitter due to fin
 the scores, so both placements are ``hook_q/hook_k/hook_v``; QK-Norm has no value norm, so ``v``
 noise always lands on ``hook_v``.
 
+Controls (Menary et al. §2.3 ask what noise *on the norm* does; these ask what else could):
+``shared=True`` draws one κ per (example, position, layer), the same for every head and every
+noised target (q, k and v all scaled by that one (1+κ)) — the paper's picture of interference
+arriving through the one shared Pre-Norm divisor, as opposed to an independent κ per head and
+vector. ``direction="random"`` replaces x → (1+κ)x by x → x + κ·‖x‖·u, u a uniformly random unit
+vector per (example, position, head, target): the perturbation has exactly the norm |κ|·‖x‖ of the
+norm noise with the same κ (so the same RMS size, level·‖x‖), only its direction is random rather
+than along x. Per-head norms do not remove it (they remove only the radial part).
+
 Seeding: the κ of forward pass n (counted per :class:`NormNoise` object) at (layer, target) comes
 from a generator seeded by ``(seed, layer, target, n)``, so draws do not depend on which other
 targets, layers or heads are noised. κ = level · z with z of unit RMS from
@@ -79,6 +88,11 @@ class NormNoise:
     ``distribution`` ``"uniform"`` (the paper's) or ``"normal"``; ``layers`` and ``heads`` (None =
     all; unselected heads get κ = 0 exactly); ``placement`` (module docstring); ``seed``.
 
+    ``shared`` and ``direction`` (``"norm"`` or ``"random"``): the controls of the module
+    docstring. ``shared`` draws κ from its own stream (seeded by ``(seed, layer, "shared", n)``),
+    so every target of a pass gets the same κ; ``direction="random"`` keeps the κ of the plain norm
+    noise (common random numbers) and draws u from a separate stream (:meth:`draw_direction`).
+
     ``row_gate``: ``{layer: Bool[batch, head, query]}`` restricts q/k noise to those attention
     rows (the paper's "noise only on sparse / non-sparse distributions"). A key is read by many
     rows, so gating cannot be done on the vectors; instead the layer's scores of gated rows become
@@ -116,6 +130,8 @@ class NormNoise:
         placement: str = "before_norm",
         seed: int = 0,
         row_gate: Optional[Mapping[int, Tensor]] = None,
+        shared: bool = False,
+        direction: str = "norm",
     ):
         cfg = V.check_model(model)
         self.model, self.cfg = model, cfg
@@ -123,6 +139,7 @@ class NormNoise:
         self.targets = V.check_targets(targets, cfg)
         self.placement = V.check_placement(placement)
         self.seed = V.check_seed(seed)
+        self.shared, self.direction = V.check_control(shared, direction, self.targets, row_gate is not None)
         if row_gate is not None:
             if not isinstance(row_gate, Mapping) or not row_gate:
                 raise NoiseSpecError("row_gate must be a non-empty dict {layer: Bool[batch, head, query] tensor}")
@@ -175,14 +192,27 @@ class NormNoise:
         return {(l, t): noise_site(self.cfg.attn_norm, t, l, self.placement) for l in self.layers for t in self.targets}
 
     def draw(self, layer: int, target: str, shape: Sequence[int], call: int = 0, dtype: torch.dtype = torch.float32) -> Tensor:
-        """κ for (layer, target) in forward pass ``call``; unselected heads (dim 2 of q/k/v) get 0."""
-        z = unit_noise(shape, seeded_generator(self.seed, layer, V.TARGET_CODE[target], call), self.law.distribution, dtype)
+        """κ for (layer, target) in forward pass ``call``; unselected heads (dim 2 of q/k/v) get 0.
+        With ``shared``, one κ per (example, position) for every head and target (``shape`` [b, p, h, 1])."""
+        if self.shared and target != "scale":
+            g = seeded_generator(self.seed, layer, V.SHARED_CODE, call)
+            z = unit_noise((*shape[:2], *(1,) * (len(shape) - 2)), g, self.law.distribution, dtype).expand(*shape)
+        else:
+            z = unit_noise(shape, seeded_generator(self.seed, layer, V.TARGET_CODE[target], call), self.law.distribution, dtype)
         kappa = z * self.law.level
         if target != "scale" and len(self.heads) < self.cfg.n_heads:
             keep = torch.zeros(self.cfg.n_heads, dtype=torch.bool)
             keep[list(self.heads)] = True
             kappa = kappa * keep.view(1, 1, -1, 1).to(dtype)
         return kappa
+
+    def draw_direction(self, layer: int, target: str, shape: Sequence[int], call: int = 0,
+                       dtype: torch.dtype = torch.float32) -> Tensor:
+        """The random unit vectors u [..., d] of ``direction="random"`` for (layer, target) in pass
+        ``call``: standard normal draws divided by their norm (uniform on the sphere)."""
+        g = seeded_generator(self.seed, layer, V.DIRECTION_CODE + V.TARGET_CODE[target], call)
+        u = torch.randn(tuple(shape), generator=g, dtype=torch.float64)
+        return (u / u.norm(dim=-1, keepdim=True)).to(dtype)
 
     def _next(self, layer: int, target: str, shape: Sequence[int], like: Tensor) -> Tensor:
         call = self._calls.get((layer, target), 0)
@@ -194,7 +224,11 @@ class NormNoise:
     def _vector_hook(self, layer: int, target: str) -> Callable:
         def hook(act: Tensor, hook=None) -> Tensor:
             shape = (*act.shape[:-1], 1)  # [b, p, h, 1] or [b, p, 1] for the scale
-            return act * (1.0 + self._next(layer, target, shape, act))
+            kappa = self._next(layer, target, shape, act)
+            if self.direction == "random":
+                u = self.draw_direction(layer, target, act.shape, self._calls[(layer, target)] - 1, act.dtype)
+                return act + kappa * act.norm(dim=-1, keepdim=True) * u.to(act.device)
+            return act * (1.0 + kappa)
 
         return hook
 

@@ -7,6 +7,17 @@ scores by c (temperature 1/c) and re-running the collapse protocol on them asks 
 temperature alone would do to the paper's 1%-collapse level — the mechanism behind our models'
 gap to the paper. The machinery is :func:`interp_norm.noise.collapse.layer_decisions` with the
 same draws, so c = 1 reproduces :func:`interp_norm.noise.measure_collapse` exactly.
+
+What the sweep can and cannot show — an identity, true by construction (tested): for c > 0 and
+any noise factors, argmax_t f_q·f_t·(c·w_t) = argmax_t f_q·f_t·w_t, because multiplying every
+entry of a row by the same positive number preserves their order. So for a *fixed* set of rows
+and the same draws, the loose collapse decisions are identical at every c, and so is their 1%
+level. The max softmax weight of a row is non-decreasing in c (d p_max/dc = p_max·(w_max − E_p[w])
+≥ 0), so the rows sparse at c ≥ 1 are the rows sparse at c = 1 plus new ones. A lower pooled
+level at larger c therefore says only which rows are counted, never that the same circuits became
+more fragile. The table reports both parts: ``same`` rows (sparse at c and at c = 1; at c ≥ 1 these
+are exactly the c = 1 rows, whose loose level is the c = 1 level) and ``new`` rows (sparse at c
+but not at c = 1), each with its own collapse level.
 """
 
 from __future__ import annotations
@@ -64,7 +75,9 @@ def temperature_sweep(
     ``layer``, ``n_rows`` (rows that count: query ≥ 1, no padding, chosen heads), ``n_sparse``,
     ``frac_sparse`` = n_sparse / n_rows, ``collapse_level_loose``, ``collapse_level_strict``
     (:func:`theory.noise_level_at_rate` on the measured curve over ``levels``; NaN when the curve
-    never reaches ``rate`` or starts above it). w are the model's own pre-softmax scores
+    never reaches ``rate`` or starts above it), then the same split by rows (module docstring):
+    ``n_same``, ``n_new``, ``collapse_level_same_loose``, ``collapse_level_same_strict``,
+    ``collapse_level_new_loose``, ``collapse_level_new_strict``. w are the model's own pre-softmax scores
     (``hook_attn_scores``: 1/√d_head and any calibration included). ``options`` are
     :class:`CollapseSpec` fields; the draws do not depend on c (common random numbers).
     """
@@ -77,34 +90,50 @@ def temperature_sweep(
     n_valid = int(clean.valid.sum())
     columns = dict(variant=V.variant_label(cfg, variant), attn_norm=cfg.attn_norm, placement=spec.placement,
                    distribution=spec.distribution, targets="".join(spec.targets))
+    # rows sparse at c = 1, as a [b, h, q] grid per layer (the same rows layer_decisions counts at c = 1)
+    base = {}
+    for l in clean.layers:
+        grid = torch.zeros(clean.valid.shape, dtype=torch.bool)
+        grid[tuple(clean.sparse_rows(clean.pattern[l], spec.sparse_threshold).unbind(-1))] = True
+        base[l] = grid
     out = []
     bar = tqdm(total=len(multipliers) * len(clean.layers), desc="temperature", disable=not progress)
     for c in multipliers:
-        per_layer = []  # per layer: {definition: [per-row rates over draws, one [R] tensor per level]}
-        n_sparse = []
+        per_layer = []  # per layer: {definition: [per-row rates over draws, one [R] tensor per level]}, same-row mask
         for l in clean.layers:
             r = layer_decisions(clean, l, levels, spec, cfg.eps, multiplier=c)
             rates = {d: [dec.double().mean(0) for dec in getattr(r, d)] for d in ("loose", "strict")}
-            per_layer.append(rates)
-            n_sparse.append(len(r.rows))
-            out.append(_row(columns, c, l, n_valid, len(r.rows), levels, rates, rate))
+            same = base[l][tuple(r.rows.unbind(-1))] if len(r.rows) else torch.zeros(0, dtype=torch.bool)
+            per_layer.append((rates, same))
+            out.append(_row(columns, c, l, n_valid, levels, rates, same, rate))
             bar.update()
-        pooled = {d: [torch.cat([p[d][i] for p in per_layer]) for i in range(len(levels))] for d in ("loose", "strict")}
-        out.append(_row(columns, c, "all", n_valid * len(clean.layers), sum(n_sparse), levels, pooled, rate))
+        pooled = {d: [torch.cat([p[0][d][i] for p in per_layer]) for i in range(len(levels))] for d in ("loose", "strict")}
+        same = torch.cat([p[1] for p in per_layer])
+        out.append(_row(columns, c, "all", n_valid * len(clean.layers), levels, pooled, same, rate))
     bar.close()
     df = pd.DataFrame(out)
     df["layer"] = df["layer"].astype(object)
     return df
 
 
-def _row(columns: dict, c: float, layer, n_rows: int, n_sparse: int, levels, rates: dict, rate: float) -> dict:
-    # the same arithmetic as measure_collapse: per-row rates over draws, then their mean over rows
-    curve = {d: [float(v.mean()) if n_sparse else math.nan for v in rates[d]] for d in rates}
+def _levels(levels, rates: dict, keep: Tensor, rate: float) -> dict:
+    """Loose and strict 1% levels of the rows ``keep`` selects (the same arithmetic as
+    measure_collapse: per-row rates over draws, then their mean over rows)."""
+    n = int(keep.sum())
+    curve = {d: [float(v[keep].mean()) if n else math.nan for v in rates[d]] for d in rates}
+    return {d: theory.noise_level_at_rate(levels, curve[d], rate) for d in ("loose", "strict")}
+
+
+def _row(columns: dict, c: float, layer, n_rows: int, levels, rates: dict, same: Tensor, rate: float) -> dict:
+    n_sparse = len(same)
+    every, old, new = (_levels(levels, rates, keep, rate) for keep in (torch.ones_like(same), same, ~same))
     return dict(
         columns, c=c, layer=layer, n_rows=n_rows, n_sparse=n_sparse,
         frac_sparse=n_sparse / n_rows if n_rows else math.nan,
-        collapse_level_loose=theory.noise_level_at_rate(levels, curve["loose"], rate),
-        collapse_level_strict=theory.noise_level_at_rate(levels, curve["strict"], rate),
+        collapse_level_loose=every["loose"], collapse_level_strict=every["strict"],
+        n_same=int(same.sum()), n_new=int((~same).sum()),
+        collapse_level_same_loose=old["loose"], collapse_level_same_strict=old["strict"],
+        collapse_level_new_loose=new["loose"], collapse_level_new_strict=new["strict"],
     )
 
 
