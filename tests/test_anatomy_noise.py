@@ -234,3 +234,6 @@ def test_norm_noise_on_a_bridge_is_head_noise_and_a_context_manager(models, name
     assert torch.equal(model(tokens), clean_logits)  # hooks removed on exit
     with pytest.raises(NoiseSpecError, match="heads"):
         NormNoise(model, 0.1, heads=[0])
+    for option in (dict(shared=True), dict(direction="random")):  # issue 23's controls: ours only, refused here
+        with pytest.raises(NoiseSpecError, match=next(iter(option))):
+            NormNoise(model, 0.1, **option)

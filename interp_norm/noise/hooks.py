@@ -297,12 +297,15 @@ class NormNoise:
 
 def _bridge_noise(model, level: float, targets: str | Sequence[str] = ("q", "k", "v"), *, distribution: str = "uniform",
                   layers: Optional[int | Sequence[int]] = None, heads: Optional[int | Sequence[int]] = None,
-                  placement: str = "before_norm", seed: int = 0, row_gate: Optional[Mapping[int, Tensor]] = None):
+                  placement: str = "before_norm", seed: int = 0, row_gate: Optional[Mapping[int, Tensor]] = None,
+                  shared: bool = False, direction: str = "norm"):
     """:class:`NormNoise`'s arguments on a bridge, as a :class:`interp_norm.bridges.HeadNoise`
     (κ per example, position and head; grouped k/v heads noised once per key/value head)."""
     from interp_norm.bridges.noise import HeadNoise
 
     unsupported = [name for name, v in (("heads", heads), ("row_gate", row_gate)) if v is not None]
+    unsupported += [name for name, v, default in (("shared", shared, False), ("direction", direction, "norm"))
+                    if v != default]
     if unsupported:
         raise NoiseSpecError(
             f"{' and '.join(unsupported)} are not available on a TransformerBridge; noise whole layers "
