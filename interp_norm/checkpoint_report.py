@@ -32,6 +32,11 @@ ANALYSES = ("evaluate", "circuits", "noise", "collapse", "forward_collapse", "te
             "noise_decomposition", "collapse_consequence")
 #: The heavy ones (``analyse`` chooses the checkpoints they run on).
 HEAVY = tuple(a for a in ANALYSES if a != "evaluate")
+#: Opt-in (``interp-norm reproduce --controls``): about +5 s of CPU per analysed checkpoint, which
+#: would take ``make reproduce`` past its 3-minute budget.
+CONTROLS = ("noise_decomposition", "collapse_consequence")
+#: What a run does unless told otherwise.
+DEFAULT_ANALYSES = tuple(a for a in ANALYSES if a not in CONTROLS)
 
 
 def _front(df: pd.DataFrame, **cols: Any) -> pd.DataFrame:
@@ -251,5 +256,5 @@ def analyse_in_worker(name: str) -> tuple[str, Optional[pd.DataFrame], dict[str,
     return name, ev, tables, seconds
 
 
-__all__ = ["ANALYSES", "HEAVY", "analyse_checkpoint", "stages", "evaluate_checkpoint", "analyse_in_worker", "share_with_workers",
+__all__ = ["ANALYSES", "HEAVY", "CONTROLS", "DEFAULT_ANALYSES", "analyse_checkpoint", "stages", "evaluate_checkpoint", "analyse_in_worker", "share_with_workers",
            "default_problems"]

@@ -39,7 +39,7 @@ __all__ = [
     "reproduce",
     "make_dashboard",
 ]
-from interp_norm.checkpoint_report import ANALYSES  # noqa: E402  (imports pandas only)
+from interp_norm.checkpoint_report import ANALYSES, DEFAULT_ANALYSES  # noqa: E402  (imports pandas only)
 
 
 def _noise_default(name: str) -> tuple[float, ...]:
@@ -86,7 +86,7 @@ class Settings:
     circuit_attention_problems: int = 256
     problems: tuple[str, ...] = ()  # attention problems; default: one per split
     seed: int = 0
-    analyses: tuple[str, ...] = ANALYSES
+    analyses: tuple[str, ...] = DEFAULT_ANALYSES  # + checkpoint_report.CONTROLS with --controls
 
     def __post_init__(self) -> None:
         for name in ("eval_size", "noise_examples", "noise_datasets", "collapse_examples", "collapse_draws",

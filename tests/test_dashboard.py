@@ -61,7 +61,7 @@ def test_report_folder_has_every_table_as_csv_and_one_dashboard(run):
     expected = {"evaluation", "model_card", "training_curves", "noise_accuracy", "collapse", "collapse_thresholds",
                 "geometry_norm_spread", "geometry_sparsity_hist", "geometry_sphere_scores", "geometry_subspace_angles",
                 "geometry_ellipsoid_axes", "circuits_patching", "circuits_circuit", "circuits_faithfulness",
-                "circuits_edges", "attention_patterns", "collapse_heads", "noise_decomposition", "collapse_consequence"}
+                "circuits_edges", "attention_patterns", "collapse_heads"}
     assert expected <= set(report.tables)
     for key, df in report.tables.items():
         back = pd.read_csv(out / f"{key}.csv")

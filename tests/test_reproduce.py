@@ -60,6 +60,29 @@ def test_workers_do_not_change_any_table(tiny_checkpoints):
     assert set(after["attn_norm"]) == {"qkv"}  # noise after the norm: only where there is a q/k norm
 
 
+def test_controls_are_opt_in_and_land_in_the_report(tiny_checkpoints, tmp_path):
+    assert set(checkpoint_report.CONTROLS) <= set(checkpoint_report.ANALYSES)
+    assert not set(checkpoint_report.CONTROLS) & set(R.Settings().analyses)  # keeps make reproduce in budget
+    from interp_norm.cli._support import CONTROLS
+
+    assert CONTROLS == checkpoint_report.CONTROLS
+    out = tmp_path / "rep"
+    code = cli.main(["reproduce", "--out", str(out), "--checkpoints", str(tiny_checkpoints["pre"]),
+                     str(tiny_checkpoints["qkv"]), "--quick", "--no-progress", "--only", "evaluate", "collapse",
+                     "--controls"])
+    assert code == 0
+    for key in ("collapse_heads", "noise_decomposition", "collapse_consequence", "collapse_thresholds"):
+        assert (out / f"{key}.csv").exists(), key
+    th = pd.read_csv(out / "collapse_thresholds.csv")
+    heads = pd.read_csv(out / "collapse_heads.csv")
+    pooled = th[(th["layer"].astype(str) == "all") & (th["variant"] == "Pre-Norm")]
+    shares = heads[heads["variant"] == "Pre-Norm"]["n_sparse"] / heads[heads["variant"] == "Pre-Norm"]["n_sparse"].sum()
+    assert pooled["effective_heads"].iloc[0] == pytest.approx(1 / (shares**2).sum())
+    cons = pd.read_csv(out / "collapse_consequence.csv")
+    assert set(cons["group"]) == {"collapsed", "none", "difference"}
+    assert set(pd.read_csv(out / "noise_decomposition.csv")["mode"]) == {"q", "k", "v", "qkv", "random", "shared"}
+
+
 def test_bad_workers_is_a_typed_error(tiny_checkpoints):
     with pytest.raises(ConfigError, match="workers"):
         R.run_analyses([str(tiny_checkpoints["pre"]), str(tiny_checkpoints["qkv"])],

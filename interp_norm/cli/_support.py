@@ -323,6 +323,8 @@ SPLITS = ("id", "interp", "extrap")
 #: The analyses ``reproduce`` can run (checkpoint_report.ANALYSES, which imports pandas; a test keeps them equal).
 ANALYSES = ("evaluate", "circuits", "noise", "collapse", "forward_collapse", "temperature", "geometry", "attention",
             "noise_decomposition", "collapse_consequence")
+#: The opt-in ones (checkpoint_report.CONTROLS; ``reproduce --controls``).
+CONTROLS = ("noise_decomposition", "collapse_consequence")
 CKPT_HELP = "checkpoint or run folder, or a pretrained name (see 'interp-norm list')"
 MODEL_HELP = (CKPT_HELP[:-1] + "), or a Hugging Face model: a local save_pretrained folder or a name already in the "
               "Hugging Face cache (never downloaded)")

@@ -8,6 +8,7 @@ from typing import Any, Optional
 from interp_norm.cli._grammar import add_alias, add_heavy, add_out
 from interp_norm.cli._support import (
     ANALYSES,
+    CONTROLS,
     command,
     hf_args,
     load_model_spec,
@@ -29,7 +30,11 @@ def _settings_args(p: argparse.ArgumentParser) -> None:
                         "Checkpoint calibration for the shipped set, every given checkpoint otherwise)")
     p.add_argument("--problems", nargs="+", metavar="PROBLEM",
                    help="problems for the attention figure, e.g. '[12+N7=' (default: one per split)")
-    p.add_argument("--only", nargs="+", choices=ANALYSES, help="run only these analyses (default: all)")
+    p.add_argument("--only", nargs="+", choices=ANALYSES,
+                   help=f"run only these analyses (default: all but {', '.join(CONTROLS)})")
+    p.add_argument("--controls", action="store_true",
+                   help=f"also run {' and '.join(CONTROLS)} (issue 23's noise-drop decomposition and the accuracy "
+                        "of problems with a collapsed sparse row; about +5 s of CPU per analysed checkpoint)")
     p.add_argument("--workers", type=positive_int, default=None,
                    help="processes analysing checkpoints side by side, one thread each (default: up to 2 on cpu, "
                         "1 on another --device)")
@@ -45,6 +50,9 @@ def _settings(args: argparse.Namespace) -> Any:
         kw["problems"] = tuple(parse_problem(p).text for p in args.problems)  # typed error on a bad string
     if args.only:
         kw["analyses"] = tuple(args.only)
+    if args.controls:
+        base = kw.get("analyses", Settings().analyses)
+        kw["analyses"] = tuple(base) + tuple(a for a in CONTROLS if a not in base)
     return Settings.quick(**kw) if args.quick else Settings.full(**kw)
 
 
