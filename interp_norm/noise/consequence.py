@@ -196,7 +196,7 @@ def _group_rows(columns: dict, level: float, collapsed: np.ndarray, noisy: np.nd
 
 def run_collapse_consequence(
     model: HookedNormTransformer,
-    task: AdditionTask,
+    task: Optional[AdditionTask] = None,
     levels: Sequence[float] | float = CONSEQUENCE_LEVELS,
     *,
     split: str = V.TEST_SPLIT,
@@ -204,9 +204,10 @@ def run_collapse_consequence(
     data_seed: int = V.TEST_SEED,
     **kwargs,
 ) -> pd.DataFrame:
-    """:func:`collapse_consequence` on ``task.test_set(split, n_examples, seed=data_seed)``, with a ``split`` column."""
+    """:func:`collapse_consequence` on ``task.test_set(split, n_examples, seed=data_seed)``, with a
+    ``split`` column; ``task`` defaults to the model's own (``model.task``)."""
     return V.on_test_set(collapse_consequence, model, task, levels, split=split, n_examples=n_examples,
-                         data_seed=data_seed, **kwargs)
+                         data_seed=data_seed, who="run_collapse_consequence", **kwargs)
 
 
 __all__ = ["CONSEQUENCE_LEVELS", "bootstrap_ratios", "percentile_interval", "cluster_bootstrap", "collapse_consequence", "run_collapse_consequence"]

@@ -39,7 +39,7 @@ from interp_norm.evaluate import count_correct
 from interp_norm.model import HookedNormTransformer
 from interp_norm.noise import _validate as V
 from interp_norm.noise.hooks import NormNoise
-from interp_norm.task import AdditionTask, Batch
+from interp_norm.task import AdditionTask, Batch, task_for
 
 #: mode -> (targets, NormNoise options): the rows of the decomposition, in this order.
 DECOMPOSITION_MODES: dict[str, tuple[tuple[str, ...], dict]] = {
@@ -142,7 +142,7 @@ def noise_decomposition(
 
 def run_noise_decomposition(
     model: HookedNormTransformer,
-    task: AdditionTask,
+    task: Optional[AdditionTask] = None,
     levels: Sequence[float] | float = DECOMPOSITION_LEVELS,
     modes: str | Sequence[str] = tuple(DECOMPOSITION_MODES),
     *,
@@ -153,9 +153,9 @@ def run_noise_decomposition(
     **kwargs,
 ) -> pd.DataFrame:
     """:func:`noise_decomposition` on ``task.test_set(split, n_examples, seed=data_seed + i)`` for
-    i < ``n_datasets`` (the datasets of :func:`~interp_norm.noise.run_noise`), with a ``split`` column."""
-    if not isinstance(task, AdditionTask):
-        raise ConfigError(f"task must be an AdditionTask, got {type(task).__name__}")
+    i < ``n_datasets`` (the datasets of :func:`~interp_norm.noise.run_noise`), with a ``split`` column.
+    ``task`` defaults to the model's own (``model.task``)."""
+    task = task_for(model, task, who="run_noise_decomposition")
     n_datasets = V.check_positive_int(n_datasets, "n_datasets")
     n_examples = V.check_positive_int(n_examples, "n_examples")
     datasets = [task.test_set(split, n_examples, seed=data_seed + i) for i in range(n_datasets)]

@@ -157,7 +157,7 @@ def measure_head_collapse(
 
 def run_head_collapse(
     model: HookedNormTransformer,
-    task: AdditionTask,
+    task: Optional[AdditionTask] = None,
     levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
     spec: Optional[CollapseSpec] = None,
     *,
@@ -167,16 +167,17 @@ def run_head_collapse(
     **kwargs,
 ) -> pd.DataFrame:
     """:func:`measure_head_collapse` on the test set of :func:`~interp_norm.noise.run_collapse`
-    (the same keywords and defaults, so the same problems), with a ``split`` column."""
+    (the same keywords and defaults, so the same problems), with a ``split`` column. ``task``
+    defaults to the model's own (``model.task``)."""
     return V.on_test_set(measure_head_collapse, model, task, levels, spec, split=split, n_examples=n_examples,
-                         data_seed=data_seed, **kwargs)
+                         data_seed=data_seed, who="run_head_collapse", **kwargs)
 
 
 
 
 def run_collapse_with_heads(
     model: HookedNormTransformer,
-    task: AdditionTask,
+    task: Optional[AdditionTask] = None,
     levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
     spec: Optional[CollapseSpec] = None,
     *,
