@@ -126,3 +126,27 @@ def test_which_score_hooks_are_trustworthy(built, arch):
             ours = attention_scores(bridge, cache, la.layer)
             allowed = attention_mask(la, 10)
             assert torch.allclose(hook[..., allowed], ours[..., allowed], atol=1e-5)
+
+
+@torch.no_grad()
+def test_gpt2_scale_attn_by_inverse_layer_idx_is_followed_by_the_bridge():
+    """GPT-2's ``scale_attn_by_inverse_layer_idx`` divides layer l's scores by l + 1 as well: the
+    bridge's logits equal the untouched HF model's, and the pattern check holds on every layer."""
+    import copy
+
+    import transformers as tf
+
+    from interp_norm.bridges import bridge_from_hf, tiny_config, tiny_hf_model
+
+    plain = tiny_hf_model("gpt2", seed=3)
+    cfg = tiny_config("gpt2")
+    cfg.scale_attn_by_inverse_layer_idx = True
+    scaled = tf.GPT2LMHeadModel(cfg).eval()
+    scaled.load_state_dict(plain.state_dict())
+    ref = copy.deepcopy(scaled)
+    bridge = bridge_from_hf(scaled, name="tiny-gpt2-inverse-layer-idx")
+    tokens = random_tokens(bridge, 2, 11, seed=7)
+    assert (ref(tokens).logits - plain(tokens).logits).abs().max() > 1e-3  # the flag changes the model
+    assert torch.allclose(bridge(tokens), ref(tokens).logits, atol=1e-5, rtol=1e-5)
+    check = verify_scores(bridge, tokens)
+    assert check["ok"].all() and check["pattern_error"].max() <= 1e-5, check
