@@ -25,12 +25,18 @@ compare: setup
 
 # Headless Chromium (Debian's package) for the dashboard's browser check. Needs root (as in CI);
 # elsewhere, if it cannot be installed, the browser test is skipped with a message (in CI it fails).
+# Non-interactive and bounded in time, so CI never waits on it.
 browser:
-	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+	@command -v chromium >/dev/null 2>&1 || { timeout 900 apt-get update -qq \
+	  && DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -qq chromium >/dev/null; } \
 	  || { [ "$$CI" != "true" ] && echo "note: could not install chromium; the browser test will be skipped"; }
 
+# The suite in parallel, one pytest-xdist worker per core (at most TEST_WORKERS), each on one torch
+# thread (tests/conftest.py); --dist loadgroup keeps the tests of a module marked xdist_group on one
+# worker, so its expensive module fixture is built once. stdin is closed: nothing can wait for input.
+TEST_WORKERS ?= 4
 test: setup browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses $(TEST_WORKERS) --dist loadgroup < /dev/null
 
 bench: setup
 	for f in benchmarks/bench_*.py; do OMP_NUM_THREADS=1 $(PY) $$f || exit 1; done

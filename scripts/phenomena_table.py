@@ -1,7 +1,7 @@
-"""The README's "what the models show" tables, from a report folder written by ``make reproduce``.
+"""The "evidence about the models" tables of docs/results.md, from a report folder written by ``make reproduce``.
 
-    .venv/bin/python scripts/phenomena_table.py report            # print the markdown
-    .venv/bin/python scripts/phenomena_table.py report --readme   # also rewrite README.md between the markers
+    .venv/bin/python scripts/phenomena_table.py report           # print the markdown
+    .venv/bin/python scripts/phenomena_table.py report --write   # also rewrite docs/results.md between the markers
 
 Every number is read from the report's CSVs (nothing is typed by hand). Seeds of one variant are
 grouped: mean ± half the range over seeds ("± 0" is printed for a single seed). Rows are grouped by
@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 import pandas as pd
-from _readme import replace_block
+from _docs import replace_block
 
 ROOT = Path(__file__).resolve().parent.parent
 LABEL = {"pre": "Pre-Norm", "qkv": "QKV-Norm", "qk": "QK-Norm", "none": "No-Norm"}
@@ -200,13 +200,13 @@ def markdown(report: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("report", nargs="?", default=str(ROOT / "report"))
-    ap.add_argument("--readme", action="store_true", help="rewrite the tables in README.md between the markers")
-    ap.add_argument("--block", default="PHENOMENA", help="the README markers' name (<!-- NAME:start --> ... end)")
+    ap.add_argument("--write", action="store_true", help="rewrite the tables in docs/results.md between the markers")
+    ap.add_argument("--block", default="PHENOMENA", help="the page's markers' name (<!-- NAME:start --> ... end)")
     args = ap.parse_args()
     md = markdown(Path(args.report))
     print(md)
-    if args.readme:
-        replace_block(f"<!-- {args.block}:start -->", f"<!-- {args.block}:end -->", md)
+    if args.write:
+        replace_block(args.block, md)
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,7 @@
-"""Build the README's results table from the shipped checkpoints' metrics.json files.
+"""The accuracy table of the shipped checkpoints (docs/results.md), from their metrics.json files.
 
-    .venv/bin/python scripts/results_table.py            # print the markdown table
-    .venv/bin/python scripts/results_table.py --readme   # also rewrite it in README.md between the markers
+    .venv/bin/python scripts/results_table.py           # print the markdown table
+    .venv/bin/python scripts/results_table.py --write   # also rewrite it in docs/results.md between the markers
 
 Numbers are read from ``data/checkpoints/*/metrics.json`` (written at the end of training by
 ``interp_norm.train`` on fixed seeded test sets of 2048 problems per split), so the table always
@@ -16,10 +16,10 @@ import json
 from pathlib import Path
 
 import pandas as pd
-from _readme import replace_block
+from _docs import replace_block
 
 ROOT = Path(__file__).resolve().parent.parent
-START, END = "<!-- RESULTS:start -->", "<!-- RESULTS:end -->"
+BLOCK = "RESULTS"
 PAPER = {"pre": (91.38, 87.46, 66.65), "qkv": (90.99, 82.54, 46.76)}
 LABEL = {"pre": "Pre-Norm", "qkv": "QKV-Norm", "qk": "QK-Norm", "none": "No-Norm"}
 
@@ -81,12 +81,12 @@ def table(df: pd.DataFrame) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default=str(ROOT / "data" / "checkpoints"))
-    ap.add_argument("--readme", action="store_true", help="rewrite the table in README.md")
+    ap.add_argument("--write", action="store_true", help="rewrite the table in docs/results.md")
     args = ap.parse_args()
     md = table(collect(Path(args.data)))
     print(md)
-    if args.readme:
-        replace_block(START, END, md)
+    if args.write:
+        replace_block(BLOCK, md)
 
 if __name__ == "__main__":
     main()

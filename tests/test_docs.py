@@ -1,0 +1,77 @@
+"""The README and the generated pages under docs/.
+
+* docs/results.md's accuracy table is what ``scripts/results_table.py`` builds from the shipped
+  ``metrics.json`` files today (a new checkpoint without ``--write`` fails here).
+* Every generated block the scripts write has its markers on its page.
+* The README is a user guide: at most 200 lines, every relative link points at a file that exists.
+* No dated or time-of-day wording in the tracked text (results are current, not a log).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "scripts"
+
+
+@pytest.fixture(scope="module")
+def scripts():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        yield {name: importlib.import_module(name) for name in ("_docs", "results_table", "phenomena_table")}
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def test_results_table_is_current(scripts):
+    rt, docs = scripts["results_table"], scripts["_docs"]
+    expected = rt.table(rt.collect(ROOT / "data" / "checkpoints"))
+    assert docs.block(rt.BLOCK) == expected, (
+        "docs/results.md's accuracy table differs from the shipped metrics.json files: "
+        "run .venv/bin/python scripts/results_table.py --write")
+
+
+def test_every_generated_block_has_its_markers(scripts):
+    docs = scripts["_docs"]
+    for name in ("RESULTS", "PHENOMENA", "PHENOMENA30K", "FINDINGS"):
+        assert docs.block(name).strip(), name
+
+
+def test_replace_block_rewrites_only_the_block(scripts, tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("head\n<!-- X:start -->\nold\n<!-- X:end -->\ntail\n", encoding="utf-8")
+    scripts["_docs"].replace_block("X", "new\nlines", page)
+    assert page.read_text(encoding="utf-8") == "head\n<!-- X:start -->\nnew\nlines\n<!-- X:end -->\ntail\n"
+    with pytest.raises(SystemExit, match="lacks the markers"):
+        scripts["_docs"].replace_block("Y", "x", page)
+
+
+def test_readme_is_short_and_its_links_resolve():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 200
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    assert "docs/results.md" in links and "docs/benchmarks.md" in links and "CONTRIBUTING.md" in links
+    for link in links:
+        if "://" not in link:
+            assert (ROOT / link).exists(), f"README links to {link}, which does not exist"
+
+
+# Words that date a statement (a measurement "from last night") or an ISO date; this file is not scanned.
+DATED = re.compile(r"\b(tonight|overnight|night|morning|evening|yesterday)\b|\b20\d\d-[01]\d-[0-3]\d\b", re.IGNORECASE)
+TEXT_FILES = ("README.md", "CONTRIBUTING.md", "Makefile", "pyproject.toml", ".ci/run")
+TEXT_GLOBS = ("docs/*.md", "interp_norm/**/*.py", "tests/*.py", "scripts/*.py", "benchmarks/*.py",
+              "tutorials/*.py", "tutorials/*.md", "data/**/README.md")
+
+
+def test_no_dated_wording():
+    paths = [ROOT / p for p in TEXT_FILES] + [p for g in TEXT_GLOBS for p in ROOT.glob(g)]
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()[:100]}"
+            for p in paths if p.is_file() and p.name != Path(__file__).name
+            for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if DATED.search(line)]
+    assert not hits, "dated wording (write what holds now, not when it was measured):\n" + "\n".join(hits)
