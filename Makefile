@@ -31,12 +31,12 @@ browser:
 	  && DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -qq chromium >/dev/null; } \
 	  || { [ "$$CI" != "true" ] && echo "note: could not install chromium; the browser test will be skipped"; }
 
-# The suite in parallel, one pytest-xdist worker per core (at most TEST_WORKERS), each on one torch
-# thread (tests/conftest.py); --dist loadgroup keeps the tests of a module marked xdist_group on one
-# worker, so its expensive module fixture is built once. stdin is closed: nothing can wait for input.
+# The suite in parallel: one pytest-xdist worker per core (at most TEST_WORKERS), each on one torch
+# thread, slow tests handed out first (tests/conftest.py); an idle worker takes tests queued for a busy
+# one (worksteal). stdin is closed and each test has a time limit (pyproject.toml): CI cannot hang.
 TEST_WORKERS ?= 4
 test: setup browser
-	$(PY) -m pytest -q -n auto --maxprocesses $(TEST_WORKERS) --dist loadgroup < /dev/null
+	$(PY) -m pytest -q -n auto --maxprocesses $(TEST_WORKERS) --dist worksteal < /dev/null
 
 bench: setup
 	for f in benchmarks/bench_*.py; do OMP_NUM_THREADS=1 $(PY) $$f || exit 1; done

@@ -1,8 +1,10 @@
-"""Set-up shared by the whole test session (``make test`` runs ``pytest -n auto``, see the Makefile).
+"""Set-up shared by the whole test session (``make test`` runs ``pytest -n auto --dist worksteal``).
 
 * Under pytest-xdist each worker process computes with one torch thread, and the processes the
   tests start inherit ``OMP_NUM_THREADS=1``: two workers, each with torch's default of one thread
   per core, would oversubscribe the cores and spin. A serial ``pytest`` keeps torch's default.
+* Under pytest-xdist the tests marked ``slow`` (notebooks, killed-and-resumed training runs) are
+  handed out first, so the run does not end waiting on one long test started last.
 * A run that selects no test fails with a message (exit 1), never pytest's exit code 5, which CI
   scripts could mistake for something other than a failure.
 """
@@ -13,12 +15,19 @@ import os
 
 import pytest
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
+IN_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+
+if IN_WORKER:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    if IN_WORKER:  # every worker collects the same order, as xdist requires
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.hookimpl(trylast=True)
