@@ -5,6 +5,9 @@
   per core, would oversubscribe the cores and spin. A serial ``pytest`` keeps torch's default.
 * Under pytest-xdist the tests marked ``slow`` (notebooks, killed-and-resumed training runs) are
   handed out first, so the run does not end waiting on one long test started last.
+* SIGINT gets Python's own handler if the session started with it ignored (as a shell does for a job
+  started with ``&``, or ``nohup``): the Ctrl-C tests send real SIGINTs, in-process and to the
+  training processes they start, which inherit an ignored SIGINT but not a handled one.
 * A run that selects no test fails with a message (exit 1), never pytest's exit code 5, which CI
   scripts could mistake for something other than a failure.
 """
@@ -12,6 +15,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -23,6 +27,10 @@ if IN_WORKER:
     import torch
 
     torch.set_num_threads(1)
+
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
