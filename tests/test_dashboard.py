@@ -240,6 +240,9 @@ def test_cli_reproduce_and_dashboard(ckpts, tmp_path, capsys):
     code = cli.main(["reproduce", pre, "--out", str(tmp_path / "rep"), "--quick", "--no-progress",
                      "--only", "evaluate", "attention", "--problems", "[1+2=", "[3-N4="])
     assert code == 0
+    printed = capsys.readouterr().out  # the count it prints is the CSVs it wrote
+    n = int(re.search(r"wrote (\d+) analysis tables, timings.csv, checkpoints.csv, run.json", printed).group(1))
+    assert n + 2 == len(list((tmp_path / "rep").glob("*.csv")))
     att = pd.read_csv(tmp_path / "rep" / "attention_patterns.csv")
     assert set(att["text"]) == {"[1+2=3]", "[3-N4=7]"}
     assert not (tmp_path / "rep" / "noise_accuracy.csv").exists()

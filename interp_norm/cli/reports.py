@@ -88,7 +88,9 @@ def _reproduce(args: argparse.Namespace) -> int:
     ckpts = list(args.ckpt) + list(getattr(args, "checkpoints_old", None) or [])
     report = reproduce(out, ckpts or None, settings=_settings(args), analyse=_analyse(args),
                        progress=not args.no_progress, threads=args.threads, device=args.device)
-    print(f"wrote {len(report.tables)} tables and {out / 'dashboard.html'} in {report.timings['total']:.0f} s")
+    extra = "timings.csv, checkpoints.csv" if len(report.checkpoints) else "timings.csv"  # what write_report adds
+    print(f"wrote {len(report.tables)} analysis tables, {extra}, run.json and {out / 'dashboard.html'} "
+          f"in {report.timings['total']:.0f} s")
     for note in report.notes:
         print(f"note: {note}")
     return 0
