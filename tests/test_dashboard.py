@@ -301,19 +301,46 @@ def test_figures_with_many_rows_keep_their_panels_apart_and_readable(n):
         assert min(hi - lo for lo, hi in doms) * height >= 150, "panels shrank"
 
 
-def test_fit_legend_moves_long_legends_below_and_ignores_named_heatmaps():
+def test_fit_layout_puts_every_legend_below_with_its_rows_reserved_and_ignores_named_heatmaps():
     import plotly.graph_objects as go
 
-    from interp_norm.plots._style import fit_legend
+    from interp_norm.plots._style import fit_layout, legend_rows
 
-    lines = go.Figure([go.Scatter(x=[0, 1], y=[i, i], name=f"series {i}") for i in range(24)]).update_layout(height=400)
-    fit_legend(lines)
-    assert lines.layout.legend.orientation == "h" and lines.layout.height == 400 + 22 * 8  # 24 entries, 3 per row
-    short = fit_legend(go.Figure([go.Scatter(y=[i], name=f"s{i}") for i in range(8)]).update_layout(height=400))
-    assert short.layout.legend.orientation is None and short.layout.height == 400
+    # 24 entries named "series 0".."series 23" (8-9 characters): at ~7 px a character plus 46 px of
+    # swatch, ~100 px each, so 8 fit in the 880 px a 1000 px window leaves: 3 rows
+    names = [f"series {i}" for i in range(24)]
+    assert legend_rows(names, 880) == 3
+    lines = go.Figure([go.Scatter(x=[0, 1], y=[i, i], name=n) for i, n in enumerate(names)]).update_layout(height=400)
+    fit_layout(lines)
+    assert lines.layout.legend.orientation == "h" and lines.layout.legend.yanchor == "bottom"
+    assert lines.layout.height == 400 + 22 * 3 + 12 and lines.layout.margin.b >= 72 + 22 * 3
+    # a long title wraps; a short one does not
+    long = fit_layout(go.Figure(go.Scatter(y=[1])).update_layout(title="word " * 60))
+    assert long.layout.title.text.count("<br>") >= 2
+    assert "<br>" not in fit_layout(go.Figure(go.Scatter(y=[1])).update_layout(title="short")).layout.title.text
     # the attention explorer: one named heatmap per (model, problem, layer, head), none in the legend
     maps = go.Figure([go.Heatmap(z=[[0, 1]], name=f"L{i}H0", visible=i == 0) for i in range(120)]).update_layout(height=620)
-    assert fit_legend(maps).layout.height == 620 and maps.layout.legend.orientation is None
+    assert fit_layout(maps).layout.height == 620 and maps.layout.legend.orientation is None
+
+
+def test_seed_and_recipe_styles_tell_the_shipped_checkpoints_apart():
+    from interp_norm.plots._style import SEED_DASHES, member_key, member_style, variant_colour
+
+    # read from the names, by hand
+    assert member_key("Pre-Norm") == (0, "", False)
+    assert member_key("Pre-Norm (pre-s1)") == (1, "", False)
+    assert member_key("Pre-Norm (pre-cal-s1)") == (1, "cal", False)
+    assert member_key("QKV-Norm (qkv-s3), noise after norm") == (3, "", True)
+    assert member_key("qkv-30k") == (0, "30k", False)
+    names = ["pre", "pre-s1", "pre-cal", "pre-cal-s1"] + [f"pre-s{s}" for s in range(2, 6)] + [f"pre-cal-s{s}" for s in range(2, 6)]
+    looks = {(member_style(n)["dash"], member_style(n)["symbol"]) for n in names}
+    assert len(looks) == len(names)
+    assert [member_style(f"pre-s{s}")["dash"] for s in range(1, 6)] == list(SEED_DASHES[1:6])
+    assert member_style("pre")["dash"] == "solid" and member_style("pre-cal")["symbol"] == "circle-open"
+    after = member_style("QKV-Norm, noise after norm")
+    assert after["symbol"] != member_style("QKV-Norm")["symbol"]
+    assert {variant_colour(plots.variant_label(n, "pre")) for n in names} == {"#1f77b4"}
+    assert {(member_style(plots.variant_label(n, "pre"))["symbol"]) for n in names} == {s for _, s in looks}
 
 
 def test_circuit_graph_draws_the_strongest_edges_left_to_right():
@@ -338,7 +365,7 @@ def test_circuit_graph_draws_the_strongest_edges_left_to_right():
 def test_circuit_edge_table_is_drawn_as_that_circuit():
     table = pd.DataFrame(dict(sender=["embed", "a0.h1", "m0"], receiver=["a0.h1.q", "m0", "logits"], score=[0.5, -1.0, 2.0]))
     fig = plots.plot_circuit_graph(table, n_layers=2, n_heads=2)
-    lines = [t for t in fig.data if t.mode == "lines" and t.x[0] is not None]
+    lines = [t for t in fig.data if t.mode == "lines+markers" and t.x[0] is not None]
     assert sorted(t.text.split(":")[0] for t in lines) == ["a0.h1 -> m0", "embed -> a0.h1.q", "m0 -> logits"]
     width = {t.text.split(":")[0]: t.line.width for t in lines}
     assert width["m0 -> logits"] > width["a0.h1 -> m0"] > width["embed -> a0.h1.q"]  # |2| > |-1| > |0.5|
@@ -422,15 +449,80 @@ def test_models_text_states_what_these_models_show():
     assert "QKV-Norm is worse" in worse and "agree" in worse
 
 
-def test_unreached_collapse_levels_are_labelled_not_blank():
+def test_unreached_collapse_levels_sit_in_a_labelled_band_not_at_a_level():
     th = pd.DataFrame(dict(variant=["Pre-Norm", "QKV-Norm"], layer=[0, 0], definition="loose", target=0.01,
                            level_measured=[0.3, np.nan], level_predicted=[0.31, np.nan]))
     fig = plots.plot_collapse_thresholds(th, max_level=0.5)
-    qkv = [t for t in fig.data if t.name.startswith("QKV-Norm")]
-    assert all(list(t.y) == [0.5] and list(t.marker.opacity) == [0.18] for t in qkv)
+    pre = {t.name: t for t in fig.data if t.name and t.name.startswith("Pre-Norm")}
+    assert list(pre["Pre-Norm"].y) == [0.3] and list(pre["Pre-Norm: theory"].y) == [0.31]
+    band = [s for s in fig.layout.shapes if s.type == "rect"][0]
+    assert band.y0 > 0.5  # the band of unreached levels lies above every tested level
+    qkv = [t for t in fig.data if t.name and t.name.startswith("QKV-Norm")]
+    assert all(band.y0 < t.y[0] < band.y1 and "not reached" in t.text[0] for t in qkv)
     assert any("not reached" in (a.text or "") for a in fig.layout.annotations)
-    none = plots.plot_collapse_thresholds(th.assign(level_measured=np.nan, level_predicted=np.nan), max_level=0.5)
-    assert any("no model reaches" in (a.text or "") for a in none.layout.annotations)
+    # two series side by side in one layer: different x, the same layer tick
+    assert pre["Pre-Norm"].x[0] != qkv[0].x[0] and abs(pre["Pre-Norm"].x[0] - qkv[0].x[0]) < 1
+
+
+def test_attention_map_heatmap_is_the_hand_pivot_of_its_table():
+    am = pd.DataFrame(dict(variant="Pre-Norm", split="id", query=["ans.p0", "ans.p0", "ans.p1", "eos"],
+                           layer=[1, 1, 0, 1], head=[2, 2, 3, 2], key=["=", "ans.sign", "=", "ans.p1"],
+                           frequency=[0.25, 0.5, 0.75, 0.125]))
+    fig = plots.plot_attention_map(am)
+    hm = fig.data[0]
+    assert list(hm.y) == ["L0H3", "L1H2"] and list(hm.x) == ["ans.p0", "ans.p1", "eos"]
+    z = np.array(hm.z, dtype=float)
+    # by hand: L1H2 from ans.p0 attends to ans.sign in 50% (its most frequent key), from eos to ans.p1 in 12.5%
+    np.testing.assert_array_equal(z, [[np.nan, 0.75, np.nan], [0.5, np.nan, 0.125]])
+    assert hm.text[1][0] == "ans.sign" and hm.text[0][1] == "="
+
+
+def test_faithfulness_bars_and_agreement_dots_show_the_table_values():
+    f = pd.DataFrame(dict(variant=["Pre-Norm", "Pre-Norm", "Pre-Norm (pre-s1)"], ablation=["resample", "mean", "resample"],
+                          n_edges=[21, 21, 19], faithfulness=[0.96, 0.77, 0.5]))
+    bars = plots.plot_faithfulness_bars(f)
+    assert [list(t.y) for t in bars.data] == [[0.96, 0.77], [0.5]]
+    assert bars.data[0].marker.pattern.shape != bars.data[1].marker.pattern.shape  # seed 0 vs seed 1
+    e = pd.DataFrame(dict(variant=["QKV-Norm"], method=["eap"], pearson=[0.9], spearman=[0.8], topk_overlap=[0.7], k=[10]))
+    dots = plots.plot_attribution_agreement(e)
+    assert list(dots.data[0].y) == [0.9, 0.8, 0.7]
+    with pytest.raises(ConfigError):
+        plots.plot_faithfulness_bars(f.drop(columns="faithfulness"))
+
+
+def test_circuit_edges_into_k_and_v_of_one_head_end_apart_in_colours_no_variant_uses():
+    from interp_norm.plots._style import VARIANT_COLOURS
+
+    table = pd.DataFrame(dict(sender=["a0.h1", "a0.h1", "a0.h1"], receiver=["a1.h0.q", "a1.h0.k", "a1.h0.v"],
+                              score=[1.0, 2.0, 3.0], checkpoint="pre-s1"))
+    fig = plots.plot_circuit_graph(table, n_layers=2, n_heads=2)
+    edges = {t.text.split(":")[0]: t for t in fig.data if t.text and "->" in str(t.text)}
+    ends = {r.rsplit(".", 1)[1]: e.x[1] for r, e in ((k.split(" -> ")[1], e) for k, e in edges.items())}
+    assert ends["q"] < ends["k"] < ends["v"]  # three ports under head a1.h0 at x = 0
+    colours = {e.line.color for e in edges.values()}
+    assert len(colours) == 3 and not colours & set(VARIANT_COLOURS.values())
+    assert all(list(e.marker.symbol) == ["circle", "arrow"] for e in edges.values())  # arrowheads at the receiver
+    assert "pre-s1" in fig.layout.title.text
+    labels = {a.text for a in fig.layout.annotations}
+    assert {"a0.h1", "a1.h0"} <= labels
+
+
+def test_dashboard_without_csvs_or_with_only_hugging_face_models():
+    from interp_norm.dashboard.sections import figure_sections
+
+    card = pd.DataFrame([dict(checkpoint="pre", attn_norm="pre", id_acc=0.9)])
+    ours = SimpleNamespace(tables={"model_card": card}, checkpoints=pd.DataFrame(), timings={}, notes=[])
+    caption = lambda csv: " ".join(p.caption for s in figure_sections(ours, csv=csv)[0] for p in s.panels)
+    assert "model_card.csv" in caption(True) and "model_card.csv" not in caption(False)
+    layers = pd.DataFrame(dict(model=["gpt2", "gpt2"], layer=[0, 1], spread=[0.1, 0.2], frac_sparse=[0.0005, 0.001]))
+    hf = SimpleNamespace(tables={"real_layers": layers}, checkpoints=pd.DataFrame(), timings={}, notes=[])
+    sections, problems = figure_sections(hf, strict=True)
+    assert [s.anchor for s in sections] == ["real-models"] and not problems
+    assert D.page_title(hf) == "gpt2: interp_norm dashboard"
+    html = D.dashboard_html(hf, csv_links=False)
+    assert "Hugging Face models: gpt2" in html and 'id="models"' not in html
+    fig = sections[0].panels[0].figure
+    assert fig.layout.yaxis.tickformat.endswith("%")  # fractions as percentages, not "500µ"
 
 
 def test_wide_tables_are_split_into_blocks_that_repeat_the_row_names():

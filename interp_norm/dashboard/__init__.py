@@ -30,39 +30,57 @@ __all__ = [
     "table_html",
     "dashboard_html",
     "page_title",
+    "hf_model_names",
     "write_dashboard",
 ]
 
 
+def hf_model_names(report: Any) -> list[str]:
+    """The Hugging Face models a report compares beside ours (from its ``real_*`` tables)."""
+    names: list[str] = []
+    for key in ("real_layers", "real_anatomy"):
+        t = report.tables.get(key)
+        if t is not None and "model" in t.columns:
+            names += [str(m) for m in t["model"]]
+    return list(dict.fromkeys(names))
+
+
 def page_title(report: Any) -> str:
-    """A title that fits what was analysed: one model's name, or the variants compared."""
+    """A title that fits what was analysed: one model's name, or the variants compared, and the
+    Hugging Face models beside them."""
     ck = report.checkpoints
+    hf = hf_model_names(report)
     if not len(ck):
-        return "interp_norm dashboard"
+        return (" vs ".join(hf) + ": interp_norm dashboard") if hf else "interp_norm dashboard"
     labels = list(dict.fromkeys(map(str, ck["label"] if "label" in ck.columns else ck["checkpoint"])))
     if len(ck) == 1:
-        return f"{labels[0]}: interp_norm dashboard"
-    variants = list(dict.fromkeys(base_variant(v) or v for v in labels))
-    if len(variants) == 1:
-        return f"{variants[0]} ({len(ck)} checkpoints): interp_norm dashboard"
-    return " vs ".join(variants) + ": interp_norm dashboard"
+        ours = labels[0]
+    else:
+        variants = list(dict.fromkeys(base_variant(v) or v for v in labels))
+        ours = f"{variants[0]} ({len(ck)} checkpoints)" if len(variants) == 1 else " vs ".join(variants)
+    return ours + (" beside " + ", ".join(hf) if hf else "") + ": interp_norm dashboard"
 
 
 def dashboard_html(report: Any, title: Optional[str] = None, strict: bool = False, csv_links: bool = True) -> str:
     """The dashboard of a :class:`~interp_norm.reproduce.Report` as one HTML string (``title``:
     default :func:`page_title`)."""
     title = title or page_title(report)
-    sections, problems = figure_sections(report, strict=strict)
+    sections, problems = figure_sections(report, strict=strict, csv=csv_links)
     facts: dict[str, Any] = {}
     if len(report.checkpoints):
         facts["checkpoints"] = ", ".join(map(str, report.checkpoints["checkpoint"]))
+    hf = hf_model_names(report)
+    if hf:
+        facts["Hugging Face models"] = ", ".join(hf)
     total = report.timings.get("total")
     if total:
         facts["analysis time"] = f"{total:.0f} s"
     facts["generated"] = time.strftime("%Y-%m-%d %H:%M")
     links = [f"{k}.csv" for k in report.tables] if csv_links else []
+    on = ("small addition transformers" + (" beside Hugging Face models" if hf else "") if len(report.checkpoints)
+          else "Hugging Face models")
     subtitle = ("Mechanistic interpretability of attention normalisation (Menary, Kaski & Freitas 2024): circuits, "
-                "norm noise and circuit collapse, and residual-stream geometry, on small addition transformers.")
+                f"norm noise and circuit collapse, and residual-stream geometry, on {on}.")
     return render_html(sections, title=title, subtitle=subtitle, facts=facts,
                        notes=[*report.notes, *[f"figure skipped: {p}" for p in problems]], csv_links=links)
 

@@ -55,15 +55,28 @@ def _our_layers(tables: dict[str, pd.DataFrame]) -> Optional[pd.DataFrame]:
 
 
 def _figure(df: pd.DataFrame, column: str, title: str) -> go.Figure:
+    """One line per model along relative depth: ours in their variant's colour and seed's dash and
+    marker, Hugging Face models in colours no variant uses (:func:`~interp_norm.plots._style.colour_map`), dashed."""
+    from interp_norm.plots._style import colour_map, line_style
+
+    hf = colour_map(df.loc[df["source"] != "ours", "model"])
     fig = go.Figure()
     for (model, source), g in df.groupby(["model", "source"], sort=False):
         g = g.sort_values("depth")
-        fig.add_trace(go.Scatter(x=g["depth"], y=g[column], mode="lines+markers", name=_esc(model),
-                                 line=dict(dash="solid" if source == "ours" else "dash"),
-                                 hovertemplate=f"{_esc(model)}<br>layer %{{customdata}}<br>{column} %{{y:.3f}}<extra></extra>",
+        if source == "ours":
+            st = line_style(model, width=2, size=7)
+        else:
+            st = line_style(model, width=2.5, size=8, colour=hf[str(model)])
+            st["line"]["dash"] = "dash"
+            st["marker"]["symbol"] = "diamond-wide"
+        fig.add_trace(go.Scatter(x=g["depth"], y=g[column], mode="lines+markers", name=_esc(model) + ("" if source == "ours"
+                                 else " (Hugging Face)"), **st,
+                                 hovertemplate=f"{_esc(model)}<br>layer %{{customdata}}<br>%{{y:.2%}}<extra></extra>",
                                  customdata=g["layer"]))
-    fig.update_layout(title=title, xaxis_title="relative depth (0 = first layer, 1 = last)", yaxis_title=column,
-                      height=420, legend=dict(orientation="h", y=-0.25))
+    fig.update_layout(title=title, xaxis_title="relative depth (0 = first layer, 1 = last)",
+                      yaxis_title=dict(frac_sparse="sparse rows", spread="spread").get(column, column),
+                      height=420, legend_title="model")
+    fig.update_yaxes(tickformat=".2~%", rangemode="tozero")
     return fig
 
 
@@ -76,7 +89,7 @@ def real_model_section(report: Any, panel: Any) -> Optional[Section]:
     s = Section("Real models beside ours",
                 "Hugging Face models (through TransformerLens bridges) measured like ours: the share of "
                 "sparse attention rows and the norm spread per layer, on text windows instead of addition "
-                "problems (solid: ours, dashed: Hugging Face). The anatomy says where each model normalises "
+                "problems (ours: their variant's colour; Hugging Face models: dashed, diamonds, colours no variant uses). The anatomy says where each model normalises "
                 "q, k and v: GPT-2/Llama are Pre-Norm, Qwen3/OLMo-2 QK-Norm, Gemma 4 QKV-Norm.", anchor="real-models")
     df = layer_comparison(T)
     if len(df):

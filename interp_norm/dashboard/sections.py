@@ -13,23 +13,25 @@ import plotly.graph_objects as go
 
 from interp_norm import plots
 from interp_norm.dashboard.page import Panel, Section, _esc, _escape_variants
-from interp_norm.plots._style import fit_legend
+from interp_norm.plots._style import fit_layout
 
 __all__ = ["figure_sections"]
 
 
-def figure_sections(report: Any, strict: bool = False) -> tuple[list[Section], list[str]]:
+def figure_sections(report: Any, strict: bool = False, csv: bool = True) -> tuple[list[Section], list[str]]:
     """The dashboard's sections from a report's tables; returns ``(sections, problems)``.
 
     A figure whose table is missing is left out; a figure that fails to build is replaced by a
-    note (``strict=True`` raises instead, for tests).
+    note (``strict=True`` raises instead, for tests). ``csv``: whether the report's tables are
+    written beside the page as CSVs (captions point at them only then). Every figure goes
+    through :func:`~interp_norm.plots._style.fit_layout`.
     """
     T: dict[str, pd.DataFrame] = report.tables
     problems: list[str] = []
 
     def panel(title: str, build: Callable[[], go.Figure], caption: str = "", kind: str = "figure") -> Optional[Panel]:
         try:
-            return Panel(title, figure=fit_legend(build()), caption=caption, kind=kind)
+            return Panel(title, figure=fit_layout(build()), caption=caption, kind=kind)
         except Exception as e:
             if strict:
                 raise
@@ -46,11 +48,13 @@ def figure_sections(report: Any, strict: bool = False) -> tuple[list[Section], l
         s.panels.append(Panel("Model card", table=_compact_card(T["model_card"]), kind="table",
                               caption="One column per checkpoint. Per-token accuracy (teacher-forced, answer tokens "
                                       "including ']'), exact match (greedy generation); paper_*: the paper's per-token "
-                                      "accuracy. Every field is in model_card.csv."))
+                                      "accuracy." + (" Every field is in model_card.csv." if csv else "")))
         s.panels.append(panel("Accuracy per split", lambda: plots.plot_accuracy_by_split(T["model_card"])))
     if "training_curves" in T:
         s.panels.append(panel("Training loss", lambda: plots.plot_training_curves(T["training_curves"], "loss")))
-    sections.append(s)
+    s.panels = [p for p in s.panels if p is not None]
+    if s.panels:  # a dashboard of Hugging Face models only has no models of ours to describe
+        sections.append(s)
 
     # --- attention
     if "attention_patterns" in T:
@@ -89,23 +93,21 @@ def figure_sections(report: Any, strict: bool = False) -> tuple[list[Section], l
                     plots.plot_circuit_graph(g, title=f"{_esc(v)} (checkpoint {_esc(name)}): circuit of {len(g)} edges "
                                                       "(EAP-IG top edges, pruned)")),
                     caption=_edge_scale(g)))
+        where = " (circuits_{}.csv)" if csv else ""
         if "faithfulness" in circ:
-            f = circ["faithfulness"]
-            cols = [c for c in ("variant", "ablation", "n_edges", "n_components", "faithfulness", "metric_circuit",
-                                "metric_clean", "metric_empty", "metric_corrupted") if c in f.columns]
-            s.panels.append(Panel("Faithfulness", table=f[cols], kind="table",
-                                  caption="faithfulness = (circuit − all ablated) / (clean − all ablated), per ablation."))
+            s.panels.append(panel("Faithfulness", lambda: plots.plot_faithfulness_bars(_escape_variants(circ["faithfulness"])),
+                                  caption="faithfulness = (circuit − all ablated) / (clean − all ablated), per ablation of "
+                                          "the edges outside the circuit" + where.format("faithfulness") + "."))
         if "eap_vs_exact" in circ:
-            e = circ["eap_vs_exact"]
-            s.panels.append(Panel("Attribution vs exact patching", table=e[[c for c in e.columns if c != "checkpoint"]],
-                                  kind="table", caption="How well EAP / EAP-IG rank heads like exact patching (z, per position)."))
+            s.panels.append(panel("Attribution vs exact patching", lambda: plots.plot_attribution_agreement(
+                _escape_variants(circ["eap_vs_exact"])),
+                caption="How well EAP / EAP-IG rank heads like exact patching (z, per position): correlation over every "
+                        "head and position, and the overlap of the top k" + where.format("eap_vs_exact") + "."))
         if "attention_map" in circ:
-            am = circ["attention_map"]
-            if "frequency" in am.columns:
-                am = am.sort_values("frequency", ascending=False).groupby("variant", sort=False).head(12)
-            s.panels.append(Panel("Sparse attention from the answer positions", table=am[[c for c in am.columns if c != "checkpoint"]],
-                                  kind="table", caption="Which heads attend (max weight ≥ 95%) to which token role when "
-                                                        "predicting each answer token; the most frequent per model."))
+            s.panels.append(panel("Sparse attention from the answer positions", lambda: plots.plot_attention_map(
+                _escape_variants(circ["attention_map"])),
+                caption="Which heads attend (max weight ≥ 95%) to which token role when predicting each answer token: "
+                        "the most frequent key per head and query position" + where.format("attention_map") + "."))
         sections.append(s)
 
     # --- noise and collapse
@@ -117,7 +119,7 @@ def figure_sections(report: Any, strict: bool = False) -> tuple[list[Section], l
                     "how fragile its attention would be otherwise. Dashed: the theory's prediction.", anchor="noise")
         if "noise_accuracy" in T:
             s.panels.append(panel("Accuracy vs noise", lambda: plots.plot_accuracy_vs_noise(
-                _escape_variants(T["noise_accuracy"])).update_layout(height=560)))
+                _escape_variants(T["noise_accuracy"]))))
         if "collapse" in T:
             s.panels.append(panel("Collapse vs noise", lambda: plots.plot_collapse_vs_noise(_escape_variants(T["collapse"]))))
         if "collapse_thresholds" in T:
@@ -126,7 +128,7 @@ def figure_sections(report: Any, strict: bool = False) -> tuple[list[Section], l
             s.panels.append(panel("1% collapse levels", lambda: plots.plot_collapse_thresholds(_escape_variants(th),
                                                                                                max_level=top)))
         sections.append(s)
-    sections += _control_sections(T, panel)
+    sections += _control_sections(T, panel, csv)
 
     # --- geometry
     geo = {k[len("geometry_"):]: v for k, v in T.items() if k.startswith("geometry_")}
@@ -150,16 +152,13 @@ def figure_sections(report: Any, strict: bool = False) -> tuple[list[Section], l
             sa = geo["subspace_angles"]
             s.panels.append(panel("Subspace angles", lambda: plots.plot_subspace_angles(_escape_variants(sa))))
         if "interference" in geo:
-            it = geo["interference"]
-            n_rows = max(1, it["intervention"].nunique()) if "intervention" in it else 1
-            s.panels.append(panel("Direct interference", lambda: plots.plot_interference(_escape_variants(it)).update_layout(
-                height=180 + 200 * n_rows)))
+            s.panels.append(panel("Direct interference", lambda: plots.plot_interference(_escape_variants(geo["interference"]))))
         if "ellipsoid_axes" in geo:
             s.panels.append(panel("Norm ellipsoid axes", lambda: plots.plot_ellipsoid_axes(_escape_variants(geo["ellipsoid_axes"]))))
         if "summary" in geo:
             s.panels.append(Panel("Geometry summary", table=geo["summary"], kind="table",
                                   caption="Long tables are split into blocks of columns, each repeating the model and "
-                                          "layer; every column is in geometry_summary.csv."))
+                                          "layer" + ("; every column is in geometry_summary.csv." if csv else ".")))
         sections.append(s)
     from interp_norm.dashboard.real_models import real_model_section
 
@@ -169,12 +168,13 @@ def figure_sections(report: Any, strict: bool = False) -> tuple[list[Section], l
     return sections, problems
 
 
-def _control_sections(T: dict, panel: Callable) -> list[Section]:
+def _control_sections(T: dict, panel: Callable, csv: bool = True) -> list[Section]:
     """Spread over seeds, and the controls that make the noise and collapse claims mean something."""
     out = []
     if "seed_spread" in T:
         s = Section("Spread over seeds", "Each headline number per variant: mean ± half the range over the seeds "
-                    "analysed, with every seed's value (seed_spread.csv; per checkpoint in seed_numbers.csv). A "
+                    "analysed, with every seed's value" + (" (seed_spread.csv; per checkpoint in seed_numbers.csv)" if csv
+                                                           else "") + ". A "
                     "difference between variants smaller than this spread is not a finding.", anchor="seeds")
         view = T["seed_spread"].copy()
         view["mean ± half range"] = [("—" if pd.isna(m) else f"{m:.1f} ± {h:.1f}") for m, h in zip(view["mean"], view["half_range"])]

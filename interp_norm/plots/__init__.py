@@ -22,9 +22,17 @@ from __future__ import annotations
 from typing import Any
 
 from interp_norm.card import PAPER_PER_TOKEN_ACCURACY, model_card
-from interp_norm.plots._style import SPLITS, VARIANT_LABELS, escape, variant_label
+from interp_norm.plots._style import SPLITS, VARIANT_LABELS, escape, member_style, variant_colour, variant_label
 from interp_norm.plots.attention import plot_attention_explorer, plot_attention_pattern, plot_attention_patterns
-from interp_norm.plots.circuits import draw_circuit, plot_circuit_graph, plot_faithfulness, plot_patching_heatmap
+from interp_norm.plots.circuits import (
+    draw_circuit,
+    plot_attention_map,
+    plot_attribution_agreement,
+    plot_circuit_graph,
+    plot_faithfulness,
+    plot_faithfulness_bars,
+    plot_patching_heatmap,
+)
 from interp_norm.plots import geometry
 from interp_norm.plots.geometry import *  # noqa: F401,F403  (its __all__: the geometry figures, listed once there)
 from interp_norm.plots.models import plot_accuracy_by_split, plot_model_card, plot_training_curves
@@ -36,6 +44,8 @@ __all__ = [
     "SPLITS",
     "escape",
     "variant_label",
+    "variant_colour",
+    "member_style",
     # model card
     "model_card",
     "plot_model_card",
@@ -51,6 +61,9 @@ __all__ = [
     "plot_circuit_graph",
     "draw_circuit",
     "plot_faithfulness",
+    "plot_faithfulness_bars",
+    "plot_attribution_agreement",
+    "plot_attention_map",
     # noise
     "plot_accuracy_vs_noise",
     "plot_collapse_vs_noise",

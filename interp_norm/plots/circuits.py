@@ -17,9 +17,10 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from interp_norm.errors import ConfigError
-from interp_norm.plots._style import escape, row_gap
+from interp_norm.plots._style import bar_style, escape, row_gap
 
-__all__ = ["plot_patching_heatmap", "plot_circuit_graph", "draw_circuit", "plot_faithfulness"]
+__all__ = ["plot_patching_heatmap", "plot_circuit_graph", "draw_circuit", "plot_faithfulness", "plot_faithfulness_bars",
+           "INPUT_COLOURS"]
 
 
 def plot_patching_heatmap(
@@ -43,10 +44,10 @@ def plot_patching_heatmap(
     panels = list(dict.fromkeys(zip(df["variant"], df["activation"], df["by"])))
     variants = list(dict.fromkeys(df["variant"]))
     acts = list(dict.fromkeys(zip(df["activation"], df["by"])))
-    height = max(320, 300 * len(variants))
+    height = max(340, 330 * len(variants))
     fig = make_subplots(
         rows=len(variants), cols=len(acts), horizontal_spacing=0.06,
-        vertical_spacing=row_gap(len(variants), height, 72, 0.12),
+        vertical_spacing=row_gap(len(variants), height, 110, 0.2),
         subplot_titles=[
             (f"{escape(v)}: " if v else "") + f"{escape(a)}" + (f" ({escape(b)})" if b else "")
             for v in variants for a, b in acts
@@ -140,6 +141,9 @@ def plot_circuit_graph(
         sc = circuit["score"] if "score" in circuit else pd.Series(math.nan, index=circuit.index)
         edges = list(zip(circuit["sender"].astype(str), circuit["receiver"].astype(str)))
         c = Circuit(L, H, frozenset(edges), {e: float(v) for e, v in zip(edges, sc) if not pd.isna(v)})
+        if title is None and "checkpoint" in circuit.columns and len(circuit):
+            title = (f"checkpoint {escape(circuit['checkpoint'].iloc[0])}: circuit of {len(edges)} edges, "
+                     f"{len(c.components)} components")
         return draw_circuit(c, title=title)
     return _layered_graph(circuit, nodes, source=source, target=target, score=score, title=title, max_edges=max_edges)
 
@@ -195,12 +199,22 @@ def _layered_graph(
     return fig
 
 
+#: Edge colour by the input it enters: none of them is a variant's colour (variants are blue, red,
+#: green and purple in every figure).
+INPUT_COLOURS: dict[str, str] = {"q": "#ff7f0e", "k": "#17becf", "v": "#8c564b", "mlp": "#7f7f7f", "logits": "#000000"}
+# where an edge into a head's q / k / v ends: three ports under the head, so k and v edges never overlap
+_PORT = {"q": -0.22, "k": 0.0, "v": 0.22}
+
+
 def draw_circuit(circuit: Any, title: Optional[str] = None) -> go.Figure:
     """A :class:`~interp_norm.circuits.Circuit` as a plotly figure: embed at the bottom, one row per
     attention layer and per MLP, logits on top.
 
-    Edge colour = which input it enters (q blue, k green, v red, MLP grey, logits black);
-    width ~ |score| (uniform without scores). Hover shows names and scores.
+    Edges are arrows from sender to receiver, coloured by the input they enter
+    (:data:`INPUT_COLOURS`: q orange, k teal, v brown, MLP grey, logits black) and ending at that
+    input's own port under the head (q left, k centre, v right), so edges into k and v of one head
+    never overlap; width ~ |score| (uniform without scores). Node names sit on a white label beside
+    the node, above the edges. Hover shows names and scores.
     """
     from interp_norm.circuits.edges import receiver_node
 
@@ -216,36 +230,49 @@ def draw_circuit(circuit: Any, title: Optional[str] = None) -> go.Figure:
             return float(int(h)), 2 * int(l) + 1.0
         return float(H), 2 * int(node[1:]) + 1.6  # MLPs to the right of their layer's heads
 
-    colours = dict(q="#1f77b4", k="#2ca02c", v="#d62728", mlp="#7f7f7f", logits="#000000")
     fig = go.Figure()
     scores = [abs(v) for v in circuit.scores.values() if np.isfinite(v)]
     smax = max(scores) if scores else 1.0
     for u, r in sorted(circuit.edges):
         inp = r.rsplit(".", 1)[1] if r.count(".") == 2 else ("logits" if r == "logits" else "mlp")
         (x0, y0), (x1, y1) = pos(u), pos(receiver_node(r))
+        if inp in _PORT:
+            x1, y1 = x1 + _PORT[inp], y1 - 0.18
+        else:
+            y1 -= 0.12
+        y0 += 0.1
         s = circuit.scores.get((u, r))
-        width = 1.5 if s is None or not np.isfinite(s) else 0.5 + 5.5 * abs(s) / smax
+        width = 1.5 if s is None or not np.isfinite(s) else 0.8 + 4.5 * abs(s) / smax
         fig.add_trace(go.Scatter(
-            x=[x0, x1], y=[y0, y1], mode="lines", line=dict(color=colours[inp], width=width),
+            x=[x0, x1], y=[y0, y1], mode="lines+markers", line=dict(color=INPUT_COLOURS[inp], width=width),
+            marker=dict(symbol=["circle", "arrow"], size=[0, 7 + 2 * width], angleref="previous",
+                        color=INPUT_COLOURS[inp], line=dict(width=0)),
             hoverinfo="text", text=f"{u} -> {r}" + ("" if s is None else f": {s:.4g}"), showlegend=False,
+            legendgroup=f"into {inp}",
         ))
     nodes = sorted(circuit.nodes) or ["embed", "logits"]
     xs, ys = zip(*(pos(nd) for nd in nodes))
     fig.add_trace(go.Scatter(
-        x=xs, y=ys, mode="markers+text", text=nodes, textposition="top center",
-        marker=dict(size=14, color=["#ffbf00" if nd.startswith("m") else "#9467bd" if nd.startswith("a") else "#333" for nd in nodes]),
+        x=xs, y=ys, mode="markers",
+        marker=dict(size=14, color=["#f0c000" if nd.startswith("m") else "#555" if nd.startswith("a") else "#222" for nd in nodes],
+                    line=dict(color="white", width=1.5)),
         hovertext=[f"{nd}: {circuit.node_scores.get(nd, '')}" for nd in nodes], hoverinfo="text", showlegend=False,
     ))
-    for name, col in colours.items():
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line=dict(color=col, width=3), name=f"into {name}"))
+    for nd, x, y in zip(nodes, xs, ys):
+        fig.add_annotation(x=x, y=y, text=escape(nd), showarrow=False, xanchor="left", yanchor="bottom", xshift=6, yshift=4,
+                           font=dict(size=10, color="#222"), bgcolor="rgba(255,255,255,0.9)", borderpad=1)
+    for name, col in INPUT_COLOURS.items():
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines+markers", line=dict(color=col, width=3),
+                                 marker=dict(symbol="arrow", angleref="previous", color=col), name=f"into {name}",
+                                 legendgroup=f"into {name}"))
     ticks = [0.0] + [y for l in range(L) for y in (2 * l + 1.0, 2 * l + 1.6)] + [2 * L + 1.0]
     labels = ["embed"] + [t for l in range(L) for t in (f"attn {l}", f"mlp {l}")] + ["logits"]
     fig.update_layout(
         title=title or f"circuit: {len(circuit.edges)} edges, {len(circuit.components)} components",
-        xaxis=dict(title="head", tickmode="array", tickvals=list(range(H)) + [H], ticktext=[str(h) for h in range(H)] + ["MLP"],
-                   range=[-0.6, H + 0.6]),
+        xaxis=dict(title="head (edges end at the head's q | k | v port)", tickmode="array", tickvals=list(range(H)) + [H],
+                   ticktext=[str(h) for h in range(H)] + ["MLP"], range=[-0.6, H + 0.8], showgrid=False),
         yaxis=dict(tickmode="array", tickvals=ticks, ticktext=labels, range=[-0.5, 2 * L + 1.6]),
-        template="plotly_white", height=250 + 110 * L, width=350 + 90 * H,
+        template="plotly_white", height=250 + 110 * L, width=350 + 90 * H, legend_title="edge colour: the input it enters",
     )
     return fig
 
@@ -319,4 +346,105 @@ def plot_faithfulness(
         template="plotly_white", height=320 * nrows + 80, width=max(520, 330 * ncols + 160),
         legend=dict(title="method"),
     )
+    return fig
+
+
+# ----------------------------------------------------------------------------- circuit tables as figures
+
+
+def plot_faithfulness_bars(faith: pd.DataFrame, title: Optional[str] = None) -> go.Figure:
+    """Circuit faithfulness per ablation (``circuits_faithfulness``: (circuit − all ablated) / (clean − all
+    ablated)) as bars: one bar per series, the variant's colour, the seed's pattern."""
+    need = {"variant", "ablation", "faithfulness"}
+    if not isinstance(faith, pd.DataFrame) or not need <= set(faith.columns):
+        raise ConfigError(f"expected the circuits faithfulness table with columns {sorted(need)}")
+    fig = go.Figure()
+    for v, g in faith.groupby("variant", sort=False):
+        extra = g["n_edges"].astype(str) + " edges" if "n_edges" in g.columns else None
+        fig.add_trace(go.Bar(x=g["ablation"], y=g["faithfulness"], name=str(v), marker=bar_style(v), text=extra,
+                             hovertemplate=f"{escape(v)}, %{{x}} ablation: %{{y:.1%}} (%{{text}})<extra></extra>"))
+    fig.add_hline(y=1, line=dict(color="grey", dash="dot", width=1))
+    fig.update_layout(barmode="group", title=title or "Circuit faithfulness per ablation (100% = the full model's metric)",
+                      xaxis_title="ablation of the edges outside the circuit", yaxis_title="faithfulness",
+                      yaxis_tickformat=".0%", legend_title="model", height=420)
+    return fig
+
+
+def plot_attribution_agreement(table: pd.DataFrame, title: Optional[str] = None) -> go.Figure:
+    """How well attribution (EAP, EAP-IG) ranks heads like exact patching (``circuits_eap_vs_exact``):
+    Pearson, Spearman and top-k overlap per series as dots (the series' marker), one panel per method."""
+    need = {"variant", "method"}
+    if not isinstance(table, pd.DataFrame) or not need <= set(table.columns):
+        raise ConfigError(f"expected the circuits eap_vs_exact table with columns {sorted(need)}")
+    from interp_norm.plots._style import dodge, line_style
+
+    metrics = [m for m in ("pearson", "spearman", "topk_overlap", "topk_sign_agreement") if m in table.columns]
+    names = {"pearson": "Pearson r", "spearman": "Spearman ρ", "topk_overlap": "top-k overlap",
+             "topk_sign_agreement": "top-k sign agreement"}
+    methods = list(dict.fromkeys(table["method"]))
+    series = list(dict.fromkeys(table["variant"]))
+    fig = make_subplots(rows=1, cols=len(methods), shared_yaxes=True, horizontal_spacing=0.04,
+                        subplot_titles=[f"{escape(m)} vs exact patching" for m in methods])
+    for j, m in enumerate(methods):
+        for i, v in enumerate(series):
+            g = table[(table["method"] == m) & (table["variant"] == v)]
+            if not len(g):
+                continue
+            r = g.iloc[0]
+            fig.add_trace(go.Scatter(
+                x=[k + dodge(i, len(series), 0.6) for k in range(len(metrics))], y=[r[c] for c in metrics], mode="markers",
+                name=str(v), legendgroup=str(v), showlegend=j == 0, marker=line_style(v, size=9)["marker"],
+                text=[names[c] for c in metrics], hovertemplate=f"{escape(v)}, %{{text}}: %{{y:.3f}}<extra></extra>",
+            ), row=1, col=j + 1)
+        fig.update_xaxes(tickmode="array", tickvals=list(range(len(metrics))), ticktext=[names[c] for c in metrics],
+                         range=[-0.6, len(metrics) - 0.4], row=1, col=j + 1)
+    k = int(table["k"].iloc[0]) if "k" in table.columns and len(table) else None
+    fig.update_layout(title=title or "Attribution vs exact patching of heads (z, per position): agreement"
+                      + (f" (top-k: k = {k})" if k else ""), legend_title="model", height=420)
+    fig.update_yaxes(title_text="agreement", col=1)
+    return fig
+
+
+def plot_attention_map(table: pd.DataFrame, split: Optional[str] = None, cols: int = 2,
+                       title: Optional[str] = None) -> go.Figure:
+    """Sparse attention from the answer positions (``circuits_attention_map``) as heatmaps, one
+    panel per series: rows are heads (``L1H3``), columns the query positions, colour the share of
+    problems in which the head attends sparsely (max weight ≥ 95%) to its most frequent key,
+    whose token role is written in the cell."""
+    need = {"variant", "query", "layer", "head", "key", "frequency"}
+    if not isinstance(table, pd.DataFrame) or not need <= set(table.columns):
+        raise ConfigError(f"expected the circuits attention_map table with columns {sorted(need)}")
+    df = table
+    if "split" in df.columns:
+        split = split if split is not None else str(df["split"].iloc[0])
+        df = df[df["split"] == split]
+    series = list(dict.fromkeys(df["variant"]))
+    queries = list(dict.fromkeys(df["query"]))
+    ncols = min(cols, len(series))
+    nrows = -(-len(series) // ncols)
+    heads_of = {v: sorted({(int(l), int(h)) for l, h in zip(g["layer"], g["head"])}) for v, g in df.groupby("variant", sort=False)}
+    n_heads = max((len(h) for h in heads_of.values()), default=1)
+    panel_h = 90 + 26 * n_heads
+    height = panel_h * nrows + 140
+    fig = make_subplots(rows=nrows, cols=ncols, subplot_titles=[escape(v) for v in series], horizontal_spacing=0.12,
+                        vertical_spacing=row_gap(nrows, height, 90, 0.2))
+    for i, v in enumerate(series):
+        g = df[df["variant"] == v]
+        top = g.sort_values("frequency", ascending=False).drop_duplicates(["layer", "head", "query"])
+        heads = heads_of[v]
+        z = np.full((len(heads), len(queries)), np.nan)
+        text = [["" for _ in queries] for _ in heads]
+        for rec in top.itertuples():
+            a, b = heads.index((int(rec.layer), int(rec.head))), queries.index(rec.query)
+            z[a, b] = rec.frequency
+            text[a][b] = escape(rec.key)
+        fig.add_trace(go.Heatmap(z=z, x=[escape(q) for q in queries], y=[f"L{l}H{h}" for l, h in heads], text=text,
+                                 texttemplate="%{text}", textfont=dict(size=9), coloraxis="coloraxis",
+                                 hovertemplate="%{y} from %{x}: attends to %{text} in %{z:.0%} of problems<extra></extra>"),
+                      row=i // ncols + 1, col=i % ncols + 1)
+    fig.update_yaxes(autorange="reversed", tickfont=dict(size=9))
+    fig.update_xaxes(tickfont=dict(size=9))
+    fig.update_layout(title=title or "Sparse attention from the answer positions: which head attends to which token"
+                      + (f" ({escape(split)} split)" if split else ""), height=height,
+                      coloraxis=dict(colorscale="Blues", cmin=0, cmax=1, colorbar=dict(title="share", tickformat=".0%")))
     return fig

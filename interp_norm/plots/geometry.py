@@ -15,7 +15,7 @@ import plotly.express as px
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from interp_norm.plots._style import colour_map, escape, row_gap, variant_colour
+from interp_norm.plots._style import base_variant, colour_map, dodge, escape, line_style, row_gap, variant_colour
 
 __all__ = [
     "plot_norm_spread",
@@ -40,22 +40,33 @@ def _strip_facet_names(fig: go.Figure) -> go.Figure:
 
 
 def plot_norm_spread(norm_spread: pd.DataFrame) -> go.Figure:
-    """Per-layer weighted quantiles of |x|/median − 1 (5–95% whiskers, 25–75% box) and ±spread markers."""
+    """Per-layer weighted quantiles of |x|/median − 1 as dot-and-range: the median (the series'
+    marker), 25–75% (thick bar), 5–95% (thin bar), and the ±spread (a short dash); series side by
+    side within each layer, one colour per variant, one marker per seed."""
     df = _variant(norm_spread)
     df = df[df["head"].isna()]
     fig = go.Figure()
     cov = float(df["coverage"].iloc[0]) if len(df) else 0.9
-    for v, g in df.groupby("variant", sort=False):
-        x = g["layer"].astype(int)
-        c = variant_colour(v)
-        fig.add_trace(go.Box(
-            name=str(v), x=x, q1=g["q25"], median=g["q50"], q3=g["q75"], lowerfence=g["q5"], upperfence=g["q95"],
-            offsetgroup=str(v), legendgroup=str(v), marker_color=c, line_color=c,
-        ))
-        fig.add_trace(go.Scatter(x=x, y=g["spread"], mode="markers", marker=dict(symbol="triangle-up", color=c),
-                                 name=f"{v}: +spread", legendgroup=str(v), offsetgroup=str(v), showlegend=False))
-    fig.update_layout(boxmode="group", title=f"Attended-embedding norm spread ({cov:.0%} of weight within ±spread; "
-                      "triangles: the spread)", xaxis_title="layer", yaxis_title="|x| / median − 1", yaxis_tickformat=".0%")
+    series = list(dict.fromkeys(df["variant"]))
+    for i, v in enumerate(series):
+        g = df[df["variant"] == v].sort_values("layer")
+        x = g["layer"].astype(int) + dodge(i, len(series), 0.7)
+        st = line_style(v, size=9)
+        c = st["marker"]["color"]
+        fig.add_trace(go.Scatter(x=x, y=g["q50"], mode="markers", name=str(v), legendgroup=str(v), marker=st["marker"],
+                                 error_y=dict(type="data", symmetric=False, array=g["q95"] - g["q50"],
+                                              arrayminus=g["q50"] - g["q5"], thickness=1, width=0, color=c),
+                                 hovertemplate=f"{escape(v)}, layer %{{x:.0f}}: median %{{y:.1%}}<extra></extra>"))
+        fig.add_trace(go.Scatter(x=x, y=g["q50"], mode="markers", name=f"{v}: 25–75%", legendgroup=str(v), showlegend=False,
+                                 marker=dict(size=1, color=c), hoverinfo="skip",
+                                 error_y=dict(type="data", symmetric=False, array=g["q75"] - g["q50"],
+                                              arrayminus=g["q50"] - g["q25"], thickness=5, width=0, color=c)))
+        fig.add_trace(go.Scatter(x=x, y=g["spread"], mode="markers", name=f"{v}: +spread", legendgroup=str(v),
+                                 showlegend=False, marker=dict(symbol="line-ew", size=12, color=c, line=dict(color=c, width=2))))
+    fig.update_layout(title=f"Attended-embedding norm spread: median (marker), 25–75% (thick), 5–95% (thin), "
+                            f"±spread (short dash; {cov:.0%} of weight within it)", xaxis_title="layer",
+                      yaxis_title="|x| / median − 1", yaxis_tickformat=".0%", legend_title="model")
+    fig.update_xaxes(tickmode="linear", dtick=1)
     return fig
 
 
@@ -73,27 +84,50 @@ def plot_norm_distribution(attended: pd.DataFrame, layer: Optional[int] = None) 
 
 
 def plot_attention_sparsity(hist: pd.DataFrame) -> go.Figure:
-    """Max-attention histograms per layer and pooled ("all"); paper: Pre-Norm peaks at 1."""
+    """Max-attention histograms per layer and pooled ("all layers"), one panel each, one line per
+    series (the variant's colour, the seed's dash and marker); paper: Pre-Norm peaks at 1."""
     df = _variant(hist).copy()
     df["panel"] = df["layer"].map(lambda l: "all layers" if pd.isna(l) else f"layer {int(l)}")
     df["mid"] = (df["lo"] + df["hi"]) / 2
-    fig = px.bar(df, x="mid", y="fraction", color="variant", facet_col="panel", barmode="group",
-                 color_discrete_map=colour_map(df["variant"]),
-                 labels={"mid": "max attention", "fraction": "share of distributions"})
-    fig.update_layout(title="Attention sparsity: max_t a_t per distribution (row 0 excluded)")
-    return _strip_facet_names(fig)
+    panels = sorted(dict.fromkeys(df["panel"]), key=lambda p: (p != "all layers", p))
+    cols = min(2, len(panels))
+    rows = -(-len(panels) // cols)
+    height = 300 * rows + 120
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=panels, shared_xaxes=True, shared_yaxes=True,
+                        horizontal_spacing=0.06, vertical_spacing=row_gap(rows, height, 70, 0.14))
+    shown: set = set()
+    for k, p in enumerate(panels):
+        r, c = k // cols + 1, k % cols + 1
+        for v, g in df[df["panel"] == p].groupby("variant", sort=False):
+            g = g.sort_values("mid")
+            fig.add_trace(go.Scatter(x=g["mid"], y=g["fraction"], mode="lines+markers", name=str(v), legendgroup=str(v),
+                                     showlegend=v not in shown, **line_style(v, width=1.8, size=6),
+                                     hovertemplate=f"{escape(v)}: max attention %{{x:.2f}}, %{{y:.1%}} of rows<extra></extra>"),
+                          row=r, col=c)
+            shown.add(v)
+    fig.update_layout(title="Attention sparsity: histogram of max_t a_t per distribution (row 0 excluded)",
+                      height=height, legend_title="model")
+    fig.update_yaxes(tickformat=".0%")
+    fig.update_yaxes(title_text="share of distributions", col=1)
+    fig.update_xaxes(title_text="max attention", row=rows)
+    return fig
 
 
 def plot_sphere_scores(scores: pd.DataFrame) -> go.Figure:
-    """Orthogonal-spheres score and its two terms per layer (Theorem 2)."""
-    df = _variant(scores).melt(id_vars=["variant", "layer"], value_vars=["constancy", "orthogonality", "score"],
-                               var_name="term")
-    fig = px.line(df, x="layer", y="value", color="variant", facet_col="term", markers=True,
-                  color_discrete_map=colour_map(df["variant"]), labels={"value": "", "variant": "model"})
-    fig.update_layout(title="Orthogonal spheres: score = norm constancy × orthogonality of residual components")
+    """Orthogonal-spheres score and its two terms per layer (Theorem 2): one panel per term, one line per series."""
+    df = _variant(scores)
+    terms = ["constancy", "orthogonality", "score"]
+    fig = make_subplots(rows=1, cols=3, subplot_titles=terms, shared_yaxes=True, horizontal_spacing=0.04)
+    for v, g in df.groupby("variant", sort=False):
+        g = g.sort_values("layer")
+        for j, term in enumerate(terms):
+            fig.add_trace(go.Scatter(x=g["layer"], y=g[term], mode="lines+markers", name=str(v), legendgroup=str(v),
+                                     showlegend=j == 0, **line_style(v, width=1.8, size=7)), row=1, col=j + 1)
+    fig.update_layout(title="Orthogonal spheres: score = norm constancy × orthogonality of residual components",
+                      legend_title="model", height=420)
     fig.update_yaxes(range=[0, 1.02])
-    fig.update_xaxes(tickmode="linear", dtick=1)
-    return _strip_facet_names(fig)
+    fig.update_xaxes(tickmode="linear", dtick=1, title_text="layer")
+    return fig
 
 
 def _square(df: pd.DataFrame, value: str) -> pd.DataFrame:
@@ -126,8 +160,9 @@ def _heatmap_grid(mats: Sequence[tuple[str, pd.DataFrame]], title: str, zrange: 
     titles on every panel, and blocks that were not computed marked as such."""
     rows = -(-len(mats) // cols)
     ncols = min(cols, len(mats))
+    height = max(420, (panel_height + 150) * rows + 60)
     fig = make_subplots(rows=rows, cols=ncols, subplot_titles=[escape(v) for v, _ in mats],
-                        horizontal_spacing=0.14, vertical_spacing=row_gap(rows, max(420, panel_height * rows + 60), 80, 0.08))
+                        horizontal_spacing=0.16, vertical_spacing=row_gap(rows, height, 190, 0.3))
     n_max = max(len(m) for _, m in mats)
     font = 9 if n_max <= 24 else 8 if n_max <= 40 else 7
     for i, (v, mat) in enumerate(mats):
@@ -144,7 +179,7 @@ def _heatmap_grid(mats: Sequence[tuple[str, pd.DataFrame]], title: str, zrange: 
             k = "" if i == 0 else str(i + 1)
             fig.add_annotation(x=note[0], y=note[1], xref=f"x{k}", yref=f"y{k}", text=note[2], showarrow=False,
                                font=dict(size=10, color="#444"), bgcolor="rgba(255,255,255,0.85)")
-    fig.update_layout(title=title, height=max(420, panel_height * rows + 60),
+    fig.update_layout(title=title, height=height,
                       coloraxis=dict(colorscale="Viridis", cmin=zrange[0], cmax=zrange[1], colorbar=dict(title=colour_title)))
     return fig
 
@@ -175,22 +210,40 @@ def plot_subspace_angles(angles: pd.DataFrame, value: str = "min_angle") -> go.F
 
 
 def plot_interference(interference: pd.DataFrame, value: str = "mean_tv") -> go.Figure:
-    """Attention change per head under each intervention (Pre-Norm moves, QKV-Norm should not)."""
+    """Attention change per head under each intervention (Pre-Norm moves, QKV-Norm should not): one
+    row per intervention, one dot per series and head (series side by side), log-free % axis."""
     df = _variant(interference).copy()
     df["head_name"] = "L" + df["layer"].astype(str) + "H" + df["head"].astype(str)
     label = {"mean_tv": "mean TV change", "max_tv": "max TV change"}.get(value, value)
-    fig = px.bar(df, x="head_name", y=value, color="variant", facet_row="intervention", barmode="group",
-                 color_discrete_map=colour_map(df["variant"]), labels={value: label, "head_name": "head"},
-                 hover_data=[c for c in ("pos_read_q", "pos_read_k", "tok_read_q", "tok_read_k") if c in df])
+    ints = list(dict.fromkeys(df["intervention"])) if "intervention" in df else ["all"]
+    if "intervention" not in df:
+        df["intervention"] = "all"
+    heads = list(dict.fromkeys(df["head_name"]))
+    series = list(dict.fromkeys(df["variant"]))
+    height = 160 + 200 * len(ints)
+    fig = make_subplots(rows=len(ints), cols=1, shared_xaxes=True, subplot_titles=[escape(i) for i in ints],
+                        vertical_spacing=row_gap(len(ints), height, 60, 0.12))
+    for r, it in enumerate(ints):
+        for i, v in enumerate(series):
+            g = df[(df["intervention"] == it) & (df["variant"] == v)]
+            if not len(g):
+                continue
+            x = [heads.index(h) + dodge(i, len(series), 0.7) for h in g["head_name"]]
+            fig.add_trace(go.Scatter(x=x, y=g[value], mode="markers", name=str(v), legendgroup=str(v), showlegend=r == 0,
+                                     marker=line_style(v, size=8)["marker"], text=g["head_name"],
+                                     hovertemplate=f"{escape(v)}, %{{text}}: %{{y:.3g}}<extra></extra>"),
+                          row=r + 1, col=1)
+        fig.update_yaxes(title_text=label, title_font=dict(size=11), row=r + 1, col=1)
+    fig.update_xaxes(tickmode="array", tickvals=list(range(len(heads))), ticktext=heads, range=[-0.6, len(heads) - 0.4])
+    fig.update_xaxes(title_text="head", row=len(ints), col=1)
     fig.update_layout(title="Direct interference: attention change (total variation) when another subspace's "
-                            "component changes; one row per intervention")
-    fig.update_xaxes(title="head", tickmode="linear")
-    return _strip_facet_names(fig)
+                            "component changes; one row per intervention", height=height, legend_title="model")
+    return fig
 
 
 def plot_ellipsoid_axes(axes: pd.DataFrame) -> go.Figure:
     """Semi-axis spectra of every norm's image ellipsoid (flat at √N for unit gains): one panel per
-    norm (``ln1:q`` ... ``ln_final``), colour = variant, dash = layer; a norm a variant does not have
+    norm (``ln1:q`` ... ``ln_final``), colour = variant, marker = seed, dash = layer; a norm a variant does not have
     (e.g. ln1 outside Pre-Norm, which normalises per head instead) is named on its panel."""
     df = _variant(axes).copy()
     mod = df["module"].astype(str)
@@ -210,14 +263,17 @@ def plot_ellipsoid_axes(axes: pd.DataFrame) -> go.Figure:
         r, c = i // ncols + 1, i % ncols + 1
         g = df[df["norm"] == n]
         for (v, l), h in g.groupby(["variant", "layer"], sort=False):
-            fig.add_trace(go.Scatter(x=h["axis"], y=h["semi_axis"], mode="lines", name=escape(v), legendgroup=str(v),
-                                     showlegend=v not in shown, line=dict(color=variant_colour(v), dash=dashes[l]),
+            st = line_style(v, width=1.5, size=6)
+            st["line"]["dash"] = dashes[l]
+            st["marker"]["maxdisplayed"] = 8
+            fig.add_trace(go.Scatter(x=h["axis"], y=h["semi_axis"], mode="lines+markers", name=escape(v), legendgroup=str(v),
+                                     showlegend=v not in shown, **st,
                                      hovertemplate=f"{escape(v)}, layer {l}, {escape(n)}: axis %{{x}}, %{{y:.3g}}<extra></extra>"),
                           row=r, col=c)
             shown.add(v)
-        absent = [v for v in variants if v not in set(g["variant"])]
+        absent = list(dict.fromkeys(base_variant(v) or v for v in variants if v not in set(g["variant"])))
         if absent:
-            fig.add_annotation(text="not in " + ", ".join(map(escape, absent)) + "<br>(no such norm in that variant)",
+            fig.add_annotation(text="no such norm in<br>" + ", ".join(map(escape, absent)),
                                xref="x domain", yref="y domain", x=0.5, y=0.95, showarrow=False, row=r, col=c,
                                font=dict(size=10, color="#555"), bgcolor="rgba(255,255,255,0.8)")
     for l in layers if len(layers) > 1 else ():
@@ -227,5 +283,5 @@ def plot_ellipsoid_axes(axes: pd.DataFrame) -> go.Figure:
     fig.update_yaxes(title_text="semi-axis length", col=1)
     fig.update_xaxes(title_text="axis (sorted)", row=nrows)
     fig.update_layout(title="LayerNorm/RMSNorm image ellipsoids: semi-axis lengths (Riechers 2024); "
-                            "colour: model, dash: layer", height=330 * nrows + 120)
+                            "colour: model, marker: seed, dash: layer", height=330 * nrows + 120)
     return fig

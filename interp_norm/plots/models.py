@@ -10,9 +10,9 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from interp_norm.errors import ConfigError
-from interp_norm.plots._style import PAPER_LINE, SPLITS, VARIANT_LABELS, escape, member_dashes, variant_colour, variant_label
+from interp_norm.plots._style import PAPER_LINE, SPLITS, VARIANT_LABELS, dodge, escape, line_style, variant_colour, variant_label
 
-__all__ = ["plot_model_card", "plot_accuracy_by_split", "plot_training_curves"]
+__all__ = ["plot_model_card", "plot_accuracy_by_split", "plot_training_curves", "log_axis"]
 
 
 def _fmt(v: Any, col: str) -> str:
@@ -42,39 +42,44 @@ def plot_model_card(card: pd.DataFrame, title: str = "Model card") -> go.Figure:
 
 
 def plot_accuracy_by_split(card: pd.DataFrame, title: Optional[str] = None) -> go.Figure:
-    """Per-token accuracy per split for every checkpoint (bars, the variant's colour; a second seed
-    of a variant is dotted) with the paper's values (dashed lines in the variant's colour, black-edged
-    markers, each with its own legend entry)."""
+    """Per-token accuracy per split for every checkpoint: one dot per checkpoint (the variant's
+    colour, the seed's marker shape, open markers for a calibrated recipe; see
+    :func:`~interp_norm.plots._style.member_style`), side by side within each split, with the
+    paper's values (black-edged diamonds on a dashed line in the variant's colour)."""
     fig = go.Figure()
     records = card.to_dict("records")
     labels = [variant_label(r["checkpoint"], r.get("attn_norm")) for r in records]
-    dashes = member_dashes(labels)
-    for r, label in zip(records, labels):
-        fig.add_trace(go.Bar(
-            x=list(SPLITS), y=[r.get(f"{s}_acc", math.nan) for s in SPLITS], name=escape(label),
-            marker=dict(color=variant_colour(label), pattern_shape="" if dashes[label] == "solid" else ".",
-                        line=dict(color="white", width=0.5)),
+    splits = [s for s in SPLITS if any(f"{s}_acc" in r for r in records)] or list(SPLITS)
+    n = len(records)
+    for i, (r, label) in enumerate(zip(records, labels)):
+        x = [j + dodge(i, n, 0.6) for j in range(len(splits))]
+        fig.add_trace(go.Scatter(
+            x=x, y=[r.get(f"{s}_acc", math.nan) for s in splits], mode="markers", name=escape(label),
+            hovertemplate=escape(label) + ": %{y:.1%}<extra></extra>", **line_style(label, size=10),
         ))
     shown = set()
     for r in records:
         a = r.get("attn_norm")
-        if a in shown or all(math.isnan(r.get(f"paper_{s}_acc", math.nan)) for s in SPLITS):
+        if a in shown or all(math.isnan(r.get(f"paper_{s}_acc", math.nan)) for s in splits):
             continue
         shown.add(a)
         nice = VARIANT_LABELS.get(a, a)
         fig.add_trace(go.Scatter(
-            x=list(SPLITS), y=[r[f"paper_{s}_acc"] for s in SPLITS], mode="markers+lines",
+            x=list(range(len(splits))), y=[r[f"paper_{s}_acc"] for s in splits], mode="markers+lines",
             name=f"paper (Menary et al. 2024): {nice}",
-            line=dict(PAPER_LINE, color=variant_colour(nice), dash="dash" if a == "pre" else "dashdot"),
-            marker=dict(symbol="diamond-wide", size=11, color=variant_colour(nice), line=dict(color="black", width=1.5)),
+            line=dict(PAPER_LINE, color=variant_colour(nice), width=1),
+            marker=dict(symbol="diamond-wide", size=12, color=variant_colour(nice), line=dict(color="black", width=1.5)),
         ))
-    fig.update_layout(barmode="group", title=title or "Per-token accuracy per split (ours: bars; the paper: dashed lines)",
-                      yaxis=dict(title="per-token accuracy", tickformat=".0%", range=[0, 1.02]), xaxis_title="split")
+    fig.update_layout(title=title or "Per-token accuracy per split (dots: ours, one per checkpoint; diamonds: the paper)",
+                      yaxis=dict(title="per-token accuracy", tickformat=".0%"), legend_title="checkpoint",
+                      xaxis=dict(title="split", tickmode="array", tickvals=list(range(len(splits))), ticktext=splits,
+                                 range=[-0.5, len(splits) - 0.5]))
     return fig
 
 
 def plot_training_curves(curves: pd.DataFrame, value: str = "loss") -> go.Figure:
-    """Training curves (``value`` = loss or acc) vs examples seen, one line per checkpoint.
+    """Training curves (``value`` = loss or acc) vs examples seen, one line per checkpoint (the
+    variant's colour, the seed's dash and marker).
 
     ``curves``: the checkpoints' ``training_curve.csv`` rows with a ``checkpoint`` column.
     """
@@ -84,14 +89,25 @@ def plot_training_curves(curves: pd.DataFrame, value: str = "loss") -> go.Figure
     fig = go.Figure()
     groups = [(variant_label(name, g["attn_norm"].iloc[0] if "attn_norm" in g else None), g)
               for name, g in curves.groupby("checkpoint", sort=False)]
-    dashes = member_dashes(label for label, _ in groups)
     for label, g in groups:
-        fig.add_trace(go.Scatter(x=g[x], y=g[value], mode="lines", name=escape(label),
-                                 line=dict(color=variant_colour(label), dash=dashes[label])))
-    fig.update_layout(title=f"Training {value}", xaxis_title=x, yaxis_title=value)
+        st = line_style(label, width=1.5)
+        st["marker"].update(maxdisplayed=10, size=7)
+        fig.add_trace(go.Scatter(x=g[x], y=g[value], mode="lines+markers", name=escape(label), **st))
+    fig.update_layout(title=f"Training {value}", xaxis_title=x, yaxis_title=value, legend_title="checkpoint")
     if value == "loss":
-        fig.update_yaxes(type="log")
+        log_axis(fig, "y", curves[value])
     else:
         fig.update_yaxes(tickformat=".0%")
     return fig
 
+
+def log_axis(fig: go.Figure, axis: str, values: Any) -> None:
+    """A log axis ticked at 1, 2, 5 x 10^k within the data's range (no minor labels such as "3 2 1 9 8 7")."""
+    v = np.asarray(pd.to_numeric(pd.Series(values), errors="coerce").dropna(), dtype=float)
+    v = v[v > 0]
+    if not len(v):
+        return
+    lo, hi = math.floor(math.log10(v.min())), math.ceil(math.log10(v.max()))
+    ticks = [m * 10.0 ** k for k in range(lo, hi + 1) for m in (1, 2, 5) if v.min() / 1.5 <= m * 10.0 ** k <= v.max() * 1.5]
+    upd = dict(type="log", tickmode="array", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks], minor=dict(showgrid=False))
+    (fig.update_yaxes if axis == "y" else fig.update_xaxes)(**upd)

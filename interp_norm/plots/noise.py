@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from interp_norm.errors import ConfigError
-from interp_norm.plots._style import row_gap, variant_colour
+from interp_norm.plots._style import dodge, escape, line_style, row_gap, variant_colour
 
 __all__ = ["plot_accuracy_vs_noise", "plot_collapse_vs_noise", "plot_collapse_thresholds", "plot_temperature"]
 
@@ -28,11 +28,6 @@ def _need(df: pd.DataFrame, cols: set, producer: str) -> pd.DataFrame:
     if not isinstance(df, pd.DataFrame) or not cols <= set(df.columns):
         raise ConfigError(f"expected a DataFrame from {producer} with columns {sorted(cols)}")
     return df if "variant" in df.columns else df.assign(variant="model")
-
-
-def _after_norm(g: pd.DataFrame) -> bool:
-    """Noise placed after the norm (``"QKV-Norm, noise after norm"``): the variant's colour, other dashes."""
-    return "placement" in g.columns and bool((g["placement"] == "after_norm").any())
 
 
 def _note(fig: go.Figure, text: str, row: int = 1, col: int = 1, y: float = 0.5) -> None:
@@ -64,8 +59,9 @@ def plot_accuracy_vs_noise(df: pd.DataFrame, title: Optional[str] = None) -> go.
     """Per-token accuracy (± standard error over datasets) vs noise level, from :func:`noise.run_noise`.
 
     One panel per set of noised rows (all / sparse only / non-sparse only), one colour per variant
-    (one legend entry each). Level 0 cannot sit on a log axis, so the clean accuracy is a thin
-    long-dashed line per variant, its value in the legend.
+    and one dash and marker per seed / placement (:func:`~interp_norm.plots._style.member_style`),
+    one legend entry per series. Level 0 cannot sit on a log axis, so the clean accuracy is a thin
+    pale horizontal line per series, its value in the legend.
     """
     df = _need(df, {"level", "accuracy", "noised"}, "noise.run_noise")
     noised = list(dict.fromkeys(df["noised"]))
@@ -74,27 +70,25 @@ def plot_accuracy_vs_noise(df: pd.DataFrame, title: Optional[str] = None) -> go.
     for variant, gv in df.groupby("variant", sort=False):
         c = variant_colour(variant)
         acc0 = gv[gv["level"] == 0]["accuracy"]
-        name = f"{variant}" + (f" (clean {float(acc0.iloc[0]):.1%}, long dashes)" if len(acc0) else "")
+        name = f"{variant}" + (f" (clean {float(acc0.iloc[0]):.1%})" if len(acc0) else "")
         for j, n in enumerate(noised):
             g = gv[(gv["noised"] == n) & (gv["level"] > 0)].sort_values("level")
             if not len(g):
                 continue
             fig.add_trace(go.Scatter(
                 x=g["level"], y=g["accuracy"], mode="lines+markers", name=name, legendgroup=str(variant),
-                showlegend=j == 0, line=dict(color=c),
-                error_y=dict(type="data", array=g["se"], visible=True) if "se" in g.columns else None,
+                showlegend=j == 0, **line_style(variant, width=1.8, size=7),
+                error_y=dict(type="data", array=g["se"], visible=True, thickness=1) if "se" in g.columns else None,
             ), row=1, col=j + 1)
             if len(acc0):
-                fig.add_hline(y=float(acc0.iloc[0]), line=dict(color=c, width=1, dash="longdash"), opacity=0.5,
-                              row=1, col=j + 1)
+                fig.add_hline(y=float(acc0.iloc[0]), line=dict(color=c, width=1), opacity=0.35, row=1, col=j + 1)
     fig.update_layout(
         title=title or "Per-token accuracy under multiplicative norm noise (all layers at once)",
-        yaxis_title="per-token accuracy", legend_title="model",
-        legend=dict(orientation="h", yanchor="top", y=-0.18, xanchor="left", x=0),
+        yaxis_title="per-token accuracy", legend_title="model (clean accuracy: thin pale lines)", height=480,
     )
     for j in range(len(noised)):
         fig.update_xaxes(title_text="noise level (RMS of κ)", row=1, col=j + 1)
-    _log_level_axis(fig, df["level"])
+    _log_level_axis(fig, df["level"], min_gap=0.3 if len(noised) > 2 else 0.12)
     fig.update_yaxes(tickformat=".0%")
     return fig
 
@@ -111,7 +105,8 @@ def plot_collapse_vs_noise(
     (solid, ± standard error) and the theory's prediction (dashed), per variant.
 
     One panel per collapse definition (and one row per layer when ``layer`` is None); one colour
-    per variant ("noise after norm" series: the variant's colour, dotted / dash-dotted). Series that
+    per variant, one marker per seed ("noise after norm" series: crosses, see
+    :func:`~interp_norm.plots._style.member_style`). Series that
     never collapse at any tested level are named on the panel. ``layer``: ``"all"`` (pooled over
     layers, default), a layer index, or None for every layer. ``target`` draws the paper's 1% line.
     """
@@ -133,22 +128,23 @@ def plot_collapse_vs_noise(
         for j, d in enumerate(defs):
             panel = df[(df["layer"].astype(str) == str(l)) & (df["definition"] == d)]
             flat = []
-            for series, g in panel.groupby("variant", sort=False):
-                g = g.sort_values("level")
-                c, after = variant_colour(series), _after_norm(g)
-                for kind, col in (("measured", "measured"), ("theory", "predicted")):
-                    name = f"{series}: {kind}"
-                    dash = ("dot" if kind == "measured" else "dashdot") if after else (None if kind == "measured" else "dash")
-                    fig.add_trace(go.Scatter(
-                        x=g["level"], y=g[col], mode="lines+markers" if kind == "measured" else "lines", name=name,
-                        line=dict(color=c, dash=dash, width=2 if kind == "measured" else 1.5),
-                        marker=dict(symbol="circle-open" if after else "circle"), legendgroup=name,
-                        showlegend=name not in shown,
-                        error_y=dict(type="data", array=g["se"], visible=True) if kind == "measured" and "se" in g.columns else None,
-                    ), row=i + 1, col=j + 1)
-                    shown.add(name)
+            groups = [(series, g.sort_values("level")) for series, g in panel.groupby("variant", sort=False)]
+            for series, g in groups:  # measured: solid, the series' marker
+                st = line_style(series, width=1.5, size=7)
+                st["line"]["dash"] = "solid"
+                fig.add_trace(go.Scatter(
+                    x=g["level"], y=g["measured"], mode="lines+markers", name=str(series), legendgroup=str(series),
+                    showlegend=series not in shown, **st,
+                    error_y=dict(type="data", array=g["se"], visible=True, thickness=1) if "se" in g.columns else None,
+                ), row=i + 1, col=j + 1)
+                shown.add(series)
                 if not (g["measured"] > 0).any():
                     flat.append(str(series))
+            for series, g in groups:  # theory: dashed, drawn over the measured curves so it stays visible
+                fig.add_trace(go.Scatter(
+                    x=g["level"], y=g["predicted"], mode="lines", name=f"{series}: theory", legendgroup=str(series),
+                    showlegend=False, opacity=0.85, line=dict(color=variant_colour(series), dash="dash", width=2.5),
+                ), row=i + 1, col=j + 1)
             if flat:
                 top = f"{max(panel['level']):.0%}" if len(panel) else ""
                 _note(fig, "no collapse at any tested level (≤ " + top + "):<br>" + "<br>".join(flat),
@@ -156,10 +152,12 @@ def plot_collapse_vs_noise(
             if target is not None:
                 fig.add_hline(y=target, line=dict(color="grey", width=1, dash="dot"), row=i + 1, col=j + 1,
                               annotation_text=f"{target:.0%} collapse", annotation_position="top left")
+    fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name="theory (dashed, the series' colour)",
+                             line=dict(color="#444", dash="dash", width=2.5), legendgroup="theory"))
     where = "pooled over layers" if str(layer) == "all" else ("per layer" if layer is None else f"layer {layer}")
     fig.update_layout(
         title=title or f"Circuit collapse of sparse attention under norm noise ({where})",
-        legend_title="model: measured (solid) / theory (dashed)", height=max(460, 380 * len(layers) + 120),
+        legend_title="measured (solid lines, markers)", height=max(460, 380 * len(layers) + 120),
     )
     fig.update_yaxes(title_text="P(collapse)", col=1)
     fig.update_xaxes(title_text="noise level (RMS of κ)", row=len(layers))
@@ -170,49 +168,61 @@ def plot_collapse_vs_noise(
 
 def plot_collapse_thresholds(thresholds: pd.DataFrame, title: Optional[str] = None,
                              max_level: Optional[float] = None) -> go.Figure:
-    """Bar chart of the 1%-collapse noise level per layer: measured (filled) vs predicted (hatched),
-    from :func:`noise.collapse_thresholds`; one panel per collapse definition.
+    """The 1%-collapse noise level per layer, from :func:`noise.collapse_thresholds`: one dot per
+    series (the variant's colour, the seed's marker), side by side within each layer, and the
+    theory's level as a short dash beside it; one panel per collapse definition.
 
     A level that was never reached (fewer than 1% collapse even at the largest tested level; NaN in
-    the table) is drawn as a pale bar up to ``max_level`` (the largest tested level, if known)
-    marked "not reached", so it does not look like missing data.
+    the table) is drawn in a grey band above ``max_level`` (the largest tested level, if known),
+    labelled "not reached", so it is neither missing nor mistaken for a measured level.
     """
     df = _need(thresholds, {"layer", "definition", "level_measured", "level_predicted"}, "noise.collapse_thresholds")
     defs = list(dict.fromkeys(df["definition"]))
     target = float(df["target"].iloc[0]) if "target" in df.columns and len(df) else 0.01
     vals = pd.concat([df["level_measured"], df["level_predicted"]]).dropna()
     ceiling = max_level if max_level is not None else (float(vals.max()) if len(vals) else 0.5)
+    band = (ceiling * 1.08, ceiling * 1.3)
+    never_y = (band[0] + band[1]) / 2
     fig = make_subplots(rows=1, cols=max(1, len(defs)), shared_yaxes=True, horizontal_spacing=0.04,
                         subplot_titles=[f"{d} collapse" for d in defs])
-    any_missing = False
+    series = list(dict.fromkeys(df["variant"]))
+    layers = sorted(set(df["layer"]), key=lambda v: (str(v) == "all", str(v)))
+    xpos = {str(l): k for k, l in enumerate(layers)}
+    shown: set = set()
     for j, d in enumerate(defs):
         panel = df[df["definition"] == d]
-        if panel[["level_measured", "level_predicted"]].isna().all().all():
-            _note(fig, f"no model reaches {target:.0%} {d} collapse<br>at any layer within the tested levels", col=j + 1, y=0.55)
-        for variant, g in panel.groupby("variant", sort=False):
-            x = "layer " + g["layer"].astype(str)
-            c, after = variant_colour(variant), _after_norm(g)
-            for kind, pattern in (("measured", ""), ("predicted", "/")):
-                y = g[f"level_{kind}"].astype(float)
-                missing = y.isna()
-                any_missing |= bool(missing.any())
-                name = f"{variant}, {kind}"
-                fig.add_trace(go.Bar(
-                    x=x, y=y.fillna(ceiling), name=name, legendgroup=name, showlegend=j == 0,
-                    marker=dict(color=c, pattern_shape=pattern, opacity=[0.18 if m else 1.0 for m in missing],
-                                line=dict(color="black" if after else c, width=1.5 if after else 0)),
-                    hovertext=[f"not reached (≤ {ceiling:.0%})" if m else f"{v:.1%}" for m, v in zip(missing, y)],
-                    hoverinfo="x+text+name",
+        fig.add_hrect(y0=band[0], y1=band[1], fillcolor="#ddd", opacity=0.5, line_width=0, row=1, col=j + 1,
+                      exclude_empty_subplots=False)
+        fig.add_annotation(text=f"not reached (&gt; {ceiling:.0%})", xref=f"x{'' if j == 0 else j + 1} domain",
+                           yref=f"y{'' if j == 0 else j + 1}", x=0.01, y=band[1], xanchor="left", yanchor="top",
+                           showarrow=False, font=dict(size=10, color="#555"))
+        for i, v in enumerate(series):
+            g = panel[panel["variant"] == v]
+            if not len(g):
+                continue
+            x = [xpos[str(l)] + dodge(i, len(series), 0.7) for l in g["layer"]]
+            st = line_style(v, size=9)
+            for kind, col in (("measured", "level_measured"), ("theory", "level_predicted")):
+                y = g[col].astype(float)
+                reached = y.notna()
+                text = [f"{val:.1%}" if ok else f"not reached (≤ {target:.0%} collapse at {ceiling:.0%})"
+                        for ok, val in zip(reached, y)]
+                marker = dict(st["marker"]) if kind == "measured" else dict(color=st["marker"]["color"], symbol="line-ew",
+                                                                             size=14, line=dict(color=st["marker"]["color"], width=2.5))
+                fig.add_trace(go.Scatter(
+                    x=x, y=y.fillna(never_y), mode="markers", marker=marker,
+                    name=str(v) if kind == "measured" else f"{v}: theory", legendgroup=str(v),
+                    showlegend=kind == "measured" and v not in shown, text=text,
+                    hovertemplate=f"{escape(v)}, {kind}: %{{text}}<extra></extra>",
                 ), row=1, col=j + 1)
-    if any_missing:
-        fig.add_annotation(text=f"pale bars up to {ceiling:.0%}: not reached, i.e. under {target:.0%} collapse even at the largest "
-                                f"tested level ({ceiling:.0%}); no threshold exists in the tested range",
-                           xref="paper", yref="paper", x=0, y=-0.2, xanchor="left", showarrow=False,
-                           font=dict(size=11, color="#555"))
-    fig.update_layout(barmode="group", title=title or f"Noise level at which {target:.0%} of sparse distributions collapse",
-                      yaxis_title="noise level (RMS of κ)", height=520, margin=dict(b=110),
-                      legend=dict(font=dict(size=10)))
-    fig.update_yaxes(tickformat=".0%")
+            shown.add(v)
+    fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name="theory (short dash, the series' colour)",
+                             marker=dict(symbol="line-ew", size=14, color="#444", line=dict(color="#444", width=2.5))))
+    fig.update_xaxes(tickmode="array", tickvals=list(range(len(layers))), ticktext=[f"layer {l}" for l in layers],
+                     range=[-0.6, len(layers) - 0.4])
+    fig.update_layout(title=title or f"Noise level at which {target:.0%} of sparse distributions collapse",
+                      yaxis_title="noise level (RMS of κ)", height=480, legend_title="measured (one marker per series)")
+    fig.update_yaxes(tickformat=".0%", range=[0, band[1] * 1.02])
     return fig
 
 
@@ -230,12 +240,11 @@ def plot_temperature(df: pd.DataFrame, layer: object = "all", title: Optional[st
     never = []
     for variant, g in df.groupby("variant", sort=False):
         g = g.sort_values("c")
-        c, after = variant_colour(variant), _after_norm(g)
-        line = dict(color=c, dash="dot" if after else None)
+        st = line_style(variant, width=1.8, size=7)
         fig.add_trace(go.Scatter(x=g["c"], y=g["frac_sparse"], mode="lines+markers", name=str(variant),
-                                 legendgroup=str(variant), line=line), row=1, col=1)
+                                 legendgroup=str(variant), **st), row=1, col=1)
         fig.add_trace(go.Scatter(x=g["c"], y=g["collapse_level_loose"], mode="lines+markers", name=str(variant),
-                                 legendgroup=str(variant), showlegend=False, line=line), row=1, col=2)
+                                 legendgroup=str(variant), showlegend=False, **st), row=1, col=2)
         missing = g[g["collapse_level_loose"].isna()]["c"].tolist()
         if missing:
             never.append(f"{variant}: c = {', '.join(f'{x:g}' for x in missing)}")
