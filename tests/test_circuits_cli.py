@@ -61,6 +61,7 @@ def test_cli_writes_every_table_the_graph_and_the_edge_list(ckpt, tmp_path, caps
 
     html = (out / "circuit.html").read_text()
     assert get_plotlyjs() in html  # offline: plotly.js inside
+    assert f"checkpoint {ckpt.name}: circuit of {len(circuit)} edges" in html  # the graph says whose circuit it is
     assert not re.search(r"<script[^>]*\bsrc\s*=", html.replace(get_plotlyjs(), ""), re.I)
 
 

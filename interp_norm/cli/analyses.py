@@ -95,7 +95,7 @@ def _circuits(args: argparse.Namespace) -> int:
         aligned=not args.unaligned, metric=args.metric, top_n=args.top_n, ig_steps=args.ig_steps,
         attention_problems=args.n_examples, progress=not args.no_progress,
     )
-    write_circuit_tables(out, tables, model.cfg.n_layers, model.cfg.n_heads)
+    write_circuit_tables(out, tables, model.cfg.n_layers, model.cfg.n_heads, name=Path(str(args.ckpt).rstrip("/")).name)
     f = tables["faithfulness"]
     print(f"wrote {len(tables)} tables, circuit.html and circuit.json to {out}")
     print(f"circuit: {len(tables['circuit'])} edges; share of {args.metric} it recovers: "
@@ -125,8 +125,9 @@ def _circuits_benchmark(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_circuit_tables(out: Path, tables: dict, n_layers: int, n_heads: int) -> None:
-    """One CSV per table of ``run_circuits``, the circuit as ``circuit.html`` (plotly, offline) and ``circuit.json``."""
+def write_circuit_tables(out: Path, tables: dict, n_layers: int, n_heads: int, name: str = "") -> None:
+    """One CSV per table of ``run_circuits``, the circuit as ``circuit.html`` (plotly, offline; titled
+    with the checkpoint ``name``) and ``circuit.json``."""
     import math
 
     from interp_norm.io import write_atomic, write_json, write_tables
@@ -134,7 +135,7 @@ def write_circuit_tables(out: Path, tables: dict, n_layers: int, n_heads: int) -
 
     write_tables(out, tables)
     edges = tables["circuit"]
-    fig = plot_circuit_graph(edges, n_layers=n_layers, n_heads=n_heads)
+    fig = plot_circuit_graph(edges.assign(checkpoint=name) if name else edges, n_layers=n_layers, n_heads=n_heads)
     write_atomic(out / "circuit.html", lambda p: fig.write_html(p, include_plotlyjs=True))
     scores = [None if s is None or math.isnan(s) else float(s) for s in edges["score"]]
     write_json(out / "circuit.json", dict(n_layers=n_layers, n_heads=n_heads, edges=[

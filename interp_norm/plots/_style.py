@@ -14,7 +14,8 @@ recipe (``cal``: the paper's Checkpoint calibration, ``30k`` ...) picks the mark
 (:data:`RECIPE_FILL`: filled, open, open with a dot) and noise placed after the norm another set
 of shapes (:data:`AFTER_NORM_SYMBOLS`). Seeds 0-5 and every recipe/placement
 combination of the shipped checkpoints are told apart; bars use :func:`member_style`'s
-``pattern`` (by seed) and ``outline`` (by recipe).
+``pattern`` (by seed) and, for a recipe other than the reference, the pattern in colour on white
+with a dark outline (:func:`bar_style`).
 
 **Layout.** :func:`fit_layout` (the dashboard applies it to every figure) puts legends
 below the plot, horizontally, with room reserved for them, and wraps long titles, so nothing
@@ -68,8 +69,9 @@ _BASES = sorted(VARIANT_COLOURS, key=len, reverse=True)
 
 
 def escape(text: Any) -> str:
-    """HTML-escape user text for plotly labels and the dashboard (plotly renders entities back)."""
-    return html.escape(str(text), quote=True)
+    """HTML-escape user text for plotly labels and the dashboard (plotly renders entities back).
+    Idempotent: text escaped once already (the dashboard escapes its labels) is not escaped again."""
+    return html.escape(html.unescape(str(text)), quote=True)
 
 
 def variant_label(name: str, attn_norm: Optional[str] = None) -> str:
@@ -173,11 +175,15 @@ def line_style(label: Any, width: float = 2.0, size: float = 8, colour: Optional
 
 
 def bar_style(label: Any) -> dict[str, Any]:
-    """``go.Bar``'s marker for one series: its variant's colour, its seed's pattern, a dark outline for
-    a recipe other than the reference."""
+    """``go.Bar``'s marker for one series: its variant's colour, its seed's pattern (white on colour);
+    a recipe other than the reference: the pattern in colour on white, with a dark outline."""
     st = member_style(label)
-    return dict(color=variant_colour(label), pattern=dict(shape=st["pattern"], fgcolor="white", size=6),
-                line=dict(color="#222" if st["outline"] else "white", width=2 if st["outline"] else 0.5))
+    c = variant_colour(label)
+    if st["outline"]:  # another recipe: the pattern in the variant's colour on white, a dark outline
+        return dict(color=c, pattern=dict(shape=st["pattern"] or "-", fgcolor=c, bgcolor="white", fillmode="replace", size=6),
+                    line=dict(color="#222", width=1.5))
+    return dict(color=c, pattern=dict(shape=st["pattern"], fgcolor="white", size=6, fillmode="overlay"),
+                line=dict(color="white", width=0.5))
 
 
 def dodge(i: int, n: int, width: float = 0.7) -> float:
@@ -294,6 +300,20 @@ def fit_layout(fig: Any, width: float = NARROW_PX) -> Any:
     return fig
 
 
+def log_axis(fig: Any, axis: str, values: Any) -> None:
+    """A log axis ticked at 1, 2, 5 x 10^k within the data's range (no minor labels such as "3 2 1 9 8 7")."""
+    v = [float(x) for x in values if x is not None and x == x and float(x) > 0]
+    if not v:
+        return
+    vmin, vmax = min(v), max(v)
+    lo, hi = math.floor(math.log10(vmin)), math.ceil(math.log10(vmax))
+    ticks = [m * 10.0 ** k for k in range(lo, hi + 1) for m in (1, 2, 5) if vmin / 1.5 <= m * 10.0 ** k <= vmax * 1.5]
+    if len(ticks) < 3:  # less than a decade: four ticks spread over the range, three significant digits
+        ticks = sorted({float(f"{vmin * (vmax / vmin) ** (i / 3):.3g}") for i in range(4)})
+    upd = dict(type="log", tickmode="array", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks], minor=dict(showgrid=False))
+    (fig.update_yaxes if axis == "y" else fig.update_xaxes)(**upd)
+
+
 #: Old name of :func:`fit_layout`.
 fit_legend = fit_layout
 
@@ -301,4 +321,4 @@ fit_legend = fit_layout
 __all__ = ["fit_layout", "fit_legend", "row_gap", "wrap", "text_px", "legend_rows", "SPLITS", "VARIANT_LABELS",
            "VARIANT_COLOURS", "REAL_MODEL_COLOURS", "PAPER_LINE", "SEED_DASHES", "SEED_SYMBOLS", "SEED_PATTERNS",
            "RECIPE_FILL", "AFTER_NORM_SYMBOLS", "escape", "variant_label", "base_variant", "variant_colour", "real_model_colour", "colour_map",
-           "member_key", "member_style", "line_style", "bar_style", "dodge"]
+           "member_key", "member_style", "line_style", "bar_style", "dodge", "log_axis"]

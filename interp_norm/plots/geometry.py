@@ -15,7 +15,7 @@ import plotly.express as px
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from interp_norm.plots._style import base_variant, colour_map, dodge, escape, line_style, row_gap, variant_colour
+from interp_norm.plots._style import base_variant, colour_map, dodge, escape, line_style, log_axis, row_gap, variant_colour
 
 __all__ = [
     "plot_norm_spread",
@@ -279,7 +279,7 @@ def plot_ellipsoid_axes(axes: pd.DataFrame) -> go.Figure:
     for l in layers if len(layers) > 1 else ():
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"layer {l}" if l != "final" else "final norm", legendgroup="layers",
                                  line=dict(color="#777", dash=dashes[l])))
-    fig.update_yaxes(type="log")
+    log_axis(fig, "y", df["semi_axis"])
     fig.update_yaxes(title_text="semi-axis length", col=1)
     fig.update_xaxes(title_text="axis (sorted)", row=nrows)
     fig.update_layout(title="LayerNorm/RMSNorm image ellipsoids: semi-axis lengths (Riechers 2024); "

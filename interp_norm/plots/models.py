@@ -10,9 +10,19 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from interp_norm.errors import ConfigError
-from interp_norm.plots._style import PAPER_LINE, SPLITS, VARIANT_LABELS, dodge, escape, line_style, variant_colour, variant_label
+from interp_norm.plots._style import (
+    PAPER_LINE,
+    SPLITS,
+    VARIANT_LABELS,
+    dodge,
+    escape,
+    line_style,
+    log_axis,
+    variant_colour,
+    variant_label,
+)
 
-__all__ = ["plot_model_card", "plot_accuracy_by_split", "plot_training_curves", "log_axis"]
+__all__ = ["plot_model_card", "plot_accuracy_by_split", "plot_training_curves"]
 
 
 def _fmt(v: Any, col: str) -> str:
@@ -99,15 +109,3 @@ def plot_training_curves(curves: pd.DataFrame, value: str = "loss") -> go.Figure
     else:
         fig.update_yaxes(tickformat=".0%")
     return fig
-
-
-def log_axis(fig: go.Figure, axis: str, values: Any) -> None:
-    """A log axis ticked at 1, 2, 5 x 10^k within the data's range (no minor labels such as "3 2 1 9 8 7")."""
-    v = np.asarray(pd.to_numeric(pd.Series(values), errors="coerce").dropna(), dtype=float)
-    v = v[v > 0]
-    if not len(v):
-        return
-    lo, hi = math.floor(math.log10(v.min())), math.ceil(math.log10(v.max()))
-    ticks = [m * 10.0 ** k for k in range(lo, hi + 1) for m in (1, 2, 5) if v.min() / 1.5 <= m * 10.0 ** k <= v.max() * 1.5]
-    upd = dict(type="log", tickmode="array", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks], minor=dict(showgrid=False))
-    (fig.update_yaxes if axis == "y" else fig.update_xaxes)(**upd)
