@@ -37,11 +37,13 @@ __all__ = [
 
 def hf_model_names(report: Any) -> list[str]:
     """The Hugging Face models a report compares beside ours (from its ``real_*`` tables)."""
+    from interp_norm.dashboard.real_models import display_name
+
     names: list[str] = []
     for key in ("real_layers", "real_anatomy"):
-        t = report.tables.get(key)
+        t = getattr(report, "tables", {}).get(key)
         if t is not None and "model" in t.columns:
-            names += [str(m) for m in t["model"]]
+            names += [display_name(m) for m in t["model"]]
     return list(dict.fromkeys(names))
 
 

@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 
 from interp_norm.dashboard.page import Panel, Section, _esc
 
-__all__ = ["real_model_section", "layer_comparison"]
+__all__ = ["real_model_section", "layer_comparison", "display_name"]
 
 #: (column, axis title) of the per-layer figures.
 METRICS = (("frac_sparse", "share of sparse attention rows (max ≥ 0.95)"),
@@ -30,7 +30,7 @@ def layer_comparison(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     frames = []
     real = tables.get("real_layers")
     if real is not None and len(real):
-        frames.append(real.assign(source="hugging face"))
+        frames.append(real.assign(source="hugging face", model=real["model"].map(display_name)))
     ours = _our_layers(tables)
     if ours is not None:
         frames.append(ours.assign(source="ours"))
@@ -41,6 +41,18 @@ def layer_comparison(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     top = df.groupby("model")["layer"].transform("max").clip(lower=1)
     df["depth"] = df["layer"] / top
     return df[["model", "source", "layer", "depth", *[m for m, _ in METRICS]]].reset_index(drop=True)
+
+
+def display_name(spec: Any) -> str:
+    """A Hugging Face model's name for the page: a local folder by its own name (``tiny-gpt2``, not
+    the path it was loaded from), a hub name as it is (``Qwen/Qwen3-0.6B``)."""
+    from pathlib import Path
+
+    s = str(spec)
+    try:
+        return Path(s).name if ("/" in s or "\\" in s) and Path(s).exists() else s
+    except OSError:
+        return s
 
 
 def _our_layers(tables: dict[str, pd.DataFrame]) -> Optional[pd.DataFrame]:
@@ -86,7 +98,8 @@ def real_model_section(report: Any, panel: Any) -> Optional[Section]:
     T = report.tables
     if "real_layers" not in T and "real_anatomy" not in T:
         return None
-    s = Section("Real models beside ours",
+    ours = len(getattr(report, "checkpoints", ())) > 0
+    s = Section("Real models beside ours" if ours else "Hugging Face models",
                 "Hugging Face models (through TransformerLens bridges) measured like ours: the share of "
                 "sparse attention rows and the norm spread per layer, on text windows instead of addition "
                 "problems (ours: their variant's colour; Hugging Face models: dashed, diamonds, colours no variant uses). The anatomy says where each model normalises "
@@ -99,7 +112,8 @@ def real_model_section(report: Any, panel: Any) -> Optional[Section]:
         cols = [c for c in ("model", "architecture", "layer", "placement", "n_heads", "n_kv_heads", "d_head",
                             "pre_norm", "q_norm", "k_norm", "v_norm", "score_scale", "rope", "sliding_window",
                             "scores_hook", "pattern_error") if c in T["real_anatomy"].columns]
-        s.panels.append(Panel("Attention anatomy", table=T["real_anatomy"][cols], kind="table",
+        anatomy = T["real_anatomy"].assign(model=T["real_anatomy"]["model"].map(display_name)) if "model" in cols else T["real_anatomy"]
+        s.panels.append(Panel("Attention anatomy", table=anatomy[cols], kind="table",
                               caption="Per layer: where the norms sit, their kind/axis/gain, grouped k/v heads, "
                                       "the score scale, and max |softmax(scores rebuilt from q, k) − pattern|."))
     s.panels = [p for p in s.panels if p is not None]

@@ -62,7 +62,7 @@ def plot_accuracy_by_split(card: pd.DataFrame, title: Optional[str] = None) -> g
     splits = [s for s in SPLITS if any(f"{s}_acc" in r for r in records)] or list(SPLITS)
     n = len(records)
     for i, (r, label) in enumerate(zip(records, labels)):
-        x = [j + dodge(i, n, 0.6) for j in range(len(splits))]
+        x = [j + dodge(i, n, 0.45) for j in range(len(splits))]
         fig.add_trace(go.Scatter(
             x=x, y=[r.get(f"{s}_acc", math.nan) for s in splits], mode="markers", name=escape(label),
             hovertemplate=escape(label) + ": %{y:.1%}<extra></extra>", **line_style(label, size=10),
