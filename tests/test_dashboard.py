@@ -306,14 +306,14 @@ def test_fit_layout_puts_every_legend_below_with_its_rows_reserved_and_ignores_n
 
     from interp_norm.plots._style import fit_layout, legend_rows
 
-    # 24 entries named "series 0".."series 23" (8-9 characters): at ~7 px a character plus 46 px of
-    # swatch, ~100 px each, so 8 fit in the 880 px a 1000 px window leaves: 3 rows
-    names = [f"series {i}" for i in range(24)]
-    assert legend_rows(names, 880) == 3
+    # 24 entries "series 00".."series 23" (9 characters): 46 px of swatch + 9 x 7.5 px = 113.5 px each,
+    # so 7 fit in the 880 px a 1000 px window leaves (8 would need 908): 4 rows
+    names = [f"series {i:02d}" for i in range(24)]
+    assert legend_rows(names, 880) == 4
     lines = go.Figure([go.Scatter(x=[0, 1], y=[i, i], name=n) for i, n in enumerate(names)]).update_layout(height=400)
     fit_layout(lines)
     assert lines.layout.legend.orientation == "h" and lines.layout.legend.yanchor == "bottom"
-    assert lines.layout.height == 400 + 22 * 3 + 12 and lines.layout.margin.b >= 72 + 22 * 3
+    assert lines.layout.height == 400 + 22 * 4 + 12 and lines.layout.margin.b >= 72 + 22 * 4
     # a long title wraps; a short one does not
     long = fit_layout(go.Figure(go.Scatter(y=[1])).update_layout(title="word " * 60))
     assert long.layout.title.text.count("<br>") >= 2

@@ -198,7 +198,7 @@ _NO_LEGEND = frozenset({"heatmap", "heatmapgl", "contour", "histogram2d", "histo
                         "table", "mesh3d", "cone", "streamtube", "volume", "isosurface"})
 #: The narrowest width a figure is laid out for (a 1000 px window: the dashboard's panel is ~930 px).
 NARROW_PX = 920
-_CHAR_PX = 7.0  # mean width of a 12 px character (DejaVu Sans / system-ui)
+_CHAR_PX = 7.5  # mean width of a 12 px character (DejaVu Sans / system-ui), rounded up
 _TAG = re.compile(r"<[^>]+>")
 
 
@@ -220,9 +220,16 @@ def text_px(text: str, size: float = 12) -> float:
 def wrap(text: str, max_px: float, size: float = 12) -> str:
     """``text`` with ``<br>`` between words so that no line is wider than ``max_px`` (a rough estimate)."""
     lines: list[str] = []
+    per = max(4, int(max_px / (_CHAR_PX * size / 12)))  # characters per line, for words longer than a line
+
+    def pieces(word: str) -> list[str]:
+        if text_px(word, size) <= max_px or "&" in word or "<" in word:
+            return [word]
+        return [word[i:i + per] for i in range(0, len(word), per)]
+
     for para in str(text).split("<br>"):
         line = ""
-        for word in para.split(" "):
+        for word in (p for w in para.split(" ") for p in pieces(w)):
             if line and text_px(line + " " + word, size) > max_px:
                 lines.append(line)
                 line = word
@@ -268,7 +275,7 @@ def fit_layout(fig: Any, width: float = NARROW_PX) -> Any:
             doms = [lay[k].domain for k in lay if k.startswith("xaxis") and lay[k].domain]
             span = min((d[1] - d[0] for d in doms if d[0] - 1e-6 <= (a.x or 0) <= d[1] + 1e-6), default=1.0)
             size = min(13, (a.font.size or 13))
-            a.update(text=wrap(a.text, max(120.0, span * (width - 120)), size), font=dict(size=size))
+            a.update(text=wrap(a.text, max(110.0, 0.9 * span * (width - 140)), size), font=dict(size=size))
             if (a.y or 0) >= 0.999:
                 top_titles = max(top_titles, a.text.count("<br>") + 1)
     # the title: wrapped, at the top of the figure

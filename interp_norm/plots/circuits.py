@@ -361,8 +361,8 @@ def plot_faithfulness_bars(faith: pd.DataFrame, title: Optional[str] = None) -> 
     fig = go.Figure()
     for v, g in faith.groupby("variant", sort=False):
         extra = g["n_edges"].astype(str) + " edges" if "n_edges" in g.columns else None
-        fig.add_trace(go.Bar(x=g["ablation"], y=g["faithfulness"], name=str(v), marker=bar_style(v), text=extra,
-                             hovertemplate=f"{escape(v)}, %{{x}} ablation: %{{y:.1%}} (%{{text}})<extra></extra>"))
+        fig.add_trace(go.Bar(x=g["ablation"], y=g["faithfulness"], name=str(v), marker=bar_style(v), customdata=extra,
+                             hovertemplate=f"{escape(v)}, %{{x}} ablation: %{{y:.1%}} (%{{customdata}})<extra></extra>"))
     fig.add_hline(y=1, line=dict(color="grey", dash="dot", width=1))
     fig.update_layout(barmode="group", title=title or "Circuit faithfulness per ablation (100% = the full model's metric)",
                       xaxis_title="ablation of the edges outside the circuit", yaxis_title="faithfulness",
