@@ -205,7 +205,7 @@ def test_seeds_and_recipes_are_told_apart_by_dash_or_marker(loads):
         problems, crowded = style_problems(page)
         assert problems == [], (kind, w, problems[:10])
         if kind == "ours":  # pre, pre-s1 and pre-cal share blue: most figures had to tell them apart
-            assert crowded >= 15, crowded
+            assert crowded >= 12, crowded
 
 
 def test_the_page_text_is_escaped_and_names_what_it_shows(loads, dashboards):
