@@ -6,7 +6,7 @@ user text escaped, a render status the browser test reads). This module ties the
 with ``tables``, ``checkpoints``, ``timings`` and ``notes``, e.g. a
 :class:`~interp_norm.reproduce.Report`) and writes the file through :mod:`interp_norm.io`;
 :func:`interp_norm.reproduce.make_dashboard` runs the analyses first. The headless-browser check
-lives in ``tests/_browser.py``.
+lives in ``tests/_devtools.py`` (driven by ``tests/test_browser.py``).
 """
 
 from __future__ import annotations
