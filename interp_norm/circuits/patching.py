@@ -49,6 +49,7 @@ from interp_norm.circuits._types import (
     require_eval,
 )
 from interp_norm.circuits.engine import IncrementalEngine
+from interp_norm.circuits.kv_patching import KV_ACTIVATIONS, KVCacheEngine, kv_patch_cells
 from interp_norm.circuits.metrics import LogitDiff
 from interp_norm.circuits.pairs import PatchingPairs
 from interp_norm.errors import HookNameError, PatchingError
@@ -273,7 +274,9 @@ def _make_engine(model, corrupted: Tensor, read: Optional[Tensor], method: str, 
         return None
     if not is_ours(model):
         if method == "incremental":
-            raise PatchingError("method='incremental' needs a HookedNormTransformer; use method='hooks' for other models")
+            raise PatchingError(
+                "method='incremental' needs a HookedNormTransformer; use method='kv-cache' (bridges) or 'hooks' for other models"
+            )
         return None
     try:
         return IncrementalEngine(model, corrupted, read, exact_pattern=exact)
@@ -283,6 +286,34 @@ def _make_engine(model, corrupted: Tensor, read: Optional[Tensor], method: str, 
                 f"the incremental engine cannot run this model ({type(e).__name__}: {e}); use method='hooks'"
             ) from e
         warnings.warn(f"incremental patching engine unavailable ({e}); falling back to hooks", RuntimeWarning)
+        return None
+
+
+def _make_kv_engine(model, corrupted: Tensor, read: Optional[Tensor], method: str, activation: str, by: str):
+    """The bridge engine (:mod:`~interp_norm.circuits.kv_patching`) where it applies, else None
+    (``method='auto'``: full forward passes instead, with a warning if the architecture refuses)."""
+    if method not in ("auto", "kv-cache") or is_ours(model):
+        if method == "kv-cache":
+            raise PatchingError("method='kv-cache' is for TransformerLens bridges; use method='incremental' for our models")
+        return None
+    if activation not in KV_ACTIVATIONS or by not in ("pos", "all"):
+        if method == "kv-cache":
+            raise PatchingError(
+                f"method='kv-cache' patches {list(KV_ACTIVATIONS)} by 'pos' or 'all', not {activation!r} by {by!r}; use method='hooks'"
+            )
+        return None
+    from interp_norm.bridges._common import is_bridge
+
+    if method == "auto" and not is_bridge(model):
+        return None
+    try:
+        return KVCacheEngine(model, corrupted, read, activation)
+    except (PatchingError, AttributeError, KeyError, TypeError, RuntimeError, ValueError, IndexError) as e:
+        if method == "kv-cache":
+            raise e if isinstance(e, PatchingError) else PatchingError(
+                f"the key/value-cache engine cannot run this bridge ({type(e).__name__}: {e}); use method='hooks'"
+            ) from e
+        warnings.warn(f"key/value-cache patching unavailable ({e}); falling back to hooks", RuntimeWarning)
         return None
 
 
@@ -332,8 +363,8 @@ def activation_patch(
     if corrupted.ndim != 2:
         raise PatchingError(f"corrupted tokens must be [batch, pos], got shape {tuple(corrupted.shape)}")
     kind = cell_kind(activation)
-    if method not in ("auto", "incremental", "hooks"):
-        raise PatchingError(f"method must be 'auto', 'incremental' or 'hooks', got {method!r}")
+    if method not in ("auto", "incremental", "kv-cache", "hooks"):
+        raise PatchingError(f"method must be 'auto', 'incremental', 'kv-cache' or 'hooks', got {method!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise PatchingError(f"batch_size must be a positive integer, got {batch_size!r}")
     require_eval(model)
@@ -362,7 +393,9 @@ def activation_patch(
     # where the inputs first differ, per example: cells before it are dead by causality, so the
     # engine need not reproduce the clean cache bit for bit to find them
     knows_first = clean_tokens is not None or _resid0(clean_cache, b, n) is not None
-    engine = _make_engine(model, corrupted, None if read is None else torch.as_tensor(read).to(dev), method, not knows_first)
+    read = None if read is None else torch.as_tensor(read).to(dev)
+    engine = _make_engine(model, corrupted, read, method, not knows_first)
+    kv = _make_kv_engine(model, corrupted, read, method, activation, by)
     first = in_diff = None
     if engine is not None and knows_first:
         in_diff = _input_differs(corrupted, clean_tokens, clean_cache, engine.acts[0]["resid_pre"])
@@ -371,6 +404,8 @@ def activation_patch(
     if engine is not None:
         corrupted_logits = engine.logits
         corr_acts = [engine.acts[l][activation] for l in range(L)]
+    elif kv is not None:  # the bridge's own forward, run_with_cache's activations
+        corrupted_logits, corr_acts = kv.logits, kv.acts
     else:
         want = set(names) | ({act_name("resid_pre", l) for l in range(L)} if is_ours(model) else set())
         corrupted_logits, cache = model.run_with_cache(corrupted, names_filter=lambda nm: nm in want)
@@ -405,13 +440,20 @@ def activation_patch(
     else:
         differs = _cell_differs(kind, by, cell_t, clean_acts, corr_acts)  # [cells, b]
     live = differs.any(-1).numpy()
-    if engine is not None and rowcol is not None:
-        live &= rowkey < engine.n_eff
+    n_eff = engine.n_eff if engine is not None else kv.n_eff if kv is not None else n
+    if rowcol is not None:
+        live &= rowkey < n_eff
     dead = order[~live[order]]
     if len(dead):
         store[torch.from_numpy(dead)] = baseline.to(torch.float64).cpu()
         order = order[live[order]]
-    if engine is not None:  # chunks span layers; as many recomputed positions as batch_size sequences (cache-sized)
+    if kv is not None:  # chunks of one position, cells of any layer; the loop below has nothing left
+        if len(order):
+            idx = torch.from_numpy(order)
+            store[idx] = kv_patch_cells(kv, kind, cell_t[idx], differs[idx], clean_acts, metric, batch_size, rowcol, head_col,
+                                        progress, f"patching {activation}")
+        chunks = []
+    elif engine is not None:  # chunks span layers; as many recomputed positions as batch_size sequences (cache-sized)
         ne = engine.n_eff
         cost = differs.sum(-1).numpy()[order] * (ne - np.minimum(rowkey[order], ne - 1) if rowcol is not None else ne)
         sequences = min(batch_size, max(1, ENGINE_CHUNK_VALUES // model.cfg.d_model))
@@ -447,8 +489,8 @@ def activation_patch(
         activation=activation, by=by, axis_names=list(axes), values=values.to(torch.float32),
         index_df=pd.DataFrame(cells_np, columns=list(axes)), per_example=per_example,
         baseline=baseline.detach().double().cpu(), clean=None if clean_val is None else clean_val.detach().double().cpu(),
-        metric_name=metric_name(metric), method=f"exact-{'incremental' if engine is not None else 'hooks'}", flat=flat,
-        rows_computed=None if engine is None else engine.rows_computed,
+        metric_name=metric_name(metric), method=f"exact-{'incremental' if engine is not None else 'kv-cache' if kv is not None else 'hooks'}", flat=flat,
+        rows_computed=engine.rows_computed if engine is not None else kv.rows_computed if kv is not None else None,
     )
 
 
