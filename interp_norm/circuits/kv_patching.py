@@ -98,6 +98,7 @@ class KVCacheEngine:
         self._params = [inspect.signature(blk.original_component.forward) for blk in self.blocks]
         self.calls, self.resid, self.kv = [None] * self.L, [None] * self.L, [None] * self.L
         handles = [blk.register_forward_pre_hook(self._capture(l), with_kwargs=True) for l, blk in enumerate(self.blocks)]
+        handles.append(self.blocks[-1].register_forward_hook(lambda m, a, out: self.resid.append(_first(out))))
         try:
             with torch.inference_mode():
                 self.logits, cache = model.run_with_cache(tokens, names_filter=lambda nm: nm in self.names)
@@ -111,6 +112,8 @@ class KVCacheEngine:
                     f"block {l}'s attention did not use the key/value cache it was given ({0 if rec is None else rec.calls} "
                     "calls); method='kv-cache' cannot run this architecture -- use method='hooks'"
                 )
+        if len(self.resid) != self.L + 1:
+            raise PatchingError("the bridge's last block did not return its output; use method='hooks'")
         self.keys = [rec.new[0] for rec in self.kv]  # [b, kv_heads, n, d_head], as the attention used them
         self.values = [rec.new[1] for rec in self.kv]
         self.rows_computed = self.b * self.n * self.L
@@ -130,8 +133,8 @@ class KVCacheEngine:
 
         return hook
 
-    def _call_kwargs(self, l: int, examples: Tensor, p: int, past: _PastKV) -> dict:
-        """Block ``l``'s keyword arguments for rows of ``examples`` at positions ``p..n_eff``."""
+    def _call_kwargs(self, l: int, examples: Tensor, p: int, q: int, past: _PastKV) -> dict:
+        """Block ``l``'s keyword arguments for rows of ``examples`` at positions ``p..q-1``."""
         out: dict = {}
         for key, val in self.calls[l].items():
             if key in _CACHE_KW:
@@ -139,7 +142,7 @@ class KVCacheEngine:
             if key == "use_cache":
                 out[key] = False
             elif key in _SLICED_KW:
-                out[key] = self._slice(key, val, examples, p)
+                out[key] = self._slice(key, val, examples, p, q)
             elif torch.is_tensor(val) or (isinstance(val, (tuple, list)) and any(torch.is_tensor(t) for t in val)):
                 raise PatchingError(
                     f"block {l} takes a tensor argument {key!r} whose meaning per position is unknown; "
@@ -150,8 +153,7 @@ class KVCacheEngine:
         out["layer_past"] = past
         return out
 
-    def _slice(self, key: str, val: Any, examples: Tensor, p: int) -> Any:
-        ne = self.n_eff
+    def _slice(self, key: str, val: Any, examples: Tensor, p: int, ne: int) -> Any:
         if val is None:
             return None
         if key == "position_embeddings":
@@ -172,8 +174,11 @@ class KVCacheEngine:
 
     # -- re-runs ------------------------------------------------------------------------------
     def _block(self, l: int, H: Tensor, examples: Tensor, p: int) -> Tensor:
-        past = _PastKV(self.keys[l].index_select(0, examples)[..., :p, :], self.values[l].index_select(0, examples)[..., :p, :])
-        out = _first(self.blocks[l](H, **self._call_kwargs(l, examples, p, past)))
+        """Block ``l`` on rows ``H`` [rows, positions p.., d] of ``examples``, the positions before ``p``
+        read from the corrupted run's keys and values."""
+        q = p + H.shape[1]
+        past = _PastKV(self.keys[l][..., :p, :].index_select(0, examples), self.values[l][..., :p, :].index_select(0, examples))
+        out = _first(self.blocks[l](H, **self._call_kwargs(l, examples, p, q, past)))
         if past.calls != 1:
             raise PatchingError(f"block {l}'s attention did not use the key/value cache; use method='hooks'")
         return out
@@ -219,12 +224,14 @@ class KVCacheEngine:
                 )
 
     def _patch_hook(self, rows: Tensor, examples: Tensor, pos: Optional[Tensor], heads: Optional[Tensor],
-                    clean: Tensor, p: int):
+                    clean: Tensor, p: int, state: dict):
         """Hook writing the clean activation into ``rows`` of the stacked batch: at position ``pos``
         (None: every position), head ``heads`` (None: the whole vector)."""
         ne = self.n_eff
 
         def hook(act: Tensor, hook: Any) -> Tensor:
+            if not state["on"]:
+                return act
             act = act.clone()
             if pos is None:
                 src = clean[:, p:ne].index_select(0, examples).to(act.dtype)
@@ -245,29 +252,52 @@ class KVCacheEngine:
     def run_chunk(self, p: int, layer: Tensor, examples: Tensor, pos: Optional[Tensor], heads: Optional[Tensor],
                   clean_acts: list) -> tuple[Tensor, Tensor]:
         """Logits of stacked rows (one per patched copy x example), sorted by ``layer``: row ``r`` is
-        example ``examples[r]`` patched at layer ``layer[r]`` (position ``pos[r]``, head ``heads[r]``).
-        All rows recompute positions ``p..n_eff``. Returns (read positions >= p, logits [rows, cols, vocab])."""
+        example ``examples[r]`` patched at layer ``layer[r]`` (position ``pos[r]`` = ``p``, head
+        ``heads[r]``; ``pos`` None: every position). Rows recompute positions ``p..n_eff`` from their
+        layer on; a patch after the block's input at one position (``attn_out``, ``z``, ...) changes
+        only that position in its own layer, so entering rows run it there alone and take the later
+        positions from the corrupted run. Returns (read positions >= p, logits [rows, cols, vocab])."""
         lay = layer.tolist()
-        first = lay[0]
         bounds = np.searchsorted(np.asarray(lay), np.arange(self.L + 1))  # rows entering at each layer
+        single = pos is not None and self.activation != "resid_pre"
+        state = {"on": False}
         hooks = []
-        for l in range(first, self.L):
+        for l in range(lay[0], self.L):
             s, e = int(bounds[l]), int(bounds[l + 1])
             if e > s:
-                r = torch.arange(s, e, device=examples.device)
+                r = torch.arange(0 if single else s, e - s if single else e, device=examples.device)
                 hooks.append((self.names[l], self._patch_hook(
-                    r, examples[s:e], None if pos is None else pos[s:e], None if heads is None else heads[s:e], clean_acts[l], p)))
+                    r, examples[s:e], None if pos is None else pos[s:e], None if heads is None else heads[s:e], clean_acts[l], p,
+                    state)))
         H = None
         with self.model.hooks(fwd_hooks=hooks):
-            for l in range(first, self.L):
+            for l in range(lay[0], self.L):
                 s, e = int(bounds[l]), int(bounds[l + 1])
+                if single:
+                    if H is not None:
+                        H = self._block(l, H, examples[: len(H)], p)
+                        self.rows_computed += H.shape[0] * H.shape[1]
+                    if e > s:
+                        ex = examples[s:e]
+                        state["on"] = True
+                        try:
+                            row = self._block(l, self.resid[l].index_select(0, ex)[:, p : p + 1], ex, p)
+                        finally:
+                            state["on"] = False
+                        new = torch.cat([row, self.resid[l + 1].index_select(0, ex)[:, p + 1 : self.n_eff]], 1)
+                        H = new if H is None else torch.cat([H, new])
+                        self.rows_computed += e - s
+                    continue
                 if e > s:
                     new = self.resid[l].index_select(0, examples[s:e])[:, p : self.n_eff]
                     H = new if H is None else torch.cat([H, new])
-                H = self._block(l, H, examples[: len(H)], p)
+                state["on"] = e > s
+                try:
+                    H = self._block(l, H, examples[: len(H)], p)
+                finally:
+                    state["on"] = False
                 self.rows_computed += H.shape[0] * H.shape[1]
             return self._head(H, p)
-
 
 def kv_patch_cells(engine: KVCacheEngine, kind: str, cells: Tensor, differs: Tensor, clean_acts: list,
                    metric: MetricFn, batch_size: int, row_col: Optional[int], head_col: Optional[int],
