@@ -8,6 +8,12 @@ cell, and the metric is read per copy. Two methods compute those copies:
   :class:`~interp_norm.circuits.engine.IncrementalEngine` recomputes, with the model's block steps
   (or fused kernels equal to them up to rounding), only the rows a patch can change and the metric
   can see.
+* ``method="kv-cache"`` (a TransformerLens 4 ``TransformerBridge``, the default there for
+  ``resid_pre/mid/post``, ``attn_out``, ``mlp_out`` and ``z``): the
+  :class:`~interp_norm.circuits.kv_patching.KVCacheEngine` re-runs the bridge's own blocks from the
+  patched layer on, at the positions from the patched one on, the earlier positions' keys and values
+  taken from the corrupted run through the attention's cache interface; it refuses architectures
+  whose blocks it cannot replay exactly (``auto`` then uses hooks).
 * ``method="hooks"`` (any TransformerLens-protocol model, e.g. a ``TransformerBridge``): full
   forward passes of the stacked batch with one hook per activation name that writes each copy's
   clean slice (for our model each pass starts at the patched layer: ``model(resid, start_at_layer=l)``).
@@ -347,7 +353,9 @@ def activation_patch(
     it the memory: ``batch_size`` rows (copies x examples) for the hooks method; for the incremental
     engine, which keeps only the positions a patch changes, as many changed positions as
     ``batch_size`` whole sequences have, at most ``ENGINE_CHUNK_VALUES // d_model`` (cache-sized;
-    one pass may then hold cells of several layers).
+    one pass may then hold cells of several layers); for the bridges' ``kv-cache`` engine, at most
+    ``batch_size`` (copy, example) rows per pass. ``method``: ``"auto"`` (the fastest exact one),
+    ``"incremental"`` (our models), ``"kv-cache"`` (bridges) or ``"hooks"``.
     """
     pairs = corrupted_tokens if isinstance(corrupted_tokens, PatchingPairs) else None
     dev = device(model)

@@ -1,0 +1,145 @@
+"""Key/value-cache patching on TransformerLens 4 bridges (``method="kv-cache"``) equals
+``transformer_lens.patching`` on the same bridge, cell by cell, and refuses what it cannot run.
+
+The reference is TransformerLens's own ``patching`` functions: one full forward pass of the bridge per
+cell with its patching hook. The pairs differ at a different position per example (so cells live for
+some examples only), and the metrics read the last position or a middle one (so positions after it
+are skipped), per example or as a scalar.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import warnings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pandas as pd
+import pytest
+import torch
+from transformer_lens import patching
+
+from interp_norm.bridges import random_tokens, tiny_bridge
+from interp_norm.circuits import activation_patch
+from interp_norm.errors import PatchingError
+
+TL = {
+    "resid_pre": patching.get_act_patch_resid_pre,
+    "attn_out": patching.get_act_patch_attn_out,
+    "mlp_out": patching.get_act_patch_mlp_out,
+    "z": patching.get_act_patch_attn_head_out_by_pos,
+}
+
+
+class ReadAt:
+    """logit(5) - logit(6) at position ``at`` (a metric that declares what it reads)."""
+
+    supports_stacked = True
+
+    def __init__(self, b: int, n: int, at: int):
+        self.at = at
+        self.read_mask = torch.zeros(b, n, dtype=torch.bool)
+        self.read_mask[:, at] = True
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, self.at, 5] - logits[:, self.at, 6]
+
+
+def last_diff(logits: torch.Tensor) -> torch.Tensor:
+    """A plain per-example function: no read positions declared (every position is unembedded)."""
+    return logits[:, -1, 5] - logits[:, -1, 6]
+
+
+@pytest.fixture(scope="module")
+def bridges():
+    return {arch: tiny_bridge(arch, seed=3, n_layers=3) for arch in ("gpt2", "llama", "qwen3", "olmo2")}
+
+
+def _tokens(bridge, b: int = 3, n: int = 6):
+    clean = random_tokens(bridge, b, n, seed=4, low=3)
+    corr = clean.clone()
+    for i, at in enumerate([1, 3, 2][:b]):  # a different first difference per example
+        corr[i, at] = (corr[i, at] + 7) % 120 + 3
+    return clean, corr
+
+
+def _tl(bridge, fn, corr, cache, metric):
+    with contextlib.redirect_stderr(io.StringIO()), torch.no_grad():
+        return fn(bridge, corr, cache, lambda lg: metric(lg).mean())
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "olmo2"])
+@pytest.mark.parametrize("act", list(TL))
+def test_kv_cache_patching_equals_transformer_lens(bridges, arch, act):
+    bridge = bridges[arch]
+    clean, corr = _tokens(bridge)
+    _, cache = bridge.run_with_cache(clean)
+    for metric in (ReadAt(3, 6, 5), last_diff) if arch != "olmo2" else (ReadAt(3, 6, 3),):
+        ref = _tl(bridge, TL[act], corr, cache, metric)
+        ours = activation_patch(bridge, corr, cache, metric, act, batch_size=5)  # several chunks per position
+        assert ours.method == "exact-kv-cache"
+        assert ours.values.shape == ref.shape
+        assert (ours.values - ref).abs().max() <= 1e-5
+        assert (ref - ref.flatten()[0]).abs().max() > 1e-3  # the table is not flat: the check compares something
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+def test_other_residual_points_all_positions_and_explicit_cells(bridges, arch):
+    bridge = bridges[arch]
+    clean, corr = _tokens(bridge)
+    _, cache = bridge.run_with_cache(clean)
+    metric = ReadAt(3, 6, 5)
+    for act in ("resid_mid", "resid_post"):
+        ref = _tl(bridge, lambda m, x, c, f: patching.generic_activation_patch(
+            m, x, c, f, patching.layer_pos_patch_setter, act, index_axis_names=("layer", "pos")), corr, cache, metric)
+        ours = activation_patch(bridge, corr, cache, metric, act, method="kv-cache")
+        assert (ours.values - ref).abs().max() <= 1e-5
+    ref = _tl(bridge, patching.get_act_patch_attn_head_out_all_pos, corr, cache, metric)
+    ours = activation_patch(bridge, corr, cache, metric, "z", by="all", method="kv-cache")
+    assert (ours.values - ref).abs().max() <= 1e-5 and (ref - ref.flatten()[0]).abs().max() > 1e-3
+    cells = pd.DataFrame({"layer": [2, 0, 1, 1], "pos": [5, 3, 0, 4], "head_index": [1, 3, 0, 2]})
+    with contextlib.redirect_stderr(io.StringIO()), torch.no_grad():
+        ref = patching.generic_activation_patch(bridge, corr, cache, lambda lg: metric(lg).mean(),
+                                                patching.layer_pos_head_vector_patch_setter, "z", index_df=cells)
+    ours = activation_patch(bridge, corr, cache, metric, "z", cells=cells, method="kv-cache")
+    assert ours.flat and (ours.values - ref).abs().max() <= 1e-5
+
+
+def test_scalar_metric_and_per_example_values(bridges):
+    """A scalar metric works; per-example values equal TransformerLens run on each example alone."""
+    bridge = bridges["llama"]
+    clean, corr = _tokens(bridge)
+    _, cache = bridge.run_with_cache(clean)
+    ref = _tl(bridge, TL["z"], corr, cache, last_diff)
+    ours = activation_patch(bridge, corr, cache, lambda lg: last_diff(lg).mean(), "z", method="kv-cache")
+    assert ours.per_example is None and (ours.values - ref).abs().max() <= 1e-5
+    ours = activation_patch(bridge, corr, cache, ReadAt(3, 6, 5), "attn_out", method="kv-cache")
+    for i in range(3):
+        _, c1 = bridge.run_with_cache(clean[i : i + 1])
+        one = _tl(bridge, TL["attn_out"], corr[i : i + 1], c1, ReadAt(1, 6, 5))
+        assert (ours.per_example[:, i].view_as(one) - one).abs().max() <= 1e-5
+
+
+def test_refuses_what_it_cannot_run(bridges):
+    """Gemma 4's attention ignores the cache it is given: kv-cache refuses, auto falls back to full passes."""
+    gemma = tiny_bridge("gemma4", seed=3)
+    clean, corr = _tokens(gemma)
+    _, cache = gemma.run_with_cache(clean)
+    metric = ReadAt(3, 6, 5)
+    with pytest.raises(PatchingError, match="key/value cache"):
+        activation_patch(gemma, corr, cache, metric, "resid_pre", method="kv-cache")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        ours = activation_patch(gemma, corr, cache, metric, "resid_pre")
+    assert ours.method == "exact-hooks" and any("falling back" in str(x.message) for x in w)
+    assert (ours.values - _tl(gemma, TL["resid_pre"], corr, cache, metric)).abs().max() <= 1e-5
+    bridge = bridges["gpt2"]
+    clean, corr = _tokens(bridge)
+    _, cache = bridge.run_with_cache(clean)
+    with pytest.raises(PatchingError, match="pattern"):
+        activation_patch(bridge, corr, cache, metric, "pattern", method="kv-cache")
+    assert activation_patch(bridge, corr, cache, metric, "pattern").method == "exact-hooks"
+    with pytest.raises(PatchingError, match="kv-cache"):
+        activation_patch(bridge, corr, cache, metric, "z", method="incremental")
