@@ -226,13 +226,14 @@ class KVCacheEngine:
     def _patch_hook(self, rows: Tensor, examples: Tensor, pos: Optional[Tensor], heads: Optional[Tensor],
                     clean: Tensor, p: int, state: dict):
         """Hook writing the clean activation into ``rows`` of the stacked batch: at position ``pos``
-        (None: every position), head ``heads`` (None: the whole vector)."""
+        (None: every position), head ``heads`` (None: the whole vector). In place, as
+        ``transformer_lens.patching``'s setters write: where the hooked tensor is also the block's
+        residual (a bridge's ``hook_resid_mid`` is the second norm's input), the patch reaches both."""
         ne = self.n_eff
 
         def hook(act: Tensor, hook: Any) -> Tensor:
             if not state["on"]:
                 return act
-            act = act.clone()
             if pos is None:
                 src = clean[:, p:ne].index_select(0, examples).to(act.dtype)
                 if heads is None:
