@@ -95,7 +95,8 @@ def test_dashboard_with_a_hf_model_has_the_real_model_section(hf_folder, tmp_pat
                          "--no-progress")
     assert code == 0, err
     page = (tmp_path / "d" / "dashboard.html").read_text()
-    assert "Real models beside ours" in page and "Attention anatomy" in page
+    assert "<h2>Hugging Face models</h2>" in page and "Attention anatomy" in page  # no models of ours: no "beside ours"
+    assert "<h2>Models</h2>" not in page
     assert "figure skipped" not in page
 
 
