@@ -72,6 +72,10 @@ class OutOfDistributionWarning(UserWarning):
     number of terms): the answer is extrapolation, not what the model learnt."""
 
 
+class StatisticsError(InterpNormError, ValueError):
+    """A statistic over seeds got unusable input (NaN values, an empty arm, a level outside (0, 1))."""
+
+
 __all__ = [
     "InterpNormError",
     "ProblemStringError",
@@ -87,4 +91,5 @@ __all__ = [
     "ArchitectureError",
     "TaskMismatchWarning",
     "OutOfDistributionWarning",
+    "StatisticsError",
 ]

@@ -4,8 +4,8 @@ Layers, lowest first (CONTRIBUTING.md explains them):
 
     core          errors, defaults, task, hooks, model_config, layers, tl_api, model
     persistence   io, train_config, checkpoint_format, checkpoints, evaluate, train
-    analyses      _checks, theory, bridges/, noise/, geometry/, circuits/
-    faces         plots/, card, seed_summary, dashboard/, checkpoint_report, reproduce, cli/
+    analyses      _checks, theory, stats, bridges/, noise/, geometry/, circuits/
+    faces         plots/, card, seed_summary, seed_compare, dashboard/, checkpoint_report, reproduce, cli/
 
 A module may import its own layer and the layers below it, never a layer above; the module graph
 has no cycles; no analysis or face spells a hook name by hand (they ask ``interp_norm.hooks``).
@@ -24,8 +24,8 @@ PKG = Path(__file__).resolve().parent.parent / "interp_norm"
 LAYERS = {
     "core": ("errors", "defaults", "task", "hooks", "model_config", "layers", "tl_api", "model"),
     "persistence": ("io", "train_config", "checkpoint_format", "checkpoints", "evaluate", "train"),
-    "analyses": ("_checks", "theory", "anatomy", "bridges", "noise", "geometry", "circuits"),
-    "faces": ("plots", "card", "seed_summary", "dashboard", "checkpoint_report", "reproduce", "cli"),
+    "analyses": ("_checks", "theory", "anatomy", "stats", "bridges", "noise", "geometry", "circuits"),
+    "faces": ("plots", "card", "seed_summary", "seed_compare", "dashboard", "checkpoint_report", "reproduce", "cli"),
 }
 RANK = {top: i for i, tops in enumerate(LAYERS.values()) for top in tops}
 MAX_LINES = 550  # "no module over ~500 lines"
