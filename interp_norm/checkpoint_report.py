@@ -218,10 +218,13 @@ _SHARED: dict[str, Any] = {}
 
 
 def share_with_workers(models: dict, settings: Any, labels: dict, todo: set[str], heavy: set[str],
-                       events: Any = None) -> None:
+                       events: Any = None, overrides: Optional[dict] = None) -> None:
     """Set what :func:`analyse_in_worker` reads; call before forking the workers. ``events``: a
-    multiprocessing queue that receives ``(name, stage, finished)`` as each stage starts and ends."""
-    _SHARED.update(models=models, settings=settings, labels=labels, todo=todo, heavy=heavy, events=events)
+    multiprocessing queue that receives ``(name, stage, finished)`` as each stage starts and ends.
+    ``overrides``: ``{name: (settings, todo)}`` for checkpoints analysed with other settings (the
+    seed tables' pass)."""
+    _SHARED.update(models=models, settings=settings, labels=labels, todo=todo, heavy=heavy, events=events,
+                   overrides=overrides or {})
 
 
 def analyse_in_worker(name: str) -> tuple[str, Optional[pd.DataFrame], dict[str, list[pd.DataFrame]], dict[str, float]]:
@@ -234,7 +237,8 @@ def analyse_in_worker(name: str) -> tuple[str, Optional[pd.DataFrame], dict[str,
 
     torch.set_num_threads(1)
     model, info = _SHARED["models"][name]
-    settings, todo, events = _SHARED["settings"], _SHARED["todo"], _SHARED.get("events")
+    settings, todo = _SHARED.get("overrides", {}).get(name, (_SHARED["settings"], _SHARED["todo"]))
+    events = _SHARED.get("events")
 
     def on_stage(stage: str, finished: bool) -> None:
         if events is not None:

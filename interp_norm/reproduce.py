@@ -11,6 +11,18 @@ checkpoint; the heavier analyses (:mod:`interp_norm.checkpoint_report`: circuits
 controls, collapse, forward-pass collapse, temperature sweep, geometry, attention) run on every
 seed of every architecture at the reference scaling (:func:`default_analysed`), so each figure can
 show its spread over seeds; ``analyse`` names others, ``analyse="all"`` takes every checkpoint.
+The shipped set is read up to seed 1 (:data:`~interp_norm.seed_compare.DEFAULT_SEEDS`: seeds 0 and 1 of each architecture and
+scaling), which keeps ``make reproduce`` within its budget however many seeds ship.
+
+``all_seeds=True`` (``interp-norm reproduce --all-seeds``) reads every seed and runs, on every
+checkpoint the heavy analyses do not cover (further seeds, the Checkpoint-calibrated models), the
+analyses the seed tables need (:data:`~interp_norm.seed_compare.SEED_ANALYSES`, with the noise
+sweep cut to 0 and 1% on all rows, :func:`~interp_norm.seed_compare.seed_pass_settings`; every analysis is seeded per checkpoint, so these numbers equal
+what the full analyses give). The seed tables (:mod:`interp_norm.seed_compare`) are written by
+every run: ``seed_comparisons`` (variant A vs B per quantity: per-seed values, means, bootstrap
+95% intervals, difference, permutation p-value; per-seed rows in ``seed_comparison_values``) and
+``seed_matched_id`` (OOD accuracy at matched ID accuracy along training, from the training
+curves, and at the end; ``seed_matched_id_values``).
 Checkpoints are analysed in worker processes (one torch thread each, up to two), which keeps the
 whole run within the 3-minute budget on 2 CPU cores.
 """
@@ -40,6 +52,7 @@ __all__ = [
     "make_dashboard",
 ]
 from interp_norm.checkpoint_report import ANALYSES, DEFAULT_ANALYSES  # noqa: E402  (imports pandas only)
+from interp_norm.seed_compare import DEFAULT_SEEDS, SEED_ANALYSES, seed_pass_settings  # noqa: E402,F401  (pandas, numpy)
 
 
 def _noise_default(name: str) -> tuple[float, ...]:
@@ -244,6 +257,7 @@ def run_analyses(
     workers: Optional[int] = None,
     device: str = "cpu",
     desc: str = "reproduce",
+    all_seeds: bool = False,
 ) -> Report:
     """Run every analysis and return the :class:`Report` (no files written).
 
@@ -255,6 +269,8 @@ def run_analyses(
     process; on a ``device`` other than cpu, models are loaded there and analysed in this process).
     Every analysis is seeded, so results do not depend on the number of workers. The progress bar,
     labelled ``desc``, ticks once per analysis of each checkpoint.
+    ``all_seeds``: read every seed of the shipped set (default: seeds below ``DEFAULT_SEEDS``) and
+    run ``SEED_ANALYSES`` on every checkpoint the heavy analyses skip (see the module docstring).
     """
     import torch
 
@@ -264,7 +280,7 @@ def run_analyses(
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return run_analyses(checkpoints, settings, analyse, progress, None, workers, device, desc)
+            return run_analyses(checkpoints, settings, analyse, progress, None, workers, device, desc, all_seeds)
         finally:
             torch.set_num_threads(before)
     from tqdm.auto import tqdm
@@ -289,21 +305,33 @@ def run_analyses(
     models = dict(checkpoints) if loaded else load_models(checkpoints, device=device)
     if not explicit:  # the shipped set: Pre-Norm first, then QKV-Norm, QK-Norm, No-Norm (seeds in order)
         models = dict(sorted(models.items(), key=lambda kv: _arch_key(kv[0], kv[1][1])))
+        later = [n for n, (_, info) in models.items() if info.model_cfg.seed >= DEFAULT_SEEDS]
+        if later and not all_seeds:
+            models = {n: m for n, m in models.items() if n not in later}
+            report.notes.append(f"{len(later)} further seeds left out ({', '.join(later)}); "
+                                "'interp-norm reproduce --all-seeds' analyses them for the seed tables")
     report.timings["load"] = time.perf_counter() - t0
     heavy = _choose_heavy(models, analyse, explicit)
+    todo = set(settings.analyses)
+    seed_pass = [n for n in models if n not in heavy] if all_seeds else []
+    seed_settings = seed_pass_settings(settings)
+    seed_todo = set(seed_settings.analyses)
+    if not seed_todo - {"evaluate"}:
+        seed_pass = []
     labels = {n: variant_label(n, info.model_cfg.attn_norm) for n, (_, info) in models.items()}
     report.checkpoints = pd.DataFrame([
         dict(checkpoint=n, label=labels[n], attn_norm=info.model_cfg.attn_norm, seed=info.model_cfg.seed,
-             calibration=info.model_cfg.calibration, step=info.step, analysed=n in heavy, path=str(info.path))
+             calibration=info.model_cfg.calibration, step=info.step, analysed=n in heavy or n in seed_pass,
+             scope="all analyses" if n in heavy else "seed tables" if n in seed_pass else "evaluation",
+             path=str(info.path))
         for n, (_, info) in models.items()
     ])
-    todo = set(settings.analyses)
     evaluate = "evaluate" in todo
-    jobs = [n for n in models if evaluate or n in heavy]
+    jobs = [n for n in models if evaluate or n in heavy or n in seed_pass]
     n_workers = _workers(workers if workers is not None else settings.workers, len(jobs))
     if str(device) != "cpu":  # forked workers cannot share a CUDA context
         n_workers = 1
-    total = sum(stages(n, todo, set(heavy)) for n in jobs)
+    total = sum(stages(n, seed_todo, {n}) if n in seed_pass else stages(n, todo, set(heavy)) for n in jobs)
     evals: dict[str, pd.DataFrame] = {}
     tables: dict[str, dict[str, list[pd.DataFrame]]] = {}
 
@@ -335,8 +363,9 @@ def run_analyses(
                     seconds["evaluate"] = time.perf_counter() - t
                     on_stage(name, "evaluate", True)
                 t_tables: dict = {}
-                if name in heavy:
-                    t_tables, more = analyse_checkpoint(name, model, info, settings, labels[name], todo,
+                if name in heavy or name in seed_pass:
+                    t_tables, more = analyse_checkpoint(name, model, info, seed_settings if name in seed_pass else settings,
+                                                        labels[name], seed_todo if name in seed_pass else todo,
                                                         on_stage=lambda s, f, n=name: on_stage(n, s, f))
                     seconds.update(more)
                 collect(name, ev, t_tables, seconds)
@@ -351,7 +380,8 @@ def run_analyses(
                 while not events.empty():
                     on_stage(*events.get())
 
-            share_with_workers(models, settings, labels, todo, set(heavy), events)
+            share_with_workers(models, settings, labels, todo, set(heavy) | set(seed_pass), events,
+                               overrides={n: (seed_settings, seed_todo) for n in seed_pass})
             with ProcessPoolExecutor(n_workers, mp_context=ctx) as pool:
                 pending = {pool.submit(analyse_in_worker, name) for name in jobs}
                 while pending:
@@ -388,6 +418,11 @@ def run_analyses(
 
         T["seed_numbers"] = per_checkpoint(T, report.checkpoints[report.checkpoints["checkpoint"].isin(jobs)])
         T["seed_spread"] = seed_spread(T["seed_numbers"])
+        from interp_norm.seed_compare import seed_tables
+
+        t = time.perf_counter()
+        T.update(seed_tables(T, report.checkpoints, settings.seed))
+        report.timings["seed_tables"] = time.perf_counter() - t
     report.tables = {k: v for k, v in T.items() if v is not None and len(v)}
     report.workers = n_workers
     report.timings["total"] = time.perf_counter() - t0
@@ -437,6 +472,8 @@ def run_facts(report: Report) -> dict:
         interp_norm=interp_norm.__version__, python=platform.python_version(), torch=torch.__version__,
         machine=platform.machine(), cpus=os.cpu_count(), torch_threads=report.threads, workers=report.workers,
         seconds=round(report.timings.get("total", report.total_seconds), 1),
+        all_seeds=bool(len(report.checkpoints) and "scope" in report.checkpoints
+                       and (report.checkpoints["scope"] == "seed tables").any()),
         settings=dataclasses.asdict(report.settings) if report.settings else None,
         checkpoints=report.checkpoints.to_dict("records") if len(report.checkpoints) else [],
         notes=report.notes,
@@ -453,8 +490,12 @@ def reproduce(
     progress: bool = True,
     threads: Optional[int] = 1,
     device: str = "cpu",
+    all_seeds: bool = False,
 ) -> Report:
     """The main job: analyse the (shipped) checkpoints and write ``out/`` (CSVs + dashboard.html).
+
+    ``all_seeds``: every seed of the shipped set, with the seed tables' analyses on the checkpoints
+    the heavy analyses skip (:func:`run_analyses`); slower than the default run.
 
     Fails with :class:`OutputDirError` before any work if ``out`` cannot be written.
     """
@@ -462,7 +503,8 @@ def reproduce(
 
     ensure_writable_dir(out)
     settings = settings or (Settings.quick() if quick else Settings.full())
-    report = run_analyses(checkpoints, settings, analyse=analyse, progress=progress, threads=threads, device=device)
+    report = run_analyses(checkpoints, settings, analyse=analyse, progress=progress, threads=threads, device=device,
+                          all_seeds=all_seeds)
     t = time.perf_counter()
     write_report(report, out)
     report.timings["write"] = time.perf_counter() - t

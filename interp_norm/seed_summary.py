@@ -2,7 +2,8 @@
 
 A claim about "Pre-Norm" from one trained model is a claim about one seed. :func:`per_checkpoint`
 reads the few numbers the paper's argument rests on from a report's tables (accuracy per split,
-the cost of 1% norm noise, the 1% collapse level in both protocols, the fraction of sparse rows),
+the cost of 1% norm noise, the 1% collapse level in both protocols, the fraction of sparse rows and
+of rows with max attention ≥ 0.99, pooled and per layer, and the norm spread per layer),
 and :func:`seed_spread` groups checkpoints of the same variant and scaling: mean, half the range,
 and the values themselves, so the dashboard and the README show the spread beside every number.
 """
@@ -22,7 +23,47 @@ QUANTITIES = (
     ("1% loose collapse level, per-layer protocol", "% noise"),
     ("1% loose collapse level, real forward pass", "% noise"),
     ("sparse attention rows (max ≥ 95%), all layers", "%"),
+    ("rows with max attention ≥ 0.99, all layers", "%"),
 )
+#: Per-layer quantities (``{layer}`` filled in), after :data:`QUANTITIES`. The norm spread is the
+#: median over a layer's heads of each head's ±s holding 90% of the attention-weighted input norms
+#: around its median (``geometry_norm_spread.csv``; the paper: ±20% for Pre-Norm).
+PER_LAYER = (
+    ("sparse attention rows (max ≥ 95%), layer {layer}", "%"),
+    ("rows with max attention ≥ 0.99, layer {layer}", "%"),
+    ("norm spread (90% of attended norms within ±), layer {layer}", "%"),
+)
+
+
+def quantity_order(quantity: str) -> tuple[int, int, int]:
+    """Sort key of a quantity: :data:`QUANTITIES` in order, then the per-layer ones by kind and layer."""
+    for i, (q, _) in enumerate(QUANTITIES):
+        if q == quantity:
+            return (0, i, 0)
+    for i, (q, _) in enumerate(PER_LAYER):
+        head = q.split("{layer}")[0]
+        if quantity.startswith(head) and quantity[len(head):].isdigit():
+            return (1, i, int(quantity[len(head):]))
+    return (2, 0, 0)
+
+
+def _per_layer(T: Mapping[str, pd.DataFrame], name: str) -> list[tuple[str, str, float]]:
+    """``(quantity, unit, value)`` of :data:`PER_LAYER` for one checkpoint (the layers its geometry tables hold)."""
+    out: dict[str, float] = {}
+    ss = T.get("geometry_sparsity_summary")
+    if ss is not None and len(ss):
+        d = ss[(ss["checkpoint"] == name) & ss["layer"].notna()]
+        for r in d.itertuples():
+            out[PER_LAYER[0][0].format(layer=int(r.layer))] = float(r.frac_sparse) * 100
+            if hasattr(r, "frac_very_sparse"):
+                out[PER_LAYER[1][0].format(layer=int(r.layer))] = float(r.frac_very_sparse) * 100
+    ns = T.get("geometry_norm_spread")
+    if ns is not None and len(ns):
+        d = ns[(ns["checkpoint"] == name) & ns["head"].notna()]
+        for layer, g in d.groupby("layer", sort=True):
+            out[PER_LAYER[2][0].format(layer=int(layer))] = float(g["spread"].median()) * 100
+    unit = {q: PER_LAYER[quantity_order(q)[1]][1] for q in out}
+    return [(q, unit[q], out[q]) for q in sorted(out, key=quantity_order)]
 
 
 def _threshold(T: Mapping[str, pd.DataFrame], key: str, label: str, after: bool) -> float:
@@ -56,16 +97,19 @@ def per_checkpoint(tables: Mapping[str, pd.DataFrame], checkpoints: pd.DataFrame
     for ck in checkpoints.itertuples():
         name, label = ck.checkpoint, ck.label
         acc = {r.split: r.per_token_acc * 100 for r in ev[ev["checkpoint"] == name].itertuples()} if len(ev) else {}
-        frac = np.nan
+        frac = very = np.nan
         if len(sparse):
             s = sparse[(sparse["checkpoint"] == name) & sparse["layer"].isna()]
             frac = float(s["frac_sparse"].iloc[0]) * 100 if len(s) else np.nan
+            if len(s) and "frac_very_sparse" in s.columns:
+                very = float(s["frac_very_sparse"].iloc[0]) * 100
         values = (acc.get("id", np.nan), acc.get("interp", np.nan), acc.get("extrap", np.nan),
                   _noise_cost(tables, name, "before_norm"), _noise_cost(tables, name, "after_norm"),
                   _threshold(tables, "collapse_thresholds", label, ck.attn_norm in ("qk", "qkv")),
-                  _threshold(tables, "forward_collapse_thresholds", label, ck.attn_norm in ("qk", "qkv")), frac)
+                  _threshold(tables, "forward_collapse_thresholds", label, ck.attn_norm in ("qk", "qkv")), frac, very)
         analysed = bool(getattr(ck, "analysed", True))
-        for (quantity, unit), value in zip(QUANTITIES, values):
+        layered = _per_layer(tables, name) if analysed else []
+        for quantity, unit, value in [*((q, u, v) for (q, u), v in zip(QUANTITIES, values)), *layered]:
             if not analysed and not quantity.endswith("accuracy"):
                 continue  # evaluated only: no noise, collapse or geometry numbers to report
             rows.append(dict(checkpoint=name, attn_norm=ck.attn_norm, calibration=getattr(ck, "calibration", "none"),
@@ -77,7 +121,6 @@ def seed_spread(per_ckpt: pd.DataFrame) -> pd.DataFrame:
     """Group :func:`per_checkpoint` over seeds: one row per (variant, scaling, quantity) with
     ``mean``, ``half_range`` (0 for one seed), ``n_seeds``, ``n_missing`` and ``values``."""
     rows = []
-    order = {q: i for i, (q, _) in enumerate(QUANTITIES)}
     for (a, cal, q), g in per_ckpt.groupby(["attn_norm", "calibration", "quantity"], sort=False):
         v = g["value"].dropna()
         if q.startswith("accuracy lost to 1% noise placed after") and not len(v):
@@ -87,7 +130,7 @@ def seed_spread(per_ckpt: pd.DataFrame) -> pd.DataFrame:
                          half_range=float((v.max() - v.min()) / 2) if len(v) else np.nan,
                          n_seeds=int(len(g)), n_missing=int(g["value"].isna().sum()),
                          values=", ".join("—" if pd.isna(x) else f"{x:.1f}" for x in g["value"]),
-                         order=order[q]))
+                         order=quantity_order(q)))
     out = pd.DataFrame(rows)
     if not len(out):
         return out
@@ -96,4 +139,4 @@ def seed_spread(per_ckpt: pd.DataFrame) -> pd.DataFrame:
     return out.sort_values(["calibration", "_r", "order"]).drop(columns=["_r", "order"]).reset_index(drop=True)
 
 
-__all__ = ["QUANTITIES", "per_checkpoint", "seed_spread"]
+__all__ = ["QUANTITIES", "PER_LAYER", "quantity_order", "per_checkpoint", "seed_spread"]

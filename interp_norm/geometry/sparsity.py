@@ -16,7 +16,11 @@ from interp_norm.geometry.bridge import bridge_pattern_hooks, is_bridge, positio
 from interp_norm.hooks import NONSPARSE_THRESHOLD, SPARSE_THRESHOLD, act_name
 from interp_norm.model import HookedNormTransformer
 
-__all__ = ["max_attention", "sparsity_histogram", "sparsity_summary", "attention_sparsity"]
+__all__ = ["max_attention", "sparsity_histogram", "sparsity_summary", "attention_sparsity", "VERY_SPARSE_THRESHOLD"]
+
+#: A stricter cut than the paper's 95%: rows whose max attention is at least 0.99 (``frac_very_sparse``).
+#: A QKV-Norm head's score range is bounded by its gains, so few of its rows get this close to one-hot.
+VERY_SPARSE_THRESHOLD = 0.99
 
 
 def max_attention(model: HookedNormTransformer, tokens: TokensLike, *, exclude_bos: bool = True, cache=None) -> pd.DataFrame:
@@ -81,15 +85,18 @@ def sparsity_histogram(max_attn: pd.DataFrame, *, bins: int = 20, per_head: bool
 
 
 def sparsity_summary(
-    max_attn: pd.DataFrame, *, sparse: float = SPARSE_THRESHOLD, nonsparse: float = NONSPARSE_THRESHOLD
+    max_attn: pd.DataFrame, *, sparse: float = SPARSE_THRESHOLD, nonsparse: float = NONSPARSE_THRESHOLD,
+    very_sparse: float = VERY_SPARSE_THRESHOLD,
 ) -> pd.DataFrame:
     """Per layer and pooled (layer = <NA>): share of sparse (max ≥ ``sparse``, paper 95%) and
-    non-sparse (max < ``nonsparse``, paper 70%) distributions, mean and median max attention."""
+    non-sparse (max < ``nonsparse``, paper 70%) distributions, mean and median max attention, and
+    ``frac_very_sparse``: the share with max ≥ ``very_sparse`` (0.99), a sharper sign of one-hot rows."""
 
     def row(g: pd.DataFrame, layer) -> dict:
         m = g["max_attn"].to_numpy()
         return dict(layer=layer, n=len(m), mean=m.mean(), median=np.median(m),
-                    frac_sparse=(m >= sparse).mean(), frac_nonsparse=(m < nonsparse).mean())
+                    frac_sparse=(m >= sparse).mean(), frac_nonsparse=(m < nonsparse).mean(),
+                    frac_very_sparse=(m >= very_sparse).mean())
 
     rows = [row(g, l) for l, g in max_attn.groupby("layer", sort=True)] + [row(max_attn, pd.NA)]
     df = pd.DataFrame(rows)

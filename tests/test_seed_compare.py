@@ -1,0 +1,141 @@
+"""The seed tables: comparisons of two variants over seeds, at matched ID accuracy, and reproduce's --all-seeds path."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from interp_norm import reproduce as R
+from interp_norm.geometry import sparsity_summary
+from interp_norm.model import ModelConfig
+from interp_norm.seed_compare import NOISE_CROSS, compare_seeds, matched_id_comparison
+from interp_norm.seed_summary import per_checkpoint
+from interp_norm.task import AdditionTask
+from interp_norm.train import TrainConfig, train
+
+EASY = AdditionTask(train_terms=(2,), interp_terms=(2,), extrap_terms=(3,), n_digits=(1,))
+BEFORE, AFTER = "accuracy lost to 1% noise (all rows, before any norm)", "accuracy lost to 1% noise placed after the norm"
+
+
+def _rows(norm, cal, quantity, values, unit="%"):
+    return [dict(checkpoint=f"{norm}{'-cal' if cal != 'none' else ''}-s{s}", attn_norm=norm, calibration=cal, seed=s,
+                 quantity=quantity, unit=unit, value=v) for s, v in enumerate(values)]
+
+
+def test_compare_seeds_per_seed_rows_means_and_exact_p():
+    per = pd.DataFrame(
+        _rows("pre", "none", "extrapolation accuracy", [70.0, 72.0, 71.0])
+        + _rows("qkv", "none", "extrapolation accuracy", [80.0, 84.0, 79.0])
+        + _rows("pre", "none", BEFORE, [10.0, 9.0, 11.0], "points")
+        + _rows("qkv", "none", BEFORE, [0.0, 0.0, 0.0], "points")
+        + _rows("qkv", "none", AFTER, [18.0, 17.0, float("nan")], "points")
+        + _rows("pre", "paper", "extrapolation accuracy", [60.0, 61.0]) + _rows("qkv", "paper", "extrapolation accuracy", [65.0])
+    )
+    summary, values = compare_seeds(per, n_resamples=2000)
+    s = summary.set_index(["scaling", "comparison"])
+    ex = s.loc[("1/√d_head", "extrapolation accuracy")]
+    assert ex["mean_a"] == pytest.approx(71.0) and ex["mean_b"] == pytest.approx(81.0)
+    assert ex["diff"] == pytest.approx(-10.0)
+    assert ex["p_value"] == pytest.approx(2 / 20) and ex["p_method"] == "exact" and ex["n_splits"] == 20  # C(6, 3)
+    assert ex["values_a"] == "s0: 70.0, s1: 72.0, s2: 71.0"
+    assert 70.0 <= ex["ci_lo_a"] <= 71.0 <= ex["ci_hi_a"] <= 72.0
+    assert ex["diff_lo"] <= -10.0 <= ex["diff_hi"] and ex["diff_hi"] < 0
+    # the cross comparison: Pre-Norm before its norm vs QKV-Norm after, with the missing seed left out
+    cross = s.loc[("1/√d_head", NOISE_CROSS[0])]
+    assert cross["n_a"] == 3 and cross["n_b"] == 2 and cross["n_missing_b"] == 1 and "left out" in cross["note"]
+    assert cross["mean_b"] == pytest.approx(17.5) and cross["diff"] == pytest.approx(10.0 - 17.5)
+    # C(5, 3) = 10 splits; |diff| >= 7.5 only for the observed split ({9, 10, 11} vs {17, 18}) and none else
+    assert cross["p_value"] == pytest.approx(1 / 10)
+    assert ("1/√d_head", AFTER) not in s.index  # Pre-Norm has no norm to put noise after
+    # one seed in an arm: a p-value, no interval
+    cal = s.loc[("Checkpoint calibration", "extrapolation accuracy")]
+    assert cal["n_b"] == 1 and math.isnan(cal["ci_lo_b"]) and "no interval" in cal["note"]
+    # C(3, 2) = 3 splits: {60, 61}|{65} (|diff| 4.5, observed), {60, 65}|{61} (1.5), {61, 65}|{60} (3.0)
+    assert cal["p_value"] == pytest.approx(1 / 3)
+    v = values[(values["comparison"] == "extrapolation accuracy") & (values["scaling"] == "1/√d_head")]
+    assert list(v["value"]) == [70.0, 72.0, 71.0, 80.0, 84.0, 79.0] and list(v["arm"]) == ["A"] * 3 + ["B"] * 3
+
+
+def test_matched_id_reads_ood_accuracy_where_id_first_reaches_the_target():
+    def curve(name, ids, extraps):
+        return [dict(checkpoint=name, step=1000 * (i + 1), eval_id_acc=a, eval_interp_acc=a, eval_extrap_acc=e)
+                for i, (a, e) in enumerate(zip(ids, extraps))]
+
+    curves = pd.DataFrame(curve("pre", [0.5, 0.7, 0.9], [0.4, 0.5, 0.6]) + curve("pre-s1", [0.6, 0.8, 0.75], [0.5, 0.7, 0.8])
+                          + curve("qkv", [0.5, 0.6, 0.85], [0.5, 0.7, 0.9]) + curve("qkv-s1", [0.55, 0.9, 0.95], [0.6, 0.6, 0.7]))
+    ck = pd.DataFrame([dict(checkpoint=n, attn_norm=n.split("-")[0], calibration="none", seed=int(n.endswith("s1")))
+                       for n in ("pre", "pre-s1", "qkv", "qkv-s1")])
+    summary, values = matched_id_comparison(curves, ck, n_points=3, n_resamples=500)
+    # grid: from the highest first ID (0.6, pre-s1) to the lowest best ID (0.8, pre-s1): 60, 70, 80%
+    targets = sorted(summary["id_target"].dropna().unique())
+    assert targets == pytest.approx([60.0, 70.0, 80.0])
+    v = values[(values["split"] == "extrap") & (values["at"] == "matched ID")].set_index(["checkpoint", "id_target"])["value"]
+    assert v[("pre", 70.0)] == pytest.approx(50.0)  # reached exactly at step 2000
+    assert v[("pre", 80.0)] == pytest.approx(55.0)  # halfway between 0.7 and 0.9
+    assert v[("pre-s1", 60.0)] == pytest.approx(50.0)  # its first evaluation
+    assert v[("pre-s1", 70.0)] == pytest.approx(60.0)  # halfway between 0.6 and 0.8
+    assert v[("qkv", 70.0)] == pytest.approx(70.0 + 0.4 * 20.0)  # 0.6 -> 0.85: (0.7 - 0.6) / 0.25 = 0.4
+    assert v[("qkv-s1", 80.0)] == pytest.approx(60.0)  # flat between its evaluations
+    row = summary[(summary["at"] == "matched ID") & (summary["split"] == "extrap") & np.isclose(summary["id_target"], 70.0)].iloc[0]
+    assert row["mean_a"] == pytest.approx((50.0 + 60.0) / 2) and row["mean_b"] == pytest.approx((78.0 + 60.0) / 2)
+    end = summary[(summary["at"] == "end of training") & (summary["split"] == "id")].iloc[0]
+    assert end["mean_a"] == pytest.approx((90.0 + 75.0) / 2) and end["mean_b"] == pytest.approx(90.0)
+
+
+def test_very_sparse_share_and_per_layer_quantities():
+    mx = pd.DataFrame(dict(layer=[0, 0, 0, 0, 1, 1], max_attn=[0.999, 0.991, 0.96, 0.5, 0.995, 0.2]))
+    s = sparsity_summary(mx)
+    layer0, pooled = s[s["layer"] == 0].iloc[0], s[s["layer"].isna()].iloc[0]
+    assert layer0["frac_very_sparse"] == pytest.approx(2 / 4) and layer0["frac_sparse"] == pytest.approx(3 / 4)
+    assert pooled["frac_very_sparse"] == pytest.approx(3 / 6)
+    summ = sparsity_summary(mx).assign(checkpoint="pre")
+    ns = pd.DataFrame([dict(checkpoint="pre", layer=0, head=h, spread=v) for h, v in enumerate([0.1, 0.5, 0.3, 0.2])]
+                      + [dict(checkpoint="pre", layer=0, head=pd.NA, spread=0.9)])
+    ck = pd.DataFrame([dict(checkpoint="pre", label="Pre-Norm", attn_norm="pre", calibration="none", seed=0)])
+    got = per_checkpoint(dict(geometry_sparsity_summary=summ, geometry_norm_spread=ns), ck).set_index("quantity")["value"]
+    assert got["rows with max attention ≥ 0.99, all layers"] == pytest.approx(50.0)
+    assert got["rows with max attention ≥ 0.99, layer 1"] == pytest.approx(50.0)
+    assert got["sparse attention rows (max ≥ 95%), layer 0"] == pytest.approx(75.0)
+    assert got["norm spread (90% of attended norms within ±), layer 0"] == pytest.approx(100 * np.median([0.1, 0.5, 0.3, 0.2]))
+
+
+@pytest.fixture(scope="module")
+def two_seeds(tmp_path_factory):
+    """Pre-Norm and QKV-Norm tiny models, seeds 0 and 1, with ID / interp / extrap evaluated every 4 steps."""
+    cfg = TrainConfig(lr=3e-3, batch_size=16, steps_per_epoch=6, max_steps=12, log_every=4, eval_every=4,
+                      eval_size=16, final_eval_size=16, checkpoint_every=12, grad_clip=1.0, seed=3)
+    root = tmp_path_factory.mktemp("seeds")
+    out = []
+    for norm in ("pre", "qkv"):
+        for seed in (0, 1):
+            name = norm if seed == 0 else f"{norm}-s{seed}"
+            train(ModelConfig.preset("tiny", attn_norm=norm, seed=seed), EASY, cfg, root / name, progress=False)
+            out.append(str(root / name))
+    return out
+
+
+def test_all_seeds_path_writes_the_seed_tables_and_matches_the_full_analyses(two_seeds, tmp_path):
+    settings = R.Settings.quick(analyses=("evaluate", "noise", "collapse", "forward_collapse", "geometry"))
+    seeds0 = [s for s in two_seeds if not s.endswith("-s1")]
+    report = R.reproduce(tmp_path / "r", two_seeds, settings=settings, analyse=[p.rsplit("/", 1)[1] for p in seeds0],
+                         progress=False, all_seeds=True)
+    ck = report.checkpoints.set_index("checkpoint")
+    assert ck.loc["pre-s1", "scope"] == "seed tables" and ck.loc["pre", "scope"] == "all analyses"
+    for name in ("seed_comparisons", "seed_comparison_values", "seed_matched_id", "seed_matched_id_values"):
+        assert (tmp_path / "r" / f"{name}.csv").exists()
+    comp = pd.read_csv(tmp_path / "r" / "seed_comparisons.csv").set_index("comparison")
+    assert comp.loc["extrapolation accuracy", "n_a"] == 2 and comp.loc["extrapolation accuracy", "n_splits"] == 6
+    assert comp.loc[BEFORE, "n_a"] + comp.loc[BEFORE, "n_missing_a"] == 2
+    assert "1% loose collapse level, per-layer protocol" in comp.index and NOISE_CROSS[0] in comp.index
+    # the seed pass (noise cut to 0 and 1%, all rows) gives what the full analyses give on the same checkpoint
+    full = R.run_analyses(two_seeds, settings, analyse="all", progress=False)
+    a = report.tables["seed_numbers"].set_index(["checkpoint", "quantity"])["value"]
+    b = full.tables["seed_numbers"].set_index(["checkpoint", "quantity"])["value"]
+    pd.testing.assert_series_equal(a.sort_index(), b.sort_index())
+    noise = report.tables["noise_accuracy"]
+    assert set(noise[noise["checkpoint"] == "pre-s1"]["level"]) == {0.0, 0.01}
+    matched = report.tables["seed_matched_id"]
+    assert set(matched["at"]) >= {"end of training"} and (matched["n_a"] + matched["n_missing_a"] == 2).all()
