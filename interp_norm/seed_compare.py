@@ -129,12 +129,16 @@ def compare_seeds(per_ckpt: pd.DataFrame, *, seed: int = 0, n_resamples: int = N
             if _AFTER in (qa, qb) and not (da["value"].notna().any() and db["value"].notna().any()):
                 continue  # noise after the norm: only where both arms have a q/k norm
             stats = compare_arms(da["value"], db["value"], seed=seed, n_resamples=n_resamples)
+            note = "; ".join(filter(None, [_note(stats), *(
+                f"{label}: 0 by construction (its q, k and v norms remove noise placed before them)"
+                for label, norm, q in ((label_a, norm_a, qa), (label_b, norm_b, qb)) if q == _BEFORE and norm == "qkv")]))
             summary.append(dict(scaling=scaling, comparison=name, quantity_a=qa, quantity_b=qb, unit=da["unit"].iloc[0],
                                 arm_a=label_a, arm_b=label_b, values_a=_fmt_values(da), values_b=_fmt_values(db),
-                                **stats, note=_note(stats)))
+                                **stats, note=note))
             for arm, label, d in (("A", label_a, da), ("B", label_b, db)):
                 for r in d.itertuples():
-                    values.append(dict(scaling=scaling, comparison=name, arm=arm, variant=label, checkpoint=r.checkpoint,
+                    values.append(dict(scaling=scaling, comparison=name, arm=arm, variant=label, attn_norm=r.attn_norm,
+                                       checkpoint=r.checkpoint,
                                        seed=int(r.seed), quantity=r.quantity, unit=r.unit, value=r.value))
     return pd.DataFrame(summary), pd.DataFrame(values)
 
@@ -187,7 +191,7 @@ def matched_id_comparison(curves: pd.DataFrame, checkpoints: pd.DataFrame, *, n_
                     runs[arm].append((n, int(ck.loc[n, "seed"]), c))
         if not runs["A"] or not runs["B"]:
             continue
-        labels = {"A": label_a, "B": label_b}
+        labels, norms = {"A": label_a, "B": label_b}, {"A": norm_a, "B": norm_b}
         every = runs["A"] + runs["B"]
         lo = max(float(c["eval_id_acc"].iloc[0]) for _, _, c in every)
         hi = min(float(c["eval_id_acc"].max()) for _, _, c in every)
@@ -206,7 +210,7 @@ def matched_id_comparison(curves: pd.DataFrame, checkpoints: pd.DataFrame, *, n_
                                          c[_SPLIT_COLS[split]].to_numpy(float), target)
                     vals.append(v * 100)
                     values.append(dict(scaling=scaling, at=at, id_target=math.nan if target is None else target * 100,
-                                       split=split, arm=arm, variant=labels[arm], checkpoint=name, seed=sd,
+                                       split=split, arm=arm, variant=labels[arm], attn_norm=norms[arm], checkpoint=name, seed=sd,
                                        step=step, value=v * 100))
                 per_arm[arm] = vals
             stats = compare_arms(per_arm["A"], per_arm["B"], seed=seed, n_resamples=n_resamples)

@@ -139,3 +139,22 @@ def test_all_seeds_path_writes_the_seed_tables_and_matches_the_full_analyses(two
     assert set(noise[noise["checkpoint"] == "pre-s1"]["level"]) == {0.0, 0.01}
     matched = report.tables["seed_matched_id"]
     assert set(matched["at"]) >= {"end of training"} and (matched["n_a"] + matched["n_missing_a"] == 2).all()
+
+
+def test_dot_and_range_figure_draws_every_seed_and_the_interval_of_the_table():
+    from interp_norm import plots
+
+    per = pd.DataFrame(_rows("pre", "none", "extrapolation accuracy", [70.0, 72.0, 71.0])
+                       + _rows("qkv", "none", "extrapolation accuracy", [80.0, 84.0, 79.0]))
+    summary, values = compare_seeds(per, n_resamples=1000)
+    fig = plots.plot_seed_comparisons(summary, values)
+    dots = [t for t in fig.data if t.marker.symbol != "line-ew-open"]
+    assert sorted(y for t in dots for y in t.y) == sorted([70.0, 72.0, 71.0, 80.0, 84.0, 79.0])  # one dot per seed
+    assert len({t.marker.color for t in dots}) == 2  # one colour per variant
+    assert {t.marker.symbol for t in dots} == {"circle", "square", "diamond"}  # one shape per seed
+    means = [t for t in fig.data if t.marker.symbol == "line-ew-open"]
+    r = summary.iloc[0]
+    assert [m.y[0] for m in means] == pytest.approx([r["mean_a"], r["mean_b"]])
+    assert means[0].y[0] + means[0].error_y.array[0] == pytest.approx(r["ci_hi_a"])
+    assert means[0].y[0] - means[0].error_y.arrayminus[0] == pytest.approx(r["ci_lo_a"])
+    assert "p = 0.1 (exact, 20)" in fig.layout.annotations[0].text and "p = 0.1" in means[0].hovertemplate

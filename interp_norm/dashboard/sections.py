@@ -129,6 +129,7 @@ def figure_sections(report: Any, strict: bool = False, csv: bool = True) -> tupl
                                                                                                max_level=top)))
         sections.append(s)
     sections += _control_sections(T, panel, csv)
+    sections += _seed_sections(T, panel)
 
     # --- geometry
     geo = {k[len("geometry_"):]: v for k, v in T.items() if k.startswith("geometry_")}
@@ -238,6 +239,43 @@ def _issue23_panels(T: dict) -> list[Panel]:
             caption="For a fixed row, scaling its scores by c > 0 never changes which key wins under multiplicative "
                     "noise (an identity): the rows sparse at c = 1 keep their level; only newly counted rows differ."))
     return out
+
+
+def _seed_sections(T: dict, panel: Callable) -> list[Section]:
+    """Variant A vs B over seeds (seed_comparisons.csv, seed_matched_id.csv): dot-and-range figures and the table."""
+    comp, vals = T.get("seed_comparisons"), T.get("seed_comparison_values")
+    if comp is None or not len(comp) or vals is None:
+        return []
+    s = Section("Variants compared over seeds",
+                "Every comparison the findings make, per score scaling: a dot per seed (its shape is the seed), the "
+                "mean with its percentile-bootstrap 95% interval over seeds beside it, and in each panel's title the "
+                "two-sided permutation p-value of the difference of means (exact: every split of the seeds; with 2 "
+                "seeds per arm it cannot go below 1/3). With few seeds the bootstrap interval is too narrow; the "
+                "p-value decides. Tables: seed_comparisons.csv (per-seed values in seed_comparison_values.csv), "
+                "seed_matched_id.csv.", anchor="seed-comparisons")
+    for scaling in dict.fromkeys(comp["scaling"]):
+        s.panels.append(panel(f"Over seeds: {scaling}", lambda scaling=scaling: plots.plot_seed_comparisons(
+            comp, vals, scaling)))
+    m, mv = T.get("seed_matched_id"), T.get("seed_matched_id_values")
+    if m is not None and len(m) and mv is not None:
+        for scaling in dict.fromkeys(m.loc[m["at"] == "matched ID", "scaling"]):
+            s.panels.append(panel(f"At matched ID accuracy: {scaling}", lambda scaling=scaling: plots.plot_matched_id(
+                m, mv, scaling), caption="From the training curves (ID / interp / extrap accuracy every 1 000 steps, "
+                                         "512 problems per split): each run's OOD accuracy where its ID accuracy first "
+                                         "reaches the value on the x axis; the end-of-training rows are in "
+                                         "seed_matched_id.csv."))
+    view = comp.copy()
+    fmt = lambda m, lo, hi: "—" if pd.isna(m) else f"{m:.1f} [{'—' if pd.isna(lo) else f'{lo:.1f}, {hi:.1f}'}]"  # noqa: E731
+    view["A: mean [95% CI]"] = [fmt(*x) for x in zip(view["mean_a"], view["ci_lo_a"], view["ci_hi_a"])]
+    view["B: mean [95% CI]"] = [fmt(*x) for x in zip(view["mean_b"], view["ci_lo_b"], view["ci_hi_b"])]
+    view["A − B [95% CI]"] = [fmt(*x) for x in zip(view["diff"], view["diff_lo"], view["diff_hi"])]
+    view["p"] = [("—" if pd.isna(p) else f"{p:.2g}") for p in view["p_value"]]
+    s.panels.append(Panel("Comparisons over seeds", kind="table", table=view[
+        ["scaling", "comparison", "unit", "arm_a", "values_a", "A: mean [95% CI]", "arm_b", "values_b",
+         "B: mean [95% CI]", "A − B [95% CI]", "p"]],
+        caption="Per seed (s0, s1, ...), mean and bootstrap 95% interval per arm, the difference with its interval, "
+                "and the permutation p-value (uncorrected for the number of comparisons)."))
+    return [s]
 
 
 def models_finding(card: Optional[pd.DataFrame]) -> str:

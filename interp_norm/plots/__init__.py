@@ -6,6 +6,7 @@ Figures only draw tables that analyses computed; nothing here runs a model. By c
 * :mod:`~interp_norm.plots.attention` -- attention patterns and the attention explorer;
 * :mod:`~interp_norm.plots.circuits` -- patching heatmaps, the one circuit drawer, MIB faithfulness;
 * :mod:`~interp_norm.plots.noise` -- accuracy and circuit collapse under norm noise;
+* :mod:`~interp_norm.plots.seeds` -- variant A vs B over seeds, dot-and-range (the seed tables);
 * :mod:`~interp_norm.plots.geometry` -- norm spread, spheres, subspaces, interference, ellipsoids.
 
 Everything is re-exported here (``from interp_norm import plots``). Two table builders that used
@@ -37,6 +38,7 @@ from interp_norm.plots import geometry
 from interp_norm.plots.geometry import *  # noqa: F401,F403  (its __all__: the geometry figures, listed once there)
 from interp_norm.plots.models import plot_accuracy_by_split, plot_model_card, plot_training_curves
 from interp_norm.plots.noise import plot_accuracy_vs_noise, plot_collapse_thresholds, plot_collapse_vs_noise, plot_temperature
+from interp_norm.plots.seeds import plot_matched_id, plot_seed_comparisons
 
 __all__ = [
     "PAPER_PER_TOKEN_ACCURACY",
@@ -69,6 +71,9 @@ __all__ = [
     "plot_collapse_vs_noise",
     "plot_collapse_thresholds",
     "plot_temperature",
+    # variant A vs B over seeds
+    "plot_seed_comparisons",
+    "plot_matched_id",
     # geometry
     *geometry.__all__,
 ]
