@@ -158,3 +158,10 @@ def test_dot_and_range_figure_draws_every_seed_and_the_interval_of_the_table():
     assert means[0].y[0] + means[0].error_y.array[0] == pytest.approx(r["ci_hi_a"])
     assert means[0].y[0] - means[0].error_y.arrayminus[0] == pytest.approx(r["ci_lo_a"])
     assert "p = 0.1 (exact, 20)" in fig.layout.annotations[0].text and "p = 0.1" in means[0].hovertemplate
+
+
+def test_cli_reproduce_takes_all_seeds():
+    from interp_norm import cli
+
+    assert cli.build_parser().parse_args(["reproduce", "--all-seeds"]).all_seeds is True
+    assert cli.build_parser().parse_args(["reproduce"]).all_seeds is False
