@@ -44,13 +44,13 @@ def comparison_table(comp: pd.DataFrame, scaling: str) -> str:
     s = comp[comp["scaling"] == scaling]
     a, b = s["arm_a"].iloc[0], s["arm_b"].iloc[0]
     lines = [f"| comparison | unit | {a}: per seed | {a}: mean [95% CI] | {b}: per seed | {b}: mean [95% CI] | "
-             "A − B [95% CI] | p |", "|---|---|---|---|---|---|---|---|"]
+             "A − B [95% CI] | p | note |", "|---|---|---|---|---|---|---|---|---|"]
     for _, r in s.iterrows():
-        note = f" ({r['note']})" if isinstance(r.get("note"), str) and r["note"] else ""
-        lines.append(f"| {r['comparison']}{note} | {r['unit']} | {_seeds(r['values_a'])} | "
+        note = r["note"] if isinstance(r.get("note"), str) else ""
+        lines.append(f"| {r['comparison']} | {r['unit']} | {_seeds(r['values_a'])} | "
                      f"{_ci(r['mean_a'], r['ci_lo_a'], r['ci_hi_a'])} | {_seeds(r['values_b'])} | "
                      f"{_ci(r['mean_b'], r['ci_lo_b'], r['ci_hi_b'])} | {_ci(r['diff'], r['diff_lo'], r['diff_hi'])} | "
-                     f"{_p(r)} |")
+                     f"{_p(r)} | {note} |")
     return "\n".join(lines)
 
 

@@ -165,3 +165,28 @@ def test_cli_reproduce_takes_all_seeds():
 
     assert cli.build_parser().parse_args(["reproduce", "--all-seeds"]).all_seeds is True
     assert cli.build_parser().parse_args(["reproduce"]).all_seeds is False
+
+
+def test_findings_tables_script_renders_every_seed_and_the_statistics(tmp_path):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    sys.path.insert(0, str(scripts))
+    try:
+        spec = importlib.util.spec_from_file_location("findings_tables", scripts / "findings_tables.py")
+        F = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(F)
+    finally:
+        sys.path.remove(str(scripts))
+    per = pd.DataFrame(_rows("pre", "none", "extrapolation accuracy", [70.0, 72.0, 71.0])
+                       + _rows("qkv", "none", "extrapolation accuracy", [80.0, 84.0, 79.0]))
+    summary, _ = compare_seeds(per, n_resamples=1000)
+    summary.to_csv(tmp_path / "seed_comparisons.csv", index=False)
+    md = F.markdown(tmp_path)
+    row = next(line for line in md.splitlines() if line.startswith("| extrapolation accuracy"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == "s0: 70.0, s1: 72.0, s2: 71.0" and cells[4] == "s0: 80.0, s1: 84.0, s2: 79.0"
+    assert cells[3].startswith("71.0 [") and cells[5].startswith("81.0 [") and cells[6].startswith("-10.0 [")
+    assert cells[7] == "0.1"  # 2 / C(6, 3)
