@@ -11,20 +11,12 @@ checkpoint; the heavier analyses (:mod:`interp_norm.checkpoint_report`: circuits
 controls, collapse, forward-pass collapse, temperature sweep, geometry, attention) run on every
 seed of every architecture at the reference scaling (:func:`default_analysed`), so each figure can
 show its spread over seeds; ``analyse`` names others, ``analyse="all"`` takes every checkpoint.
-The shipped set is read up to seed 1 (:data:`~interp_norm.seed_compare.DEFAULT_SEEDS`: seeds 0 and 1 of each architecture and
-scaling), which keeps ``make reproduce`` within its budget however many seeds ship.
+The shipped set is read up to seed 1 (``seed_compare.DEFAULT_SEEDS``: seeds 0 and 1 of each
+architecture and scaling), which keeps ``make reproduce`` within its budget however many seeds ship.
 
-``all_seeds=True`` (``interp-norm reproduce --all-seeds``) reads every seed and runs, on every
-checkpoint the heavy analyses do not cover (further seeds, the Checkpoint-calibrated models), the
-analyses the seed tables need (:data:`~interp_norm.seed_compare.SEED_ANALYSES`, with the noise
-sweep cut to 0 and 1% on all rows, :func:`~interp_norm.seed_compare.seed_pass_settings`; every analysis is seeded per checkpoint, so these numbers equal
-what the full analyses give). The seed tables (:mod:`interp_norm.seed_compare`) are written by
-every run: ``seed_comparisons`` (variant A vs B per quantity: per-seed values, means, bootstrap
-95% intervals, difference, permutation p-value; per-seed rows in ``seed_comparison_values``) and
-``seed_matched_id`` (OOD accuracy at matched ID accuracy along training, from the training
-curves, and at the end; ``seed_matched_id_values``).
-Checkpoints are analysed in worker processes (one torch thread each, up to two), which keeps the
-whole run within the 3-minute budget on 2 CPU cores.
+``all_seeds=True`` (``interp-norm reproduce --all-seeds``) reads every seed and runs the seed
+tables' analyses on every checkpoint the heavy ones skip (:mod:`interp_norm.seed_compare`, which
+also builds the seed tables every run writes: ``seed_comparisons``, ``seed_matched_id``).
 """
 
 from __future__ import annotations
@@ -235,6 +227,19 @@ def _choose_heavy(models: Mapping[str, tuple[Any, Any]], analyse: Any, explicit:
     return heavy
 
 
+def choose_scopes(models: Mapping[str, tuple[Any, Any]], analyse: Any = None, explicit: bool = False,
+                  all_seeds: bool = False) -> tuple[list[str], list[str]]:
+    """``(heavy, seed_pass)``: the checkpoints for every heavy analysis, and those for the seed tables'
+    pass only (``all_seeds``: every other one). For the shipped set without ``analyse``, the heavy
+    analyses keep to seeds below ``DEFAULT_SEEDS`` even when every seed is read."""
+    heavy = _choose_heavy(models, analyse, explicit)
+    if not all_seeds:
+        return heavy, []
+    if analyse is None and not explicit:
+        heavy = [n for n in heavy if models[n][1].model_cfg.seed < DEFAULT_SEEDS]
+    return heavy, [n for n in models if n not in heavy]
+
+
 def _workers(workers: Optional[int], n_jobs: int) -> int:
     """Worker processes: up to 2 (the 2 cores) by default; 1 where processes cannot be forked."""
     import multiprocessing as mp
@@ -311,13 +316,10 @@ def run_analyses(
             report.notes.append(f"{len(later)} further seeds left out ({', '.join(later)}); "
                                 "'interp-norm reproduce --all-seeds' analyses them for the seed tables")
     report.timings["load"] = time.perf_counter() - t0
-    heavy = _choose_heavy(models, analyse, explicit)
     todo = set(settings.analyses)
-    seed_pass = [n for n in models if n not in heavy] if all_seeds else []
     seed_settings = seed_pass_settings(settings)
     seed_todo = set(seed_settings.analyses)
-    if not seed_todo - {"evaluate"}:
-        seed_pass = []
+    heavy, seed_pass = choose_scopes(models, analyse, explicit, all_seeds and bool(seed_todo - {"evaluate"}))
     labels = {n: variant_label(n, info.model_cfg.attn_norm) for n, (_, info) in models.items()}
     report.checkpoints = pd.DataFrame([
         dict(checkpoint=n, label=labels[n], attn_norm=info.model_cfg.attn_norm, seed=info.model_cfg.seed,

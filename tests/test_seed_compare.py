@@ -190,3 +190,20 @@ def test_findings_tables_script_renders_every_seed_and_the_statistics(tmp_path):
     assert cells[2] == "s0: 70.0, s1: 72.0, s2: 71.0" and cells[4] == "s0: 80.0, s1: 84.0, s2: 79.0"
     assert cells[3].startswith("71.0 [") and cells[5].startswith("81.0 [") and cells[6].startswith("-10.0 [")
     assert cells[7] == "0.1"  # 2 / C(6, 3)
+
+
+def test_all_seeds_keeps_the_heavy_analyses_on_seeds_0_and_1_and_gives_the_rest_the_seed_pass():
+    from types import SimpleNamespace
+
+    def info(attn, seed, cal="none"):
+        return SimpleNamespace(model_cfg=SimpleNamespace(attn_norm=attn, seed=seed, calibration=cal))
+
+    models = {n: (None, info(a, s, c)) for n, a, s, c in (
+        ("pre", "pre", 0, "none"), ("pre-s1", "pre", 1, "none"), ("pre-s2", "pre", 2, "none"),
+        ("qkv-s5", "qkv", 5, "none"), ("pre-cal", "pre", 0, "paper"), ("qk", "qk", 0, "none"))}
+    heavy, seed_pass = R.choose_scopes(models, all_seeds=True)
+    assert heavy == ["pre", "pre-s1", "qk"] and sorted(seed_pass) == ["pre-cal", "pre-s2", "qkv-s5"]
+    assert R.choose_scopes(models)[1] == []  # without all_seeds: no seed pass
+    assert R.choose_scopes(models, analyse="all", all_seeds=True) == (list(models), [])
+    heavy, seed_pass = R.choose_scopes(models, explicit=True, analyse=["pre"], all_seeds=True)
+    assert heavy == ["pre"] and len(seed_pass) == 5
