@@ -44,7 +44,7 @@ __all__ = [
     "make_dashboard",
 ]
 from interp_norm.checkpoint_report import ANALYSES, DEFAULT_ANALYSES  # noqa: E402  (imports pandas only)
-from interp_norm.seed_compare import DEFAULT_SEEDS, SEED_ANALYSES, seed_pass_settings  # noqa: E402,F401  (pandas, numpy)
+from interp_norm.seed_compare import DEFAULT_SEEDS, SEED_ANALYSES, seed_pass_settings, seed_tables  # noqa: E402,F401
 
 
 def _noise_default(name: str) -> tuple[float, ...]:
@@ -232,12 +232,9 @@ def choose_scopes(models: Mapping[str, tuple[Any, Any]], analyse: Any = None, ex
     """``(heavy, seed_pass)``: the checkpoints for every heavy analysis, and those for the seed tables'
     pass only (``all_seeds``: every other one). For the shipped set without ``analyse``, the heavy
     analyses keep to seeds below ``DEFAULT_SEEDS`` even when every seed is read."""
-    heavy = _choose_heavy(models, analyse, explicit)
-    if not all_seeds:
-        return heavy, []
-    if analyse is None and not explicit:
-        heavy = [n for n in heavy if models[n][1].model_cfg.seed < DEFAULT_SEEDS]
-    return heavy, [n for n in models if n not in heavy]
+    heavy = [n for n in _choose_heavy(models, analyse, explicit) if analyse is not None or explicit or not all_seeds
+             or models[n][1].model_cfg.seed < DEFAULT_SEEDS]
+    return heavy, [n for n in models if n not in heavy] if all_seeds else []
 
 
 def _workers(workers: Optional[int], n_jobs: int) -> int:
@@ -310,11 +307,10 @@ def run_analyses(
     models = dict(checkpoints) if loaded else load_models(checkpoints, device=device)
     if not explicit:  # the shipped set: Pre-Norm first, then QKV-Norm, QK-Norm, No-Norm (seeds in order)
         models = dict(sorted(models.items(), key=lambda kv: _arch_key(kv[0], kv[1][1])))
-        later = [n for n, (_, info) in models.items() if info.model_cfg.seed >= DEFAULT_SEEDS]
-        if later and not all_seeds:
+        later = [n for n, (_, info) in models.items() if info.model_cfg.seed >= DEFAULT_SEEDS and not all_seeds]
+        if later:
             models = {n: m for n, m in models.items() if n not in later}
-            report.notes.append(f"{len(later)} further seeds left out ({', '.join(later)}); "
-                                "'interp-norm reproduce --all-seeds' analyses them for the seed tables")
+            report.notes.append(f"further seeds left out: {', '.join(later)} ('reproduce --all-seeds' analyses them)")
     report.timings["load"] = time.perf_counter() - t0
     todo = set(settings.analyses)
     seed_settings = seed_pass_settings(settings)
@@ -420,8 +416,6 @@ def run_analyses(
 
         T["seed_numbers"] = per_checkpoint(T, report.checkpoints[report.checkpoints["checkpoint"].isin(jobs)])
         T["seed_spread"] = seed_spread(T["seed_numbers"])
-        from interp_norm.seed_compare import seed_tables
-
         t = time.perf_counter()
         T.update(seed_tables(T, report.checkpoints, settings.seed))
         report.timings["seed_tables"] = time.perf_counter() - t
