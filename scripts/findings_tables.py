@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 import pandas as pd
-from _readme import replace_block
+from _docs import replace_block
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "findings-tables.md"
@@ -111,7 +111,7 @@ def main() -> None:
         if not PAGE.exists():
             PAGE.write_text("# Findings: the tables\n\nVariant A vs variant B over seeds (issue 23).\n\n"
                             f"{START}\n{END}\n")
-        replace_block(START, END, md, readme=PAGE)
+        replace_block("FINDINGS-TABLES", md, page=PAGE)
 
 
 if __name__ == "__main__":

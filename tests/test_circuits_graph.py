@@ -146,7 +146,7 @@ def test_edge_circuit_from_attribution_and_drawing(setup):
     assert list(f.ablation) == ["resample", "mean", "zero"] and f.faithfulness.notna().all()
     fig = draw_circuit(c)
     assert len(fig.data) == len(c) + 1 + 5  # one line per edge, the nodes, the legend
-    assert set(fig.data[len(c)].text) == c.nodes
+    assert {a.text for a in fig.layout.annotations} == c.nodes  # node labels are annotations above the edges
 
 
 def test_circuit_errors(setup):

@@ -376,10 +376,13 @@ def test_plots_build(tokens):
     fig = plot_accuracy_vs_noise(acc)
     assert len(fig.data) == 6 and fig.layout.xaxis.type == "log"
     curves = N.measure_collapse(model, tokens, (0.1, 0.3), n_draws=2, strict_samples=20)
+    def drawn(fig):  # traces with data (the legend's style keys are empty traces)
+        return [d for d in fig.data if d.x is not None and list(d.x) != [None]]
+
     fig = plot_collapse_vs_noise(curves)
-    assert len(fig.data) == 4 and {d.line.dash for d in fig.data} == {None, "dash"}
-    assert len(plot_collapse_vs_noise(curves, layer=None).data) == 12
-    assert len(plot_collapse_thresholds(N.collapse_thresholds(curves)).data) == 4
+    assert len(drawn(fig)) == 4 and {d.line.dash or "solid" for d in drawn(fig)} == {"solid", "dash"}
+    assert len(drawn(plot_collapse_vs_noise(curves, layer=None))) == 12
+    assert len(drawn(plot_collapse_thresholds(N.collapse_thresholds(curves)))) == 4
 
 
 # ----------------------------------------------------------------------------- options and checks
