@@ -130,6 +130,9 @@ def analyse_checkpoint(
     todo = set(HEAVY) if todo is None else set(todo) & set(HEAVY)
     task, a = info.task, info.model_cfg.attn_norm
     after_norm = is_normalised(a, "q")  # QK/QKV-Norm: noise before the norm is removed by construction
+    # the single-placement analyses ask QK/QKV-Norm about noise that survives its norm
+    placement = "after_norm" if after_norm else "before_norm"
+    v = f"{label}, noise after norm" if after_norm else label
     tables: dict[str, list[pd.DataFrame]] = {}
     seconds: dict[str, float] = {}
 
@@ -166,15 +169,11 @@ def analyse_checkpoint(
                 put("collapse", _front(curves, checkpoint=name))
                 put("collapse_heads", _front(heads, checkpoint=name))
         elif analysis == "forward_collapse":
-            placement = "after_norm" if after_norm else "before_norm"
-            v = f"{label}, noise after norm" if after_norm else label
             put("forward_collapse", _front(run_forward_collapse(
                 model, task, settings.collapse_levels, n_examples=settings.forward_examples,
                 n_draws=settings.forward_draws, strict_samples=settings.collapse_strict_samples, seed=settings.seed,
                 variant=v, placement=placement, progress=progress), checkpoint=name))
         elif analysis == "temperature":
-            placement = "after_norm" if after_norm else "before_norm"
-            v = f"{label}, noise after norm" if after_norm else label
             put("temperature", _front(run_temperature_sweep(
                 model, task, settings.temperature_multipliers, settings.collapse_levels,
                 n_examples=settings.temperature_examples, n_draws=settings.temperature_draws, seed=settings.seed,
@@ -185,8 +184,6 @@ def analyse_checkpoint(
                 n_examples=settings.noise_examples, seed=settings.seed, variant=label, progress=progress),
                 checkpoint=name))
         elif analysis == "collapse_consequence":
-            placement = "after_norm" if after_norm else "before_norm"
-            v = f"{label}, noise after norm" if after_norm else label
             put("collapse_consequence", _front(run_collapse_consequence(
                 model, task, settings.consequence_levels, n_examples=settings.consequence_examples,
                 n_draws=settings.consequence_draws, n_boot=settings.consequence_boot, seed=settings.seed,

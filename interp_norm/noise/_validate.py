@@ -190,3 +190,16 @@ def on_test_set(measure, model, task, *args, split: str, n_examples: int, data_s
     df = measure(model, task.test_set(split, n_examples, seed=data_seed), *args, **kwargs)
     df.insert(5, "split", split)
     return df
+
+
+def dataset_tokens(datasets) -> list[Tensor]:
+    """The ``[batch, pos]`` token tensors of a non-empty list of datasets (Batches or tensors)."""
+    if isinstance(datasets, (Batch, Tensor)) or not datasets:
+        raise ConfigError("datasets must be a non-empty list; pass e.g. [task.test_set('id', 512, seed=s) for s in range(3)]")
+    toks = []
+    for d in datasets:
+        t = d.tokens if isinstance(d, Batch) else d
+        if not isinstance(t, Tensor) or t.ndim != 2:
+            raise ConfigError("each dataset must be a Batch or a [batch, pos] token tensor")
+        toks.append(t)
+    return toks

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from interp_norm import task as T
 from interp_norm import theory
-from interp_norm.errors import ConfigError, NoiseSpecError
+from interp_norm.errors import NoiseSpecError
 from interp_norm.evaluate import count_correct
 from interp_norm.hooks import NONSPARSE_THRESHOLD, NOISED_ROWS, SPARSE_THRESHOLD, act_name
 from interp_norm.model import HookedNormTransformer
@@ -196,14 +196,7 @@ def accuracy_under_noise(
     qk = tuple(t for t in targets if t in ("q", "k"))
     if any(g != "all" for g in noised) and not qk:
         raise NoiseSpecError("the sparse/nonsparse/matched variants noise q and k only; include 'q' or 'k' in targets")
-    if not datasets:
-        raise ConfigError("no datasets given; pass e.g. [task.test_set('id', 512, seed=s) for s in range(3)]")
-    toks = []
-    for d in datasets:
-        t = d.tokens if isinstance(d, Batch) else d
-        if not isinstance(t, Tensor) or t.ndim != 2:
-            raise ConfigError("each dataset must be a Batch or a [batch, pos] token tensor")
-        toks.append(t)
+    toks = V.dataset_tokens(datasets)
 
     rows = []
     bar = tqdm(total=len(toks) * len(noised) * len(levels), desc="noise", disable=not progress)

@@ -34,7 +34,7 @@ from jaxtyping import Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from interp_norm.errors import ConfigError, NoiseSpecError
+from interp_norm.errors import NoiseSpecError
 from interp_norm.evaluate import count_correct
 from interp_norm.model import HookedNormTransformer
 from interp_norm.noise import _validate as V
@@ -96,14 +96,8 @@ def noise_decomposition(
     V.check_placement(placement)
     seed = V.check_seed(seed)
     batch_size = V.check_positive_int(batch_size, "batch_size")
-    if isinstance(datasets, (Batch, Tensor)) or not datasets:
-        raise ConfigError("datasets must be a non-empty list; pass e.g. [task.test_set('id', 512, seed=s) for s in range(3)]")
-    chunks_per = []
-    for d in datasets:
-        t = d.tokens if isinstance(d, Batch) else d
-        if not isinstance(t, Tensor) or t.ndim != 2:
-            raise ConfigError("each dataset must be a Batch or a [batch, pos] token tensor")
-        chunks_per.append([V.trimmed_tokens(t[i : i + batch_size], model) for i in range(0, len(t), batch_size)])
+    chunks_per = [[V.trimmed_tokens(t[i : i + batch_size], model) for i in range(0, len(t), batch_size)]
+                  for t in V.dataset_tokens(datasets)]
     clean = np.zeros(len(datasets))
     n_tokens = 0
     for di, chunks in enumerate(chunks_per):
