@@ -11,8 +11,9 @@ vs ``qkv-cal``...). :func:`compare_seeds` reads :func:`interp_norm.seed_summary.
 Statistics (:mod:`interp_norm.stats`): per arm the mean and a percentile-bootstrap 95% interval
 over seeds; the difference A − B with its bootstrap interval; a two-sided permutation p-value
 (exact for these seed counts). p-values are per comparison, not corrected for the number of
-comparisons. A value that is missing for a seed (a collapse level never reached within the tested
-noise levels, an analysis that did not run) is left out of the statistics and counted
+comparisons. A collapse level never reached within the tested noise levels is *right-censored*, not
+missing: it is kept at the largest level tested and the test runs on ranks (:func:`compare_arms`).
+A value missing for another reason (an analysis that did not run) is left out and counted
 (``n_missing_a``/``n_missing_b``); the note says so.
 """
 
@@ -67,26 +68,50 @@ _BEFORE, _AFTER = QUANTITIES[3][0], QUANTITIES[4][0]
 NOISE_CROSS = ("accuracy lost to 1% noise: A before its norm vs B after its norm", _BEFORE, _AFTER)
 
 
-def compare_arms(a: Sequence[float], b: Sequence[float], *, seed: int = 0, n_resamples: int = N_BOOTSTRAP) -> dict:
-    """The statistics of one comparison from the per-seed values of two arms (NaNs dropped and counted)."""
+def compare_arms(a: Sequence[float], b: Sequence[float], *, seed: int = 0, n_resamples: int = N_BOOTSTRAP,
+                 censored_a: Optional[Sequence[float]] = None, censored_b: Optional[Sequence[float]] = None) -> dict:
+    """The statistics of one comparison from the per-seed values of two arms.
+
+    NaNs are dropped and counted, except where ``censored_a``/``censored_b`` give a bound for that
+    seed (a collapse level never reached within the tested noise: the true level is above the bound).
+    Such right-censored seeds are kept, not dropped (dropping them biases an arm toward low levels):
+    the means and their intervals use the bound in their place (so they are *lower bounds*, said in
+    ``note``), the difference's interval is not given, and the p-value is the exact permutation test
+    on ranks (Wilcoxon-Mann-Whitney with ties), every censored seed tied above every reached value.
+    """
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    va, vb = a[np.isfinite(a)], b[np.isfinite(b)]
-    out: dict = dict(n_a=len(va), n_b=len(vb), n_missing_a=len(a) - len(va), n_missing_b=len(b) - len(vb))
+    ca = np.full(len(a), np.nan) if censored_a is None else np.asarray(censored_a, dtype=float)
+    cb = np.full(len(b), np.nan) if censored_b is None else np.asarray(censored_b, dtype=float)
+    cens_a, cens_b = ~np.isfinite(a) & np.isfinite(ca), ~np.isfinite(b) & np.isfinite(cb)
+    keep_a, keep_b = np.isfinite(a) | cens_a, np.isfinite(b) | cens_b
+    va, vb = np.where(cens_a, ca, a)[keep_a], np.where(cens_b, cb, b)[keep_b]
+    out: dict = dict(n_a=len(va), n_b=len(vb), n_missing_a=int((~keep_a).sum()), n_missing_b=int((~keep_b).sum()),
+                     n_censored_a=int(cens_a.sum()), n_censored_b=int(cens_b.sum()))
     for arm, v in (("a", va), ("b", vb)):
         lo, hi = bootstrap_mean_ci(v, seed=seed, n_resamples=n_resamples) if len(v) else (math.nan, math.nan)
         out.update({f"mean_{arm}": float(v.mean()) if len(v) else math.nan, f"ci_lo_{arm}": lo, f"ci_hi_{arm}": hi})
     nan = dict(diff=math.nan, diff_lo=math.nan, diff_hi=math.nan, p_value=math.nan, p_method="", n_splits=0)
     if not len(va) or not len(vb):
         return {**out, **nan}
-    lo, hi = bootstrap_diff_ci(va, vb, seed=seed, n_resamples=n_resamples)
-    t = permutation_test(va, vb, seed=seed)
-    return {**out, "diff": t.difference, "diff_lo": lo, "diff_hi": hi, "p_value": t.p_value,
-            "p_method": t.method, "n_splits": t.n_permutations}
+    if not (cens_a.any() or cens_b.any()):
+        lo, hi = bootstrap_diff_ci(va, vb, seed=seed, n_resamples=n_resamples)
+        t = permutation_test(va, vb, seed=seed)
+        return {**out, "diff": t.difference, "diff_lo": lo, "diff_hi": hi, "p_value": t.p_value,
+                "p_method": t.method, "n_splits": t.n_permutations}
+    pooled = np.concatenate([np.where(cens_a[keep_a], np.inf, va), np.where(cens_b[keep_b], np.inf, vb)])
+    ranks = pd.Series(pooled).rank(method="average").to_numpy()
+    t = permutation_test(ranks[:len(va)], ranks[len(va):], seed=seed)
+    return {**out, "diff": float(va.mean() - vb.mean()), "diff_lo": math.nan, "diff_hi": math.nan,
+            "p_value": t.p_value, "p_method": f"{t.method}, ranks (censored tied at the top)",
+            "n_splits": t.n_permutations}
 
 
 def _note(stats: dict) -> str:
     parts = []
     for arm in ("a", "b"):
+        if stats.get(f"n_censored_{arm}"):
+            parts.append(f"{stats[f'n_censored_{arm}']} seed(s) of {arm.upper()} never reached it within the tested "
+                         "noise: counted at the largest level tested, so its mean is a lower bound; p from ranks")
         if stats[f"n_missing_{arm}"]:
             parts.append(f"{stats[f'n_missing_{arm}']} seed(s) of {arm.upper()} without a value "
                          "(not reached or not analysed), left out")
@@ -96,7 +121,9 @@ def _note(stats: dict) -> str:
 
 
 def _fmt_values(d: pd.DataFrame) -> str:
-    return ", ".join(f"s{int(s)}: " + ("—" if pd.isna(v) else f"{v:.1f}") for s, v in zip(d["seed"], d["value"]))
+    bounds = d["censored_above"] if "censored_above" in d.columns else [math.nan] * len(d)
+    return ", ".join(f"s{int(s)}: " + (f"> {c:.0f}" if pd.isna(v) and pd.notna(c) else "—" if pd.isna(v) else f"{v:.1f}")
+                     for s, v, c in zip(d["seed"], d["value"], bounds))
 
 
 def compare_seeds(per_ckpt: pd.DataFrame, *, seed: int = 0, n_resamples: int = N_BOOTSTRAP,
@@ -128,7 +155,8 @@ def compare_seeds(per_ckpt: pd.DataFrame, *, seed: int = 0, n_resamples: int = N
             db = arm_b[arm_b["quantity"] == qb].sort_values("seed")
             if _AFTER in (qa, qb) and not (da["value"].notna().any() and db["value"].notna().any()):
                 continue  # noise after the norm: only where both arms have a q/k norm
-            stats = compare_arms(da["value"], db["value"], seed=seed, n_resamples=n_resamples)
+            stats = compare_arms(da["value"], db["value"], seed=seed, n_resamples=n_resamples,
+                                 censored_a=da.get("censored_above"), censored_b=db.get("censored_above"))
             note = "; ".join(filter(None, [_note(stats), *(
                 f"{label}: 0 by construction (its q, k and v norms remove noise placed before them)"
                 for label, norm, q in ((label_a, norm_a, qa), (label_b, norm_b, qb)) if q == _BEFORE and norm == "qkv")]))

@@ -66,13 +66,23 @@ def _per_layer(T: Mapping[str, pd.DataFrame], name: str) -> list[tuple[str, str,
     return [(q, unit[q], out[q]) for q in sorted(out, key=quantity_order)]
 
 
-def _threshold(T: Mapping[str, pd.DataFrame], key: str, label: str, after: bool) -> float:
+def _threshold(T: Mapping[str, pd.DataFrame], key: str, label: str, after: bool, name: str) -> tuple[float, float]:
+    """``(level, censored_above)`` in % noise: the pooled loose 1% collapse level, and where the sweep
+    never reached 1% (a thresholds row with no level) the largest noise level it tested, so that the
+    seed is *right-censored* there rather than missing (NaN otherwise)."""
     df = T.get(key)
     if df is None or not len(df):
-        return np.nan
+        return np.nan, np.nan
     want = f"{label}, noise after norm" if after else label
     d = df[(df["variant"] == want) & (df["layer"].astype(str) == "all") & (df["definition"] == "loose")]
-    return float(d["level_measured"].iloc[0]) * 100 if len(d) else np.nan
+    if not len(d):
+        return np.nan, np.nan
+    level = float(d["level_measured"].iloc[0]) * 100
+    sweep = T.get(key.replace("_thresholds", ""))
+    if not np.isnan(level) or sweep is None or not len(sweep):
+        return level, np.nan
+    own = sweep[sweep["checkpoint"] == name] if "checkpoint" in sweep.columns else sweep
+    return level, float((own if len(own) else sweep)["level"].max()) * 100
 
 
 def _noise_cost(T: Mapping[str, pd.DataFrame], name: str, placement: str) -> float:
@@ -89,7 +99,8 @@ def _noise_cost(T: Mapping[str, pd.DataFrame], name: str, placement: str) -> flo
 
 def per_checkpoint(tables: Mapping[str, pd.DataFrame], checkpoints: pd.DataFrame) -> pd.DataFrame:
     """One row per (checkpoint, quantity): ``value`` (NaN where the level was never reached or the
-    analysis did not run). Checkpoints marked ``analysed == False`` (evaluated only) get their
+    analysis did not run) and ``censored_above`` (for a collapse level never reached: the largest
+    noise level tested, in %; NaN otherwise). Checkpoints marked ``analysed == False`` (evaluated only) get their
     accuracies and nothing else."""
     rows = []
     ev = tables.get("evaluation", pd.DataFrame())
@@ -103,17 +114,21 @@ def per_checkpoint(tables: Mapping[str, pd.DataFrame], checkpoints: pd.DataFrame
             frac = float(s["frac_sparse"].iloc[0]) * 100 if len(s) else np.nan
             if len(s) and "frac_very_sparse" in s.columns:
                 very = float(s["frac_very_sparse"].iloc[0]) * 100
+        after = ck.attn_norm in ("qk", "qkv")
+        (per_layer, per_layer_bound), (forward, forward_bound) = (
+            _threshold(tables, key, label, after, name) for key in ("collapse_thresholds", "forward_collapse_thresholds"))
         values = (acc.get("id", np.nan), acc.get("interp", np.nan), acc.get("extrap", np.nan),
                   _noise_cost(tables, name, "before_norm"), _noise_cost(tables, name, "after_norm"),
-                  _threshold(tables, "collapse_thresholds", label, ck.attn_norm in ("qk", "qkv")),
-                  _threshold(tables, "forward_collapse_thresholds", label, ck.attn_norm in ("qk", "qkv")), frac, very)
+                  per_layer, forward, frac, very)
+        bounds = {QUANTITIES[5][0]: per_layer_bound, QUANTITIES[6][0]: forward_bound}
         analysed = bool(getattr(ck, "analysed", True))
         layered = _per_layer(tables, name) if analysed else []
         for quantity, unit, value in [*((q, u, v) for (q, u), v in zip(QUANTITIES, values)), *layered]:
             if not analysed and not quantity.endswith("accuracy"):
                 continue  # evaluated only: no noise, collapse or geometry numbers to report
             rows.append(dict(checkpoint=name, attn_norm=ck.attn_norm, calibration=getattr(ck, "calibration", "none"),
-                             seed=ck.seed, quantity=quantity, unit=unit, value=value))
+                             seed=ck.seed, quantity=quantity, unit=unit, value=value,
+                             censored_above=bounds.get(quantity, np.nan)))
     return pd.DataFrame(rows)
 
 

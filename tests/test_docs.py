@@ -24,7 +24,8 @@ SCRIPTS = ROOT / "scripts"
 def scripts():
     sys.path.insert(0, str(SCRIPTS))
     try:
-        yield {name: importlib.import_module(name) for name in ("_docs", "results_table", "phenomena_table")}
+        yield {name: importlib.import_module(name) for name in ("_docs", "results_table", "phenomena_table",
+                                                                   "verdicts", "findings_tables")}
     finally:
         sys.path.remove(str(SCRIPTS))
 
@@ -39,8 +40,52 @@ def test_results_table_is_current(scripts):
 
 def test_every_generated_block_has_its_markers(scripts):
     docs = scripts["_docs"]
-    for name in ("RESULTS", "PHENOMENA", "PHENOMENA30K", "FINDINGS"):
+    for name in ("RESULTS", "PHENOMENA", "PHENOMENA30K", "FINDINGS", "CLAIMS"):
         assert docs.block(name).strip(), name
+    assert docs.block("VERDICTS", ROOT / "README.md").strip()
+
+
+def test_verdicts_and_seed_tables_are_current(scripts):
+    """The README's verdict table, docs/results.md's claims table and docs/findings-tables.md are what the
+    scripts build from the seed tables kept in docs/data/ (nothing typed by hand)."""
+    import pandas as pd
+
+    v, ft, docs = scripts["verdicts"], scripts["findings_tables"], scripts["_docs"]
+    comp = pd.read_csv(v.DATA)
+    fix = "run scripts/findings_tables.py REPORT --write, then scripts/verdicts.py --write"
+    assert docs.block("VERDICTS", ROOT / "README.md") == v.readme_block(comp), fix
+    assert docs.block("CLAIMS") == v.results_block(comp), fix
+    assert docs.block("FINDINGS-TABLES", ft.PAGE) == ft.markdown(ft.DATA), fix
+
+
+def _row(**kw):
+    import pandas as pd
+
+    base = dict(arm_a="A", arm_b="B", mean_a=1.0, mean_b=0.0, n_a=6, n_b=6, n_censored_a=0, diff=1.0, diff_lo=0.5,
+                diff_hi=1.5, ci_lo_a=0.5, ci_hi_a=1.5, p_value=0.5)
+    return pd.Series({**base, **kw})
+
+
+@pytest.mark.parametrize("rule, sign, value, row, expected", [
+    ("order", +1, None, dict(p_value=0.01, diff=2.0), "reproduced"),
+    ("order", +1, None, dict(p_value=0.01, diff=-2.0), "not reproduced (reversed)"),
+    ("order", -1, None, dict(p_value=0.01, diff=-2.0), "reproduced"),
+    ("order", +1, None, dict(p_value=0.06, diff=2.0), "not established"),
+    ("same", +1, None, dict(p_value=0.6, diff_lo=-0.8, diff_hi=0.9), "reproduced"),
+    ("same", +1, None, dict(p_value=0.01, diff_lo=-3.0, diff_hi=-1.5), "not reproduced"),
+    ("same", +1, None, dict(p_value=0.3, diff_lo=-3.0, diff_hi=1.5), "not established"),
+    ("equals", +1, 11.0, dict(ci_lo_a=10.0, ci_hi_a=12.0), "reproduced"),
+    ("equals", +1, 11.0, dict(ci_lo_a=20.0, ci_hi_a=30.0), "not reproduced"),
+    ("equals", +1, 11.0, dict(ci_lo_a=1.0, ci_hi_a=30.0, n_a=2), "not established"),
+    ("equals", +1, 11.0, dict(ci_lo_a=20.0, ci_hi_a=30.0, n_censored_a=2), "not reproduced"),  # a lower bound above 11
+    ("equals", +1, 11.0, dict(ci_lo_a=5.0, ci_hi_a=30.0, n_censored_a=2), "not established"),
+    ("at_least", +1, 10.0, dict(ci_lo_a=7.7, ci_hi_a=10.5), "reproduced"),
+    ("at_least", +1, 10.0, dict(ci_lo_a=2.6, ci_hi_a=5.1), "not reproduced"),
+])
+def test_verdict_rules_on_constructed_rows(scripts, rule, sign, value, row, expected):
+    v = scripts["verdicts"]
+    claim = v.Claim("c", "p", "x", rule, sign, float("nan") if value is None else value)
+    assert v.verdict(claim, _row(**row))[0] == expected
 
 
 def test_replace_block_rewrites_only_the_block(scripts, tmp_path):

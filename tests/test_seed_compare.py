@@ -207,3 +207,66 @@ def test_all_seeds_keeps_the_heavy_analyses_on_seeds_0_and_1_and_gives_the_rest_
     assert R.choose_scopes(models, analyse="all", all_seeds=True) == (list(models), [])
     heavy, seed_pass = R.choose_scopes(models, explicit=True, analyse=["pre"], all_seeds=True)
     assert heavy == ["pre"] and len(seed_pass) == 5
+
+
+# ----------------------------------------------------------------------------- right-censored collapse levels
+
+def _rank_p_by_hand(a, b):
+    """Two-sided exact permutation p of the difference of mean ranks, every split written out;
+    ``None`` stands for a censored seed, tied above every reached value."""
+    pooled = [(x if x is not None else math.inf) for x in [*a, *b]]
+    order = sorted(pooled)
+    rank = {v: (order.index(v) + 1 + len(order) - order[::-1].index(v)) / 2 for v in set(pooled)}
+    r = [rank[v] for v in pooled]
+    import itertools
+    n = len(a)
+    obs = abs(sum(r[:n]) / n - sum(r[n:]) / (len(r) - n))
+    hits = total = 0
+    for idx in itertools.combinations(range(len(r)), n):
+        ra = [r[i] for i in idx]
+        rb = [r[i] for i in range(len(r)) if i not in idx]
+        total += 1
+        hits += abs(sum(ra) / n - sum(rb) / len(rb)) >= obs - 1e-9
+    return hits / total
+
+
+def test_never_reached_collapse_levels_are_censored_not_dropped():
+    from interp_norm.seed_compare import compare_arms
+
+    nan = float("nan")
+    a = [10.0, 20.0, 30.0, 25.0]
+    b = [40.0, nan, nan, 45.0]
+    st = compare_arms(a, b, n_resamples=500, censored_a=[nan] * 4, censored_b=[nan, 50.0, 50.0, nan])
+    assert (st["n_a"], st["n_b"], st["n_censored_b"], st["n_missing_b"]) == (4, 4, 2, 0)
+    assert st["mean_b"] == pytest.approx((40 + 50 + 50 + 45) / 4)  # a lower bound: censored seeds at the bound
+    assert math.isnan(st["diff_lo"]) and "ranks" in st["p_method"]
+    assert st["p_value"] == pytest.approx(_rank_p_by_hand(a, [40.0, None, None, 45.0]))
+    assert st["p_value"] == pytest.approx(2 / 70)  # every A below every B: the two extreme splits of C(8, 4)
+    # dropping the two censored seeds would have tested 4 vs 2 seeds instead
+    dropped = compare_arms(a, b, n_resamples=500)
+    assert (dropped["n_b"], dropped["n_missing_b"]) == (2, 2)
+
+
+def test_censored_ties_and_a_reached_value_above_some_censored_bound_rank_correctly():
+    from interp_norm.seed_compare import compare_arms
+
+    nan = float("nan")
+    a = [12.0, 48.0, nan]  # one A seed censored too
+    b = [nan, 30.0, nan]
+    st = compare_arms(a, b, n_resamples=200, censored_a=[nan, nan, 50.0], censored_b=[50.0, nan, 50.0])
+    assert st["p_value"] == pytest.approx(_rank_p_by_hand([12.0, 48.0, None], [None, 30.0, None]))
+    assert (st["n_censored_a"], st["n_censored_b"]) == (1, 2)
+
+
+def test_per_checkpoint_marks_a_never_reached_level_with_the_largest_level_tested():
+    ck = pd.DataFrame([dict(checkpoint=n, label=lab, attn_norm=a, calibration="none", seed=0)
+                       for n, lab, a in (("p", "Pre-Norm", "pre"), ("q", "QKV-Norm", "qkv"))])
+    nan = float("nan")
+    thr = pd.DataFrame([dict(variant=v, layer="all", definition="loose", level_measured=m)
+                        for v, m in (("Pre-Norm", 0.2), ("QKV-Norm, noise after norm", nan))])
+    sweep = pd.DataFrame([dict(checkpoint=c, level=lv) for c in ("p", "q") for lv in (0.01, 0.2, 0.4)])
+    rows = per_checkpoint(dict(collapse_thresholds=thr, collapse=sweep), ck)
+    q = "1% loose collapse level, per-layer protocol"
+    got = rows[rows["quantity"] == q].set_index("checkpoint")
+    assert got.loc["p", "value"] == pytest.approx(20.0) and math.isnan(got.loc["p", "censored_above"])
+    assert math.isnan(got.loc["q", "value"]) and got.loc["q", "censored_above"] == pytest.approx(40.0)
