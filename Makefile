@@ -22,8 +22,9 @@ reproduce: setup
 # Every shipped seed (issue 23): the seed tables' analyses on the seeds and calibrated models the default run skips,
 # then the tables as markdown in docs/findings-tables.md. Slower than `make reproduce` (its time is in $(OUT)-seeds/run.json).
 reproduce-seeds: setup
-	$(VENV)/bin/interp-norm reproduce --all-seeds --out $(OUT)-seeds --force
+	$(VENV)/bin/interp-norm reproduce --all-seeds --controls --out $(OUT)-seeds --force
 	$(PY) scripts/findings_tables.py $(OUT)-seeds --write > /dev/null
+	$(PY) scripts/verdicts.py --write > /dev/null
 
 # Compare the CSV tables of two reports (e.g. before and after a change): make compare OLD=report-old NEW=report
 compare: setup

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from interp_norm.seed_summary import QUANTITIES, quantity_order
+from interp_norm.seed_summary import CONTROLS, DECOMPOSITION, QUANTITIES, quantity_order
 from interp_norm.stats import N_BOOTSTRAP, bootstrap_diff_ci, bootstrap_mean_ci, permutation_test
 
 __all__ = ["PAIRS", "NOISE_CROSS", "DEFAULT_SEEDS", "SEED_ANALYSES", "seed_pass_settings", "seed_tables", "compare_seeds",
@@ -35,6 +35,8 @@ __all__ = ["PAIRS", "NOISE_CROSS", "DEFAULT_SEEDS", "SEED_ANALYSES", "seed_pass_
 DEFAULT_SEEDS = 2
 #: The analyses the seed tables need: ``all_seeds`` runs them on checkpoints the heavy analyses skip.
 SEED_ANALYSES = ("evaluate", "noise", "collapse", "forward_collapse", "geometry")
+#: With ``--controls`` the seed pass runs these too (their per-seed numbers: ``seed_summary.CONTROLS``).
+SEED_CONTROLS = ("noise_decomposition", "collapse_consequence")
 
 
 def seed_pass_settings(settings: Any) -> Any:
@@ -44,7 +46,7 @@ def seed_pass_settings(settings: Any) -> Any:
     levels = tuple(l for l in settings.noise_levels if l in (0.0, 0.01))
     return settings.replace(noise_levels=levels if len(levels) == 2 else settings.noise_levels,
                             noise_rows=("all",), noise_matched=False,
-                            analyses=tuple(a for a in settings.analyses if a in SEED_ANALYSES))
+                            analyses=tuple(a for a in settings.analyses if a in SEED_ANALYSES + SEED_CONTROLS))
 
 
 def seed_tables(T: Mapping[str, pd.DataFrame], checkpoints: pd.DataFrame, seed: int = 0) -> dict[str, pd.DataFrame]:
@@ -66,6 +68,9 @@ _BEFORE, _AFTER = QUANTITIES[3][0], QUANTITIES[4][0]
 #: The noise comparison across placements: Pre-Norm's noise before its (only) norm against QKV-Norm's
 #: noise placed after its per-head norm (before it, the norm removes the noise by construction).
 NOISE_CROSS = ("accuracy lost to 1% noise: A before its norm vs B after its norm", _BEFORE, _AFTER)
+#: Noise before the norm that a QKV-Norm model's per-head norms remove exactly (all but "random",
+#: whose change of direction a norm keeps).
+_REMOVED = {_BEFORE, *(q for (mode, _), (q, _) in zip(DECOMPOSITION, CONTROLS) if mode != "random")}
 
 
 def compare_arms(a: Sequence[float], b: Sequence[float], *, seed: int = 0, n_resamples: int = N_BOOTSTRAP,
@@ -159,7 +164,7 @@ def compare_seeds(per_ckpt: pd.DataFrame, *, seed: int = 0, n_resamples: int = N
                                  censored_a=da.get("censored_above"), censored_b=db.get("censored_above"))
             note = "; ".join(filter(None, [_note(stats), *(
                 f"{label}: 0 by construction (its q, k and v norms remove noise placed before them)"
-                for label, norm, q in ((label_a, norm_a, qa), (label_b, norm_b, qb)) if q == _BEFORE and norm == "qkv")]))
+                for label, norm, q in ((label_a, norm_a, qa), (label_b, norm_b, qb)) if q in _REMOVED and norm == "qkv")]))
             summary.append(dict(scaling=scaling, comparison=name, quantity_a=qa, quantity_b=qb, unit=da["unit"].iloc[0],
                                 arm_a=label_a, arm_b=label_b, values_a=_fmt_values(da), values_b=_fmt_values(db),
                                 **stats, note=note))

@@ -34,6 +34,20 @@ PER_LAYER = (
     ("norm spread (90% of attended norms within ±), layer {layer}", "%"),
 )
 
+#: The controls (``reproduce --controls``), per seed: the 1% noise cost split by where the noise goes
+#: (``noise_decomposition.csv``, noise before any norm), and the cost of a collapse
+#: (``collapse_consequence.csv``: noise on sparse rows only, problems with at least one collapsed
+#: sparse row vs problems with none, and their difference).
+DECOMPOSITION = (("q", "q only"), ("k", "k only"), ("v", "v only"), ("qkv", "q, k and v"),
+                 ("random", "q, k and v in a random direction of equal size"),
+                 ("shared", "q, k and v with one κ per token shared across heads"))
+CONTROLS = (
+    *((f"accuracy lost to 1% noise on {text} (decomposition)", "points") for _, text in DECOMPOSITION),
+    ("accuracy lost by problems with a collapsed sparse row (consequence)", "points"),
+    ("accuracy lost by problems with no collapsed sparse row (consequence)", "points"),
+    ("collapsed minus not collapsed (consequence)", "points"),
+)
+
 
 def quantity_order(quantity: str) -> tuple[int, int, int]:
     """Sort key of a quantity: :data:`QUANTITIES` in order, then the per-layer ones by kind and layer."""
@@ -44,7 +58,10 @@ def quantity_order(quantity: str) -> tuple[int, int, int]:
         head = q.split("{layer}")[0]
         if quantity.startswith(head) and quantity[len(head):].isdigit():
             return (1, i, int(quantity[len(head):]))
-    return (2, 0, 0)
+    for i, (q, _) in enumerate(CONTROLS):
+        if q == quantity:
+            return (2, i, 0)
+    return (3, 0, 0)
 
 
 def _per_layer(T: Mapping[str, pd.DataFrame], name: str) -> list[tuple[str, str, float]]:
@@ -64,6 +81,26 @@ def _per_layer(T: Mapping[str, pd.DataFrame], name: str) -> list[tuple[str, str,
             out[PER_LAYER[2][0].format(layer=int(layer))] = float(g["spread"].median()) * 100
     unit = {q: PER_LAYER[quantity_order(q)[1]][1] for q in out}
     return [(q, unit[q], out[q]) for q in sorted(out, key=quantity_order)]
+
+
+def _controls(T: Mapping[str, pd.DataFrame], name: str) -> list[tuple[str, str, float]]:
+    """``(quantity, unit, value)`` of :data:`CONTROLS` for one checkpoint (those its report has)."""
+    out = []
+    dec = T.get("noise_decomposition")
+    if dec is not None and len(dec):
+        d = dec[(dec["checkpoint"] == name) & np.isclose(dec["level"], 0.01) & (dec["placement"] == "before_norm")]
+        for (mode, _), (q, unit) in zip(DECOMPOSITION, CONTROLS):
+            m = d[d["mode"] == mode]
+            if len(m):
+                out.append((q, unit, float(m["drop"].iloc[0])))
+    con = T.get("collapse_consequence")
+    if con is not None and len(con):
+        d = con[con["checkpoint"] == name]
+        for group, (q, unit) in zip(("collapsed", "none", "difference"), CONTROLS[len(DECOMPOSITION):]):
+            g = d[d["group"] == group]
+            if len(g):
+                out.append((q, unit, float(g["drop"].iloc[0])))
+    return out
 
 
 def _threshold(T: Mapping[str, pd.DataFrame], key: str, label: str, after: bool, name: str) -> tuple[float, float]:
@@ -122,7 +159,7 @@ def per_checkpoint(tables: Mapping[str, pd.DataFrame], checkpoints: pd.DataFrame
                   per_layer, forward, frac, very)
         bounds = {QUANTITIES[5][0]: per_layer_bound, QUANTITIES[6][0]: forward_bound}
         analysed = bool(getattr(ck, "analysed", True))
-        layered = _per_layer(tables, name) if analysed else []
+        layered = [*_per_layer(tables, name), *_controls(tables, name)] if analysed else []
         for quantity, unit, value in [*((q, u, v) for (q, u), v in zip(QUANTITIES, values)), *layered]:
             if not analysed and not quantity.endswith("accuracy"):
                 continue  # evaluated only: no noise, collapse or geometry numbers to report
@@ -154,4 +191,4 @@ def seed_spread(per_ckpt: pd.DataFrame) -> pd.DataFrame:
     return out.sort_values(["calibration", "_r", "order"]).drop(columns=["_r", "order"]).reset_index(drop=True)
 
 
-__all__ = ["QUANTITIES", "PER_LAYER", "quantity_order", "per_checkpoint", "seed_spread"]
+__all__ = ["QUANTITIES", "PER_LAYER", "CONTROLS", "quantity_order", "per_checkpoint", "seed_spread"]

@@ -270,3 +270,29 @@ def test_per_checkpoint_marks_a_never_reached_level_with_the_largest_level_teste
     got = rows[rows["quantity"] == q].set_index("checkpoint")
     assert got.loc["p", "value"] == pytest.approx(20.0) and math.isnan(got.loc["p", "censored_above"])
     assert math.isnan(got.loc["q", "value"]) and got.loc["q", "censored_above"] == pytest.approx(40.0)
+
+
+def test_per_checkpoint_reads_the_controls_per_seed():
+    from interp_norm.seed_summary import CONTROLS
+
+    ck = pd.DataFrame([dict(checkpoint="p", label="Pre-Norm", attn_norm="pre", calibration="none", seed=0)])
+    modes = ("q", "k", "v", "qkv", "random", "shared")
+    dec = pd.DataFrame([dict(checkpoint="p", mode=m, level=lv, placement="before_norm", drop=10 * i + lv)
+                        for i, m in enumerate(modes) for lv in (0.01, 0.1)]
+                       + [dict(checkpoint="other", mode="q", level=0.01, placement="before_norm", drop=99.0)])
+    con = pd.DataFrame([dict(checkpoint="p", group=g, drop=d) for g, d in (("collapsed", 20.0), ("none", 5.0),
+                                                                           ("difference", 15.0))])
+    rows = per_checkpoint(dict(noise_decomposition=dec, collapse_consequence=con), ck).set_index("quantity")["value"]
+    expected = [10 * i + 0.01 for i in range(6)] + [20.0, 5.0, 15.0]  # the 1% rows of this checkpoint, in order
+    assert [rows[q] for q, _ in CONTROLS] == pytest.approx(expected)
+
+
+def test_qkv_decomposition_noise_before_its_norms_is_noted_as_zero_by_construction_except_random():
+    from interp_norm.seed_summary import CONTROLS
+
+    per = pd.DataFrame(_rows("pre", "none", CONTROLS[0][0], [1.0, 2.0, 3.0], "points")
+                       + _rows("qkv", "none", CONTROLS[0][0], [0.0, 0.0, 0.0], "points")
+                       + _rows("pre", "none", CONTROLS[4][0], [1.0, 2.0, 3.0], "points")
+                       + _rows("qkv", "none", CONTROLS[4][0], [3.0, 3.0, 4.0], "points"))
+    s = compare_seeds(per, n_resamples=200)[0].set_index("comparison")["note"]
+    assert "by construction" in s[CONTROLS[0][0]] and "by construction" not in s[CONTROLS[4][0]]
