@@ -37,8 +37,8 @@ from transformer_lens import patching  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_patching import cpu_time, peak_mb, quiet  # noqa: E402
 
-from interp_norm.bridges import bridge_from_hf, tiny_config  # noqa: E402
-from interp_norm.bridges.build import _reinit  # noqa: E402
+from interp_norm.anatomy import bridge_from_hf, tiny_config  # noqa: E402
+from interp_norm.anatomy.build import _reinit  # noqa: E402
 from interp_norm.circuits import activation_patch  # noqa: E402
 
 TOL = 1e-5

@@ -31,7 +31,7 @@ _LAZY = {
     "list_pretrained": "interp_norm.checkpoints",
     "load_checkpoint": "interp_norm.checkpoints",
     "load_any": "interp_norm.checkpoints",
-    "load": "interp_norm.bridges.loading",
+    "load": "interp_norm.anatomy.loading",
     "load_pretrained": "interp_norm.checkpoints",
     "save_checkpoint": "interp_norm.checkpoints",
     "HookedNormTransformer": "interp_norm.model",

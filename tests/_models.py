@@ -43,7 +43,7 @@ def sharpened_model(attn_norm: str = "pre", calibration: str = "none") -> Hooked
 def bridges_with_hf_copies(archs: Sequence[str], seed: int) -> dict:
     """arch -> (a tiny random TransformerBridge, an untouched deep copy of its Hugging Face model):
     the copy is the independent reference the bridge tests compare against."""
-    from interp_norm.bridges import bridge_from_hf, tiny_hf_model
+    from interp_norm.anatomy import bridge_from_hf, tiny_hf_model
 
     out = {}
     for arch in archs:
@@ -118,7 +118,7 @@ def word_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from interp_norm.bridges import sample_text
+    from interp_norm.anatomy import sample_text
 
     words = collections.Counter(re.findall(r"\w+|[^\w\s]", sample_text()))
     vocab = {"[UNK]": 0}

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from interp_norm.bridges import (
+from interp_norm.anatomy import (
     ArchitectureError,
     anatomy,
     attention_mask,
@@ -126,7 +126,7 @@ def test_a_wrong_anatomy_fails_the_pattern_check():
     """The pattern check catches an anatomy that misses something (here: a doubled score scale)."""
     from dataclasses import replace
 
-    from interp_norm.bridges.scores import verify_anatomy
+    from interp_norm.anatomy.scores import verify_anatomy
 
     bridge = tiny_bridge("llama")
     an = anatomy(bridge)
@@ -140,7 +140,7 @@ def test_a_wrong_anatomy_fails_the_pattern_check():
 
 
 def test_attention_mask_causal_and_sliding_window():
-    from interp_norm.bridges.describe import LayerAnatomy
+    from interp_norm.anatomy.describe import LayerAnatomy
 
     la = LayerAnatomy(0, 2, 1, 4, "none", {"q": None, "k": None, "v": None}, None, None, {}, {}, 1.0, sliding_window=3)
     m = attention_mask(la, 6)

@@ -13,7 +13,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from interp_norm.bridges import HeadNoise, anatomy, random_tokens, seeded_sampler, text_agreement, tiny_bridge
+from interp_norm.anatomy import anatomy, random_tokens, tiny_bridge
+from interp_norm.bridges import HeadNoise, seeded_sampler, text_agreement
 from interp_norm.errors import ConfigError, NoiseSpecError
 
 

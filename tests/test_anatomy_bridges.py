@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from interp_norm.bridges import (
+from interp_norm.anatomy import (
     ARCHITECTURES,
     anatomy,
     attention_mask,
@@ -136,7 +136,7 @@ def test_gpt2_scale_attn_by_inverse_layer_idx_is_followed_by_the_bridge():
 
     import transformers as tf
 
-    from interp_norm.bridges import bridge_from_hf, tiny_config, tiny_hf_model
+    from interp_norm.anatomy import bridge_from_hf, tiny_config, tiny_hf_model
 
     plain = tiny_hf_model("gpt2", seed=3)
     cfg = tiny_config("gpt2")

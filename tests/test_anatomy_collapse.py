@@ -17,16 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from interp_norm.bridges import (
-    HeadNoise,
-    anatomy,
-    bridge_collapse,
-    canonical,
-    collapse_chunks,
-    collapse_kappa,
-    random_tokens,
-    tiny_bridge,
-)
+from interp_norm.anatomy import anatomy, canonical, random_tokens, tiny_bridge
+from interp_norm.bridges import HeadNoise, bridge_collapse, collapse_chunks, collapse_kappa
 from interp_norm.errors import ArchitectureError, NoiseSpecError
 from interp_norm.hooks import SPARSE_THRESHOLD
 
@@ -48,7 +40,7 @@ def _pattern_after(model, tokens, la, kappa, placement):
 
 def _explicit_pattern(model, cache, la, kq, kk):
     """Softmax recomputed by hand from (1+κ)·q and (1+κ)·k (after_norm), rotated by the model's rotary."""
-    from interp_norm.bridges.rebuild import attention_mask, rotate
+    from interp_norm.anatomy.rebuild import attention_mask, rotate
 
     q = canonical(cache[la.hooks[la.used("q")]], la.layouts[la.used("q")], la.n_heads, la.d_head) * (1 + kq)[..., None]
     k = canonical(cache[la.hooks[la.used("k")]], la.layouts[la.used("k")], la.n_kv_heads, la.d_head) * (1 + kk)[..., None]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from interp_norm import AdditionTask, HookedNormTransformer
-from interp_norm.bridges import (
+from interp_norm.anatomy import (
     anatomy,
     load_model,
     random_tokens,
@@ -45,7 +45,7 @@ def test_load_a_save_pretrained_folder(tmp_path, arch):
 def test_load_a_multimodal_gemma4_folder(tmp_path):
     """Real Gemma 4 checkpoints are Gemma4ForConditionalGeneration (text decoder under
     model.language_model, a vision tower beside it): the anatomy and the pattern check hold."""
-    from interp_norm.bridges import tiny_gemma4_conditional
+    from interp_norm.anatomy import tiny_gemma4_conditional
 
     hf = tiny_gemma4_conditional(seed=1)
     tokens = random_tokens(120, 2, 9, seed=2)  # ids 120-126 are media tokens in this config

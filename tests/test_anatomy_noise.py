@@ -17,19 +17,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from interp_norm.bridges import (
+from interp_norm.anatomy import (
     ARCHITECTURES,
-    HeadNoise,
     anatomy,
-    argmax_changes,
     attention_mask,
     attention_scores,
     canonical,
-    collapse_factors,
-    effective_factors,
     random_tokens,
     tiny_bridge,
 )
+from interp_norm.bridges import HeadNoise, argmax_changes, collapse_factors, effective_factors
 
 from _models import make_model
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformer_lens import patching
 
-from interp_norm.bridges import random_tokens, tiny_bridge
+from interp_norm.anatomy import random_tokens, tiny_bridge
 from interp_norm.circuits import PatchingPairs, activation_patch, attribution_patch, edge_attribution
 from interp_norm.errors import PatchingError
 from interp_norm.hooks import act_name

@@ -66,7 +66,7 @@ def browser(chromium):
 def dashboards(tmp_path_factory):
     """The three dashboards (built once): ours, Hugging Face + ours, Hugging Face only."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from interp_norm.bridges import tiny_hf_model
+    from interp_norm.anatomy import tiny_hf_model
 
     root = tmp_path_factory.mktemp("dashboards")
     cfg = TrainConfig(lr=3e-3, batch_size=16, steps_per_epoch=5, max_steps=10, log_every=5, eval_every=10,

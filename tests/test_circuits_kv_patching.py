@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformer_lens import patching
 
-from interp_norm.bridges import random_tokens, tiny_bridge
+from interp_norm.anatomy import random_tokens, tiny_bridge
 from interp_norm.circuits import activation_patch
 from interp_norm.errors import PatchingError
 

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import torch
 
-from interp_norm.bridges import tiny_hf_model
+from interp_norm.anatomy import tiny_hf_model
 
 from _models import run_cli
 

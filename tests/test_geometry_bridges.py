@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from interp_norm.bridges import random_tokens
+from interp_norm.anatomy import random_tokens
 from interp_norm.errors import ConfigError
 from interp_norm.geometry import (
     attended_norms,

@@ -1,9 +1,10 @@
-"""The package's architecture holds (issue 11): four layers, imports only go down, one hook vocabulary.
+"""The package's architecture holds (issue 11, issue 24): five layers, imports only go down, one hook vocabulary.
 
 Layers, lowest first (CONTRIBUTING.md explains them):
 
     core          errors, defaults, task, hooks, model_config, layers, tl_api, model
     persistence   io, train_config, checkpoint_format, checkpoints, evaluate, train
+    adapter       anatomy/ (what every analysis asks about a model, ours or a bridge; loading any model)
     analyses      _checks, theory, stats, bridges/, noise/, geometry/, circuits/
     faces         plots/, card, seed_summary, seed_compare, dashboard/, checkpoint_report, reproduce, cli/
 
@@ -24,7 +25,8 @@ PKG = Path(__file__).resolve().parent.parent / "interp_norm"
 LAYERS = {
     "core": ("errors", "defaults", "task", "hooks", "model_config", "layers", "tl_api", "model"),
     "persistence": ("io", "train_config", "checkpoint_format", "checkpoints", "evaluate", "train"),
-    "analyses": ("_checks", "theory", "anatomy", "stats", "bridges", "noise", "geometry", "circuits"),
+    "adapter": ("anatomy",),
+    "analyses": ("_checks", "theory", "stats", "bridges", "noise", "geometry", "circuits"),
     "faces": ("plots", "card", "seed_summary", "seed_compare", "dashboard", "checkpoint_report", "reproduce", "cli"),
 }
 RANK = {top: i for i, tops in enumerate(LAYERS.values()) for top in tops}

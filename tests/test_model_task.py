@@ -175,7 +175,7 @@ def test_a_bad_cache_name_is_a_hook_name_error_like_run_with_hooks():
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
-    from interp_norm.bridges import tiny_hf_model
+    from interp_norm.anatomy import tiny_hf_model
 
     folder = tmp_path_factory.mktemp("hf") / "tiny-qwen3"
     tiny_hf_model("qwen3", seed=6).save_pretrained(folder)
@@ -186,7 +186,7 @@ def hf_folder(tmp_path_factory):
 def test_interp_norm_load_opens_a_save_pretrained_folder(hf_folder):
     import transformers
 
-    from interp_norm.bridges import random_tokens
+    from interp_norm.anatomy import random_tokens
 
     bridge = interp_norm.load(hf_folder)
     assert type(bridge).__name__ == "TransformerBridge"

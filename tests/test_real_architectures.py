@@ -23,8 +23,9 @@ import pandas as pd
 import pytest
 import torch
 
-from interp_norm.bridges import HeadNoise, anatomy, random_tokens, sample_text, tiny_hf_model, verify_scores
-from interp_norm.bridges import bridge_from_hf
+from interp_norm.anatomy import anatomy, random_tokens, sample_text, tiny_hf_model, verify_scores
+from interp_norm.bridges import HeadNoise
+from interp_norm.anatomy import bridge_from_hf
 from interp_norm.hooks import ATTN_NORMS, SPARSE_THRESHOLD, act_name
 
 from _models import make_model, run_cli, word_tokenizer

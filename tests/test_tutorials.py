@@ -58,7 +58,7 @@ def data():
     ablation = pd.DataFrame([dict(layer=l, head=h, loss_increase=float(torch.rand(1, generator=g)))
                              for l in range(pre.cfg.n_layers) for h in range(pre.cfg.n_heads)])
     row = cache[act_name("attn_scores", pre.cfg.n_layers - 1)][0, 0, 9]
-    from interp_norm.bridges import random_tokens, tiny_bridge
+    from interp_norm.anatomy import random_tokens, tiny_bridge
 
     gemma = tiny_bridge("gemma4", seed=0)
     gemma_tokens = random_tokens(gemma, 4, 12, seed=1, low=3)
@@ -205,7 +205,7 @@ def layernorm_rms(q, w, eps):
 
 
 def argmax_unmasked(model, cache, layer, kappa_q, kappa_k):
-    from interp_norm.bridges import anatomy, attention_scores
+    from interp_norm.anatomy import anatomy, attention_scores
 
     la = anatomy(model)[layer]
     f_k = (1 + kappa_k)[:, :, list(la.kv_head_of)].permute(0, 2, 1).unsqueeze(-2)

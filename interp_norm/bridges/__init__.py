@@ -1,39 +1,15 @@
-"""Real architectures through TransformerLens 4 bridges: attention anatomy, scores, loading, noise.
+"""Analyses of TransformerLens 4 bridges of Hugging Face models: noise, collapse, text agreement.
 
-The foundation of issue 12: the analyses (noise, collapse, geometry) call these after the merge.
+The model adapter (anatomy, scores, building and loading models, text) lives in
+:mod:`interp_norm.anatomy`; its public names are re-exported here unchanged, so
+``from interp_norm.bridges import anatomy, tiny_bridge`` keeps working.
 
-* :func:`anatomy` (``model_anatomy``; types in ``describe``, bridges in ``bridge_anatomy``): per layer, where q, k, v sit before/after
-  their norms and RoPE, the norm's kind/axis/gain, the score scale, grouped k/v heads, sliding
-  windows, Gemma 4's KV sharing, and whether ``hook_attn_scores`` can be trusted.
-* :func:`attention_scores` / :func:`verify_scores` (``scores``, maths in ``rebuild``): scores rebuilt
-  from q and k, and the acceptance check softmax(masked scores) == ``hook_pattern``.
-* :func:`tiny_hf_model` / :func:`bridge_from_hf` / :func:`tiny_bridge` (``build``): offline tiny models.
-* :func:`load_model` (``loading``): our checkpoints, a ``save_pretrained`` folder, or a cached HF name.
 * :class:`HeadNoise`, :func:`effective_factors`, :func:`argmax_changes` (``noise``): per-head
   multiplicative noise and collapse decisions from clean scores.
-* :func:`sample_text`, :func:`text_tokens`, :func:`random_tokens` (``text``).
+* :func:`bridge_collapse`, :func:`collapse_kappa` (``collapse``): the collapse rate on a bridge.
+* :func:`text_agreement` (``agreement``).
 
-What is verified per architecture on tiny random models (transformers 5.24, TransformerLens 4.3;
-tests/test_anatomy*.py): bridge logits == HF logits, softmax(rebuilt scores) == hook_pattern,
-noise at level 0 bit-identical, noise before a per-head norm removed, collapse decisions from
-clean scores == brute-force re-runs.
-
-  architecture  placement   q/k norm (v norm)                scale   hook_attn_scores  notes
-  GPT-2         pre (LN)    -                                1/√d    pre-softmax       no GQA
-  Llama         pre (RMS)   -                                1/√d    pre-softmax       RoPE, GQA
-  Qwen3         qk          RMS per head, gain               1/√d    pre-softmax       norm before RoPE, GQA
-  OLMo-2        qk          RMS over all heads, gain         1/√d    pre-softmax       no pre-norm, post-norm
-  Gemma 4       qkv         RMS per head, gain (v: no gain)  1.0     = the pattern     rotation recomputed,
-                                                                                       sliding window, KV
-                                                                                       sharing, k = v layers
-  ours          any of 4    RMS/LN per head, gain            model's pre-softmax       calibration included
-
-Modules, lowest first (imports only go down): ``_common`` (layouts, HF originals) -> ``describe``
-(types, norm identification, our models) -> ``rebuild`` (scores given an anatomy) ->
-``bridge_anatomy`` -> ``model_anatomy`` (:func:`anatomy`, cached) -> ``scores``, ``noise``,
-``collapse``, ``agreement`` (functions defaulting ``anat=anatomy(model)``). ``ArchitectureError``
-lives in :mod:`interp_norm.errors`. Submodules load lazily (PEP 562): ``import interp_norm.bridges``
-imports none of them.
+Submodules load lazily (PEP 562): ``import interp_norm.bridges`` imports none of them.
 """
 
 from __future__ import annotations
@@ -41,25 +17,21 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {
-    "ArchitectureError": "describe", "NormSpec": "describe", "LayerAnatomy": "describe", "Anatomy": "describe",
-    "anatomy": "model_anatomy", "identify_norm": "describe",
-    "canonical": "scores", "attention_mask": "scores", "masked_softmax": "scores", "query_key": "scores",
-    "attention_scores": "scores", "verify_scores": "scores",
-    "ARCHITECTURES": "build", "tiny_config": "build", "tiny_hf_model": "build", "bridge_from_hf": "build",
-    "tiny_bridge": "build", "tiny_gemma4_conditional": "build", "sharpen": "build",
-    "load": "loading", "load_model": "loading", "load_hf_model": "loading", "folder_kind": "loading",
-    "HeadNoise": "noise", "seeded_sampler": "noise", "effective_factors": "noise", "argmax_changes": "noise",
-    "collapse_factors": "noise",
-    "bridge_collapse": "collapse", "collapse_chunks": "collapse", "collapse_kappa": "collapse",
-    "text_agreement": "agreement",
-    "sample_text": "text", "random_tokens": "text", "text_tokens": "text",
+from interp_norm.anatomy import _EXPORTS as _ANATOMY
+
+_EXPORTS = {name: f"interp_norm.anatomy.{mod}" for name, mod in _ANATOMY.items()} | {
+    name: f"interp_norm.bridges.{mod}" for name, mod in {
+        "HeadNoise": "noise", "seeded_sampler": "noise", "effective_factors": "noise", "argmax_changes": "noise",
+        "collapse_factors": "noise",
+        "bridge_collapse": "collapse", "collapse_chunks": "collapse", "collapse_kappa": "collapse",
+        "text_agreement": "agreement",
+    }.items()
 }
 
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        return getattr(importlib.import_module(f"interp_norm.bridges.{_EXPORTS[name]}"), name)
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'interp_norm.bridges' has no attribute {name!r}")
 
 

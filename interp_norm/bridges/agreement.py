@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from interp_norm.bridges.describe import Anatomy
-from interp_norm.bridges.model_anatomy import anatomy
+from interp_norm.anatomy.describe import Anatomy
+from interp_norm.anatomy.model_anatomy import anatomy
 from interp_norm.bridges.noise import PLACEMENTS, HeadNoise, seeded_sampler
 from interp_norm.errors import ConfigError, NoiseSpecError
 from interp_norm.theory import NoiseLaw
@@ -33,7 +33,7 @@ def _removed(anat: Anatomy, targets: Sequence[str], placement: str) -> bool:
 
 def _tokens(model: Any, tokens: Optional[Tensor], n_ctx: int, max_windows: Optional[int]) -> Tensor:
     if tokens is None:
-        from interp_norm.bridges.text import text_tokens
+        from interp_norm.anatomy.text import text_tokens
 
         return text_tokens(model, n_ctx=n_ctx, max_windows=max_windows)
     if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.is_floating_point() or tokens.shape[1] < 1:

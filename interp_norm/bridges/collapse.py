@@ -36,11 +36,11 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from interp_norm import theory
-from interp_norm.bridges._common import canonical
-from interp_norm.bridges.describe import Anatomy, LayerAnatomy
-from interp_norm.bridges.model_anatomy import anatomy
+from interp_norm.anatomy._common import canonical
+from interp_norm.anatomy.describe import Anatomy, LayerAnatomy
+from interp_norm.anatomy.model_anatomy import anatomy
 from interp_norm.bridges.noise import PLACEMENTS, effective_factors, generator
-from interp_norm.bridges.rebuild import attention_mask, masked_softmax, rebuilt_query_key, scores_from_qk
+from interp_norm.anatomy.rebuild import attention_mask, masked_softmax, rebuilt_query_key, scores_from_qk
 from interp_norm.errors import ArchitectureError, ConfigError, NoiseSpecError
 from interp_norm.hooks import SPARSE_THRESHOLD
 from interp_norm.theory import NoiseLaw

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from interp_norm.bridges._common import canonical, from_canonical
-from interp_norm.bridges.describe import Anatomy, LayerAnatomy
-from interp_norm.bridges.model_anatomy import anatomy
+from interp_norm.anatomy._common import canonical, from_canonical
+from interp_norm.anatomy.describe import Anatomy, LayerAnatomy
+from interp_norm.anatomy.model_anatomy import anatomy
 from interp_norm import theory
 from interp_norm.errors import ArchitectureError, NoiseSpecError
 from interp_norm.theory import NoiseLaw

@@ -168,7 +168,7 @@ def _check_hf_bridge(model) -> None:
     """
     if getattr(model, "original_model", None) is None or is_ours(model):
         return
-    from interp_norm.bridges import ArchitectureError, anatomy
+    from interp_norm.anatomy import ArchitectureError, anatomy
 
     try:
         anat = anatomy(model)

@@ -73,7 +73,7 @@ class KVCacheEngine:
     """
 
     def __init__(self, model, tokens: Tensor, read_mask: Optional[Tensor], activation: str):
-        from interp_norm.bridges._common import is_bridge
+        from interp_norm.anatomy._common import is_bridge
 
         if not is_bridge(model):
             raise PatchingError("method='kv-cache' needs a TransformerLens TransformerBridge; use method='incremental' or 'hooks'")

@@ -308,7 +308,7 @@ def _make_kv_engine(model, corrupted: Tensor, read: Optional[Tensor], method: st
                 f"method='kv-cache' patches {list(KV_ACTIVATIONS)} by 'pos' or 'all', not {activation!r} by {by!r}; use method='hooks'"
             )
         return None
-    from interp_norm.bridges._common import is_bridge
+    from interp_norm.anatomy._common import is_bridge
 
     if method == "auto" and not is_bridge(model):
         return None

@@ -225,7 +225,7 @@ def load_model_spec(spec: str, device: str = "cpu") -> tuple[Any, Any]:
     our pretrained names first, then in the Hugging Face cache (``bridges.load_model``). A folder
     that is neither gets a CheckpointError saying what it holds.
     """
-    from interp_norm.bridges.loading import folder_kind, load_model
+    from interp_norm.anatomy.loading import folder_kind, load_model
     from interp_norm.checkpoints import load_any
     from interp_norm.errors import CheckpointNotFoundError
 
@@ -238,7 +238,7 @@ def load_model_spec(spec: str, device: str = "cpu") -> tuple[Any, Any]:
         except CheckpointNotFoundError:
             pass  # load_model tries the Hugging Face cache and names both failures
     model = load_model(spec, device=device)
-    from interp_norm.bridges.bridge_anatomy import is_bridge
+    from interp_norm.anatomy.bridge_anatomy import is_bridge
 
     if is_bridge(model):
         return model, None
@@ -248,7 +248,7 @@ def load_model_spec(spec: str, device: str = "cpu") -> tuple[Any, Any]:
 def load_ours(spec: str, command_name: str, device: str = "cpu") -> tuple[Any, Any]:
     """(model, info) of one of our checkpoints; a Hugging Face model gets a ConfigError naming the command
     (a save_pretrained folder is recognised from its config.json, before any weights load)."""
-    from interp_norm.bridges.loading import folder_kind
+    from interp_norm.anatomy.loading import folder_kind
     from interp_norm.errors import ConfigError
 
     path = Path(spec)
@@ -265,7 +265,7 @@ def hf_tokens(model: Any, args: argparse.Namespace) -> Any:
     from interp_norm.geometry.bridge import bridge_tokens
 
     if getattr(args, "text", None):
-        from interp_norm.bridges import text_tokens
+        from interp_norm.anatomy import text_tokens
         from interp_norm.errors import ConfigError
 
         if getattr(model, "tokenizer", None) is None:
@@ -287,7 +287,7 @@ def hf_args(p: argparse.ArgumentParser) -> None:
 def looks_hf(spec: str) -> bool:
     """Whether ``spec`` names a Hugging Face model rather than one of ours (a folder's config decides;
     a name that is not one of our pretrained ones is looked up in the Hugging Face cache)."""
-    from interp_norm.bridges.loading import folder_kind
+    from interp_norm.anatomy.loading import folder_kind
     from interp_norm.checkpoints import load_any
     from interp_norm.errors import CheckpointNotFoundError
 
@@ -367,7 +367,7 @@ def check_placement(model: Any, placement: str) -> None:
     norm is the noise before it, so the run would record a placement that changed nothing: a ConfigError."""
     if placement != "after_norm":
         return
-    from interp_norm.bridges import anatomy
+    from interp_norm.anatomy import anatomy
     from interp_norm.errors import ConfigError
 
     anat = anatomy(model)

@@ -40,7 +40,7 @@ __all__ = [
 
 def is_bridge(model: Any) -> bool:
     """Whether ``model`` is a TransformerLens 4 ``TransformerBridge``."""
-    from interp_norm.bridges.bridge_anatomy import is_bridge as _is
+    from interp_norm.anatomy.bridge_anatomy import is_bridge as _is
 
     return _is(model)
 
@@ -116,7 +116,7 @@ def bridge_norms(model: Any) -> list[BridgeNorm]:
     RMS/LayerNorm over them is a residual norm. Raises :class:`GeometryError` if a norm has no
     ``hook_in``/``hook_out``.
     """
-    from interp_norm.bridges import anatomy, identify_norm
+    from interp_norm.anatomy import anatomy, identify_norm
 
     anat = anatomy(model)
     attn_norms: dict[int, tuple] = {}
@@ -179,8 +179,8 @@ def bridge_tokens(model: Any, n: int = 8, n_ctx: int = 32, seed: int = 0) -> Ten
     """Input for a text model: ``n`` windows of the shipped sample text if the bridge has a
     tokenizer, else seeded random ordinary token ids (tiny models built from a config have none),
     with a warning saying so: numbers measured on random ids describe no text."""
-    from interp_norm.bridges import random_tokens, text_tokens
-    from interp_norm.bridges.bridge_anatomy import probe_tokens
+    from interp_norm.anatomy import random_tokens, text_tokens
+    from interp_norm.anatomy.bridge_anatomy import probe_tokens
 
     name = getattr(getattr(model, "cfg", None), "model_name", None) or "this model"
     if getattr(model, "tokenizer", None) is not None:
@@ -201,7 +201,7 @@ def bridge_tokens(model: Any, n: int = 8, n_ctx: int = 32, seed: int = 0) -> Ten
 
 def bridge_pattern_hooks(model: Any) -> list[str]:
     """The verified attention-pattern hook of every layer (from the anatomy)."""
-    from interp_norm.bridges import anatomy
+    from interp_norm.anatomy import anatomy
 
     return [la.hooks["pattern"] for la in anatomy(model).layers]
 

@@ -143,7 +143,7 @@ def bridge_geometry(
     The orthogonal-spheres, subspace and interference analyses read our model's weight steps and
     residual decomposition, which a bridge does not expose; they are not run here.
     """
-    from interp_norm.bridges import anatomy
+    from interp_norm.anatomy import anatomy
 
     toks = as_tokens(model, tokens if tokens is not None else bridge_tokens(model, n, n_ctx, seed))
     norms = bridge_norms(model)

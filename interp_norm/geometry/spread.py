@@ -71,7 +71,7 @@ def attended_norms(
     ``exclude_bos`` drops position 0.
     """
     if is_bridge(model):
-        from interp_norm.bridges import anatomy
+        from interp_norm.anatomy import anatomy
 
         tokens = as_tokens(model, tokens)
         pre = anatomy(model)[0].pre_norm

@@ -112,7 +112,7 @@ class NormNoise:
     def __new__(cls, model=None, *args, **kwargs):
         # A TransformerLens bridge of a Hugging Face model: the same noise, placed through the
         # model's attention anatomy (interp_norm.bridges.HeadNoise).
-        from interp_norm.bridges._common import is_bridge
+        from interp_norm.anatomy._common import is_bridge
 
         if is_bridge(model):
             return _bridge_noise(model, *args, **kwargs)

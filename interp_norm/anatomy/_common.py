@@ -1,4 +1,4 @@
-"""Small helpers every bridges module needs: hook-tensor layouts and the HF module behind a component.
+"""Small helpers every adapter module needs: hook-tensor layouts and the HF module behind a component.
 
 They sit below :mod:`describe`, :mod:`rebuild` and :mod:`bridge_anatomy` so that none of those
 has to import another only for a layout conversion (the import graph stays acyclic).

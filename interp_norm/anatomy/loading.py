@@ -47,7 +47,7 @@ def load_hf_model(folder: str | os.PathLike, *, dtype: torch.dtype = torch.float
     from transformer_lens.model_bridge.sources._hf_format import determine_architecture_from_hf_config
     from transformer_lens.model_bridge.sources.transformers import get_hf_model_class_for_architecture
 
-    from interp_norm.bridges.build import bridge_from_hf
+    from interp_norm.anatomy.build import bridge_from_hf
 
     folder = Path(folder)
     try:

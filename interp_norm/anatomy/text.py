@@ -58,7 +58,7 @@ def text_tokens(model: Any, text: Optional[str] = None, n_ctx: int = 64, max_win
         raise ConfigError(
             "this model has no tokenizer (a tiny model built from a config, or a folder saved without one), so "
             "text cannot be tokenised; load a folder that includes the tokenizer files, or pass token ids "
-            "(interp_norm.bridges.random_tokens(model, batch, pos))"
+            "(interp_norm.anatomy.random_tokens(model, batch, pos))"
         )
     if not isinstance(n_ctx, int) or n_ctx < 2:
         raise ConfigError(f"n_ctx must be an integer >= 2, got {n_ctx!r}")

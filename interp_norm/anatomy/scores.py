@@ -1,6 +1,6 @@
 """Attention scores rebuilt from q and k for any described model, checked against its own pattern.
 
-The model-facing face of :mod:`interp_norm.bridges.rebuild`: the same functions with the anatomy
+The model-facing face of :mod:`interp_norm.anatomy.rebuild`: the same functions with the anatomy
 defaulting to ``anatomy(model)``. The scores are ``scale · q_rot · k_rot`` (after the q/k norms,
 after RoPE, grouped key heads mapped), optionally soft-capped; never a bridge's
 ``hook_attn_scores``, which on some architectures holds something else (Gemma 4: the pattern).
@@ -15,10 +15,10 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from interp_norm.bridges._common import canonical, from_canonical  # noqa: F401 (public names)
-from interp_norm.bridges.describe import Anatomy
-from interp_norm.bridges.model_anatomy import anatomy
-from interp_norm.bridges.rebuild import (  # noqa: F401 (public names)
+from interp_norm.anatomy._common import canonical, from_canonical  # noqa: F401 (public names)
+from interp_norm.anatomy.describe import Anatomy
+from interp_norm.anatomy.model_anatomy import anatomy
+from interp_norm.anatomy.rebuild import (  # noqa: F401 (public names)
     attention_mask,
     layer_check,
     masked_softmax,

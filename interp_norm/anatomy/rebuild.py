@@ -6,7 +6,7 @@ each query head reading its key/value head), optionally soft-capped; never a bri
 :func:`verify_anatomy` is the acceptance check: softmax(masked scores) must equal ``hook_pattern``.
 
 Everything here takes the anatomy as an argument (it is used while the anatomy is being built);
-the wrappers that default it to ``anatomy(model)`` live in :mod:`interp_norm.bridges.scores`.
+the wrappers that default it to ``anatomy(model)`` live in :mod:`interp_norm.anatomy.scores`.
 Positions are 0..n−1 (unpadded sequences, no KV cache): the same positions a bridge uses when
 called with a [batch, pos] token tensor.
 """
@@ -21,8 +21,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from interp_norm.bridges._common import canonical, original
-from interp_norm.bridges.describe import Anatomy, LayerAnatomy
+from interp_norm.anatomy._common import canonical, original
+from interp_norm.anatomy.describe import Anatomy, LayerAnatomy
 from interp_norm.errors import ArchitectureError
 
 
@@ -112,7 +112,7 @@ def _tolerance(dtype: torch.dtype) -> float:
 
 
 def layer_check(model: Any, anat: Anatomy, cache: Any, layer: int) -> dict:
-    """One layer's row of :func:`interp_norm.bridges.verify_scores`."""
+    """One layer's row of :func:`interp_norm.anatomy.verify_scores`."""
     la = anat[layer]
     pattern = cache[la.hooks["pattern"]]
     n_q, n_k = pattern.shape[-2:]

@@ -12,9 +12,9 @@ from typing import Any
 
 from torch import nn
 
-from interp_norm.bridges._common import is_bridge
-from interp_norm.bridges.bridge_anatomy import bridge_anatomy
-from interp_norm.bridges.describe import Anatomy, own_anatomy
+from interp_norm.anatomy._common import is_bridge
+from interp_norm.anatomy.bridge_anatomy import bridge_anatomy
+from interp_norm.anatomy.describe import Anatomy, own_anatomy
 from interp_norm.errors import ArchitectureError
 from interp_norm.model import HookedNormTransformer
 
@@ -24,7 +24,7 @@ _CACHE: "weakref.WeakKeyDictionary[nn.Module, Anatomy]" = weakref.WeakKeyDiction
 def anatomy(model: Any, *, strict: bool = True, refresh: bool = False) -> Anatomy:
     """The :class:`Anatomy` of ``model`` (cached per model object; ``refresh=True`` re-derives it).
 
-    For a bridge this runs one probe forward (:mod:`interp_norm.bridges.bridge_anatomy`).
+    For a bridge this runs one probe forward (:mod:`interp_norm.anatomy.bridge_anatomy`).
     ``strict`` raises :class:`ArchitectureError` when the scores rebuilt from q and k do not
     reproduce the model's pattern; ``strict=False`` records the error in ``pattern_error`` instead.
     """
@@ -41,7 +41,7 @@ def anatomy(model: Any, *, strict: bool = True, refresh: bool = False) -> Anatom
     else:
         raise ArchitectureError(
             f"cannot describe the attention of a {type(model).__name__}: pass a HookedNormTransformer or a "
-            "TransformerLens TransformerBridge (interp_norm.bridges.load_model / bridge_from_hf)"
+            "TransformerLens TransformerBridge (interp_norm.anatomy.load / bridge_from_hf)"
         )
     _CACHE[model] = result
     return result

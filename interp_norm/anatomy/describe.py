@@ -1,6 +1,6 @@
 """What a model's attention looks like: the anatomy types, norm identification, our models' anatomy.
 
-:func:`~interp_norm.bridges.anatomy` (:mod:`interp_norm.bridges.model_anatomy`) describes every
+:func:`~interp_norm.anatomy.anatomy` (:mod:`interp_norm.anatomy.model_anatomy`) describes every
 attention layer of our :class:`HookedNormTransformer` (:func:`own_anatomy`, from its config,
 :mod:`interp_norm.hooks` and its module tree) and of a TransformerLens 4
 ``TransformerBridge`` around a Hugging Face model (from the bridge's config and the wrapped HF
@@ -9,7 +9,7 @@ they compute, and their weight shapes). Nothing is read from a per-architecture 
 
 Hook names are never spelled here: they are read from the ``HookPoint`` objects of the module tree
 (``.name``), or for our models from :mod:`interp_norm.hooks`. The bridge part lives in
-:mod:`interp_norm.bridges.bridge_anatomy`.
+:mod:`interp_norm.anatomy.bridge_anatomy`.
 
 Why a probe forward: a bridge's hook does not always mean what its name says (on Gemma 4,
 ``hook_attn_scores`` fires the post-softmax pattern; ``hook_rot_q`` exists but never fires), and
@@ -18,7 +18,7 @@ apart when the sequence length equals the head count. So :func:`anatomy` runs on
 sequence whose length differs from every head count, records which hooks fire and in which
 layout, checks that each "normed" hook really holds norm(q) of the raw hook, and checks that the
 scores it rebuilds from q and k reproduce the model's own attention pattern
-(:mod:`interp_norm.bridges.rebuild`). A model that fails gets an :class:`ArchitectureError`
+(:mod:`interp_norm.anatomy.rebuild`). A model that fails gets an :class:`ArchitectureError`
 (defined in :mod:`interp_norm.errors`, re-exported here).
 """
 

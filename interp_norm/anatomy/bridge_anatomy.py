@@ -13,7 +13,7 @@ their gain's shape), the block's ``ln1``/``ln1_post`` norms, and the hooks on ea
 
 Then one probe forward (random ids, a length that is no head count) fixes each hook's layout,
 drops hooks that exist but never fire, checks every "normed" hook against norm(raw hook), and
-checks the rebuilt scores against the pattern (:func:`interp_norm.bridges.rebuild.verify_anatomy`).
+checks the rebuilt scores against the pattern (:func:`interp_norm.anatomy.rebuild.verify_anatomy`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
-from interp_norm.bridges._common import canonical, is_bridge, original
-from interp_norm.bridges.describe import (
+from interp_norm.anatomy._common import canonical, is_bridge, original
+from interp_norm.anatomy.describe import (
     TARGETS,
     Anatomy,
     LayerAnatomy,
@@ -34,7 +34,7 @@ from interp_norm.bridges.describe import (
     _module_path,
     identify_norm,
 )
-from interp_norm.bridges.rebuild import verify_anatomy
+from interp_norm.anatomy.rebuild import verify_anatomy
 from interp_norm.errors import ArchitectureError
 
 

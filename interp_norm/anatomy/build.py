@@ -91,7 +91,7 @@ def sharpen(hf_model: nn.Module, factor: float) -> nn.Module:
 
     Random weights give diffuse attention, so a collapse experiment on them has almost no sparse
     rows; a sharper softmax gives the many near-one-hot rows trained models have. The HF eager
-    attention multiplies q·k by ``self.scaling``, which :func:`~interp_norm.bridges.anatomy` reads
+    attention multiplies q·k by ``self.scaling``, which :func:`~interp_norm.anatomy.anatomy` reads
     and checks against the pattern, so the change is seen consistently (GPT-2: the query
     projection is scaled instead, see below).
     """
