@@ -172,7 +172,8 @@ def compare_seeds(per_ckpt: pd.DataFrame, *, seed: int = 0, n_resamples: int = N
                 for r in d.itertuples():
                     values.append(dict(scaling=scaling, comparison=name, arm=arm, variant=label, attn_norm=r.attn_norm,
                                        checkpoint=r.checkpoint,
-                                       seed=int(r.seed), quantity=r.quantity, unit=r.unit, value=r.value))
+                                       seed=int(r.seed), quantity=r.quantity, unit=r.unit, value=r.value,
+                                       censored_above=getattr(r, "censored_above", math.nan)))
     return pd.DataFrame(summary), pd.DataFrame(values)
 
 

@@ -160,6 +160,19 @@ def test_dot_and_range_figure_draws_every_seed_and_the_interval_of_the_table():
     assert "p = 0.1 (exact, 20)" in fig.layout.annotations[0].text and "p = 0.1" in means[0].hovertemplate
 
 
+def test_a_censored_seed_is_drawn_open_at_the_largest_level_tested():
+    from interp_norm import plots
+
+    q = "1% loose collapse level, per-layer protocol"
+    per = pd.DataFrame(_rows("pre", "none", q, [20.0, 30.0, 25.0], "% noise")
+                       + _rows("qkv", "none", q, [40.0, float("nan"), float("nan")], "% noise"))
+    per["censored_above"] = [float("nan")] * 4 + [50.0, 50.0]
+    summary, values = compare_seeds(per, n_resamples=200)
+    fig = plots.plot_seed_comparisons(summary, values)
+    open_dots = [t for t in fig.data if str(t.marker.symbol).endswith("-open") and t.marker.symbol != "line-ew-open"]
+    assert [t.y[0] for t in open_dots] == [50.0, 50.0] and all("never reached" in t.hovertemplate for t in open_dots)
+
+
 def test_cli_reproduce_takes_all_seeds():
     from interp_norm import cli
 

@@ -45,7 +45,10 @@ def _ci(lo: float, hi: float) -> str:
 def _short(name: str) -> str:
     return (name.replace("accuracy lost to 1% noise", "1% noise cost").replace("(max ≥ 95%)", "≥ 0.95")
             .replace("(90% of attended norms within ±)", "±").replace("1% loose collapse level", "1% collapse")
-            .replace("rows with max attention ≥ 0.99", "rows ≥ 0.99").replace("sparse attention rows", "sparse rows"))
+            .replace("rows with max attention ≥ 0.99", "rows ≥ 0.99").replace("sparse attention rows", "sparse rows")
+            .replace(" (decomposition)", "").replace(" in a random direction of equal size", ", random direction")
+            .replace(" with one κ per token shared across heads", ", one κ per token")
+            .replace("accuracy lost by problems with", "cost with").replace(" (consequence)", ""))
 
 
 def _arm_traces(fig: go.Figure, vals: pd.DataFrame, r: pd.Series, x0: float, arm: str, row: int, col: int,
@@ -58,10 +61,16 @@ def _arm_traces(fig: go.Figure, vals: pd.DataFrame, r: pd.Series, x0: float, arm
     for i, v in enumerate(d.itertuples()):
         dx = (i - (n - 1) / 2) * 0.06
         name = f"seed {v.seed}"
+        bound = getattr(v, "censored_above", math.nan)
+        censored = pd.isna(v.value) and not pd.isna(bound)  # never reached: drawn open, at the largest level tested
+        hover = (f"never reached within the tested noise (> {bound:.0f} {escape(v.unit)})" if censored
+                 else f"%{{y:.2f}} {escape(v.unit)}")
         fig.add_trace(go.Scatter(
-            x=[x0 + dx], y=[v.value], mode="markers", name=name, legendgroup=name, showlegend=name not in seen,
-            marker=dict(symbol=_symbol(v.seed), size=8, color=colour, line=dict(color="white", width=0.5)),
-            hovertemplate=f"{escape(v.checkpoint)} (seed {v.seed}): %{{y:.2f}} {escape(v.unit)}<extra></extra>"), row=row, col=col)
+            x=[x0 + dx], y=[bound if censored else v.value], mode="markers", name=name, legendgroup=name,
+            showlegend=name not in seen,
+            marker=dict(symbol=_symbol(v.seed) + ("-open" if censored else ""), size=8, color=colour,
+                        line=dict(color=colour if censored else "white", width=1.5 if censored else 0.5)),
+            hovertemplate=f"{escape(v.checkpoint)} (seed {v.seed}): {hover}<extra></extra>"), row=row, col=col)
         seen.add(name)
     mean, lo, hi = r[f"mean_{arm}"], r[f"ci_lo_{arm}"], r[f"ci_hi_{arm}"]
     if pd.isna(mean):
@@ -89,8 +98,9 @@ def _grid(n: int, cols: int, titles: list[str], height_per_row: int = 260) -> go
 def plot_seed_comparisons(summary: pd.DataFrame, values: pd.DataFrame, scaling: Optional[str] = None,
                           cols: int = 3, title: Optional[str] = None) -> go.Figure:
     """One panel per comparison of ``summary`` (:func:`~interp_norm.seed_compare.compare_seeds`) for
-    ``scaling`` (default: the first): arm A left, arm B right; a dot per seed (shape = seed), the mean
-    with its bootstrap 95% interval beside them; the permutation p-value in the panel title."""
+    ``scaling`` (default: the first): arm A left, arm B right; a dot per seed (shape = seed; open at the
+    largest level tested for a collapse level never reached), the mean with its bootstrap 95% interval
+    beside them; the permutation p-value in the panel title."""
     need = {"scaling", "comparison", "arm_a", "arm_b", "mean_a", "p_value"}
     if not isinstance(summary, pd.DataFrame) or not need <= set(summary.columns):
         raise ConfigError("plot_seed_comparisons expects the summary from seed_compare.compare_seeds(...)")
