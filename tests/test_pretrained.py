@@ -17,7 +17,7 @@ EXPECTED = {
     "pre-30k": "pre", "pre-30k-s1": "pre", "qkv-30k": "qkv", "qkv-30k-s1": "qkv",
 }
 # Seeds 2-5 of the four arms the findings compare (scripts/train_reference.py), as they ship.
-EXTRA_SEEDS = ["pre-s2", "qkv-s2", "pre-s3", "qkv-s3", "pre-s4", "qkv-s4", "pre-s5", "qkv-s5", "pre-cal-s2", "qkv-cal-s2", "pre-cal-s3", "pre-cal-s4", "qkv-cal-s3"]
+EXTRA_SEEDS = ["pre-s2", "qkv-s2", "pre-s3", "qkv-s3", "pre-s4", "qkv-s4", "pre-s5", "qkv-s5", "pre-cal-s2", "qkv-cal-s2", "pre-cal-s3", "pre-cal-s4", "qkv-cal-s3", "pre-cal-s5", "qkv-cal-s4", "qkv-cal-s5"]
 EXPECTED.update({name: name.split("-")[0] for name in EXTRA_SEEDS})
 LONGER = {"pre-30k", "pre-30k-s1", "qkv-30k", "qkv-30k-s1"}  # the "30k steps" set: three times the reference training
 CALIBRATED = {name for name in EXPECTED if "-cal" in name}
