@@ -119,7 +119,7 @@ def _note(stats: dict) -> str:
                          "noise: counted at the largest level tested, so its mean is a lower bound; p from ranks")
         if stats[f"n_missing_{arm}"]:
             parts.append(f"{stats[f'n_missing_{arm}']} seed(s) of {arm.upper()} without a value "
-                         "(not reached or not analysed), left out")
+                         "(no sparse row to collapse, or not analysed), left out")
     if stats["n_a"] < 2 or stats["n_b"] < 2:
         parts.append("fewer than 2 seeds in an arm: no interval")
     return "; ".join(parts)

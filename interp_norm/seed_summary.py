@@ -105,8 +105,9 @@ def _controls(T: Mapping[str, pd.DataFrame], name: str) -> list[tuple[str, str, 
 
 def _threshold(T: Mapping[str, pd.DataFrame], key: str, label: str, after: bool, name: str) -> tuple[float, float]:
     """``(level, censored_above)`` in % noise: the pooled loose 1% collapse level, and where the sweep
-    never reached 1% (a thresholds row with no level) the largest noise level it tested, so that the
-    seed is *right-censored* there rather than missing (NaN otherwise)."""
+    never reached 1% (a thresholds row with no level, over at least one sparse row) the largest noise
+    level it tested, so that the seed is *right-censored* there rather than missing (NaN otherwise; a
+    model without sparse rows has no collapse level: missing, not censored)."""
     df = T.get(key)
     if df is None or not len(df):
         return np.nan, np.nan
@@ -119,7 +120,10 @@ def _threshold(T: Mapping[str, pd.DataFrame], key: str, label: str, after: bool,
     if not np.isnan(level) or sweep is None or not len(sweep):
         return level, np.nan
     own = sweep[sweep["checkpoint"] == name] if "checkpoint" in sweep.columns else sweep
-    return level, float((own if len(own) else sweep)["level"].max()) * 100
+    own = own if len(own) else sweep
+    if "n_rows" in own.columns and not own["n_rows"].max() > 0:
+        return level, np.nan  # no sparse row at all: the level is undefined (missing), not beyond the sweep
+    return level, float(own["level"].max()) * 100
 
 
 def _noise_cost(T: Mapping[str, pd.DataFrame], name: str, placement: str) -> float:

@@ -85,7 +85,9 @@ def markdown(report: Path) -> str:
              "mean with its percentile-bootstrap 95% interval over seeds (10 000 resamples; with few seeds it is too "
              "narrow), the difference A − B with its interval, and the two-sided permutation p-value of the "
              "difference of means (exact: every split of the seeds; uncorrected for the number of comparisons). "
-             "'—' for a seed: no value (a collapse level not reached within the tested noise levels)."]
+             "'> 50' for a seed: a collapse level not reached within the tested noise levels (right-censored: kept "
+             "at the largest level tested, the mean is then a lower bound and p comes from ranks; see the note); "
+             "'—': no value."]
     if ck is not None and "scope" in ck.columns:
         by = ck.groupby("scope")["checkpoint"].apply(lambda c: ", ".join(map(str, c)))
         parts.append("Checkpoints: " + "; ".join(f"{scope}: {names}" for scope, names in by.items()) + ".")

@@ -58,6 +58,21 @@ def test_verdicts_and_seed_tables_are_current(scripts):
     assert docs.block("FINDINGS-TABLES", ft.PAGE) == ft.markdown(ft.DATA), fix
 
 
+def test_findings_prose_cites_only_numbers_the_seed_tables_hold(scripts):
+    """Every "mean [lo, hi]" and "p = x" in docs/results.md's findings (outside the generated claims
+    table) is a cell of docs/findings-tables.md: the prose cannot drift from the tables."""
+    docs, ft = scripts["_docs"], scripts["findings_tables"]
+    prose = docs.block("FINDINGS").replace(docs.block("CLAIMS"), "")
+    tables = docs.block("FINDINGS-TABLES", ft.PAGE)
+    intervals = re.findall(r"-?\d+\.\d \[-?\d+\.\d, -?\d+\.\d\]", prose)
+    assert len(intervals) >= 20
+    missing = [x for x in intervals if x not in tables]
+    assert not missing, f"intervals in the findings that no seed table holds: {missing}"
+    p_values = re.findall(r"p = (\d[\d.e-]*\d|\d)", prose)
+    cells = set(re.findall(r"\| (\d[\d.e-]*\d|\d)(?: \(MC \d+\))? \|", tables))
+    assert p_values and not [p for p in p_values if p not in cells], [p for p in p_values if p not in cells]
+
+
 def _row(**kw):
     import pandas as pd
 

@@ -277,12 +277,16 @@ def test_per_checkpoint_marks_a_never_reached_level_with_the_largest_level_teste
     nan = float("nan")
     thr = pd.DataFrame([dict(variant=v, layer="all", definition="loose", level_measured=m)
                         for v, m in (("Pre-Norm", 0.2), ("QKV-Norm, noise after norm", nan))])
-    sweep = pd.DataFrame([dict(checkpoint=c, level=lv) for c in ("p", "q") for lv in (0.01, 0.2, 0.4)])
+    sweep = pd.DataFrame([dict(checkpoint=c, level=lv, n_rows=3) for c in ("p", "q") for lv in (0.01, 0.2, 0.4)])
     rows = per_checkpoint(dict(collapse_thresholds=thr, collapse=sweep), ck)
     q = "1% loose collapse level, per-layer protocol"
     got = rows[rows["quantity"] == q].set_index("checkpoint")
     assert got.loc["p", "value"] == pytest.approx(20.0) and math.isnan(got.loc["p", "censored_above"])
     assert math.isnan(got.loc["q", "value"]) and got.loc["q", "censored_above"] == pytest.approx(40.0)
+    # without a single sparse row there is no level to censor: missing
+    sweep.loc[sweep["checkpoint"] == "q", "n_rows"] = 0
+    got = per_checkpoint(dict(collapse_thresholds=thr, collapse=sweep), ck)
+    assert got[(got["quantity"] == q) & (got["checkpoint"] == "q")]["censored_above"].isna().all()
 
 
 def test_per_checkpoint_reads_the_controls_per_seed():
