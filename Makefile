@@ -49,7 +49,7 @@ bench: setup
 	for f in benchmarks/bench_*.py; do OMP_NUM_THREADS=1 $(PY) $$f || exit 1; done
 
 # The tutorials in JupyterLab: installs the `notebooks` extra into .venv once, then opens tutorials/
-# (kernels start in the notebook's folder, so `import _checks` finds tutorials/_checks.py).
+# (the notebooks import their checks from the installed package, interp_norm.tutorial).
 # Jupyter refuses to run as root (a container, CI) unless given --allow-root: added when uid is 0.
 # Extra options go in JUPYTER_ARGS (e.g. JUPYTER_ARGS="--no-browser --port 8890").
 USER_ID ?= $(shell id -u)
@@ -63,4 +63,4 @@ $(VENV)/.notebooks: $(VENV)/.installed
 
 # Re-run every tutorial and rewrite tutorials/html/*.html (nbconvert comes with the dev extra).
 tutorials-html: setup
-	OMP_NUM_THREADS=1 $(PY) tutorials/_build_notebooks.py --execute
+	OMP_NUM_THREADS=1 $(PY) scripts/tutorials/build_notebooks.py --execute

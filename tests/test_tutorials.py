@@ -1,18 +1,20 @@
 """The tutorials: their exercise checks, their structure, and that every notebook runs top to bottom.
 
-* Fast: every check in ``tutorials/_checks.py`` passes the reference solution (``_solutions.py``),
+* Fast: every check in ``interp_norm.tutorial`` passes the reference solution (``interp_norm.tutorial.solutions``),
   fails a deliberately wrong function (two per exercise), reports an untouched stub as "not attempted",
   and reports a crashing or nonsense attempt as a failure instead of raising — on small random models.
-* Fast: the checked-in .ipynb equal what ``tutorials/_build_notebooks.py`` writes; every exercise has a
+* Fast: the checked-in .ipynb equal what ``scripts/tutorials/build_notebooks.py`` writes; every exercise has a
   difficulty/time badge, a check call and a collapsed solution; Run All cannot redefine the learner's
-  function (every code cell is parsed).
-* Slow: each notebook executes on the shipped checkpoints (stubs unattempted: every check prints ⬜).
+  function (every code cell is parsed); ``tutorials/`` holds no Python module (no solutions one click away),
+  no set-up boilerplate and no emoji (they render as empty boxes without an emoji font).
+* Slow: each notebook executes on the shipped checkpoints (stubs unattempted: every check reports [TODO]).
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -23,21 +25,23 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIALS = ROOT / "tutorials"
+BUILDER = ROOT / "scripts" / "tutorials"  # the notebooks' sources and their HTML export
 NOTEBOOKS = sorted(TUTORIALS.glob("[0-9][0-9]_*.ipynb"))
 TIMEOUT = 240  # seconds per cell; all five notebooks together take a few minutes
 
-sys.path.insert(0, str(TUTORIALS))
-import _checks as C  # noqa: E402
+sys.path.insert(0, str(BUILDER))
 import _export  # noqa: E402
-import _solutions as S  # noqa: E402
 
-sys.path.remove(str(TUTORIALS))
+sys.path.remove(str(BUILDER))
 
 from _models import make_model  # noqa: E402
 
 from interp_norm import AdditionTask  # noqa: E402
 from interp_norm.circuits import LogitDiff, make_pairs  # noqa: E402
 from interp_norm.hooks import act_name  # noqa: E402
+from interp_norm.tutorial import _core  # noqa: E402
+from interp_norm.tutorial import checks as C  # noqa: E402
+from interp_norm.tutorial import solutions as S  # noqa: E402
 
 
 # ============================================================================= fixtures: small random models
@@ -246,7 +250,7 @@ def test_solution_passes(name, data, capsys):
     result = C.CHECKS[name](getattr(S, name), *check_args(name, data))
     out = capsys.readouterr().out
     assert result.status == C.PASS and result, out
-    assert out.startswith("✅ ") and out.count("\n") == 1
+    assert out.startswith(f"[PASS] {name} — correct: ") and out.count("\n") == 1
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +277,7 @@ def test_wrong_answer_fails(name, wrong, data, capsys):
     result = C.CHECKS[name](wrong, *check_args(name, data))
     out = capsys.readouterr().out
     assert result.status == C.FAIL and not result, out
-    assert out.startswith("❌ ")
+    assert out.startswith(f"[FAIL] {name} — not right yet: ")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -283,7 +287,7 @@ def test_untouched_stub_is_not_attempted(name, data, capsys):
 
     result = C.CHECKS[name](stub, *check_args(name, data))
     assert result.status == C.NOT_ATTEMPTED and not result
-    assert "not attempted yet" in capsys.readouterr().out
+    assert capsys.readouterr().out.startswith(f"[TODO] {name} — not attempted yet: ")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -332,12 +336,12 @@ def test_a_check_result_displays_nothing_in_jupyter():
 @pytest.fixture(scope="module")
 def builder():
     pytest.importorskip("nbformat")
-    sys.path.insert(0, str(TUTORIALS))
+    sys.path.insert(0, str(BUILDER))
     try:
-        import _build_notebooks
+        import build_notebooks
     finally:
-        sys.path.remove(str(TUTORIALS))
-    return _build_notebooks
+        sys.path.remove(str(BUILDER))
+    return build_notebooks
 
 
 def test_there_are_six_tutorials():
@@ -353,7 +357,7 @@ def test_notebooks_match_their_builder(builder, tmp_path):
         mine = nbformat.read(p, as_version=4)
         theirs = nbformat.read(TUTORIALS / p.name, as_version=4)
         assert [c.source for c in mine.cells] == [c.source for c in theirs.cells], (
-            f"{p.name} differs from tutorials/_build_notebooks.py; rerun the builder"
+            f"{p.name} differs from scripts/tutorials/build_notebooks.py; rerun the builder"
         )
         assert all(not c.get("outputs") for c in theirs.cells if c.cell_type == "code"), f"{p.name} has outputs"
         assert "What you will learn" in "\n".join(c.source for c in mine.cells)
@@ -379,7 +383,7 @@ def test_every_exercise_has_a_badge_a_check_and_a_collapsed_solution(builder):
         for i, name in exercises:
             seen.append(name)
             task = cells[i - 1] if cells[i - 1].cell_type == "markdown" else cells[i - 2]
-            assert "Difficulty:" in task.source and "🔴" in task.source and " min" in task.source, (nb_name, name)
+            assert re.search(r"\*\*Difficulty:\*\* [1-5]/5 · \*\*~\d+ min\*\*", task.source), (nb_name, name)
             assert f"check_{name}({name}," in cells[i].source
             assert f"check_{name}" in cells[1].source, "the setup cell imports the notebook's checks"
             sol = cells[i + 1]
@@ -411,7 +415,8 @@ def test_run_all_cannot_overwrite_the_learners_functions(builder):
             for j, name in exercise_cells.items():
                 if i != j:
                     assert name not in bound, f"{nb_name}: cell {i} redefines the learner's {name!r}"
-            assert "_solutions" not in c.source, f"{nb_name}: cell {i} imports the solutions"
+            imports = [n for n in ast.walk(ast.parse(c.source)) if isinstance(n, (ast.Import, ast.ImportFrom))]
+            assert not any("solutions" in ast.unparse(n) for n in imports), f"{nb_name}: cell {i} imports the solutions"
 
 
 def test_stubs_return_none_so_ci_sees_unattempted_exercises(builder):
@@ -429,7 +434,7 @@ def test_markdown_explains_nan_thresholds_resume_and_the_n_notation(builder):
     assert "bit-identically" in text["05"]
     # the schedule on resume is stated where the learner meets it, not only in a docstring
     assert "keeps the length it started with" in text["05"] and "never jumps back up" in text["05"]
-    assert "TODO" not in "\n".join(text.values())
+    assert "TODO" not in "\n".join(text.values()).replace("[TODO]", "")  # the checks' mark for "not attempted"
     first_n = text["01"].index("The `N` notation")
     assert first_n < text["01"].index("[7-N3=10]")
 
@@ -440,9 +445,77 @@ def test_readme_lists_every_notebook_and_exercise_with_its_badge(builder):
         assert f"`{Path(nb_name).stem}`" in readme
         for i, name in _exercises(cells):
             task = cells[i - 1] if cells[i - 1].cell_type == "markdown" else cells[i - 2]
-            badge = task.source.split("**Difficulty:** ")[1].split("**")[0].strip(" ·")  # e.g. 🔴🔴⚪⚪⚪
+            badge = task.source.split("**Difficulty:** ")[1].split("**")[0].strip(" ·")  # e.g. 2/5
             minutes = task.source.split("**~")[1].split("**")[0]  # e.g. 10 min
             assert f"`{name}` {badge} ~{minutes}" in readme, f"README: {name} should read `{name}` {badge} ~{minutes}"
+
+
+# emoji and pictographs (Misc Symbols, Dingbats, the arrows-and-shapes block, the emoji planes, the emoji
+# variation selector): they render as identical empty boxes where no emoji font is installed
+EMOJI = re.compile("[\u2600-\u27bf\u2b00-\u2bff\ufe0f\U0001f000-\U0010ffff]")
+
+
+def test_the_folder_jupyterlab_opens_holds_only_notebooks_their_readme_and_html():
+    """No helper module, check or solution one click away from the notebooks (they are in interp_norm.tutorial)."""
+    tracked = {p.name for p in TUTORIALS.iterdir() if p.name != "__pycache__"}
+    assert tracked == {p.name for p in NOTEBOOKS} | {"README.md", "html"}, sorted(tracked)
+
+
+def test_notebooks_open_with_plain_imports_without_set_up_boilerplate(builder):
+    for nb_name, cells in builder.NOTEBOOKS.items():
+        first = next(c for c in cells if c.cell_type == "code").source
+        assert "from interp_norm.tutorial import check_" in first, nb_name
+        for c in cells:
+            if c.cell_type == "code":
+                for bad in ("sys.path", "formatwarning", "os.environ", "filterwarnings", "__file__", "_checks"):
+                    assert bad not in c.source, f"{nb_name}: {bad!r} in a code cell:\n{c.source}"
+
+
+def test_no_emoji_in_what_a_learner_reads(data, capsys):
+    texts = {p.name: p.read_text(encoding="utf-8") for p in [*NOTEBOOKS, TUTORIALS / "README.md", *(TUTORIALS / "html").glob("*.html")]}
+    for name in ("my_scores", "most_important_head"):
+        C.CHECKS[name](getattr(S, name), *check_args(name, data))
+        C.CHECKS[name](WRONG[name][0], *check_args(name, data))
+        C.CHECKS[name](lambda *a: None, *check_args(name, data))
+    texts["check output"] = capsys.readouterr().out
+    texts["check html"] = "".join(C.CheckResult("x", st, "m").html() for st in (C.PASS, C.FAIL, C.NOT_ATTEMPTED))
+    for name, text in texts.items():
+        found = sorted(set(EMOJI.findall(text)))
+        assert not found, f"{name}: {found} render as boxes without an emoji font; use text (see _core.MARK)"
+    assert [texts["check output"].count(m) for m in ("[PASS]", "[FAIL]", "[TODO]")] == [2, 2, 2]
+
+
+def test_in_jupyter_a_check_displays_its_line_as_text_and_as_coloured_html(data, monkeypatch, capsys):
+    pytest.importorskip("IPython")
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(_core, "_ipython", lambda: object())  # as if in a kernel
+    monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False: shown.append((obj, raw)))
+    result = C.check_most_important_head(lambda df: (0, "<b>"), data["ablation"])
+    assert capsys.readouterr().out == "" and len(shown) == 1 and shown[0][1] is True
+    bundle = shown[0][0]
+    assert bundle["text/plain"] == result.line() and result.line().startswith("[FAIL] most_important_head — ")
+    assert bundle["text/html"].startswith('<div style="font-family:monospace;white-space:pre-wrap"><b style="color:#cf222e">[FAIL]</b>')
+    assert "&lt;b&gt;" in bundle["text/html"] or "<b>" not in result.message  # the message is escaped
+
+
+def test_notebook_warnings_are_short_in_ipython_and_untouched_elsewhere(monkeypatch):
+    import warnings
+
+    import interp_norm.tutorial as T
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after the test
+    before = warnings.formatwarning
+    with warnings.catch_warnings():
+        T._notebook_warnings()  # plain Python (pytest): nothing changes
+        assert warnings.formatwarning is before
+        monkeypatch.setattr(T, "_ipython", lambda: object())
+        T._notebook_warnings()
+        T._notebook_warnings()  # idempotent
+        line = warnings.formatwarning("the task differs", UserWarning, "/tmp/ipykernel_42/123.py", 3, "x = 1")
+        assert line == "UserWarning: the task differs\n"
+        assert sum("IProgress not found" in str(f[1].pattern) for f in warnings.filters if f[1] is not None) == 1
 
 
 def test_offline_html_detector_flags_network_references():
@@ -463,7 +536,7 @@ def _execute(path: Path):
     env_before = os.environ.get("OMP_NUM_THREADS")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the kernel inherits it
     try:
-        # started in tutorials/, as Jupyter does for a notebook there, so `import _checks` works
+        # started in tutorials/, as Jupyter does for a notebook there
         client = nbclient.NotebookClient(nb, timeout=TIMEOUT, kernel_name="python3",
                                          resources={"metadata": {"path": str(TUTORIALS)}})
         client.execute()  # raises CellExecutionError on the first failing cell
@@ -482,9 +555,15 @@ def test_notebook_executes(path):
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
     for c in nb.cells:
+        stderr = "".join(o.get("text", "") for o in c.get("outputs", []) if o.get("name") == "stderr")
+        assert "ipykernel_" not in stderr, f"a warning shows the kernel's temporary file: {stderr}"
         if c.cell_type == "code" and c.metadata.get("tags") == ["exercise"]:
-            text = "".join(o.get("text", "") for o in c.outputs if o.get("output_type") == "stream")
-            assert "⬜" in text and "not attempted yet" in text and "❌" not in text, text
+            name = next(n for n in ast.parse(c.source).body if isinstance(n, ast.FunctionDef)).name
+            # in Jupyter a check displays its line: text/plain (the plain line) beside text/html (coloured)
+            text = "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in c.outputs)
+            assert f"[TODO] {name}" in text and "not attempted yet" in text and "[FAIL]" not in text, text
+            html = "".join(o.get("data", {}).get("text/html", "") for o in c.outputs)
+            assert f'<b style="color:{_core._COLOUR[C.NOT_ATTEMPTED]}">[TODO]</b>' in html, "Jupyter shows the coloured mark"
     print(f"{path.name}: {time.perf_counter() - t:.1f} s")
 
 

@@ -1,9 +1,10 @@
 """Reference solutions of the tutorial exercises, one function per exercise.
 
-The notebooks never execute these under the learner's names: ``_build_notebooks.py`` shows each
-function's source in a collapsed ``<details>`` block after its exercise, so Run All cannot
+The notebooks never execute these under the learner's names: ``scripts/tutorials/build_notebooks.py``
+shows each function's source in a collapsed ``<details>`` block after its exercise, so Run All cannot
 overwrite an attempt. ``tests/test_tutorials.py`` feeds every one of them to its check in
-``_checks.py`` (and a deliberately wrong variant, which must fail). Each function imports what it
+``checks.py`` (and a deliberately wrong variant, which must fail). They live in the package, not
+beside the notebooks, so that they are not one click away in JupyterLab. Each function imports what it
 needs itself, so the shown code can be copied into a notebook as is.
 """
 

@@ -4,19 +4,19 @@
 lucky answer is possible, on a second synthetic case), compares the result with a computation
 that does not share your code path — a formula, a brute-force loop, TransformerLens's own
 ``transformer_lens.patching``, or the library's result for exercises that re-derive it by hand —
-prints one line and returns a :class:`CheckResult`:
+reports one line (printed; in Jupyter shown with a coloured mark) and returns a :class:`CheckResult`:
 
-* ``✅ name — correct: ...`` (``status == "pass"``);
-* ``❌ name — not right yet: ...`` with the first mismatch and, where the mistake is a common
+* ``[PASS] name — correct: ...`` (``status == "pass"``);
+* ``[FAIL] name — not right yet: ...`` with the first mismatch and, where the mistake is a common
   one, a hint (``status == "fail"``); an exception inside your function is reported here with the
   line that raised it, never re-raised, so Run All continues;
-* ``⬜ name — not attempted yet`` when your function still returns ``None`` (the stub) or raises
+* ``[TODO] name — not attempted yet`` when your function still returns ``None`` (the stub) or raises
   ``NotImplementedError`` (``status == "not attempted"``).
 
-The notebooks import this module from the ``tutorials/`` folder (Jupyter starts the kernel in the
-notebook's folder); ``tests/test_tutorials.py`` feeds every check the reference solution
-(``_solutions.py``) and a deliberately wrong function. The shared machinery (result type,
-decorator, comparison helpers) is in ``_check_core.py``.
+The notebooks import the checks with ``from interp_norm.tutorial import check_<name>``;
+``tests/test_tutorials.py`` feeds every check the reference solution (``solutions.py``) and a
+deliberately wrong function. The shared machinery (result type, decorator, comparison helpers) is
+in ``_core.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import math
 import numpy as np
 import torch
 
-from _check_core import (  # noqa: F401  (CheckResult and the statuses are part of this module's API)
+from interp_norm.tutorial._core import (  # noqa: F401  (CheckResult and the statuses are part of this module's API)
     FAIL,
     NOT_ATTEMPTED,
     PASS,
@@ -449,7 +449,7 @@ def check_noised_argmax(learner, model, cache, tokens) -> str:
     return f"{checked} noisy attention rows match re-running the model with the noise hooked in"
 
 
-#: Every check, by exercise name (the learner's function name and the solution's name in _solutions.py).
+#: Every check, by exercise name (the learner's function name and the solution's name in solutions.py).
 CHECKS = {
     f.exercise: f
     for f in (

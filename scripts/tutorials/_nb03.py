@@ -1,4 +1,4 @@
-"""Tutorial 03 (noise and collapse): its cells, in order (built into the .ipynb by ``_build_notebooks.py``)."""
+"""Tutorial 03 (noise and collapse): its cells, in order (built into the .ipynb by ``build_notebooks.py``)."""
 
 from __future__ import annotations
 

@@ -1,29 +1,17 @@
-"""The cell builders every tutorial's content uses (see ``_build_notebooks.py`` for the conventions)."""
+"""The cell builders every tutorial's content uses (see ``build_notebooks.py`` for the conventions)."""
 
 from __future__ import annotations
 
 import inspect
-import sys
 import textwrap
-from pathlib import Path
 
 from nbformat.v4 import new_code_cell, new_markdown_cell
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+from interp_norm.tutorial import solutions as _solutions  # the solution sources shown in the notebooks
 
-import _solutions  # noqa: E402  (the solution sources shown in the notebooks)
-
+# The first code cell of every notebook. No set-up beyond ordinary imports: interp_norm is installed
+# (``pip install -e .``), and ``import interp_norm.tutorial`` sets up the notebook's warnings itself.
 SETUP = """\
-import os
-import sys
-import warnings
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-warnings.filterwarnings("ignore", message="IProgress not found")  # progress bars fall back to text
-warnings.formatwarning = lambda msg, cat, *_, **__: f"{cat.__name__}: {msg}\\n"  # the message, not the kernel's temp file
-if not os.path.exists("_checks.py") and os.path.exists("tutorials/_checks.py"):
-    sys.path.insert(0, "tutorials")  # the kernel was started in the repository root, not in tutorials/
 import numpy as np
 import pandas as pd
 import torch
@@ -36,8 +24,8 @@ from interp_norm.checkpoints import list_pretrained, load_pretrained
 
 
 def setup(*checks: str) -> str:
-    """The setup cell, importing this notebook's exercise checks from tutorials/_checks.py."""
-    return SETUP + f"from _checks import {', '.join(f'check_{c}' for c in checks)}  # tutorials/_checks.py\n"
+    """The setup cell, importing this notebook's exercise checks from ``interp_norm.tutorial``."""
+    return SETUP + f"from interp_norm.tutorial import {', '.join(f'check_{c}' for c in checks)}\n"
 
 
 def md(text: str):
@@ -57,8 +45,9 @@ def hints(*items: str) -> str:
 
 
 def difficulty(level: int, minutes: int) -> str:
-    """ARENA-style badge: ``Difficulty: 🔴🔴⚪⚪⚪ · ~10 min``."""
-    return f"> **Difficulty:** {'🔴' * level}{'⚪' * (5 - level)} · **~{minutes} min**"
+    """ARENA-style badge in plain text, legible in any font (no emoji): ``Difficulty: 2/5 · ~10 min``."""
+    assert 1 <= level <= 5, level
+    return f"> **Difficulty:** {level}/5 · **~{minutes} min**"
 
 
 def exercise(name: str, stub: str):
@@ -70,7 +59,7 @@ def exercise(name: str, stub: str):
 
 
 def solution(name: str):
-    """A collapsed markdown block with the source of ``_solutions.<name>`` (text, never executed)."""
+    """A collapsed markdown block with the source of ``interp_norm.tutorial.solutions.<name>`` (text, never executed)."""
     source = inspect.getsource(getattr(_solutions, name)).strip("\n")
     cell = new_markdown_cell(
         f"<details><summary>Solution: <code>{name}</code> (try first!)</summary>\n\n"

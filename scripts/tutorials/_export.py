@@ -27,8 +27,8 @@ from typing import Optional, Sequence
 import nbformat
 from nbformat.v4 import new_code_cell, new_notebook
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+REPO = Path(__file__).resolve().parents[2]
+TUTORIALS = REPO / "tutorials"  # the notebooks and html/ (this builder lives in scripts/tutorials/)
 
 OFFLINE_PLOTLY = '''\
 # Export only (removed before the HTML is written): figures as HTML, plotly.js embedded once, no CDN.
@@ -80,8 +80,8 @@ def has_nbconvert() -> bool:
 
 
 def execute_notebook(path: Path, timeout: int = 600) -> nbformat.NotebookNode:
-    """Run ``path`` top to bottom in a fresh kernel started in ``tutorials/`` (so ``import _checks``
-    works) on this checkout's package; raise on the first failing cell."""
+    """Run ``path`` top to bottom in a fresh kernel started in ``tutorials/`` (as Jupyter does) on this
+    checkout's package; raise on the first failing cell."""
     import nbclient
 
     nb = nbformat.read(path, as_version=4)
@@ -92,7 +92,7 @@ def execute_notebook(path: Path, timeout: int = 600) -> nbformat.NotebookNode:
     os.environ.update(env)  # the kernel inherits the environment
     try:
         nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                                resources={"metadata": {"path": str(HERE)}}).execute()
+                                resources={"metadata": {"path": str(TUTORIALS)}}).execute()
     finally:
         for k, v in saved.items():
             if v is None:
@@ -159,7 +159,7 @@ def execute_all(names: Sequence[str], html_dir: Optional[Path] = None, timeout: 
     if not html:
         print("nbconvert is not installed: executing the notebooks without writing HTML "
               "(install it, e.g. with the project's notebooks extra, to get tutorials/html/)")
-    out_dir = ensure_writable_dir(html_dir or HERE / "html") if html else None
+    out_dir = ensure_writable_dir(html_dir or TUTORIALS / "html") if html else None
     written = []
     if out_dir is not None:
         from plotly.offline import get_plotlyjs
@@ -167,7 +167,7 @@ def execute_all(names: Sequence[str], html_dir: Optional[Path] = None, timeout: 
         written.append(write_text_atomic(out_dir / PLOTLY_JS, get_plotlyjs(), durable=False))
         written.append(write_text_atomic(out_dir / NOTEBOOK_CSS, shared_css(), durable=False))
     for name in names:
-        nb = execute_notebook(HERE / name, timeout=timeout)
+        nb = execute_notebook(TUTORIALS / name, timeout=timeout)
         print(f"executed {name}")
         if out_dir is not None:
             path = write_text_atomic(out_dir / f"{Path(name).stem}.html", to_offline_html(nb, Path(name).stem), durable=False)

@@ -1,4 +1,4 @@
-"""Tutorial 01 (quickstart): its cells, in order (built into the .ipynb by ``_build_notebooks.py``)."""
+"""Tutorial 01 (quickstart): its cells, in order (built into the .ipynb by ``build_notebooks.py``)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ NB01 = [
     4. hooks: change a forward pass, and have the change undone automatically;
     5. read attention patterns, with an exercise on finding a previous-token head.
 
-    **Exercises** (each checked by `check_<name>(...)`, which prints ✅, ❌ with the first mismatch, or ⬜ if
-    not attempted yet; solutions are collapsed below each exercise): 1 · recompute the attention scores,
+    **Exercises** (each checked by `check_<name>(...)`, which reports **[PASS]**, **[FAIL]** with the first
+    mismatch, or **[TODO]** if not attempted yet; solutions are collapsed below each exercise): 1 · recompute the attention scores,
     2 · the most important head, 3 · previous-token heads.
     """),
     code(setup("my_scores", "most_important_head", "prev_token_scores")),

@@ -1,5 +1,5 @@
 """The machinery of the tutorial checks: the result type, the decorator that turns a comparison into
-a printing check, and the comparison helpers. The checks themselves are in ``_checks.py``.
+a reporting check, and the comparison helpers. The checks themselves are in ``checks.py``.
 
 A check never raises because of the learner: ``None`` or ``NotImplementedError`` from the learner's
 function means "not attempted", any other exception is reported as a failure with the line that
@@ -9,6 +9,7 @@ raised it, and hooks the function forgot on the model are removed and reported.
 from __future__ import annotations
 
 import functools
+import html
 import math
 import traceback
 from dataclasses import dataclass
@@ -19,12 +20,16 @@ import pandas as pd
 import torch
 
 PASS, FAIL, NOT_ATTEMPTED = "pass", "fail", "not attempted"
-_ICON = {PASS: "✅", FAIL: "❌", NOT_ATTEMPTED: "⬜"}
+# Plain-ASCII marks, legible in any font (emoji render as empty boxes where no emoji font is installed);
+# in Jupyter they are also coloured (see CheckResult.html).
+MARK = {PASS: "[PASS]", FAIL: "[FAIL]", NOT_ATTEMPTED: "[TODO]"}
+_COLOUR = {PASS: "#1a7f37", FAIL: "#cf222e", NOT_ATTEMPTED: "#9a6700"}  # green, red, amber (readable on light and dark)
+_VERDICT = {PASS: "correct", FAIL: "not right yet", NOT_ATTEMPTED: "not attempted yet"}
 
 
 @dataclass(frozen=True)
 class CheckResult:
-    """Outcome of one check; truthy only when it passed. Already printed, so it displays as nothing."""
+    """Outcome of one check; truthy only when it passed. Already reported, so it displays as nothing."""
 
     exercise: str
     status: str
@@ -34,11 +39,38 @@ class CheckResult:
         return self.status == PASS
 
     def line(self) -> str:
-        verdict = {PASS: "correct", FAIL: "not right yet", NOT_ATTEMPTED: "not attempted yet"}[self.status]
-        return f"{_ICON[self.status]} {self.exercise} — {verdict}: {self.message}"
+        """The report as one line of plain text: ``[PASS] name — correct: ...``."""
+        return f"{MARK[self.status]} {self.exercise} — {_VERDICT[self.status]}: {self.message}"
 
-    def _ipython_display_(self) -> None:  # the check printed its line already
+    def html(self) -> str:
+        """The same line as HTML, the mark in bold colour (the text stays legible if a front end strips styles)."""
+        mark = f'<b style="color:{_COLOUR[self.status]}">{MARK[self.status]}</b>'
+        return (f'<div style="font-family:monospace;white-space:pre-wrap">{mark} <b>{html.escape(self.exercise)}</b>'
+                f" — {_VERDICT[self.status]}: {html.escape(self.message)}</div>")
+
+    def report(self) -> None:
+        """Print the line; in IPython/Jupyter display it (coloured HTML with the plain line as text/plain)."""
+        shell = _ipython()
+        if shell is None:
+            print(self.line(), flush=True)
+        else:
+            from IPython.display import display
+
+            display({"text/plain": self.line(), "text/html": self.html()}, raw=True)
+
+    def _ipython_display_(self) -> None:  # the check reported its line already
         pass
+
+
+def _ipython():
+    """The running IPython shell, or None (plain Python, pytest)."""
+    import sys
+
+    if "IPython" not in sys.modules:  # never import IPython just to find out it is not running
+        return None
+    from IPython import get_ipython
+
+    return get_ipython()
 
 
 class _NotAttempted(Exception):
@@ -87,7 +119,7 @@ class _Learner:
 
 
 def _exercise(name: str, *, uses_model: bool = True):
-    """Decorator: turn ``body(learner, *args) -> pass message`` into a printing check."""
+    """Decorator: turn ``body(learner, *args) -> pass message`` into a check that reports its result."""
 
     def deco(body):
         @functools.wraps(body)
@@ -102,7 +134,7 @@ def _exercise(name: str, *, uses_model: bool = True):
                     result = CheckResult(name, NOT_ATTEMPTED, "fill in the function (it still returns None), then run this cell again")
                 except _Fail as e:
                     result = CheckResult(name, FAIL, str(e))
-            print(result.line())
+            result.report()
             return result
 
         check.exercise = name
