@@ -16,7 +16,7 @@ from interp_norm.circuits import run_circuits
 
 TASK = AdditionTask.preset("cpu")
 EXPECTED = {"pairs", "answer_metrics", "patch_resid_pre", "patch_attn_out", "patch_mlp_out", "patch_z", "patch_z_all",
-            "eap_vs_exact", "edges", "circuit", "faithfulness", "attention_map"}
+            "eap_vs_exact", "eap_vs_exact_heads", "edges", "circuit", "faithfulness", "attention_map"}
 ARGS = ["--pairs", "6", "--ig-steps", "2", "--top-n", "6", "--n-examples", "16"]
 
 
@@ -34,6 +34,27 @@ def test_run_circuits_returns_tables_and_writes_nothing(tmp_path, monkeypatch):
     assert all(isinstance(df, pd.DataFrame) for df in tables.values())
     assert list(tmp_path.iterdir()) == []
     assert list(tables["faithfulness"].ablation) == ["resample", "mean", "zero"]
+    _check_per_head_attribution_table(model, tables)
+
+
+def _check_per_head_attribution_table(model, tables):
+    """eap_vs_exact_heads: per head, the exact column is whole-head z patching (patch_z_all) and the
+    attribution column what attribution_patch(by="all") computes on its own (not the per-position sum)."""
+    from interp_norm.circuits import attribution_patch, make_metric, make_pairs
+
+    heads = tables["eap_vs_exact_heads"]
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    assert sorted(heads["method"].unique()) == ["eap", "eap-ig2"] and len(heads) == 2 * L * H
+    exact = tables["patch_z_all"].set_index(["layer", "head"])["effect"]
+    pairs = make_pairs(TASK, 6, "id", 0, "digit", aligned=True)
+    met = make_metric("logit_diff", pairs, model)
+    for method, steps in (("eap", 1), ("eap-ig2", 2)):
+        g = heads[heads["method"] == method]
+        assert [(int(l), int(h)) for l, h in zip(g["layer"], g["head"])] == [(l, h) for l in range(L) for h in range(H)]
+        ref = attribution_patch(model, pairs, met, "z", by="all", ig_steps=steps).effect().double()  # [layer, head]
+        for row in g.itertuples():
+            assert row.exact == pytest.approx(float(exact[(row.layer, row.head)]), abs=1e-9)
+            assert row.attribution == pytest.approx(float(ref[row.layer, row.head]), rel=1e-4, abs=1e-6)
 
 
 def test_cli_writes_every_table_the_graph_and_the_edge_list(ckpt, tmp_path, capsys):

@@ -486,6 +486,18 @@ def test_faithfulness_bars_and_agreement_dots_show_the_table_values():
     e = pd.DataFrame(dict(variant=["QKV-Norm"], method=["eap"], pearson=[0.9], spearman=[0.8], topk_overlap=[0.7], k=[10]))
     dots = plots.plot_attribution_agreement(e)
     assert list(dots.data[0].y) == [0.9, 0.8, 0.7]
+    heads = pd.DataFrame(dict(variant=["Pre-Norm"] * 2 + ["Pre-Norm (pre-s1)"] * 2 + ["QKV-Norm"] * 2, method="eap",
+                              layer=[0, 1] * 3, head=0, exact=[0.5, -0.25, 0.1, 0.2, 1.5, 0.0],
+                              attribution=[0.4, -0.3, 0.1, 0.25, 0.9, 0.05]))
+    scatter = plots.plot_attribution_scatter(pd.concat([heads, heads.assign(method="eap-ig5")]))
+    series = [t for t in scatter.data if t.showlegend is not False and t.mode == "markers"]
+    assert [t.name for t in series] == ["Pre-Norm", "Pre-Norm (pre-s1)", "QKV-Norm"]  # one dot per head, per model
+    assert list(series[2].x) == [1.5, 0.0] and list(series[2].y) == [0.9, 0.05] and list(series[2].text) == ["L0H0", "L1H0"]
+    assert series[0].marker.color == series[1].marker.color != series[2].marker.color  # one colour per variant
+    assert series[0].marker.symbol != series[1].marker.symbol  # seeds by marker
+    assert len([t for t in scatter.data if t.mode == "lines"]) == 2  # the diagonal in each method's panel
+    with pytest.raises(ConfigError):
+        plots.plot_attribution_scatter(heads.drop(columns="exact"))
     with pytest.raises(ConfigError):
         plots.plot_faithfulness_bars(f.drop(columns="faithfulness"))
 

@@ -48,6 +48,17 @@ from interp_norm.circuits.pairs import PatchingPairs, corrupt_problem, make_pair
 from interp_norm.circuits.patching import activation_patch, patch_sweep
 
 
+def _head_scores(est: PatchResult, exact_all: PatchResult) -> pd.DataFrame:
+    """One row per head: the attribution estimate of patching the whole head's ``z`` (the per-position
+    estimates summed over positions: attribution is linear in the patched cells, so this is what
+    ``attribution_patch(..., by="all")`` returns) beside exact whole-head patching (``z_all``)."""
+    attribution = est.effect().double().sum(1)  # [layer, pos, head] -> [layer, head]
+    exact = exact_all.effect().double()  # [layer, head]
+    n_layers, n_heads = exact.shape
+    return pd.DataFrame([dict(method=est.method, activation="z", layer=l, head=h, attribution=float(attribution[l, h]),
+                              exact=float(exact[l, h])) for l in range(n_layers) for h in range(n_heads)])
+
+
 def run_circuits(
     model,
     task=None,
@@ -69,7 +80,9 @@ def run_circuits(
     """The standard circuit analysis of one model: a dict of tables (writes nothing).
 
     Tables: ``pairs``, ``answer_metrics``, ``patch_<activation>`` (exact patching), ``eap_vs_exact``
-    (node-level EAP and EAP-IG against exact ``z`` patching), ``edges`` (EAP-IG edge scores),
+    (node-level EAP and EAP-IG against exact ``z`` patching: correlations over every head and position),
+    ``eap_vs_exact_heads`` (per head: the EAP / EAP-IG estimate of patching the whole head beside exact
+    whole-head patching, when ``("z", "all")`` is among ``activations``), ``edges`` (EAP-IG edge scores),
     ``circuit`` (top ``top_n`` edges, pruned; ``Circuit.from_dataframe(tables["circuit"], n_layers,
     n_heads)`` rebuilds the :class:`Circuit`, for :func:`interp_norm.plots.draw_circuit` and ``Circuit.to_json()``),
     ``faithfulness`` (all ablations), ``attention_map``. ``task`` defaults to the model's own
@@ -86,11 +99,15 @@ def run_circuits(
     for key, res in sweeps.items():
         tables[f"patch_{key}"] = res.to_dataframe()
     if "z" in sweeps:
-        rows = []
+        rows, heads = [], []
         for steps in sorted({1, ig_steps}):
             est = attribution_patch(model, pairs, met, "z", ig_steps=steps, batch_size=batch_size)
             rows.append(compare_scores(est, sweeps["z"]).assign(method=est.method, activation="z"))
+            if "z_all" in sweeps:
+                heads.append(_head_scores(est, sweeps["z_all"]))
         tables["eap_vs_exact"] = pd.concat(rows, ignore_index=True)
+        if heads:
+            tables["eap_vs_exact_heads"] = pd.concat(heads, ignore_index=True)
     edges = edge_attribution(model, pairs, met, ig_steps=ig_steps, progress=progress)
     tables["edges"] = edges
     circuit = Circuit.from_edge_scores(edges, cfg.n_layers, cfg.n_heads, top_n=top_n)

@@ -98,7 +98,13 @@ def figure_sections(report: Any, strict: bool = False, csv: bool = True) -> tupl
             s.panels.append(panel("Faithfulness", lambda: plots.plot_faithfulness_bars(_escape_variants(circ["faithfulness"])),
                                   caption="faithfulness = (circuit − all ablated) / (clean − all ablated), per ablation of "
                                           "the edges outside the circuit" + where.format("faithfulness") + "."))
-        if "eap_vs_exact" in circ:
+        if "eap_vs_exact_heads" in circ:
+            s.panels.append(panel("Attribution vs exact patching", lambda: plots.plot_attribution_scatter(
+                _escape_variants(circ["eap_vs_exact_heads"])),
+                caption="Each dot is one head: the effect of patching its whole z exactly (x) and the EAP / EAP-IG "
+                        "estimate of it (y); on the diagonal the estimate is exact" + where.format("eap_vs_exact_heads")
+                        + ". Correlations over every head and position" + where.format("eap_vs_exact") + "."))
+        elif "eap_vs_exact" in circ:  # a report written before the per-head table existed
             s.panels.append(panel("Attribution vs exact patching", lambda: plots.plot_attribution_agreement(
                 _escape_variants(circ["eap_vs_exact"])),
                 caption="How well EAP / EAP-IG rank heads like exact patching (z, per position): correlation over every "

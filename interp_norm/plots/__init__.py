@@ -29,6 +29,7 @@ from interp_norm.plots.circuits import (
     draw_circuit,
     plot_attention_map,
     plot_attribution_agreement,
+    plot_attribution_scatter,
     plot_circuit_graph,
     plot_faithfulness,
     plot_faithfulness_bars,
@@ -65,6 +66,7 @@ __all__ = [
     "plot_faithfulness",
     "plot_faithfulness_bars",
     "plot_attribution_agreement",
+    "plot_attribution_scatter",
     "plot_attention_map",
     # noise
     "plot_accuracy_vs_noise",

@@ -20,7 +20,7 @@ from interp_norm.errors import ConfigError
 from interp_norm.plots._style import bar_style, escape, row_gap
 
 __all__ = ["plot_patching_heatmap", "plot_circuit_graph", "draw_circuit", "plot_faithfulness", "plot_faithfulness_bars",
-           "INPUT_COLOURS"]
+           "plot_attribution_scatter", "INPUT_COLOURS"]
 
 
 def plot_patching_heatmap(
@@ -402,6 +402,40 @@ def plot_attribution_agreement(table: pd.DataFrame, title: Optional[str] = None)
     fig.update_layout(title=title or "Attribution vs exact patching of heads (z, per position): agreement"
                       + (f" (top-k: k = {k})" if k else ""), legend_title="model", height=420)
     fig.update_yaxes(title_text="agreement", col=1)
+    return fig
+
+
+def plot_attribution_scatter(heads: pd.DataFrame, title: Optional[str] = None) -> go.Figure:
+    """Attribution vs exact patching per head (``circuits_eap_vs_exact_heads``): one dot per head
+    (x: exact effect of patching the whole head's ``z``, y: the EAP / EAP-IG estimate of it), one
+    colour per variant (seeds by marker), one panel per method; on the dashed diagonal the estimate
+    is exact."""
+    need = {"variant", "method", "layer", "head", "attribution", "exact"}
+    if not isinstance(heads, pd.DataFrame) or not need <= set(heads.columns):
+        raise ConfigError(f"expected the circuits eap_vs_exact_heads table with columns {sorted(need)}")
+    from interp_norm.plots._style import line_style
+
+    methods = list(dict.fromkeys(heads["method"]))
+    fig = make_subplots(rows=1, cols=len(methods), horizontal_spacing=0.08,
+                        subplot_titles=[f"{escape(m).upper()} estimate vs exact" for m in methods])
+    for j, m in enumerate(methods):
+        g_m = heads[heads["method"] == m]
+        for v, g in g_m.groupby("variant", sort=False):
+            fig.add_trace(go.Scatter(
+                x=g["exact"], y=g["attribution"], mode="markers", name=str(v), legendgroup=str(v), showlegend=j == 0,
+                marker=line_style(v, size=9)["marker"], text=[f"L{int(l)}H{int(h)}" for l, h in zip(g["layer"], g["head"])],
+                hovertemplate=f"{escape(v)}, %{{text}}: exact %{{x:.3g}}, {escape(m)} %{{y:.3g}}<extra></extra>",
+            ), row=1, col=j + 1)
+        lo = float(min(g_m["exact"].min(), g_m["attribution"].min(), 0.0)) if len(g_m) else 0.0
+        hi = float(max(g_m["exact"].max(), g_m["attribution"].max(), 0.0)) if len(g_m) else 1.0
+        pad = 0.05 * (hi - lo or 1.0)
+        fig.add_trace(go.Scatter(x=[lo - pad, hi + pad], y=[lo - pad, hi + pad], mode="lines", showlegend=False,
+                                 hoverinfo="skip", line=dict(color="grey", dash="dash", width=1)), row=1, col=j + 1)
+        fig.update_xaxes(title_text="exact patching effect (whole head)", range=[lo - pad, hi + pad], row=1, col=j + 1)
+        fig.update_yaxes(range=[lo - pad, hi + pad], row=1, col=j + 1)
+    fig.update_yaxes(title_text="attribution estimate", col=1)
+    fig.update_layout(title=title or "Attribution vs exact patching, one dot per head (z, whole head)",
+                      legend_title="model", height=440)
     return fig
 
 
