@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import warnings
 
-from interp_norm.tutorial._core import MARK, _ipython
-from interp_norm.tutorial.checks import *  # noqa: F401,F403  (check_<name>, CheckResult, CHECKS, the statuses)
-from interp_norm.tutorial.checks import __all__ as _checks_all
+from interp_norm.tutorial._core import _ipython  # imports no progress bar (tqdm.auto) yet
 
 
 def _short_warning(message, category, filename, lineno, line=None) -> str:
@@ -33,6 +31,11 @@ def _notebook_warnings() -> None:
     warnings.filterwarnings("ignore", message="IProgress not found")
 
 
+# before the checks import the library: tqdm.auto warns about IProgress when it is first imported
 _notebook_warnings()
+
+from interp_norm.tutorial._core import MARK  # noqa: E402
+from interp_norm.tutorial.checks import *  # noqa: E402,F401,F403  (check_<name>, CheckResult, CHECKS, the statuses)
+from interp_norm.tutorial.checks import __all__ as _checks_all  # noqa: E402
 
 __all__ = [*_checks_all, "MARK"]

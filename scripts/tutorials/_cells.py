@@ -10,7 +10,8 @@ from nbformat.v4 import new_code_cell, new_markdown_cell
 from interp_norm.tutorial import solutions as _solutions  # the solution sources shown in the notebooks
 
 # The first code cell of every notebook. No set-up beyond ordinary imports: interp_norm is installed
-# (``pip install -e .``), and ``import interp_norm.tutorial`` sets up the notebook's warnings itself.
+# (``pip install -e .``), and importing ``interp_norm.tutorial`` sets up the notebook's warnings; it comes
+# before the rest of the library, whose first import would otherwise print tqdm's "IProgress not found".
 SETUP = """\
 import numpy as np
 import pandas as pd
@@ -18,6 +19,8 @@ import torch
 torch.set_num_threads(1)   # these small models run fastest on one thread
 torch.manual_seed(0)
 
+"""
+LIBRARY = """
 from interp_norm import plots
 from interp_norm.checkpoints import list_pretrained, load_pretrained
 """
@@ -25,7 +28,7 @@ from interp_norm.checkpoints import list_pretrained, load_pretrained
 
 def setup(*checks: str) -> str:
     """The setup cell, importing this notebook's exercise checks from ``interp_norm.tutorial``."""
-    return SETUP + f"from interp_norm.tutorial import {', '.join(f'check_{c}' for c in checks)}\n"
+    return SETUP + f"from interp_norm.tutorial import {', '.join(f'check_{c}' for c in checks)}" + LIBRARY
 
 
 def md(text: str):
