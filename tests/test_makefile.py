@@ -58,8 +58,15 @@ def _serve(cmd: list[str], env: dict, cwd: str | None = None) -> str:
         log = "".join(seen)
         assert url, log[-2000:]
         no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a local server, never a proxy
-        with no_proxy.open(f"{url}/api/contents?token=test", timeout=30) as r:
-            listed = {c["name"] for c in json.load(r)["content"]}
+        for attempt in range(10):  # a loaded machine may print the URL a moment before it accepts
+            try:
+                with no_proxy.open(f"{url}/api/contents?token=test", timeout=30) as r:
+                    listed = {c["name"] for c in json.load(r)["content"]}
+                break
+            except OSError:
+                if attempt == 9 or proc.poll() is not None:
+                    raise
+                time.sleep(1)
         assert "01_quickstart.ipynb" in listed and not any(n.endswith(".py") for n in listed), listed
         return log
     finally:
