@@ -126,7 +126,7 @@ def test_readme_is_short_and_its_links_resolve():
 DATED = re.compile(r"\b(tonight|overnight|night|morning|evening|yesterday)\b|\b20\d\d-[01]\d-[0-3]\d\b", re.IGNORECASE)
 TEXT_FILES = ("README.md", "CONTRIBUTING.md", "Makefile", "pyproject.toml", ".ci/run")
 TEXT_GLOBS = ("docs/*.md", "interp_norm/**/*.py", "tests/*.py", "scripts/*.py", "benchmarks/*.py",
-              "tutorials/*.py", "tutorials/*.md", "data/**/README.md")
+              "scripts/tutorials/*.py", "tutorials/*.md", "data/**/README.md")
 
 
 def test_no_dated_wording():
