@@ -42,6 +42,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from interp_norm import checkpoints as C
+from interp_norm.devices import resolve_device
 from interp_norm.errors import CheckpointError, ConfigError, OutputDirError, TrainingDivergedError
 from interp_norm.evaluate import count_correct, evaluate, token_correct_counts
 from interp_norm.model import HookedNormTransformer, ModelConfig
@@ -68,18 +69,6 @@ def training_loss(model: HookedNormTransformer, tokens: Tensor, pos_offset: Opti
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def resolve_device(device: str) -> torch.device:
-    """``torch.device`` for ``device``, or :class:`ConfigError` if that hardware is absent."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device!r} requested but CUDA is not available (torch {torch.__version__}); use --device cpu")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ConfigError(f"device {device!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"device {device!r} requested but MPS is not available; use --device cpu")
-    return dev
 
 
 def _check_resume_compatible(saved: C.CheckpointInfo, model_cfg: ModelConfig, task: AdditionTask, train_cfg: TrainConfig) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from interp_norm.checkpoint_format import folder_kind
-from interp_norm.errors import ArchitectureError, CheckpointError, CheckpointNotFoundError
+from interp_norm.errors import ArchitectureError, CheckpointError, CheckpointNotFoundError, ConfigError
 
 
 def _hub_cache_dir() -> Optional[str]:
@@ -40,15 +40,26 @@ def _hub_cache_dir() -> Optional[str]:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
-def load_hf_model(folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                  name: Optional[str] = None) -> Any:
-    """A bridge around the HF model saved in ``folder`` (weights, optional tokenizer; no network)."""
+def load_hf_model(folder: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
+                  name: Optional[str] = None, device_map: Any = None) -> Any:
+    """A bridge around the HF model saved in ``folder`` (weights, optional tokenizer; no network).
+
+    ``dtype``: a torch dtype or its name, ``"auto"`` for the stored one; each tensor is converted as
+    it is read, so the weights are held once. ``device_map`` (e.g. ``"auto"``; needs ``accelerate``)
+    goes to ``from_pretrained`` for a model too large for one device; ``device`` is then unused.
+    """
     import transformers
+
+    from interp_norm.devices import check_device_map, resolve_device, resolve_dtype
     from transformer_lens.model_bridge.sources._hf_format import determine_architecture_from_hf_config
     from transformer_lens.model_bridge.sources.transformers import get_hf_model_class_for_architecture
 
     from interp_norm.anatomy.build import bridge_from_hf
 
+    dtype = resolve_dtype(dtype)
+    device_map = check_device_map(device_map, device)
+    if device_map is None:
+        resolve_device(device)
     folder = Path(folder)
     try:
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
@@ -60,11 +71,14 @@ def load_hf_model(folder: str | os.PathLike, *, dtype: torch.dtype = torch.float
     except (ValueError, KeyError) as e:
         raise ArchitectureError(f"{str(folder)!r}: TransformerLens has no bridge for this model ({e})") from None
     try:
+        placement = {} if device_map is None else {"device_map": device_map}
         model = model_class.from_pretrained(folder, config=config, local_files_only=True, dtype=dtype,
-                                            attn_implementation="eager")
+                                            attn_implementation="eager", **placement)
     except (OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"cannot load the weights in {str(folder)!r}: {e}") from None
-    model = model.to(device).eval()
+    if device_map is None:
+        model = model.to(device)  # a no-op on the device it was loaded on: never a second copy
+    model = model.eval()
     tokenizer = None
     # transformers 5 builds an empty tokenizer from config.json alone; only load one that was saved
     if any((folder / f).is_file() for f in _TOKENIZER_FILES):
@@ -88,8 +102,8 @@ def _hf_snapshot(name: str, cache_dir: Optional[str]) -> Optional[Path]:
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def load(spec: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-         cache_dir: Optional[str] = None) -> Any:
+def load(spec: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
+         cache_dir: Optional[str] = None, device_map: Any = None) -> Any:
     """Any model interp_norm analyses, from one spec (``interp_norm.load``; nothing is downloaded).
 
     * a shipped pretrained name (``"pre"``, ``"qkv"``; see ``interp_norm.list_pretrained()``) or one of
@@ -101,6 +115,12 @@ def load(spec: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = t
 
     An existing folder wins over a cached name of the same spelling (``org/name``). Anything else is a
     typed error saying what the folder holds or how to get the model (``hf download NAME`` elsewhere).
+
+    ``device``: cpu, cuda, cuda:1 ... (a device that is not there is a ConfigError). Hugging Face models
+    only: ``dtype`` (default float32; ``"auto"`` = as stored, ``"bfloat16"`` ...) and ``device_map``
+    (e.g. ``"auto"``, passed to ``from_pretrained``; needs ``accelerate``) for a model too large for one
+    device. Our models are stored and run in float32 on one device: another dtype or a device_map for
+    them is a ConfigError.
 
     Examples::
 
@@ -114,6 +134,15 @@ def load(spec: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = t
         run_collapse(model)                                 # on the model's own task
     """
     from interp_norm import checkpoints as C
+    from interp_norm.devices import resolve_device, resolve_dtype
+
+    resolve_device(device)
+    resolve_dtype(dtype)
+
+    def ours(where: Any) -> Any:
+        model = C.load_any(where, device=device)[0]  # loaded first: a name may also be a Hugging Face one
+        check_ours(text, dtype, device_map)
+        return model
 
     text = str(spec)
     path = Path(text)
@@ -122,35 +151,47 @@ def load(spec: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = t
             raise CheckpointError(f"{text!r} is a file; pass the folder holding config.json")
         kind = folder_kind(path)
         if kind == "interp_norm":
-            return C.load_any(path, device=device)[0]
+            return ours(path)
         if kind == "hf":
-            return load_hf_model(path, dtype=dtype, device=device)
+            return load_hf_model(path, dtype=dtype, device=device, device_map=device_map)
         held = sorted(p.name for p in path.iterdir())[:8]
         raise CheckpointError(
             f"{text!r} is not a supported model folder: it holds {held}. Expected an interp_norm checkpoint "
             "(config.json with format_version), an interp_norm run folder (LATEST), or a Hugging Face "
             "save_pretrained folder (config.json with model_type, plus weights)"
         )
-    ours = ""
+    not_ours = ""
     if not C.looks_like_path(text):
         try:
-            return C.load_any(text, device=device)[0]
+            return ours(text)
         except CheckpointNotFoundError as e:
-            ours = f"{e}; "
+            not_ours = f"{e}; "
     elif not _REPO_ID.match(text):
         raise CheckpointNotFoundError(f"no model at {text!r}: the folder does not exist")
     snapshot = _hf_snapshot(text, cache_dir)
     if snapshot is not None:
-        return load_hf_model(snapshot, dtype=dtype, device=device, name=text)
+        return load_hf_model(snapshot, dtype=dtype, device=device, name=text, device_map=device_map)
     raise CheckpointNotFoundError(
-        f"{ours}{text!r} is not in the Hugging Face cache "
+        f"{not_ours}{text!r} is not in the Hugging Face cache "
         f"({cache_dir or _hub_cache_dir() or 'the default ~/.cache/huggingface/hub'}) nor a local folder. interp_norm "
         f"never downloads: run 'hf download {text}' on a machine with network and copy the cache here (set "
         "HF_HUB_CACHE), or pass a local save_pretrained folder"
     )
 
 
+def check_ours(spec: str, dtype: Any, device_map: Any) -> None:
+    """Our models are stored and run in float32 on one device: refuse another dtype or a device_map."""
+    from interp_norm.devices import resolve_dtype
+
+    if device_map is not None:
+        raise ConfigError(f"device_map={device_map!r} applies to Hugging Face models; {spec!r} is an interp_norm model, "
+                          "which fits on one device: pass device= (--device) instead")
+    if resolve_dtype(dtype) not in ("auto", torch.float32):
+        raise ConfigError(f"dtype {dtype!r} applies to Hugging Face models; {spec!r} is an interp_norm model, stored "
+                          "and run in float32: drop dtype (--dtype) or pass float32")
+
+
 #: The name the CLI and older code use.
 load_model = load
 
-__all__ = ["load", "load_model", "load_hf_model", "folder_kind"]
+__all__ = ["load", "load_model", "load_hf_model", "folder_kind", "check_ours"]

@@ -50,6 +50,11 @@ HELP = {
     "split": "split the problems are drawn from",
     "batch_size": "problems per forward pass",
     "levels": "noise levels: the RMS of κ in the factor (1+κ) on the q/k/v norms",
+    "dtype": ("Hugging Face models: number format the weights are loaded and run in: float32, bfloat16, float16, "
+              "float64, or auto (as stored); converted while loading, never held twice (default: float32; our "
+              "models run in float32)"),
+    "device_map": ("Hugging Face models too large for one device: spread the layers over the devices, e.g. auto "
+                   "(passed to transformers' from_pretrained; needs the accelerate package; replaces --device)"),
 }
 #: What an unset --seed / --device / --threads means outside ``train``.
 DEFAULTS = dict(seed=0, device="cpu", threads=1)
@@ -75,6 +80,15 @@ def add_device(p: argparse.ArgumentParser) -> None:
 
 def add_threads(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, help=HELP["threads"])
+
+
+def add_dtype(p: argparse.ArgumentParser) -> None:
+    """``--dtype`` (checked by ``interp_norm.devices.resolve_dtype``: an unknown name is a ConfigError)."""
+    p.add_argument("--dtype", metavar="DTYPE", help=HELP["dtype"])
+
+
+def add_device_map(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device-map", metavar="MAP", help=HELP["device_map"])
 
 
 def add_progress(p: argparse.ArgumentParser) -> None:

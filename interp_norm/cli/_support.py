@@ -218,31 +218,40 @@ def threshold_display(thresholds: Any, curves: Any) -> tuple[Any, list[str]]:
 # ----------------------------------------------------------------------------- models: ours or Hugging Face
 
 
-def load_model_spec(spec: str, device: str = "cpu") -> tuple[Any, Any]:
+def load_model_spec(spec: str, device: str = "cpu", dtype: Optional[str] = None, device_map: Optional[str] = None
+                    ) -> tuple[Any, Any]:
     """(model, info) for one of our checkpoints; (TransformerBridge, None) for a Hugging Face model.
 
     ``interp_norm.bridges.folder_kind`` decides for an existing folder; a name is tried as one of
     our pretrained names first, then in the Hugging Face cache (``bridges.load_model``). A folder
-    that is neither gets a CheckpointError saying what it holds.
+    that is neither gets a CheckpointError saying what it holds. ``dtype`` (default float32) and
+    ``device_map`` apply to Hugging Face models; for ours they are a ConfigError (``check_ours``).
     """
-    from interp_norm.anatomy.loading import folder_kind, load_model
+    from interp_norm.anatomy.loading import check_ours, folder_kind, load_model
     from interp_norm.checkpoints import load_any
     from interp_norm.errors import CheckpointNotFoundError
 
+    dtype = dtype or "float32"
+
+    def ours() -> tuple[Any, Any]:
+        loaded = load_any(spec, device=device)
+        check_ours(spec, dtype, device_map)
+        return loaded
+
     path = Path(spec)
     if path.is_dir() and folder_kind(path) == "interp_norm":
-        return load_any(spec, device=device)
+        return ours()
     if not path.exists():
         try:
-            return load_any(spec, device=device)
+            return ours()
         except CheckpointNotFoundError:
             pass  # load_model tries the Hugging Face cache and names both failures
-    model = load_model(spec, device=device)
+    model = load_model(spec, device=device, dtype=dtype, device_map=device_map)
     from interp_norm.anatomy.bridge_anatomy import is_bridge
 
     if is_bridge(model):
         return model, None
-    return load_any(spec, device=device)
+    return ours()
 
 
 def load_ours(spec: str, command_name: str, device: str = "cpu") -> tuple[Any, Any]:
@@ -282,6 +291,12 @@ def hf_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", help="Hugging Face models: a UTF-8 text file to analyse (default: the shipped sample text)")
     p.add_argument("--n-ctx", type=positive_int, default=64, help="Hugging Face models: tokens per text window")
     p.add_argument("--windows", type=positive_int, default=8, help="Hugging Face models: text windows analysed")
+    from interp_norm.cli._grammar import add_batch_size, add_device_map, add_dtype
+
+    add_dtype(p)
+    add_device_map(p)
+    add_batch_size(p, None, "; Hugging Face models: text windows per forward pass, which bounds the memory an "
+                            "analysis holds beyond the weights (default: all windows in one pass)")
 
 
 def looks_hf(spec: str) -> bool:

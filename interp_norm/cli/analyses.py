@@ -76,7 +76,7 @@ def _circuits_args(p: argparse.ArgumentParser) -> None:
          flags=dict(n="--pairs", n_pairs="--pairs", attention_problems="--n-examples"))
 def _circuits(args: argparse.Namespace) -> int:
     from interp_norm.errors import ConfigError
-    from interp_norm.train import resolve_device
+    from interp_norm.devices import resolve_device
 
     if args.benchmark:
         if args.ckpt is not None:
@@ -197,10 +197,10 @@ def _noise(args: argparse.Namespace) -> int:
 
 def _load_for_noise(args: argparse.Namespace):  # noqa: ANN202
     """The model of ``noise``/``collapse`` on ``--device``, refusing a ``--placement`` that means nothing for it."""
-    from interp_norm.train import resolve_device
+    from interp_norm.devices import resolve_device
 
     resolve_device(args.device)
-    model, info = load_model_spec(args.ckpt, device=args.device)
+    model, info = load_model_spec(args.ckpt, device=args.device, dtype=args.dtype, device_map=args.device_map)
     check_placement(model, args.placement)
     return model, info
 
@@ -263,11 +263,11 @@ def _geometry(args: argparse.Namespace) -> int:
     from interp_norm.geometry import geometry_summary, run_geometry
     from interp_norm.io import write_tables
 
-    from interp_norm.train import resolve_device
+    from interp_norm.devices import resolve_device
 
     out = prepare_out(args.out, ["geometry_*.csv"], args.force)
     resolve_device(args.device)
-    model, info = load_model_spec(args.ckpt, device=args.device)
+    model, info = load_model_spec(args.ckpt, device=args.device, dtype=args.dtype, device_map=args.device_map)
     if info is None:  # a Hugging Face model: every norm's ellipsoid, sparsity and norm spread on text
         results = run_geometry(model, tokens=hf_tokens(model, args), progress=not args.no_progress)
     else:

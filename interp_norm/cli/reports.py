@@ -85,7 +85,7 @@ def _reproduce_args(p: argparse.ArgumentParser) -> None:
                      "(--quick takes seconds)")
 def _reproduce(args: argparse.Namespace) -> int:
     from interp_norm.reproduce import reproduce
-    from interp_norm.train import resolve_device
+    from interp_norm.devices import resolve_device
 
     out = prepare_out(args.out, REPORT_FILES, args.force)  # before any work
     resolve_device(args.device)
@@ -120,7 +120,7 @@ def _dashboard(args: argparse.Namespace) -> int:
 
     from interp_norm.reproduce import make_dashboard
 
-    from interp_norm.train import resolve_device
+    from interp_norm.devices import resolve_device
 
     out = prepare_out(args.out, ["dashboard.html"], args.force)  # before any work
     resolve_device(args.device)
@@ -128,8 +128,12 @@ def _dashboard(args: argparse.Namespace) -> int:
     hf = {}
     for spec in args.ckpt:
         if looks_hf(spec):
-            hf[spec] = load_model_spec(spec, device=args.device)[0]
+            hf[spec] = load_model_spec(spec, device=args.device, dtype=args.dtype, device_map=args.device_map)[0]
     ours = [spec for spec in args.ckpt if spec not in hf]
+    if ours:  # --dtype / --device-map apply to Hugging Face models only
+        from interp_norm.anatomy.loading import check_ours
+
+        check_ours(ours[0], args.dtype or "float32", args.device_map)
     if not hf:
         path = make_dashboard(ours, out / "dashboard.html", settings=_settings(args), analyse=_analyse(args),
                               progress=not args.no_progress, threads=args.threads, device=args.device)

@@ -123,7 +123,7 @@ def _evaluate_args(p: argparse.ArgumentParser) -> None:
 def _evaluate(args: argparse.Namespace) -> int:
     from interp_norm.evaluate import evaluate
     from interp_norm.io import write_csv
-    from interp_norm.train import resolve_device
+    from interp_norm.devices import resolve_device
 
     out = prepare_out(args.out, ["evaluation.csv"], args.force)
     resolve_device(args.device)

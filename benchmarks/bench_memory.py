@@ -1,0 +1,130 @@
+"""Peak resident memory of ``interp-norm collapse`` / ``noise`` / ``geometry`` on a Qwen3-0.6B-shaped
+Hugging Face folder, over the size of its weights (issue 25, part 3; target <= 1.5x).
+
+The folder: a random ``Qwen3ForCausalLM`` of Qwen3-0.6B's shape (28 layers, d_model 1024, 16 query /
+8 key-value heads of 128, gated MLP 3072, vocabulary 151 936, tied embeddings: 596M parameters,
+2.4 GB in float32), written once with ``save_pretrained`` into ``--cache`` in float32 and in
+bfloat16 (the stored dtype each run loads: no conversion at load time). Nothing is downloaded.
+
+Each command runs in its own child process (``python -m interp_norm.cli``, ``nice -n 5``, one torch
+thread), and its peak resident memory is the kernel's high-water mark of that child
+(``resource.getrusage(RUSAGE_CHILDREN).ru_maxrss`` read in a fresh waiter process per run, so one
+run's peak never hides another's). Weights = parameter bytes in the run's dtype. The windows are
+random token ids (the folder has no tokenizer): ``--windows`` x ``--n-ctx`` tokens.
+
+    nice -n 5 .venv/bin/python benchmarks/bench_memory.py                 # both dtypes, all three commands
+    nice -n 5 .venv/bin/python benchmarks/bench_memory.py --dtypes float32 --commands collapse
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Qwen3-0.6B's shape (its config.json on the Hub).
+SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+             num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
+             rope_theta=1000000.0, rms_norm_eps=1e-6)
+COMMANDS = {  # the command's own arguments beyond the model and the shared ones
+    "collapse": ["--levels", "0.05", "0.2"],
+    "noise": ["--levels", "0", "0.1"],
+    "geometry": [],
+}
+
+
+def build_folder(folder: Path, dtype: str) -> Path:
+    """The random Qwen3-0.6B-shaped folder in ``dtype`` (built once, reused)."""
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    import transformers as tf
+
+    from interp_norm.anatomy.build import _reinit
+
+    cfg = tf.Qwen3Config(**SHAPE, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(0)
+    model = tf.Qwen3ForCausalLM(cfg)
+    _reinit(model, 0)
+    model = model.to(getattr(torch, dtype))
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp"))
+    model.save_pretrained(tmp)
+    tmp.rename(folder)
+    return folder
+
+
+def weight_bytes(folder: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for k in st.keys():
+                sl = st.get_slice(k)
+                n = 1
+                for d in sl.get_shape():
+                    n *= d
+                total += n * {"F32": 4, "BF16": 2, "F16": 2}[sl.get_dtype()]
+    return total
+
+
+WAITER = """
+import resource, subprocess, sys, time
+t0 = time.perf_counter()
+code = subprocess.call(sys.argv[1:])
+print(code, time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+"""
+
+
+def run(command: str, folder: Path, dtype: str, args: argparse.Namespace, out: Path) -> dict:
+    argv = [sys.executable, "-m", "interp_norm.cli", command, str(folder), "--dtype", dtype, "--windows",
+            str(args.windows), "--n-ctx", str(args.n_ctx), "--batch-size", str(args.batch_size), "--threads",
+            str(args.threads), "--no-progress", "--force", "--out", str(out / f"{command}-{dtype}"),
+            *COMMANDS[command]]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
+    res = subprocess.run([sys.executable, "-c", WAITER, "nice", "-n", "5", *argv], env=env, capture_output=True,
+                         text=True, cwd=ROOT)
+    code, seconds, maxrss_kb = res.stdout.strip().splitlines()[-1].split()
+    if int(code) != 0:
+        raise SystemExit(f"{command} {dtype} failed:\n{res.stderr[-3000:]}")
+    return dict(command=command, dtype=dtype, seconds=float(seconds), peak_gb=int(maxrss_kb) * 1024 / 1e9)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "interp_norm_bench_memory"))
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--commands", nargs="+", default=list(COMMANDS), choices=list(COMMANDS))
+    ap.add_argument("--windows", type=int, default=8)
+    ap.add_argument("--n-ctx", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=1, help="windows per forward pass (the streaming bound)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--build-only", action="store_true")
+    args = ap.parse_args()
+    cache = Path(args.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    folders = {d: build_folder(cache / f"qwen3-0.6b-shaped-{d}", d) for d in args.dtypes}
+    if args.build_only:
+        print(json.dumps({d: str(f) for d, f in folders.items()}))
+        return
+    out = Path(tempfile.mkdtemp(prefix="bench_memory_"))
+    print(f"Qwen3-0.6B-shaped random folder; {args.windows} windows x {args.n_ctx} tokens, --batch-size "
+          f"{args.batch_size}, {args.threads} thread(s)")
+    print(f"{'command':<10}{'dtype':<10}{'weights GB':>11}{'peak GB':>9}{'ratio':>7}{'seconds':>9}")
+    for dtype, folder in folders.items():
+        w = weight_bytes(folder) / 1e9
+        for command in args.commands:
+            r = run(command, folder, dtype, args, out)
+            print(f"{command:<10}{dtype:<10}{w:>11.2f}{r['peak_gb']:>9.2f}{r['peak_gb'] / w:>7.2f}{r['seconds']:>9.1f}",
+                  flush=True)
+    time.sleep(0)
+
+
+if __name__ == "__main__":
+    main()
