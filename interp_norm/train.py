@@ -42,6 +42,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from interp_norm import checkpoints as C
+from interp_norm import distributed
 from interp_norm.devices import resolve_device
 from interp_norm.errors import CheckpointError, ConfigError, OutputDirError, TrainingDivergedError
 from interp_norm.evaluate import count_correct, evaluate, token_correct_counts
@@ -227,16 +228,18 @@ def train(
         )
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(train_cfg.threads or previous_threads)
+    dist, device = distributed.setup(train_cfg.device)  # one process, or this rank's under torchrun
     try:
-        return _train(model_cfg, task, train_cfg, Path(out_dir), resume, progress)
+        return _train(model_cfg, task, train_cfg, Path(out_dir), resume, progress and dist.main, dist, device)
     finally:
+        dist.close()
         torch.set_num_threads(previous_threads)
 
 
 def _train(
-    model_cfg: ModelConfig, task: AdditionTask, train_cfg: TrainConfig, out_dir: Path, resume: bool, progress: bool
+    model_cfg: ModelConfig, task: AdditionTask, train_cfg: TrainConfig, out_dir: Path, resume: bool, progress: bool,
+    dist: distributed.Dist, device: torch.device,
 ) -> tuple[HookedNormTransformer, pd.DataFrame]:
-    device = resolve_device(train_cfg.device)
     out_dir = C.ensure_writable_dir(out_dir)
     saved_path = C.latest_checkpoint(out_dir)
     if not resume and (saved_path is not None or any(out_dir.glob("step-*"))):
@@ -244,7 +247,9 @@ def _train(
             f"{str(out_dir)!r} already holds a training run; pass resume=True (--resume) to continue it, "
             "or choose another output folder"
         )
-    C.clean_temporary(out_dir)  # what a killed writer left behind
+    if dist.main:
+        C.clean_temporary(out_dir)  # what a killed writer left behind
+    dist.barrier()
 
     threads = torch.get_num_threads()
     model = HookedNormTransformer(model_cfg, task=task, name=str(out_dir)).to(device)
@@ -310,7 +315,7 @@ def _train(
     def curve() -> pd.DataFrame:
         return curve_from(rows)
 
-    def save(metrics: dict) -> None:
+    def save(metrics: dict, sync: bool = True) -> None:
         nonlocal saved_step
         bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
         if bad:  # never let a non-finite model overwrite the last good checkpoint
@@ -318,10 +323,13 @@ def _train(
                 f"weights became non-finite by step {step} ({', '.join(bad[:3])}); the last good checkpoint in "
                 f"{out_dir} is kept. Lower the learning rate (now {opt.param_groups[0]['lr']:.3g}) or set grad_clip"
             )
-        C.commit_run_checkpoint(
-            out_dir, step, keep_last=train_cfg.keep_checkpoints, model=model, task=task, train_cfg=train_cfg,
-            train_state=train_state(), metrics=metrics, curve=curve(),
-        )
+        if dist.main:  # under torchrun rank 0 writes, the others wait for it
+            C.commit_run_checkpoint(
+                out_dir, step, keep_last=train_cfg.keep_checkpoints, model=model, task=task, train_cfg=train_cfg,
+                train_state=train_state(), metrics=metrics, curve=curve(),
+            )
+        if sync:
+            dist.barrier()
         saved_step = step
 
     def diverged(what: str, value: float) -> TrainingDivergedError:
@@ -338,6 +346,7 @@ def _train(
 
     # A step first computes (forward, backward: only the RNG may move, and it is restored on an
     # interrupt), then updates under `guard.hold()` (weights, moments, schedule, counters, curve).
+    net = dist.wrap(model, device)  # DistributedDataParallel under torchrun, else the model itself
     step_start_rng: Optional[dict] = None
     updating = False  # True only if an interrupt could not be held back (guard inactive): state half-updated
     bar = tqdm(total=total, initial=step, disable=not progress, desc=f"train {model_cfg.attn_norm}", dynamic_ncols=True)
@@ -347,9 +356,17 @@ def _train(
             while step < total:
                 step_start_rng = rng_state()
                 tokens, offsets = batch_for_step(task, train_cfg.seed, step, train_cfg.batch_size, max_off)
-                tokens, offsets = tokens.to(device), offsets.to(device)
-                logits, loss = training_loss(model, tokens, offsets if max_off else None)
+                if dist.active:
+                    logits, loss, tokens = _shard_loss(net, tokens, offsets if max_off else None, dist, device)
+                else:
+                    tokens, offsets = tokens.to(device), offsets.to(device)
+                    logits, loss = training_loss(model, tokens, offsets if max_off else None)
+                with torch.no_grad():
+                    correct, n_tok = count_correct(logits, tokens)
                 loss_value = float(loss.detach())
+                if dist.active:  # the logged numbers are the global batch's
+                    loss_value, correct, n_tok = dist.all_sum([loss_value, correct, n_tok], device)
+                    loss_value /= dist.world
                 if not math.isfinite(loss_value):
                     raise diverged("loss", loss_value)
                 opt.zero_grad(set_to_none=True)
@@ -359,8 +376,6 @@ def _train(
                 gn = float(grad_norm)
                 if not math.isfinite(gn):
                     raise diverged("gradient norm", gn)
-                with torch.no_grad():
-                    correct, n_tok = count_correct(logits, tokens)
                 with guard.hold():  # from here the step completes before an interrupt is raised
                     updating, step_start_rng = True, None
                     _update(step, schedule_total, opt, params, grad_norm, train_cfg)
@@ -372,7 +387,8 @@ def _train(
                         sched.step(epoch_acc.loss / epoch_acc.n)
                         epoch_acc = _Accumulator()
                     if step % train_cfg.log_every == 0 or step % train_cfg.eval_every == 0 or step == total:
-                        row, last_eval = _log_row(step, total, opt, window, model, eval_sets, train_cfg, last_eval)
+                        row, last_eval = _log_row(step, total, opt, window, model, eval_sets if dist.main else {},
+                                                  train_cfg, last_eval)
                         window = _Accumulator()
                         rows.append(row)
                         bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}", lr=f"{row['lr']:.2g}")
@@ -380,7 +396,8 @@ def _train(
                 if step % train_cfg.checkpoint_every == 0 and step < total:
                     save(last_eval)
             model.eval()
-            final = evaluate(model, task, splits=train_cfg.eval_splits, size=train_cfg.final_eval_size, seed=train_cfg.eval_seed)
+            final = evaluate(model, task, splits=train_cfg.eval_splits, size=train_cfg.final_eval_size,
+                             seed=train_cfg.eval_seed) if dist.main else pd.DataFrame()
             save({"step": step, "final": True, "evaluation": final.to_dict("records")})
     except KeyboardInterrupt as interrupt:
         if updating:  # not a step boundary: keep the last periodic checkpoint
@@ -390,12 +407,27 @@ def _train(
             if step_start_rng["cuda_rng"] is not None:
                 torch.cuda.set_rng_state_all(step_start_rng["cuda_rng"])
         if step != saved_step:
-            save(last_eval)
+            save(last_eval, sync=False)  # the other ranks may be interrupted elsewhere: no barrier
             interrupt.add_note(f"interp_norm: saved a checkpoint at step {step} in {out_dir}; resume=True (--resume) continues")
         raise
     finally:
         bar.close()
     return model, curve()
+
+
+def _shard_loss(net: torch.nn.Module, tokens: Tensor, offsets: Optional[Tensor], dist: distributed.Dist,
+                device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """(logits, loss, tokens) of this rank's share of the global batch ``tokens``: the sum of its answer-token
+    losses over the global batch's count, times the world size, so DDP's gradient average is the gradient of
+    the global batch's mean loss (:mod:`interp_norm.distributed`)."""
+    from interp_norm.task import next_token_targets
+
+    n_answer = distributed.answer_token_count(next_token_targets(tokens))
+    tokens, offsets = dist.shard(tokens, offsets) if offsets is not None else (dist.shard(tokens)[0], None)
+    tokens = tokens.to(device)
+    logits, per_token = net(tokens, return_type="both", pos_offset=None if offsets is None else offsets.to(device),
+                            loss_per_token=True)
+    return logits, per_token.sum() * (dist.world / max(n_answer, 1)), tokens
 
 
 def _update(step: int, schedule_total: int, opt: torch.optim.Optimizer, params: list, grad_norm: Tensor,
@@ -421,7 +453,7 @@ def _log_row(step: int, total: int, opt: torch.optim.Optimizer, window: _Accumul
         acc=window.correct / max(window.total, 1.0),
         grad_norm=window.grad_norm / window.n,
     )
-    if step % train_cfg.eval_every == 0 or step == total:
+    if (step % train_cfg.eval_every == 0 or step == total) and eval_sets:  # none on ranks > 0 under torchrun
         model.eval()
         for split, eval_tokens in eval_sets.items():
             c = token_correct_counts(model, eval_tokens)

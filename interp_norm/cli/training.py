@@ -97,6 +97,10 @@ def _train(args: argparse.Namespace) -> int:
     resolve_device(train_cfg.device)  # hardware and output folder are checked before any work
     ensure_writable_dir(args.out)
     train(model_cfg, task, train_cfg, args.out, resume=args.resume, progress=not args.no_progress)
+    import os
+
+    if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every process
+        return 0
     info = read_checkpoint_info(args.out)
     print(f"trained {info.step} steps; checkpoint: {info.path}")
     print(percent_table(pd.DataFrame(info.metrics.get("evaluation", []))))
