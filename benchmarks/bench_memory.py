@@ -34,7 +34,7 @@ SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hi
              rope_theta=1000000.0, rms_norm_eps=1e-6)
 COMMANDS = {  # the command's own arguments beyond the model and the shared ones
     "collapse": ["--levels", "0.05", "0.2"],
-    "noise": ["--levels", "0", "0.1"],
+    "noise": ["--levels", "0", "0.1", "--batch-size", "1"],  # one window's logits at a time
     "geometry": [],
 }
 
@@ -84,7 +84,7 @@ print(code, time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDRE
 
 def run(command: str, folder: Path, dtype: str, args: argparse.Namespace, out: Path) -> dict:
     argv = [sys.executable, "-m", "interp_norm.cli", command, str(folder), "--dtype", dtype, "--windows",
-            str(args.windows), "--n-ctx", str(args.n_ctx), "--batch-size", str(args.batch_size), "--threads",
+            str(args.windows), "--n-ctx", str(args.n_ctx), "--threads",
             str(args.threads), "--no-progress", "--force", "--out", str(out / f"{command}-{dtype}"),
             *COMMANDS[command]]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
@@ -101,9 +101,8 @@ def main() -> None:
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "interp_norm_bench_memory"))
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--commands", nargs="+", default=list(COMMANDS), choices=list(COMMANDS))
-    ap.add_argument("--windows", type=int, default=8)
-    ap.add_argument("--n-ctx", type=int, default=256)
-    ap.add_argument("--batch-size", type=int, default=1, help="windows per forward pass (the streaming bound)")
+    ap.add_argument("--windows", type=int, default=2)
+    ap.add_argument("--n-ctx", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--build-only", action="store_true")
     args = ap.parse_args()
@@ -114,8 +113,8 @@ def main() -> None:
         print(json.dumps({d: str(f) for d, f in folders.items()}))
         return
     out = Path(tempfile.mkdtemp(prefix="bench_memory_"))
-    print(f"Qwen3-0.6B-shaped random folder; {args.windows} windows x {args.n_ctx} tokens, --batch-size "
-          f"{args.batch_size}, {args.threads} thread(s)")
+    print(f"Qwen3-0.6B-shaped random folder; {args.windows} windows x {args.n_ctx} tokens (noise: --batch-size 1), "
+          f"{args.threads} thread(s)")
     print(f"{'command':<10}{'dtype':<10}{'weights GB':>11}{'peak GB':>9}{'ratio':>7}{'seconds':>9}")
     for dtype, folder in folders.items():
         w = weight_bytes(folder) / 1e9

@@ -41,6 +41,19 @@ def _tokens(model: Any, tokens: Optional[Tensor], n_ctx: int, max_windows: Optio
     return tokens
 
 
+def _kl(clean: Tensor, out: Tensor, max_elements: int = 1 << 22) -> Tensor:
+    """KL(clean ‖ noised) [b, p] from two logits tensors [b, p, vocab], in float64 (a KL near 0 is not
+    rounding noise), a block of positions at a time: each position's value is the one the whole
+    tensor gives (softmax and sum run over the vocabulary alone), without [b, p, vocab] float64 copies."""
+    b, p, v = clean.shape
+    kl = torch.empty(b, p, dtype=torch.float64, device=clean.device)
+    step = max(1, max_elements // max(1, b * v))
+    for p0 in range(0, p, step):
+        logp = clean[:, p0:p0 + step].double().log_softmax(-1)
+        kl[:, p0:p0 + step] = (logp.exp() * (logp - out[:, p0:p0 + step].double().log_softmax(-1))).sum(-1)
+    return kl
+
+
 @torch.no_grad()
 def text_agreement(
     model: Any, tokens: Optional[Tensor] = None, levels: Sequence[float] = (0.0, 0.05, 0.1, 0.2), *,
@@ -54,8 +67,9 @@ def text_agreement(
     :func:`~interp_norm.bridges.text_tokens` with ``n_ctx``/``max_windows``); noise as
     :class:`~interp_norm.bridges.HeadNoise` (``targets``, ``placement``, ``distribution``,
     ``layers``) with ``draws`` independent passes per level (the same unit draws at every level),
-    ``batch_size`` sequences per pass. Level 0 multiplies by exactly 1, so it is bit-identical to
-    the clean model (agreement 1, KL 0).
+    ``batch_size`` sequences per pass (the memory beyond the weights: two logits tensors of
+    ``batch_size`` windows in the model's dtype). Level 0 multiplies by exactly 1, so it is
+    bit-identical to the clean model (agreement 1, KL 0).
 
     One row per level. Columns: ``level``, ``targets``, ``placement``, ``distribution``,
     ``n_tokens`` (positions scored per draw), ``draws``, ``agreement`` (fraction of (position, draw)
@@ -82,15 +96,15 @@ def text_agreement(
                         sampler=seeded_sampler(level, seed, distribution)) for level in levels]
     sums = torch.zeros(len(levels), 4, dtype=torch.float64)  # same, kl, kl², count
     for t in tqdm(batches, desc="agreement", disable=not progress):  # batches outer: one clean batch in memory
-        clean = model(t)
-        top, logp = clean.argmax(-1), clean.double().log_softmax(-1)  # float64: a KL near 0 is not rounding noise
-        del clean
+        clean = model(t)  # kept in the model's dtype; float64 only a block of positions at a time
+        top = clean.argmax(-1)
         for i, noise in enumerate(noises):
             for _ in range(draws):
                 out = model.run_with_hooks(t, fwd_hooks=noise.hooks())
-                kl = (logp.exp() * (logp - out.double().log_softmax(-1))).sum(-1)  # [b, p]
+                kl = _kl(clean, out)  # [b, p]
                 sums[i] += torch.tensor([float((out.argmax(-1) == top).sum()), float(kl.sum()),
                                          float(kl.pow(2).sum()), kl.numel()], dtype=torch.float64)
+                del out
     rows = []
     for level, (same, kl_sum, kl_sq, count) in zip(levels, sums.tolist()):
         agreement = same / count

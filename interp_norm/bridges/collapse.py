@@ -16,7 +16,9 @@ norm, which no :class:`~interp_norm.theory.NoiseLaw` describes, so its predictio
 Memory: a real model's scores are large (batch · heads · pos² per layer), so the clean scores are
 rebuilt from the cached q and k one block of heads at a time, and the noised rows one block of
 draws at a time, each block holding at most ``max_elements`` numbers. What stays whole is O(pos):
-the cached q/k and the κ draws of one layer.
+the cached q/k and the κ draws of one layer. The clean pass hands over one layer's q/k at a time
+and stops after the last layer analysed (:func:`interp_norm.bridges.stream.layer_caches`: no
+logits, never every layer's cache at once); the values are those of ``run_with_cache``.
 
 The prediction is the theory's (:func:`interp_norm.theory.predicted_collapse_probability`, exact
 for "loose"; :func:`~interp_norm.theory.predicted_collapse_probability_strict`, a Monte Carlo) on
@@ -40,6 +42,7 @@ from interp_norm.anatomy._common import canonical
 from interp_norm.anatomy.describe import Anatomy, LayerAnatomy
 from interp_norm.anatomy.model_anatomy import anatomy
 from interp_norm.bridges.noise import PLACEMENTS, effective_factors, generator
+from interp_norm.bridges.stream import layer_caches
 from interp_norm.anatomy.rebuild import attention_mask, masked_softmax, rebuilt_query_key, scores_from_qk
 from interp_norm.errors import ArchitectureError, ConfigError, NoiseSpecError
 from interp_norm.hooks import SPARSE_THRESHOLD
@@ -266,17 +269,22 @@ def collapse_chunks(
     layers = list(range(anat.n_layers)) if layers is None else list(layers)
     for l in layers:
         anat[l]  # range check (ArchitectureError)
-    wanted = set()
+    per_layer: dict[int, set[str]] = {}
     for l in layers:
         la = anat[l]
         for t in ("q", "k"):
-            wanted.add(la.hooks[f"{t}_rot" if la.rope_from_hooks else la.used(t)])
+            per_layer.setdefault(l, set()).add(la.hooks[f"{t}_rot" if la.rope_from_hooks else la.used(t)])
             if placement == "before_norm" and la.norms.get(t) is not None:
-                wanted.add(la.hooks[t])
+                per_layer[l].add(la.hooks[t])
     device = getattr(model.cfg, "device", None) or "cpu"
-    _, cache = model.run_with_cache(tokens.to(device), names_filter=lambda name: name in wanted)
+    if layers == sorted(per_layer):  # one layer's q/k at a time, no logits (interp_norm.bridges.stream)
+        stream = layer_caches(model, tokens.to(device), per_layer)
+    else:  # an unsorted layer list keeps its order: every layer's q/k cached at once
+        wanted = set().union(*per_layer.values())
+        cache = model.run_with_cache(tokens.to(device), names_filter=lambda name: name in wanted)[1]
+        stream = ((l, cache) for l in layers)
     b, n = tokens.shape
-    for l in tqdm(layers, desc="collapse", disable=not progress):
+    for l, cache in tqdm(stream, total=len(layers), desc="collapse", disable=not progress):
         la = anat[l]
         q, k = rebuilt_query_key(model, cache, anat, l)
         z_q, z_k = collapse_kappa(anat, l, b, n, draws, seed, distribution)

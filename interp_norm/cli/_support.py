@@ -291,12 +291,6 @@ def hf_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", help="Hugging Face models: a UTF-8 text file to analyse (default: the shipped sample text)")
     p.add_argument("--n-ctx", type=positive_int, default=64, help="Hugging Face models: tokens per text window")
     p.add_argument("--windows", type=positive_int, default=8, help="Hugging Face models: text windows analysed")
-    from interp_norm.cli._grammar import add_batch_size, add_device_map, add_dtype
-
-    add_dtype(p)
-    add_device_map(p)
-    add_batch_size(p, None, "; Hugging Face models: text windows per forward pass, which bounds the memory an "
-                            "analysis holds beyond the weights (default: all windows in one pass)")
 
 
 def looks_hf(spec: str) -> bool:

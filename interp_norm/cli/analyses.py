@@ -7,7 +7,16 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
-from interp_norm.cli._grammar import add_alias, add_heavy, add_n_examples, add_out, add_split
+from interp_norm.cli._grammar import (
+    add_alias,
+    add_batch_size,
+    add_device_map,
+    add_dtype,
+    add_heavy,
+    add_n_examples,
+    add_out,
+    add_split,
+)
 from interp_norm.cli._support import (
     CKPT_HELP,
     MODEL_HELP,
@@ -157,6 +166,8 @@ def _noise_common_args(p: argparse.ArgumentParser, default_levels: Sequence[floa
                         "it) or after it; elsewhere only before_norm means something")
     p.add_argument("--distribution", default="uniform", choices=DISTRIBUTIONS, help="distribution of κ")
     hf_args(p)
+    add_dtype(p)
+    add_device_map(p)
     add_heavy(p)
 
 
@@ -167,6 +178,8 @@ def _noise_args(p: argparse.ArgumentParser) -> None:
 
     _noise_common_args(p, DEFAULT_NOISE_LEVELS, 512, " per dataset")
     p.add_argument("--n-datasets", type=positive_int, default=3, help="independent datasets for the standard error")
+    add_batch_size(p, 8, " (Hugging Face models: text windows per pass; the memory beyond the weights is two "
+                         "logits tensors of that many windows)")
 
 
 @command("noise", help="per-token accuracy under multiplicative norm noise (the paper's noise-sensitivity sweep)",
@@ -181,7 +194,8 @@ def _noise(args: argparse.Namespace) -> int:
         from interp_norm.bridges import text_agreement
 
         df = text_agreement(model, hf_tokens(model, args), args.levels, placement=args.placement,
-                            distribution=args.distribution, seed=args.seed, progress=not args.no_progress)
+                            distribution=args.distribution, seed=args.seed, batch_size=args.batch_size,
+                            progress=not args.no_progress)
         write_csv(out / "noise_accuracy.csv", df)
         print(percent_table(df))
         print(f"wrote {out / 'noise_accuracy.csv'}")
@@ -254,6 +268,8 @@ def _geometry_args(p: argparse.ArgumentParser) -> None:
     add_alias(p, "--n", "--n-examples", "n_examples", type=positive_int)
     add_split(p, SPLITS)
     hf_args(p)
+    add_dtype(p)
+    add_device_map(p)
     add_heavy(p)
 
 

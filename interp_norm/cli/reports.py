@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
-from interp_norm.cli._grammar import add_alias, add_heavy, add_out
+from interp_norm.cli._grammar import add_alias, add_device_map, add_dtype, add_heavy, add_out
 from interp_norm.cli._support import (
     ANALYSES,
     CONTROLS,
@@ -108,6 +108,8 @@ def _dashboard_args(p: argparse.ArgumentParser) -> None:
     add_out(p)
     _settings_args(p)
     hf_args(p)
+    add_dtype(p)
+    add_device_map(p)
 
 
 @command("dashboard", help="analyse any checkpoints (and Hugging Face models) and write their offline dashboard.html "

@@ -145,18 +145,25 @@ def bridge_geometry(
     """
     from interp_norm.anatomy import anatomy
 
+    from interp_norm.bridges.stream import StreamedCache
+
     toks = as_tokens(model, tokens if tokens is not None else bridge_tokens(model, n, n_ctx, seed))
     norms = bridge_norms(model)
     steps = tqdm(total=4, desc="geometry", disable=not progress)
-    names = {h for nm in norms for h in (nm.hook_in, nm.hook_out)}
-    names |= set(bridge_pattern_hooks(model)) | set(bridge_resid_hooks(model))
-    cache = run_cached(model, toks, names)
-    steps.update()
-    out: dict[str, pd.DataFrame] = {"anatomy": anatomy(model).table()}
-    out.update(_spread_and_sparsity(model, toks, cache, coverage, tolerance, bins, steps))
-    out["ellipsoids"] = bridge_ellipsoid_table(model, norms)
-    out["ellipsoid_axes"] = bridge_ellipsoid_axes(model, norms)
-    out["ellipsoid_membership"] = bridge_ellipsoid_membership(model, toks, cache=cache, norms=norms)
+    n_layers = len(model.blocks)
+    names: dict[int, set[str]] = {l: {p, r} for l, (p, r) in enumerate(zip(bridge_pattern_hooks(model),
+                                                                             bridge_resid_hooks(model)))}
+    for nm in norms:  # a norm outside the blocks (the final norm) fires after the last one
+        if nm.hook_in is not None:
+            names.setdefault(n_layers if nm.layer is None else nm.layer, set()).update((nm.hook_in, nm.hook_out))
+    # one layer's hooks in memory at a time, read by each analysis in its own early-stopped forward
+    with StreamedCache(model, toks, names) as cache:
+        steps.update()
+        out: dict[str, pd.DataFrame] = {"anatomy": anatomy(model).table()}
+        out.update(_spread_and_sparsity(model, toks, cache, coverage, tolerance, bins, steps))
+        out["ellipsoids"] = bridge_ellipsoid_table(model, norms)
+        out["ellipsoid_axes"] = bridge_ellipsoid_axes(model, norms)
+        out["ellipsoid_membership"] = bridge_ellipsoid_membership(model, toks, cache=cache, norms=norms)
     steps.update()
     steps.close()
     return out

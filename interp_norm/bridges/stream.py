@@ -1,0 +1,158 @@
+"""One forward pass, one layer's activations at a time: the memory bound of the analyses on real models.
+
+``run_with_cache`` on a Hugging Face model holds every cached hook of every layer at once, and the
+forward it runs ends with the unembedding: for Qwen3-0.6B on 8 windows of 256 tokens, 1.2 GB of
+logits nobody reads plus every layer's q and k. :func:`layer_caches` runs the same forward (the
+model's own code, unchanged, so every value is the one ``run_with_cache`` would give) in a worker
+thread and hands the caller each layer's hooks as soon as they have fired; the forward waits in the
+hook until the caller asks for the next layer, drops what no later layer needs, and is stopped right
+after the last hook anyone asked for (no later layers, no logits). Peak memory is the weights plus
+one layer's cached hooks plus the forward's own per-layer activations.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Mapping
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from interp_norm.errors import ArchitectureError
+
+
+class _Stop(Exception):
+    """Raised inside a hook to end the forward early (caught in the worker)."""
+
+
+def layer_caches(model: Any, tokens: Tensor, names: Mapping[int, set[str]]) -> Iterator[tuple[int, dict[str, Tensor]]]:
+    """Yield ``(layer, cache)`` in increasing ``layer`` for every key of ``names`` (layer -> hook names it needs),
+    each ``cache`` holding at least those hooks (detached, as ``run_with_cache`` stores them) from one
+    forward pass of ``tokens`` (``torch.no_grad``).
+
+    A hook another layer still needs stays until that layer is done (Gemma 4's KV-sharing layers read
+    their source layer's keys); everything else is dropped after its layer. Leaving the loop early
+    stops the forward. Raises :class:`ArchitectureError` if the forward ends before every named hook fired.
+    """
+    order = sorted(names)
+    wanted = {n for l in order for n in names[l]}
+    last_use: dict[str, int] = {}
+    for l in order:
+        for n in names[l]:
+            last_use[n] = l
+    handoff: "queue.Queue[tuple[str, Any]]" = queue.Queue()
+    resume = threading.Semaphore(0)
+    state = {"abort": False}
+    cache: dict[str, Tensor] = {}
+    pending = list(order)
+
+    def hook(act: Tensor, hook: Any) -> Tensor:
+        if state["abort"]:
+            raise _Stop
+        if hook.name in wanted:
+            cache[hook.name] = act.detach()
+        while pending and names[pending[0]] <= cache.keys():
+            layer = pending.pop(0)
+            handoff.put(("layer", layer))
+            resume.acquire()  # the caller works on this layer's cache meanwhile
+            if state["abort"]:
+                raise _Stop
+            for n in names[layer]:
+                if last_use[n] == layer:
+                    cache.pop(n, None)
+        if not pending:
+            raise _Stop  # nothing later is needed: no further layers, no logits
+        return act
+
+    def work() -> None:
+        try:
+            with torch.no_grad(), model.hooks(fwd_hooks=[(n, hook) for n in sorted(wanted)]):
+                model(tokens)
+            missing = sorted(wanted - cache.keys())
+            handoff.put(("error", ArchitectureError(f"the forward pass ended before hooks {missing[:4]} fired")))
+        except _Stop:
+            handoff.put(("done", None))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            handoff.put(("error", e))
+
+    if not order:
+        return
+    worker = threading.Thread(target=work, name="interp_norm-layer-stream", daemon=True)
+    worker.start()
+    try:
+        while True:
+            kind, value = handoff.get()
+            if kind == "layer":
+                yield value, cache
+                resume.release()
+            elif kind == "done":
+                return
+            else:
+                raise value
+    finally:
+        state["abort"] = True
+        resume.release()  # a worker waiting in a hook wakes, sees the abort and stops
+        worker.join()
+
+
+class StreamedCache(Mapping):
+    """A read-only cache of ``names`` (layer -> hook names) over ``tokens`` that holds one layer at a time.
+
+    Analyses written for a whole cache (``cache[name]`` for every layer, in layer order) read it as
+    one: each lookup advances :func:`layer_caches` to the layer holding the name; a name of an earlier
+    layer than the one held starts a new forward pass (``passes`` counts them). So memory stays one
+    layer's hooks, and an analysis that sweeps the layers k times costs k early-stopped forwards.
+    Call :meth:`close` (or use ``with``) to stop a forward left waiting.
+    """
+
+    def __init__(self, model: Any, tokens: Tensor, names: Mapping[int, set[str]]) -> None:
+        self.model, self.tokens, self.names = model, tokens, {l: set(names[l]) for l in sorted(names)}
+        self.layer_of: dict[str, int] = {}
+        for l, group in self.names.items():
+            for n in group:
+                self.layer_of.setdefault(n, l)
+        self.passes = 0
+        self._it: Any = None
+        self._layer: Optional[int] = None
+        self._held: dict[str, Tensor] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.layer_of
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self.layer_of))
+
+    def __len__(self) -> int:
+        return len(self.layer_of)
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self.layer_of:
+            raise KeyError(name)
+        if name in self._held:
+            return self._held[name]
+        if self._it is None or self._layer is None or self.layer_of[name] < self._layer:
+            self.close()
+            self._it = layer_caches(self.model, self.tokens, self.names)
+            self.passes += 1
+        for layer, cache in self._it:
+            self._layer, self._held = layer, {n: cache[n] for n in self.names[layer]}
+            if name in self._held:
+                return self._held[name]
+        self._it = self._layer = None
+        raise KeyError(name)
+
+    def close(self) -> None:
+        if self._it is not None:
+            self._it.close()
+        self._it, self._layer, self._held = None, None, {}
+
+    def __enter__(self) -> "StreamedCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["layer_caches", "StreamedCache"]
