@@ -12,6 +12,7 @@ one layer's cached hooks plus the forward's own per-layer activations.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Mapping
@@ -44,15 +45,16 @@ def layer_caches(model: Any, tokens: Tensor, names: Mapping[int, set[str]]) -> I
             last_use[n] = l
     handoff: "queue.Queue[tuple[str, Any]]" = queue.Queue()
     resume = threading.Semaphore(0)
-    state = {"abort": False}
+    state: dict[str, Any] = {"abort": False, "worker": None}
     cache: dict[str, Tensor] = {}
     pending = list(order)
 
-    def hook(act: Tensor, hook: Any) -> Tensor:
+    def hook(act: Tensor, hook: Any, name: str) -> Tensor:
+        if threading.get_ident() != state["worker"]:
+            return act  # another forward of the model while this one waits (its hooks stay registered)
         if state["abort"]:
             raise _Stop
-        if hook.name in wanted:
-            cache[hook.name] = act.detach()
+        cache[name] = act.detach()  # under the name asked for (an alias's HookPoint has another)
         while pending and names[pending[0]] <= cache.keys():
             layer = pending.pop(0)
             handoff.put(("layer", layer))
@@ -67,8 +69,9 @@ def layer_caches(model: Any, tokens: Tensor, names: Mapping[int, set[str]]) -> I
         return act
 
     def work() -> None:
+        state["worker"] = threading.get_ident()
         try:
-            with torch.no_grad(), model.hooks(fwd_hooks=[(n, hook) for n in sorted(wanted)]):
+            with torch.no_grad(), model.hooks(fwd_hooks=[(n, functools.partial(hook, name=n)) for n in sorted(wanted)]):
                 model(tokens)
             missing = sorted(wanted - cache.keys())
             handoff.put(("error", ArchitectureError(f"the forward pass ended before hooks {missing[:4]} fired")))
