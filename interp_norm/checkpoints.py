@@ -283,8 +283,11 @@ def load_checkpoint(
 
     ``verify`` checks every file read against config.json's sha256 (catches corruption that
     safetensors' header check cannot). Raises :class:`CheckpointNotFoundError` /
-    :class:`CheckpointError` naming the problem.
+    :class:`CheckpointError` naming the problem; a ``device`` that is not there, a ConfigError.
     """
+    from interp_norm.devices import resolve_device
+
+    resolve_device(device)
     info = read_checkpoint_info(path, verify=verify)
     ckpt = info.path
     if verify:
