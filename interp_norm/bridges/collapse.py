@@ -49,7 +49,7 @@ from interp_norm.hooks import SPARSE_THRESHOLD
 from interp_norm.theory import NoiseLaw
 
 DEFAULT_LEVELS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3)
-DEFAULT_MAX_ELEMENTS = 1 << 24  # 16M numbers per block: ≈ 128 MB in float64
+DEFAULT_MAX_ELEMENTS = 1 << 22  # 4M numbers per block: ≈ 32 MB in float64 (a few such blocks live at once)
 _STREAM = 0xB21C0  # seed stream of the collapse draws (distinct from HeadNoise's per-pass stream)
 
 
