@@ -44,6 +44,13 @@ class HookNameError(PatchingError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class EngineRefusal(PatchingError):
+    """A fast patching engine cannot run this model or hook exactly (a block wired otherwise, an
+    attention that ignores the key/value cache, ...). ``activation_patch(method="auto")`` falls back
+    to full forward passes with hooks on this error only; any other exception from an engine is a bug
+    and propagates."""
+
+
 class TrainingDivergedError(InterpNormError, RuntimeError):
     """The training loss became NaN or infinite; the last good checkpoint is kept."""
 
@@ -85,6 +92,7 @@ __all__ = [
     "NoiseSpecError",
     "PatchingError",
     "HookNameError",
+    "EngineRefusal",
     "TrainingDivergedError",
     "OutputDirError",
     "GeometryError",

@@ -21,8 +21,10 @@ mode recomputed rows also attend against each example's corrupted keys and value
 copies, with the changed rows as per-pair corrections (:meth:`IncrementalEngine._attend_shared`),
 where that moves fewer rows than a copy of the keys per (copy, example). The engine adds the wiring
 between the steps: ``pattern @ v`` and the two residual sums. Once per model and arithmetic the
-corrupted run is compared with ``model(tokens)``, so a block wired differently is refused
-(:class:`PatchingError`) instead of giving wrong numbers.
+corrupted run is compared with ``model(tokens)`` (again whenever the weights change:
+:func:`weights_key`), so a block wired differently is refused (:class:`~interp_norm.errors.EngineRefusal`)
+instead of giving wrong numbers. The rows passed between the steps are named row sets
+(:mod:`interp_norm.circuits.engine_rows`).
 """
 
 from __future__ import annotations
@@ -34,32 +36,39 @@ import torch
 from torch import Tensor
 
 from interp_norm.circuits.block_steps import BlockSteps, causal_softmax, padded_softmax
-from interp_norm.errors import PatchingError
+from interp_norm.circuits.engine_rows import (
+    Changed,
+    Entry,
+    KVChanges,
+    LayerRows,
+    QueryRows,
+    Replaced,
+    RowPatch,
+    cat_rows,
+    from_first,
+    until_last,
+)
+from interp_norm.errors import EngineRefusal, PatchingError
 
 #: Stages of one block, in computation order; a patch enters at one of them.
 STAGES = ("resid_pre", "q", "k", "v", "pattern", "z", "attn_out", "resid_mid", "mlp_out", "resid_post")
 _BEFORE_SCORES = ("q", "k", "v")  # entering copies whose attention is recomputed
 _BEFORE_OUT = ("q", "k", "v", "pattern", "z")  # ... whose attention output is recomputed
-_CHECKED = {False: weakref.WeakSet(), True: weakref.WeakSet()}  # models whose wiring matched model(tokens), per mode
-
-#: ``patch(rows, idx)`` returns the stage values of rows ``idx = (copy, example, position)`` patched.
-RowPatch = Callable[[Tensor, tuple], Tensor]
+#: model -> {fast mode: :func:`weights_key` when its wiring last matched ``model(tokens)``}
+_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, tuple]]" = weakref.WeakKeyDictionary()
 
 
-def _from_first(mask: Tensor) -> Tensor:
-    """True at and after the first True along the last axis."""
-    return mask.cumsum(-1) > 0
-
-
-def _until_last(mask: Tensor) -> Tensor:
-    """True at and before the last True along the last axis."""
-    return mask.flip(-1).cumsum(-1).flip(-1) > 0
-
-
-def _cat(*parts: Optional[Tensor]) -> Optional[Tensor]:
-    """Concatenate the parts that exist (rows of earlier copies first); None if none does."""
-    parts = [p for p in parts if p is not None]
-    return None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+def weights_key(model) -> tuple:
+    """What changes when the model's weights do, cheaply: per parameter and buffer, the tensor, its
+    storage, shape and version counter (bumped by every in-place write: an optimizer step,
+    ``load_state_dict``, ``p.add_()``); an inference-mode tensor, which has no version counter, by its
+    sum. The wiring check is redone when this key changes, so a model retrained or reloaded after a
+    check is checked again."""
+    key = []
+    for t in (*model.parameters(), *model.buffers()):
+        ver = float(t.detach().double().sum()) if t.is_inference() else t._version
+        key.append((id(t), t.data_ptr(), tuple(t.shape), ver))
+    return tuple(key)
 
 
 class IncrementalEngine(BlockSteps):
@@ -93,7 +102,7 @@ class IncrementalEngine(BlockSteps):
         any_read = read.any(0).nonzero().flatten()
         self.n_eff = ne = int(any_read.max()) + 1 if any_read.numel() else self.n
         self.need_last = read[:, :ne]  # [b, ne]: rows whose logits the metric reads
-        self.need = _until_last(self.need_last)  # rows at or before an example's last read row
+        self.need = until_last(self.need_last)  # rows at or before an example's last read row
         self.causal = torch.ones(self.n, self.n, dtype=torch.bool, device=dev).tril()
         with torch.inference_mode():  # cheaper per op than no_grad; the results are only read
             resid = model(tokens, stop_at_layer=0)
@@ -111,8 +120,10 @@ class IncrementalEngine(BlockSteps):
             head = model(resid.reshape(-1, d).index_select(0, self.read_flat).unsqueeze(0), start_at_layer=self.L)[0]
             self.logits = head.new_zeros(self.b * self.n, head.shape[-1]).index_copy_(0, self.read_flat, head)
             self.logits = self.logits.view(self.b, self.n, -1)
-            if model not in _CHECKED[self.fast]:
+            key = weights_key(model)
+            if _CHECKED.get(model, {}).get(self.fast) != key:
                 self._check(tokens)
+                _CHECKED.setdefault(model, {})[self.fast] = key
         self.c = []
         for a in self.acts:  # keys and values [b, keys, h, dh] up to the last read position, contiguous for the gathers
             self.c.append(dict(k_p=a["k_used"][:, :ne].contiguous(), v_p=a["v_used"][:, :ne].contiguous()))
@@ -149,11 +160,10 @@ class IncrementalEngine(BlockSteps):
         ref = self.model(tokens).reshape(self.b * self.n, -1).index_select(0, self.read_flat)
         err = float((self.logits.reshape(self.b * self.n, -1).index_select(0, self.read_flat) - ref).abs().max())
         if not err <= 1e-4 * (float(ref.abs().max()) + 1.0):
-            raise PatchingError(
+            raise EngineRefusal(
                 f"the incremental patching engine disagrees with model(tokens) by {err:.3g}: the model's block is "
                 "wired differently from attention + MLP with residual sums -- use method='hooks'"
             )
-        _CHECKED[self.fast].add(self.model)
 
     # -- rows ----------------------------------------------------------------------------------
     def _at(self, l: int, stage: str, idx: tuple) -> Tensor:
@@ -168,18 +178,18 @@ class IncrementalEngine(BlockSteps):
             c[stage] = a.reshape(self.b * self.n, *a.shape[2:])
         return c[stage].index_select(0, idx[1] * self.n + idx[2])
 
-    def _rows(self, l: int, X: Optional[Tensor], D: Optional[Tensor], mask: Tensor) -> Tensor:
-        """resid_pre rows ``mask`` [K, b, n]: the corrupted run's, with the changed rows ``X``
-        (rows of ``D``, in ``D``'s order) in place."""
-        if X is not None and torch.equal(mask, D):
-            return X
+    def _rows(self, l: int, inp: Optional[Changed], mask: Tensor) -> Tensor:
+        """resid_pre rows ``mask`` [K, b, n]: the corrupted run's, with the changed rows ``inp`` in place."""
+        if inp is not None and torch.equal(mask, inp.mask):
+            return inp.values
         out = self._at(l, "resid_pre", mask.nonzero(as_tuple=True))
-        if X is not None:
+        if inp is not None:
+            D = inp.mask
             slot = torch.full(D.shape, -1, dtype=torch.long, device=D.device)
-            slot[D] = torch.arange(len(X), device=D.device)
+            slot[D] = torch.arange(len(inp.values), device=D.device)
             s = slot[mask]
             hit = s >= 0
-            out[hit] = X[s[hit]]
+            out[hit] = inp.values[s[hit]]
         return out
 
     def _mlp_rows(self, l: int, x: Tensor, block: int = 512) -> Tensor:
@@ -188,29 +198,30 @@ class IncrementalEngine(BlockSteps):
             return self._mlp(l, x)
         return torch.cat([self._mlp(l, x[i : i + block]) for i in range(0, len(x), block)])
 
-    def _attend(self, attn, q_rows: Tensor, idx: tuple, k_g: Tensor, v_g: Tensor, g_of: Tensor, slot: Tensor) -> Tensor:
-        """z [M, h, dh] of query rows ``idx`` against their own group's keys/values ``k_g``/``v_g``
-        [g, keys, h, dh]. The rows are packed per group (``g_of``, ``slot``) into a zero-padded block:
-        recomputed rows are a small ragged subset of copies x examples x positions.
+    # -- attention of recomputed rows ---------------------------------------------------------
+    def _attend(self, attn, q: Tensor, rows: QueryRows, k_g: Tensor, v_g: Tensor) -> Tensor:
+        """z [M, h, dh] of query ``rows`` against their own group's keys/values ``k_g``/``v_g``
+        [groups, keys, h, dh]. The rows are packed per group into a zero-padded block: recomputed
+        rows are a small ragged subset of copies x examples x positions.
 
         Fast mode folds the heads into the matrix rows: one ``[w*h, dh] @ [dh, keys*h]`` product per
         group, of which the head-diagonal blocks are the scores (and ``pattern @ v`` likewise with a
         block-diagonal pattern). It does ``h`` times the multiply-adds of per-head products but in
         ``h`` times fewer, larger matrices: several times faster for these 1-7-row blocks."""
         g, nk = k_g.shape[0], k_g.shape[1]
-        h, dh = q_rows.shape[1:]
-        w = int(slot.max()) + 1
-        flat = g_of * w + slot  # flat (group, slot) index: index_copy/index_select, not 2-d advanced indexing
-        q = q_rows.new_zeros(g * w, h, dh)
-        q.index_copy_(0, flat, q_rows)
-        pos = idx[2].new_zeros(g * w)  # padding rows: position 0 (a valid, discarded softmax)
-        pos.index_copy_(0, flat, idx[2])
+        h, dh = q.shape[1:]
+        w = int(rows.slot.max()) + 1
+        flat = rows.group * w + rows.slot  # flat (group, slot) index: index_copy/index_select, not 2-d advanced indexing
+        qp = q.new_zeros(g * w, h, dh)
+        qp.index_copy_(0, flat, q)
+        pos = rows.idx[2].new_zeros(g * w)  # padding rows: position 0 (a valid, discarded softmax)
+        pos.index_copy_(0, flat, rows.idx[2])
         keys = torch.arange(nk, device=pos.device)
         if not self.fast or w > self.BLOCK_DIAGONAL_MAX_ROWS:
-            scores = attn.scores(q.view(g, w, h, dh), k_g)  # [g, h, w, keys]
+            scores = attn.scores(qp.view(g, w, h, dh), k_g)  # [g, h, w, keys]
             z = self._softmax(scores, keys <= pos.view(g, 1, w, 1)) @ v_g.transpose(1, 2)  # [g, h, w, dh]
             return z.transpose(1, 2).reshape(g * w, h, dh).index_select(0, flat)
-        qk = torch.bmm(q.view(g, w * h, dh), k_g.view(g, nk * h, dh).transpose(1, 2))
+        qk = torch.bmm(qp.view(g, w * h, dh), k_g.view(g, nk * h, dh).transpose(1, 2))
         qk = qk.view(g, w, h, nk, h).diagonal(dim1=2, dim2=4).transpose(2, 3)  # [g, w, h, keys]
         pattern = padded_softmax(attn.scale_scores(qk), keys <= pos.view(g, w, 1, 1))
         block = pattern.new_zeros(g, w, h, nk, h)
@@ -219,21 +230,23 @@ class IncrementalEngine(BlockSteps):
         return z.view(g * w, h, dh).index_select(0, flat)
 
     @staticmethod
-    def _seen_changed(mask: Optional[Tensor], idx: tuple, causal: Tensor) -> Optional[Tensor]:
-        """[M, keys]: which of its group's changed key rows (``mask`` [K, b, n]) each query row ``idx``
-        sees (``causal`` [M, keys]: the keys at or before the row)."""
-        return None if mask is None else mask[idx[0], idx[1], : causal.shape[1]] & causal
+    def _seen_changed(rep: Optional[Replaced], rows: QueryRows) -> Optional[Replaced]:
+        """``rep`` with :attr:`Replaced.seen` [M, keys]: which of its group's changed key rows each
+        query row sees (the keys at or before the row)."""
+        if rep is None:
+            return None
+        seen = rep.mask[rows.idx[0], rows.idx[1], : rows.n_keys] & rows.causal
+        return Replaced(rep.mask, rep.values, seen)
 
-    def _attend_shared(self, l: int, q: Tensor, idx: tuple, causal: Tensor, k_changed: tuple, v_changed: tuple) -> Tensor:
-        """z [M, h, dh] of query rows ``idx`` (fast mode) without a copy of the keys per group:
+    def _attend_shared(self, l: int, q: Tensor, rows: QueryRows, keys: Optional[Replaced], values: Optional[Replaced]) -> Tensor:
+        """z [M, h, dh] of query ``rows`` (fast mode) without a copy of the keys per group:
         scores and ``pattern @ v`` against each example's corrupted keys/values as one batched
-        product (the rows packed per example), then the group's changed keys/values as
-        corrections, one per (query row, changed key row) pair. ``causal`` [M, keys]: the keys at or
-        before each row; ``k_changed`` = (mask [K, b, n], :meth:`_seen_changed` of it, values in the
-        mask's row order), or Nones."""
+        product (the rows packed per example), then the group's changed ``keys``/``values`` (with
+        their ``seen`` pairs, :meth:`_seen_changed`) as corrections, one per (query row, changed key
+        row) pair."""
         attn, c = self.model.blocks[l].attn, self.c[l]
-        kidx, bidx, ridx = idx
-        (M, h, dh), b, dev, nk = q.shape, self.b, q.device, causal.shape[1]
+        kidx, bidx, _ = rows.idx
+        (M, h, dh), b, dev, nk = q.shape, self.b, q.device, rows.n_keys
         counts = torch.bincount(bidx, minlength=b)
         R = int(counts.max())
         order = torch.argsort(bidx, stable=True)
@@ -243,21 +256,21 @@ class IncrementalEngine(BlockSteps):
         Q = q.new_zeros(b * R, h, dh).index_copy_(0, flat, q).view(b, R, h, dh)
         qk = torch.einsum("brhd,bkhd->brhk", Q, c["k_p"][:, :nk]).reshape(b * R, h, nk).index_select(0, flat)
 
-        def changed(mask: Optional[Tensor], seen: Optional[Tensor], values: Optional[Tensor]):
+        def pairs(rep: Optional[Replaced]):
             """(row, key) pairs whose key/value is the group's changed one, and that value."""
-            if mask is None:
+            if rep is None:
                 return None
-            i, j = seen.nonzero(as_tuple=True)
-            where = torch.full(mask.shape, -1, dtype=torch.long, device=dev)
-            where[mask] = torch.arange(len(values), device=dev)
-            return i, j, values.index_select(0, where[kidx[i], bidx[i], j])
+            i, j = rep.seen.nonzero(as_tuple=True)
+            where = torch.full(rep.mask.shape, -1, dtype=torch.long, device=dev)
+            where[rep.mask] = torch.arange(len(rep.values), device=dev)
+            return i, j, rep.values.index_select(0, where[kidx[i], bidx[i], j])
 
-        kc = changed(*k_changed)
+        kc = pairs(keys)
         if kc is not None:
             i, j, k = kc
             qk[i, :, j] = (q.index_select(0, i) * k).sum(-1)
-        pattern = padded_softmax(attn.scale_scores(qk), causal.unsqueeze(1))  # [M, h, keys]
-        vc = changed(*v_changed)
+        pattern = padded_softmax(attn.scale_scores(qk), rows.causal.unsqueeze(1))  # [M, h, keys]
+        vc = pairs(values)
         p_old = pattern
         if vc is not None:
             i, j, v = vc
@@ -270,151 +283,184 @@ class IncrementalEngine(BlockSteps):
             z.index_add_(0, i, w.unsqueeze(-1) * v)
         return z
 
-    def _layer(
-        self, l: int, X: Optional[Tensor], D: Optional[Tensor], last: bool,
-        S: Optional[str] = None, patch: Optional[RowPatch] = None, P: Optional[Tensor] = None,
-        heads: Optional[Tensor] = None,
-    ) -> tuple[Optional[Tensor], Optional[Tensor]]:
-        """One block for K copies: rows ``D`` [K, b, n] of its input differ from the corrupted run
-        (values ``X``, in ``D``'s order) and copies entering here are patched at stage ``S`` in rows
-        ``P``. Entering copies come after all changed ones, so at every stage the rows of the two
-        concatenate in (copy, example, position) order. Returns the changed output rows and mask."""
-        blk = self.model.blocks[l]
+    def _group_kv(self, l: int, rows: QueryRows, keys: Optional[Replaced], values: Optional[Replaced]) -> tuple[Tensor, Tensor]:
+        """Each group's own copy of its example's corrupted keys and values [groups, keys, h, dh],
+        the ``keys``/``values`` rows replaced (groups are sorted like the masks' rows)."""
+        c, nk, gk, ge = self.c[l], rows.n_keys, rows.group_copy, rows.group_example
+        k_g = c["k_p"][:, :nk].index_select(0, ge)
+        v_g = c["v_p"][:, :nk].index_select(0, ge)
+        if keys is not None:
+            k_g[keys.mask[gk, ge, :nk]] = keys.values
+        if values is not None:
+            v_g[values.mask[gk, ge, :nk]] = values.values
+        return k_g, v_g
+
+    def _attend_rows(self, l: int, q: Tensor, rows: QueryRows, kv: KVChanges, shared: Optional[bool] = None) -> Tensor:
+        """z [M, h, dh] of query ``rows`` (every head) against keys/values with ``kv``'s rows replaced.
+        Fast mode attends against the shared keys plus corrections where that moves fewer rows than
+        copies of the keys per group (:attr:`SHARED_KEYS_MAX_PAIRS_PER_ROW`; ``shared`` forces it);
+        otherwise (and always with the model's own steps) against per-group copies."""
+        keys, values = kv.replaced("k"), kv.replaced("v")
+        if self.fast:
+            seen_k = self._seen_changed(keys, rows)
+            if keys is not None and values is not None and values.mask is keys.mask:  # one mask: its pairs once
+                seen_v = Replaced(values.mask, values.values, seen_k.seen)
+            else:
+                seen_v = self._seen_changed(values, rows)
+            if shared is None:
+                pairs = sum(int(r.seen.sum()) for r in (seen_k, seen_v) if r is not None)
+                copied = 2 * len(rows.group_copy) * rows.n_keys  # key and value rows of the groups' copies
+                shared = pairs <= self.SHARED_KEYS_MAX_PAIRS_PER_ROW * copied
+            if shared:
+                return self._attend_shared(l, q, rows, seen_k, seen_v)
+        k_g, v_g = self._group_kv(l, rows, keys, values)
+        return self._attend(self.model.blocks[l].attn, q, rows, k_g, v_g)
+
+    def _attend_one_head(self, l: int, q: Tensor, rows: QueryRows, kv: KVChanges, heads: Tensor) -> Tensor:
+        """z [M, h, dh] of the entering copies' query ``rows`` when each copy's patch changes one head
+        (``heads`` [K]): the other heads' z are the corrupted run's, and only the patched head's
+        attention is recomputed, against its group's keys/values with the patched rows replaced."""
+        k_g, v_g = self._group_kv(l, rows, kv.replaced("k"), kv.replaced("v"))
+        r, hr, hg = torch.arange(len(q), device=q.device), heads[rows.idx[0]], heads[rows.group_copy]
+        g = torch.arange(len(hg), device=q.device)
+        z1 = self._attend(self.model.blocks[l].attn, q[r, hr].unsqueeze(1), rows, k_g[g, :, hg].unsqueeze(2),
+                          v_g[g, :, hg].unsqueeze(2))
+        z = self._at(l, "z", rows.idx)
+        z[r, hr] = z1[:, 0]
+        return z
+
+    def _kv_changes(self, l: int, inp: Optional[Changed], rows: LayerRows, entry: Optional[Entry], seen: Tensor) -> KVChanges:
+        """The new q/k/v of the changed input rows that some query row sees (``seen``), and the
+        entering copies' patched key/value rows (``entry`` at stage k or v)."""
+        attn = self.model.blocks[l].attn
+        out = KVChanges()
+        kv = None if inp is None else inp.mask & self.need & seen  # changed rows: new keys/values, and queries
+        if kv is not None and kv.any():
+            x_kv = rows.x if torch.equal(kv, rows.changed) else self._rows(l, inp, kv)
+            out.rows = kv
+            out.q, out.k, out.v = (self._normalize(attn, y, t) for y, t in zip(self._qkv(l, x_kv), "qkv"))
+        if entry is not None and entry.stage in ("k", "v"):  # the entering copies' patched key/value rows
+            out.patched_stage, out.patched = entry.stage, entry.rows & seen
+            pidx = out.patched.nonzero(as_tuple=True)
+            out.patched_values = self._normalize(attn, entry.patch(self._at(l, entry.stage, pidx), pidx), entry.stage)
+        return out
+
+    def _queries(self, l: int, rows: LayerRows, entry: Optional[Entry], kv: KVChanges) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        """Queries of the changed copies' rows (the corrupted run's, new where the input changed) and,
+        for a q/k/v patch, of the entering copies' rows (patched for ``q``)."""
+        attn = self.model.blocks[l].attn
+        q_changed = q_entering = None
+        if rows.changed is not None:
+            q_changed = self._at(l, "q_used", rows.changed.nonzero(as_tuple=True))
+            if kv.q is not None:  # (in the last layer some changed key rows are no query rows)
+                q_changed[kv.rows[rows.changed]] = kv.q[rows.changed[kv.rows]]
+        stage, ie = None if entry is None else entry.stage, rows.entering_idx
+        if stage == "q":
+            q_entering = self._normalize(attn, entry.patch(self._at(l, "q", ie), ie), "q")
+        elif stage in ("k", "v"):
+            q_entering = self._at(l, "q_used", ie)
+        return q_changed, q_entering
+
+    def _attention(self, l: int, inp: Optional[Changed], rows: LayerRows, entry: Optional[Entry]) -> Tensor:
+        """z of the changed copies' rows and, for a q/k/v patch, of the entering copies' rows (their
+        rows come last). Keys and values are the corrupted run's, with the rows that changed
+        (``inp``) or are patched (stage k/v) replaced."""
+        stage = None if entry is None else entry.stage
+        qmask = rows.union if stage in _BEFORE_SCORES else rows.changed
+        queries = QueryRows.of(qmask, self.b)
+        kv = self._kv_changes(l, inp, rows, entry, until_last(qmask))  # a key row matters only to query rows at or after it
+        q_changed, q_entering = self._queries(l, rows, entry, kv)
+        if entry is None or entry.heads is None or q_entering is None:
+            return self._attend_rows(l, cat_rows(q_changed, q_entering), queries, kv)
+        # entering copies that change one head each; the changed copies' rows (first) beside them
+        n_changed = 0 if q_changed is None else len(q_changed)
+        changed, entering = queries.split(n_changed)
+        z_changed = None
+        if n_changed:
+            z_changed = self._attend_rows(l, q_changed, changed, kv.only_changed(), shared=True if self.fast else None)
+        return cat_rows(z_changed, self._attend_one_head(l, q_entering, entering, kv.only_patched(), entry.heads))
+
+    # -- one block for K copies ------------------------------------------------------------------
+    def _layer_rows(self, l: int, inp: Optional[Changed], entry: Optional[Entry], last: bool) -> Optional[LayerRows]:
+        """The rows block ``l`` recomputes (None: nothing the metric can see changes)."""
         need = self.need_last if last else self.need
-        if S == "resid_pre":  # the patched rows join the changed input
-            Pn = P & self.need
-            pidx = Pn.nonzero(as_tuple=True)
-            X, D, S = _cat(X, patch(self._at(l, "resid_pre", pidx), pidx)), (Pn if D is None else D | Pn), None
-        Ap = None if D is None else _from_first(D) & need  # rows at or after a changed key/value row
-        Ae = None if S is None else (_from_first(P) if S in ("k", "v") else P) & need
-        if Ap is not None and not Ap.any():
-            Ap = None
-        if Ae is not None and not Ae.any():
-            Ae, S = None, None  # the entering copies change nothing the metric can see
-        if Ap is None and Ae is None:
-            return None, None
-        A = Ae if Ap is None else (Ap if Ae is None else Ap | Ae)
-        ie = None if Ae is None else Ae.nonzero(as_tuple=True)
+        changed = None if inp is None else from_first(inp.mask) & need  # rows at or after a changed key/value row
+        entering = None if entry is None else (from_first(entry.rows) if entry.stage in ("k", "v") else entry.rows) & need
+        if changed is not None and not changed.any():
+            changed = None
+        if entering is not None and not entering.any():
+            entering = None  # the entering copies change nothing the metric can see
+        if changed is None and entering is None:
+            return None
+        union = entering if changed is None else (changed if entering is None else changed | entering)
+        return LayerRows(
+            changed=changed, entering=entering, union=union,
+            entering_idx=None if entering is None else entering.nonzero(as_tuple=True),
+            x=None if changed is None else self._rows(l, inp, changed),  # resid_pre rows of the changed copies
+        )
 
-        def entering(stage: str) -> Tensor:  # the corrupted run's values in the entering rows
-            return self._at(l, stage, ie)
-
-        xA = None if Ap is None else self._rows(l, X, D, Ap)  # resid_pre rows of the changed copies
+    def _layer(self, l: int, inp: Optional[Changed], entry: Optional[Entry], last: bool) -> Optional[Changed]:
+        """One block for K copies: the input rows ``inp`` differ from the corrupted run, and the copies
+        of ``entry`` are patched here. Returns the output rows that differ (None: none the metric sees)."""
+        if entry is not None and entry.stage == "resid_pre":  # the patched rows join the changed input
+            rows = entry.rows & self.need
+            pidx = rows.nonzero(as_tuple=True)
+            values = cat_rows(None if inp is None else inp.values, entry.patch(self._at(l, "resid_pre", pidx), pidx))
+            inp, entry = Changed(values, rows if inp is None else inp.mask | rows), None
+        rows = self._layer_rows(l, inp, entry, last)
+        if rows is None:
+            return None
+        if rows.entering is None:
+            entry = None
         z = None
-        if Ap is not None or S in _BEFORE_SCORES:
-            z = self._attention(l, X, D, xA, Ap, A if S in _BEFORE_SCORES else Ap, S, patch, P, ie, heads)
-        if S == "pattern":
-            pattern = patch(entering("pattern"), ie)  # [M, h, keys]
-            v = self.c[l]["v_p"].index_select(0, ie[1])  # [M, keys, h, dh]
-            if heads is None:
-                z_e = (pattern.unsqueeze(2) @ v.transpose(1, 2)).squeeze(2)
-            else:  # only the patched head's output changes
-                r, hr = torch.arange(len(ie[0]), device=v.device), heads[ie[0]]
-                z_e = entering("z")
-                z_e[r, hr] = (pattern[r, hr].unsqueeze(1) @ v[r, :, hr]).squeeze(1)
-            z = _cat(z, z_e)
-        elif S == "z":
-            z = _cat(z, patch(entering("z"), ie))
-        # the rest of the block: the changed copies' rows, then the entering ones' from their stage on
-        x_e = entering("resid_pre") if S in _BEFORE_OUT or S == "attn_out" else None
+        if rows.changed is not None or (entry is not None and entry.stage in _BEFORE_SCORES):
+            z = self._attention(l, inp, rows, entry)
+        post = self._block_rest(l, rows, entry, z)
+        return Changed(post, rows.union)
+
+    def _block_rest(self, l: int, rows: LayerRows, entry: Optional[Entry], z: Optional[Tensor]) -> Tensor:
+        """From ``z`` (the changed rows', then any entering ones') to the block's output rows: the
+        changed copies' rows, then the entering copies' from their stage on (a pattern patch
+        recomputes its rows' ``z``; a later stage's patch joins where the block computes it)."""
+        blk, ie = self.model.blocks[l], rows.entering_idx
+        stage = None if entry is None else entry.stage
+
+        def entering(at: str) -> Tensor:  # the corrupted run's values in the entering rows
+            return self._at(l, at, ie)
+
+        def patched(at: str) -> Tensor:
+            return entry.patch(entering(at), ie)
+
+        if stage == "pattern":
+            z = cat_rows(z, self._pattern_z(l, patched("pattern"), ie, entry.heads))
+        elif stage == "z":
+            z = cat_rows(z, patched("z"))
+        x_e = entering("resid_pre") if stage in _BEFORE_OUT or stage == "attn_out" else None
         attn_out = None
         if z is not None:
-            attn_out = self._attn_update(blk, self._out(l, z), _cat(xA, None if S == "attn_out" else x_e))
-        if S == "attn_out":
-            attn_out = _cat(attn_out, patch(entering("attn_out"), ie))
-        resid_mid = None if attn_out is None else _cat(xA, x_e) + attn_out
-        if S == "resid_mid":
-            resid_mid = _cat(resid_mid, patch(entering("resid_mid"), ie))
+            attn_out = self._attn_update(blk, self._out(l, z), cat_rows(rows.x, None if stage == "attn_out" else x_e))
+        if stage == "attn_out":
+            attn_out = cat_rows(attn_out, patched("attn_out"))
+        resid_mid = None if attn_out is None else cat_rows(rows.x, x_e) + attn_out
+        if stage == "resid_mid":
+            resid_mid = cat_rows(resid_mid, patched("resid_mid"))
         post = None if resid_mid is None else resid_mid + self._mlp_rows(l, resid_mid)
-        if S == "mlp_out":
-            post = _cat(post, entering("resid_mid") + patch(entering("mlp_out"), ie))
-        elif S == "resid_post":
-            post = _cat(post, patch(entering("resid_post"), ie))
-        return post, A
+        if stage == "mlp_out":
+            post = cat_rows(post, entering("resid_mid") + patched("mlp_out"))
+        elif stage == "resid_post":
+            post = cat_rows(post, patched("resid_post"))
+        return post
 
-    def _attention(self, l: int, X, D, xA, Ap, Aatt: Tensor, S, patch, P, ie, heads=None) -> Tensor:
-        """z of the query rows ``Aatt``: the changed copies' rows ``Ap`` (their inputs ``xA``) and,
-        for a q/k/v patch, the entering copies' rows ``ie``. Keys and values are the corrupted run's,
-        with the rows that changed (``D``) or are patched (``S`` = k/v, rows ``P``) replaced."""
-        blk, c = self.model.blocks[l], self.c[l]
-        attn = blk.attn
-        idx = kidx, bidx, ridx = Aatt.nonzero(as_tuple=True)
-        _, g_of, counts = torch.unique_consecutive(kidx * self.b + bidx, return_inverse=True, return_counts=True)
-        start = counts.cumsum(0) - counts
-        slot = torch.arange(len(kidx), device=Aatt.device) - start[g_of]
-        gk, ge = kidx[start], bidx[start]  # each (copy, example) group's copy and example
-        seen = _until_last(Aatt)  # a key row matters only to query rows at or after it
-        nk = int(ridx.max()) + 1
-        k_new = v_new = q_new = None
-        kv = None if D is None else D & self.need & seen  # changed rows: new keys/values, and queries
-        if kv is not None and kv.any():
-            x_kv = xA if torch.equal(kv, Ap) else self._rows(l, X, D, kv)
-            q_new, k_new, v_new = (self._normalize(attn, y, t) for y, t in zip(self._qkv(l, x_kv), "qkv"))
-        else:
-            kv = None
-        kmask = vmask = kv
-        Pk = new = None
-        if S in ("k", "v"):  # the entering copies' patched key/value rows
-            Pk = P & seen
-            pidx = Pk.nonzero(as_tuple=True)
-            new = self._normalize(attn, patch(self._at(l, S, pidx), pidx), S)
-            both = Pk if kv is None else kv | Pk
-            if S == "k":
-                k_new, kmask = _cat(k_new, new), both
-            else:
-                v_new, vmask = _cat(v_new, new), both
-        q_p = q_e = None
-        if Ap is not None:  # the corrupted run's queries, new ones where the input changed
-            q_p = self._at(l, "q_used", Ap.nonzero(as_tuple=True))
-            if q_new is not None:  # (in the last layer some changed key rows are no query rows)
-                q_p[kv[Ap]] = q_new[Ap[kv]]
-        if S == "q":
-            q_e = self._normalize(attn, patch(self._at(l, "q", ie), ie), "q")
-        elif S in ("k", "v"):
-            q_e = self._at(l, "q_used", ie)
-        one_head = heads is not None and q_e is not None  # entering copies that change one head each
-        n_p = 0 if q_p is None else len(q_p)
-        G = 0 if n_p == 0 else int(g_of[n_p - 1]) + 1  # the changed copies' groups come first
-        if self.fast:  # no copy of the keys per group where the corrections move fewer rows (below)
-            idx_s = idx if not one_head else tuple(i[:n_p] for i in idx)
-            causal = torch.arange(nk, device=ridx.device) <= idx_s[2].unsqueeze(1)  # [M, keys]
-            seen_k = self._seen_changed(kmask, idx_s, causal)
-            seen_v = seen_k if vmask is kmask else self._seen_changed(vmask, idx_s, causal)
-            shared = one_head  # (the changed copies' rows beside one-head ones: always shared)
-            if not one_head:
-                pairs = sum(int(m.sum()) for m in (seen_k, seen_v) if m is not None)
-                copied = 2 * len(gk) * nk  # key and value rows of the groups' copies
-                shared = pairs <= self.SHARED_KEYS_MAX_PAIRS_PER_ROW * copied
-        if self.fast and shared:
-            k_changed, v_changed = (kmask, seen_k, k_new), (vmask, seen_v, v_new)
-            if not one_head:
-                return self._attend_shared(l, _cat(q_p, q_e), idx, causal, k_changed, v_changed)
-            z_p = None if n_p == 0 else self._attend_shared(l, q_p, idx_s, causal, k_changed, v_changed)
-            gk, ge = gk[G:], ge[G:]  # the entering copies' groups: corrupted keys, the patched rows replaced
-            k_g = c["k_p"][:, :nk].index_select(0, ge)  # [g, keys, h, dh]
-            v_g = c["v_p"][:, :nk].index_select(0, ge)
-            if new is not None:
-                (k_g if S == "k" else v_g)[Pk[gk, ge, :nk]] = new
-        else:
-            k_g = c["k_p"][:, :nk].index_select(0, ge)  # [g, keys, h, dh]: each group's own copy
-            v_g = c["v_p"][:, :nk].index_select(0, ge)
-            if kmask is not None:  # groups are sorted by (copy, example): same order as the mask's rows
-                k_g[kmask[gk, ge, :nk]] = k_new
-            if vmask is not None:
-                v_g[vmask[gk, ge, :nk]] = v_new
-            if not one_head:
-                return self._attend(attn, _cat(q_p, q_e), idx, k_g, v_g, g_of, slot)
-            z_p = None if n_p == 0 else self._attend(attn, q_p, tuple(i[:n_p] for i in idx), k_g[:G], v_g[:G], g_of[:n_p], slot[:n_p])
-            gk, k_g, v_g = gk[G:], k_g[G:], v_g[G:]
-        # The entering copies (their rows and groups come last) change one head each: the other
-        # heads' z are the corrupted run's, and only the patched head's attention is recomputed.
-        r, hr, hg = torch.arange(len(q_e), device=q_e.device), heads[ie[0]], heads[gk]
-        g = torch.arange(len(hg), device=q_e.device)
-        z1 = self._attend(attn, q_e[r, hr].unsqueeze(1), ie, k_g[g, :, hg].unsqueeze(2),
-                          v_g[g, :, hg].unsqueeze(2), g_of[n_p:] - G, slot[n_p:])
-        z_e = self._at(l, "z", ie)
-        z_e[r, hr] = z1[:, 0]
-        return _cat(z_p, z_e)
+    def _pattern_z(self, l: int, pattern: Tensor, ie: tuple, heads: Optional[Tensor]) -> Tensor:
+        """z of the entering rows ``ie`` from their patched ``pattern`` [M, h, keys] and the corrupted
+        values (``heads``: only each copy's one patched head changes)."""
+        v = self.c[l]["v_p"].index_select(0, ie[1])  # [M, keys, h, dh]
+        if heads is None:
+            return (pattern.unsqueeze(2) @ v.transpose(1, 2)).squeeze(2)
+        r, hr = torch.arange(len(ie[0]), device=v.device), heads[ie[0]]
+        z = self._at(l, "z", ie)
+        z[r, hr] = (pattern[r, hr].unsqueeze(1) @ v[r, :, hr]).squeeze(1)
+        return z
 
     # -- entry point ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -434,20 +480,20 @@ class IncrementalEngine(BlockSteps):
             raise PatchingError(f"unknown stage {stage!r}; choose one of {STAGES}")
         K = len(layers)
         lay = layers.tolist()
-        X = D = None
         heads = None if heads is None else heads.to(P.device)
+        out: Optional[Changed] = None
         for l in range(lay[0], self.L):
-            enter = layers == l
-            entering = l in lay
-            Pl = P & enter.to(P.device).view(K, 1, 1) if entering else None
-            X, D = self._layer(l, X, D, l == self.L - 1, stage if entering else None, patch_at(l) if entering else None, Pl, heads)
-            if D is not None:  # ... plus the rows each patched copy recomputes
-                self.rows_computed += int(D.sum())
-            if X is None and l >= lay[-1]:
+            entry = None
+            if l in lay:
+                entry = Entry(stage, patch_at(l), P & (layers == l).to(P.device).view(K, 1, 1), heads)
+            out = self._layer(l, out, entry, l == self.L - 1)
+            if out is not None:  # ... plus the rows each patched copy recomputes
+                self.rows_computed += int(out.mask.sum())
+            elif l >= lay[-1]:
                 return None
-        out = self.logits.unsqueeze(0).expand(K, *self.logits.shape).clone()
-        out[:, :, : self.n_eff][D] = self.model(X.unsqueeze(0), start_at_layer=self.L)[0]
-        return out
+        logits = self.logits.unsqueeze(0).expand(K, *self.logits.shape).clone()
+        logits[:, :, : self.n_eff][out.mask] = self.model(out.values.unsqueeze(0), start_at_layer=self.L)[0]
+        return logits
 
 
-__all__ = ["IncrementalEngine", "STAGES", "causal_softmax", "padded_softmax"]
+__all__ = ["IncrementalEngine", "STAGES", "causal_softmax", "padded_softmax", "weights_key"]

@@ -17,7 +17,7 @@ Nothing here re-derives the model: a block wired otherwise (an attention that ig
 head with extra steps such as Gemma's logit soft-capping, kwargs of unknown meaning) is caught by
 :meth:`KVCacheEngine._check`, which replays the corrupted run from a middle position and compares
 the logits and the hooked activation with the full forward, and is refused with a
-:class:`~interp_norm.errors.PatchingError` (``activation_patch(method="auto")`` then falls back to
+:class:`~interp_norm.errors.EngineRefusal` (``activation_patch(method="auto")`` then falls back to
 full forward passes). Sweeps are batched like :mod:`interp_norm.circuits.patching`'s (Menary et al.
 2024, sec. 5 uses activation patching to locate the circuits whose attention collapses).
 """
@@ -33,7 +33,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from interp_norm.circuits._types import MetricFn, metric_per_copy
-from interp_norm.errors import PatchingError
+from interp_norm.errors import EngineRefusal, PatchingError
 from interp_norm.hooks import act_name
 
 #: Activations the engine patches: per-position residual-stream tensors and per-head ``z``.
@@ -76,17 +76,17 @@ class KVCacheEngine:
         from interp_norm.anatomy._common import is_bridge
 
         if not is_bridge(model):
-            raise PatchingError("method='kv-cache' needs a TransformerLens TransformerBridge; use method='incremental' or 'hooks'")
+            raise EngineRefusal("method='kv-cache' needs a TransformerLens TransformerBridge; use method='incremental' or 'hooks'")
         if activation not in KV_ACTIVATIONS:
             raise PatchingError(f"method='kv-cache' patches {list(KV_ACTIVATIONS)}, not {activation!r}; use method='hooks'")
         blocks = getattr(model, "blocks", None)
         for name in ("ln_final", "unembed"):
             if not hasattr(model, name):
-                raise PatchingError(f"this bridge has no {name!r} component; use method='hooks'")
+                raise EngineRefusal(f"this bridge has no {name!r} component; use method='hooks'")
         self.model, self.activation = model, activation
         self.L = model.cfg.n_layers
         if blocks is None or len(blocks) != self.L:
-            raise PatchingError("method='kv-cache' needs the bridge's standard 'blocks' stack; use method='hooks'")
+            raise EngineRefusal("method='kv-cache' needs the bridge's standard 'blocks' stack; use method='hooks'")
         self.blocks = list(blocks)
         self.b, self.n = tokens.shape
         dev = tokens.device
@@ -95,25 +95,32 @@ class KVCacheEngine:
         self.cols = read.any(0).nonzero().flatten()  # positions the metric reads
         self.n_eff = int(self.cols.max()) + 1 if len(self.cols) else self.n
         self.names = [act_name(activation, l) for l in range(self.L)]
-        self._params = [inspect.signature(blk.original_component.forward) for blk in self.blocks]
+        try:
+            self._params = [inspect.signature(blk.original_component.forward) for blk in self.blocks]
+        except (AttributeError, ValueError) as e:  # no wrapped Hugging Face block, or no signature to bind
+            raise EngineRefusal(f"the bridge's blocks have no readable original_component.forward ({e}); use method='hooks'") from None
         self.calls, self.resid, self.kv = [None] * self.L, [None] * self.L, [None] * self.L
         handles = [blk.register_forward_pre_hook(self._capture(l), with_kwargs=True) for l, blk in enumerate(self.blocks)]
         handles.append(self.blocks[-1].register_forward_hook(lambda m, a, out: self.resid.append(_first(out))))
         try:
             with torch.inference_mode():
                 self.logits, cache = model.run_with_cache(tokens, names_filter=lambda nm: nm in self.names)
+        except TypeError as e:  # a block that takes no key/value cache argument
+            if "layer_past" not in str(e):
+                raise
+            raise EngineRefusal(f"the bridge's blocks take no key/value cache ({e}); use method='hooks'") from None
         finally:
             for h in handles:
                 h.remove()
         self.acts = [cache[nm] for nm in self.names]
         for l, rec in enumerate(self.kv):
             if rec is None or rec.calls != 1:
-                raise PatchingError(
+                raise EngineRefusal(
                     f"block {l}'s attention did not use the key/value cache it was given ({0 if rec is None else rec.calls} "
                     "calls); method='kv-cache' cannot run this architecture -- use method='hooks'"
                 )
         if len(self.resid) != self.L + 1:
-            raise PatchingError("the bridge's last block did not return its output; use method='hooks'")
+            raise EngineRefusal("the bridge's last block did not return its output; use method='hooks'")
         self.keys = [rec.new[0] for rec in self.kv]  # [b, kv_heads, n, d_head], as the attention used them
         self.values = [rec.new[1] for rec in self.kv]
         self.rows_computed = self.b * self.n * self.L
@@ -122,7 +129,10 @@ class KVCacheEngine:
     # -- the corrupted run -------------------------------------------------------------------
     def _capture(self, l: int):
         def hook(module, args, kwargs):
-            bound = self._params[l].bind_partial(*args, **kwargs).arguments
+            try:
+                bound = self._params[l].bind_partial(*args, **kwargs).arguments
+            except TypeError as e:  # called with arguments its own signature does not take
+                raise EngineRefusal(f"block {l}'s call does not bind to its forward's signature ({e}); use method='hooks'") from None
             extra = bound.pop("kwargs", {}) if isinstance(bound.get("kwargs"), dict) else {}
             bound.update(extra)
             hidden_name = next(iter(self._params[l].parameters))
@@ -144,7 +154,7 @@ class KVCacheEngine:
             elif key in _SLICED_KW:
                 out[key] = self._slice(key, val, examples, p, q)
             elif torch.is_tensor(val) or (isinstance(val, (tuple, list)) and any(torch.is_tensor(t) for t in val)):
-                raise PatchingError(
+                raise EngineRefusal(
                     f"block {l} takes a tensor argument {key!r} whose meaning per position is unknown; "
                     "method='kv-cache' cannot slice it -- use method='hooks'"
                 )
@@ -163,7 +173,7 @@ class KVCacheEngine:
         if key == "position_ids":
             return self._rows(val[..., p:ne], examples)
         if val.ndim != 4 or val.shape[-1] != self.n or val.shape[-2] != self.n:  # attention_mask
-            raise PatchingError(
+            raise EngineRefusal(
                 f"the attention mask has shape {tuple(val.shape)}, not [batch, 1, pos, pos]; "
                 "method='kv-cache' cannot slice it -- use method='hooks'"
             )
@@ -180,7 +190,7 @@ class KVCacheEngine:
         past = _PastKV(self.keys[l][..., :p, :].index_select(0, examples), self.values[l][..., :p, :].index_select(0, examples))
         out = _first(self.blocks[l](H, **self._call_kwargs(l, examples, p, q, past)))
         if past.calls != 1:
-            raise PatchingError(f"block {l}'s attention did not use the key/value cache; use method='hooks'")
+            raise EngineRefusal(f"block {l}'s attention did not use the key/value cache; use method='hooks'")
         return out
 
     def _head(self, H: Tensor, p: int) -> tuple[Tensor, Tensor]:
@@ -210,7 +220,7 @@ class KVCacheEngine:
         ref = self.logits.index_select(1, cols)
         err = float((lg - ref).abs().max()) if len(cols) else 0.0
         if not err <= 1e-4 * (float(ref.abs().max()) + 1.0):
-            raise PatchingError(
+            raise EngineRefusal(
                 f"replaying the bridge's blocks from a key/value cache disagrees with its forward by {err:.3g}; "
                 "method='kv-cache' cannot run this architecture -- use method='hooks'"
             )
@@ -218,7 +228,7 @@ class KVCacheEngine:
             want = self.acts[l][:, p : self.n_eff]
             got = seen.get(l)
             if got is None or got.shape != want.shape or not torch.allclose(got, want, atol=1e-4, rtol=1e-4):
-                raise PatchingError(
+                raise EngineRefusal(
                     f"the hook {self.names[l]!r} holds {None if got is None else tuple(got.shape)} when its block is re-run, "
                     f"not the corrupted run's {tuple(want.shape)}; use method='hooks'"
                 )
