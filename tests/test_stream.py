@@ -72,3 +72,14 @@ def test_another_forward_while_a_stream_waits_is_left_alone():
         if layer == 0:
             with torch.no_grad():
                 assert torch.equal(model(tokens), ref)  # the waiting stream's hooks neither block nor change it
+
+
+@pytest.mark.parametrize("max_elements", [1, 50, 1 << 20])
+def test_kl_by_blocks_of_positions_equals_the_whole_tensor_formula(max_elements):
+    from interp_norm.bridges.agreement import _kl
+
+    g = torch.Generator().manual_seed(0)
+    clean, out = torch.randn(2, 11, 37, generator=g) * 3, torch.randn(2, 11, 37, generator=g) * 3
+    logp = clean.double().log_softmax(-1)
+    whole = (logp.exp() * (logp - out.double().log_softmax(-1))).sum(-1)
+    assert torch.equal(_kl(clean, out, max_elements=max_elements), whole)

@@ -41,7 +41,7 @@ def _tokens(model: Any, tokens: Optional[Tensor], n_ctx: int, max_windows: Optio
     return tokens
 
 
-def _kl(clean: Tensor, out: Tensor, max_elements: int = 1 << 22) -> Tensor:
+def _kl(clean: Tensor, out: Tensor, max_elements: int = 1 << 20) -> Tensor:
     """KL(clean ‖ noised) [b, p] from two logits tensors [b, p, vocab], in float64 (a KL near 0 is not
     rounding noise), a block of positions at a time: each position's value is the one the whole
     tensor gives (softmax and sum run over the vocabulary alone), without [b, p, vocab] float64 copies."""
