@@ -124,6 +124,13 @@ class KVCacheEngine:
         self.keys = [rec.new[0] for rec in self.kv]  # [b, kv_heads, n, d_head], as the attention used them
         self.values = [rec.new[1] for rec in self.kv]
         self.rows_computed = self.b * self.n * self.L
+        last = self.blocks[-1]
+        attn = getattr(last, "attn", None)
+        #: the last block's parts whose output at a position reaches only that position's logits:
+        #: run at the read positions alone (their inputs sliced, outputs zero elsewhere)
+        self.tail = [m for m in (getattr(attn, "q", None), getattr(attn, "o", None), getattr(last, "mlp", None))
+                     if isinstance(m, torch.nn.Module)]
+        self.slice_tail = True
         self._check()
 
     # -- the corrupted run -------------------------------------------------------------------
@@ -185,13 +192,49 @@ class KVCacheEngine:
     # -- re-runs ------------------------------------------------------------------------------
     def _block(self, l: int, H: Tensor, examples: Tensor, p: int) -> Tensor:
         """Block ``l`` on rows ``H`` [rows, positions p.., d] of ``examples``, the positions before ``p``
-        read from the corrupted run's keys and values."""
+        read from the corrupted run's keys and values. In the last block (``slice_tail``) the query
+        projection, the attention's output projection and the MLP run at the read positions only:
+        the other positions' keys and values are still computed, their outputs are never read."""
         q = p + H.shape[1]
         past = _PastKV(self.keys[l][..., :p, :].index_select(0, examples), self.values[l][..., :p, :].index_select(0, examples))
-        out = _first(self.blocks[l](H, **self._call_kwargs(l, examples, p, q, past)))
+        handles = []
+        if l == self.L - 1 and self.slice_tail and self.tail:
+            keep = self.cols[(self.cols >= p) & (self.cols < q)] - p
+            if len(keep) < q - p:
+                for m in self.tail:
+                    handles.append(m.register_forward_pre_hook(self._slice_in(keep, q - p), with_kwargs=True))
+                    handles.append(m.register_forward_hook(self._scatter_out(keep, q - p)))
+        try:
+            out = _first(self.blocks[l](H, **self._call_kwargs(l, examples, p, q, past)))
+        finally:
+            for h in handles:
+                h.remove()
         if past.calls != 1:
             raise EngineRefusal(f"block {l}'s attention did not use the key/value cache; use method='hooks'")
         return out
+
+    @staticmethod
+    def _slice_in(keep: Tensor, width: int):
+        def hook(module, args, kwargs):
+            x = args[0] if args else None
+            if not torch.is_tensor(x) or x.ndim < 3 or x.shape[1] != width:
+                raise PatchingError(
+                    f"{type(module).__name__} of the last block takes {None if x is None else tuple(x.shape)}, not "
+                    f"[rows, {width}, ...]; method='kv-cache' cannot run it at the read positions -- use method='hooks'"
+                )
+            return (x.index_select(1, keep),) + tuple(args[1:]), kwargs
+
+        return hook
+
+    @staticmethod
+    def _scatter_out(keep: Tensor, width: int):
+        def hook(module, args, out):
+            y = _first(out)
+            full = y.new_zeros((y.shape[0], width) + tuple(y.shape[2:]))
+            full[:, keep] = y
+            return (full,) + tuple(out[1:]) if isinstance(out, tuple) else full
+
+        return hook
 
     def _head(self, H: Tensor, p: int) -> tuple[Tensor, Tensor]:
         """Logits at the read positions at or after ``p``: (positions, [rows, positions, vocab])."""
@@ -224,9 +267,15 @@ class KVCacheEngine:
                 f"replaying the bridge's blocks from a key/value cache disagrees with its forward by {err:.3g}; "
                 "method='kv-cache' cannot run this architecture -- use method='hooks'"
             )
+        keep = self.cols[self.cols >= p] - p
         for l in range(self.L):
             want = self.acts[l][:, p : self.n_eff]
             got = seen.get(l)
+            if l == self.L - 1 and self.activation != "resid_pre" and self.slice_tail and self.tail:
+                # after the query, the last block is computed at the read positions only
+                want = want.index_select(1, keep)
+                if got is not None and got.shape[1] == self.n_eff - p:
+                    got = got.index_select(1, keep)
             if got is None or got.shape != want.shape or not torch.allclose(got, want, atol=1e-4, rtol=1e-4):
                 raise EngineRefusal(
                     f"the hook {self.names[l]!r} holds {None if got is None else tuple(got.shape)} when its block is re-run, "
@@ -269,8 +318,18 @@ class KVCacheEngine:
         only that position in its own layer, so entering rows run it there alone and take the later
         positions from the corrupted run. Returns (read positions >= p, logits [rows, cols, vocab])."""
         lay = layer.tolist()
-        bounds = np.searchsorted(np.asarray(lay), np.arange(self.L + 1))  # rows entering at each layer
         single = pos is not None and self.activation != "resid_pre"
+        # a whole-sequence patch of z / mlp_out in the last block writes every position of a hook
+        # that the read-position slicing shortens: run that block whole
+        self.slice_tail = not (pos is None and self.activation in ("z", "mlp_out") and lay[-1] == self.L - 1)
+        try:
+            return self._run_chunk(p, lay, examples, pos, heads, clean_acts, single)
+        finally:
+            self.slice_tail = True
+
+    def _run_chunk(self, p: int, lay: list, examples: Tensor, pos: Optional[Tensor], heads: Optional[Tensor],
+                   clean_acts: list, single: bool) -> tuple[Tensor, Tensor]:
+        bounds = np.searchsorted(np.asarray(lay), np.arange(self.L + 1))  # rows entering at each layer
         state = {"on": False}
         hooks = []
         for l in range(lay[0], self.L):
@@ -319,6 +378,19 @@ def kv_patch_cells(engine: KVCacheEngine, kind: str, cells: Tensor, differs: Ten
     positions: 0) and hold at most ``batch_size`` rows (copies x examples)."""
     b, n = engine.b, engine.n
     dev = engine.logits.device
+    if row_col is not None and engine.activation != "resid_pre":
+        # after the attention of the last block a position reaches only its own logits: a cell there
+        # at a position the metric does not read cannot change it (the corrupted baseline)
+        unread = (cells[:, 0] == engine.L - 1) & ~torch.isin(cells[:, row_col], engine.cols.cpu())
+        if bool(unread.any()):
+            base_val = metric_per_copy(metric, engine.logits, 1, b)[0].to(torch.float64).cpu()
+            out = torch.zeros((len(cells),) + tuple(base_val.shape), dtype=torch.float64)
+            out[unread] = base_val
+            keep = (~unread).nonzero().flatten()
+            if len(keep):
+                out[keep] = kv_patch_cells(engine, kind, cells[keep], differs[keep], clean_acts, metric, batch_size,
+                                           row_col, head_col, progress, desc)
+            return out
     starts = cells[:, row_col] if row_col is not None else torch.zeros(len(cells), dtype=torch.long)
     order = np.lexsort((cells[:, 0].numpy(), starts.numpy()))
     chunks, cur, rows = [], [], 0
