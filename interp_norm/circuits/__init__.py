@@ -28,7 +28,7 @@ import pandas as pd
 
 from interp_norm.circuits._types import PatchResult
 from interp_norm.circuits.attention_maps import attention_map, attention_map_split, sparse_attention_events, token_roles
-from interp_norm.circuits.attribution import attribution_patch, compare_scores
+from interp_norm.circuits.attribution import attribution_patch, compare_scores, node_attribution
 from interp_norm.circuits.edge_scores import edge_attribution, exact_edge_patch
 from interp_norm.circuits.edges import EdgeGraph, receiver_node
 from interp_norm.circuits.graph import ABLATIONS, Circuit, faithfulness, run_with_circuit
@@ -126,7 +126,7 @@ __all__ = [
     # exact patching
     "PatchResult", "activation_patch", "patch_sweep",
     # attribution
-    "attribution_patch", "edge_attribution", "exact_edge_patch", "compare_scores", "EdgeGraph", "receiver_node",
+    "attribution_patch", "node_attribution", "edge_attribution", "exact_edge_patch", "compare_scores", "EdgeGraph", "receiver_node",
     # circuits
     "Circuit", "faithfulness", "run_with_circuit", "ABLATIONS",
     # attention maps

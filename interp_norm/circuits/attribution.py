@@ -13,8 +13,9 @@ Edge-level scores (sender -> receiver) are in :mod:`~interp_norm.circuits.edge_s
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -56,10 +57,33 @@ def attribution_patch(
     estimated change of the metric (and ``values`` = corrupted baseline + that estimate).
     ``batch_size`` bounds the rows (integration steps x examples) per forward/backward pass.
     """
+    return node_attribution(model, pairs, metric, (activation,), by=by, ig_steps=ig_steps, batch_size=batch_size)[activation]
+
+
+def node_attribution(
+    model,
+    pairs: PatchingPairs,
+    metric: Optional[MetricFn] = None,
+    activations: Sequence[str] = ("z", "mlp_out"),
+    *,
+    by: str = "pos",
+    ig_steps: int = 1,
+    batch_size: int = 1024,
+) -> dict[str, PatchResult]:
+    """EAP / EAP-IG of several activations from the same passes: ``{activation: PatchResult}``.
+
+    All pairs (and integration steps) go through one batched pass: one clean forward, then one
+    forward + backward from the corrupted input whose first integration point (``alpha = 0``) is the
+    corrupted run itself, so its activations and baseline come from that pass. On a
+    TransformerBridge, when the metric declares the positions it reads (``read_mask``), the input
+    stops at the last read position (later positions cannot reach the metric: their scores are 0)
+    and the unembedding runs at the read positions only. (TransformerLens 4.3's
+    ``attribution_patch`` runs a clean forward and a corrupted forward + backward per pair.)
+    """
     pairs = as_pairs(pairs)
     require_eval(model)
-    axes = check_by(activation, by)
-    kind = PATCHABLE[activation]
+    activations = list(dict.fromkeys(activations))
+    axes_of = {a: check_by(a, by) for a in activations}
     dev = device(model)
     metric = metric if metric is not None else LogitDiff(pairs)
     alphas = ig_alphas(ig_steps)
@@ -67,16 +91,17 @@ def attribution_patch(
     L, H = cfg.n_layers, cfg.n_heads
     clean, corr = pairs.clean_tokens.to(dev), pairs.corrupted_tokens.to(dev)
     b, n = clean.shape
-    names = [act_name(activation, l) for l in range(L)]
+    names = {a: [act_name(a, l) for l in range(L)] for a in activations}
     embed = act_name("embed")
-    want = set(names) | {embed}
-    with torch.no_grad():
-        clean_logits, cc = model.run_with_cache(clean, names_filter=lambda nm: nm in want)
-        corr_logits, xc = model.run_with_cache(corr, names_filter=lambda nm: nm in want)
-        baseline = metric_values(metric, corr_logits, b).double().cpu()
+    want = {nm for a in activations for nm in names[a]} | {embed}
+    cols, ne = _read_columns(model, metric, b, n, any(PATCHABLE[a] == "pattern" for a in activations))
+    with torch.no_grad(), _logits_at(model, cols, n, ne):
+        clean_logits, cc = model.run_with_cache(clean[:, :ne], names_filter=lambda nm: nm in want)
         clean_val = metric_values(metric, clean_logits, b).double().cpu()
-    e_clean, e_corr = cc[embed], xc[embed]
-    grads = {nm: torch.zeros_like(cc[nm], dtype=torch.float64) for nm in names}
+    e_clean = cc[embed]
+    grads = {nm: torch.zeros_like(cc[nm], dtype=torch.float64) for nm in want - {embed}}
+    xc: dict[str, Tensor] = {}
+    baseline = None
     steps_per_pass = max(1, batch_size // b)
     for s0 in range(0, ig_steps, steps_per_pass):
         al = alphas[s0 : s0 + steps_per_pass].to(dev, e_clean.dtype)
@@ -84,48 +109,95 @@ def attribution_patch(
         deltas: dict[str, Tensor] = {}
 
         def embed_hook(act: Tensor, hook: Any, al=al, m=m) -> Tensor:
-            mix = e_corr.unsqueeze(0) + al.view(m, 1, 1, 1) * (e_clean - e_corr).unsqueeze(0)
-            return mix.reshape(act.shape)
+            a = act.view(m, *e_clean.shape)  # the corrupted embedding: alpha = 0 leaves it as it is
+            return (a + al.view(m, 1, 1, 1) * (e_clean.unsqueeze(0) - a)).reshape(act.shape)
 
-        def leaf_hook(act: Tensor, hook: Any, nm: str) -> Tensor:
+        def leaf_hook(act: Tensor, hook: Any, nm: str, first: bool) -> Tensor:
+            if first:
+                xc[nm] = act[:b].detach().clone()  # the rows of alpha = 0: the corrupted run
             d = torch.zeros_like(act, requires_grad=True)
             deltas[nm] = d  # keyed by our name: a bridge's hook.name is its canonical alias
             return act + d
 
-        hooks = [(embed, embed_hook)] + [(nm, partial(leaf_hook, nm=nm)) for nm in names]
-        with torch.enable_grad():
-            logits = model.run_with_hooks(corr.repeat(m, 1), fwd_hooks=hooks)
-            total = metric_values(metric, logits, b).sum()
-            gs = torch.autograd.grad(total, [deltas[nm] for nm in names], allow_unused=True)
-        for nm, g in zip(names, gs):
+        leaves = sorted(grads)
+        hooks = [(embed, embed_hook)] + [(nm, partial(leaf_hook, nm=nm, first=s0 == 0)) for nm in leaves]
+        with torch.enable_grad(), _logits_at(model, cols, n, ne):
+            logits = model.run_with_hooks(corr[:, :ne].repeat(m, 1), fwd_hooks=hooks)
+            vals = metric_values(metric, logits, b)
+            if s0 == 0:
+                baseline = vals[:b].detach().double().cpu()
+            gs = torch.autograd.grad(vals.sum(), [deltas[nm] for nm in leaves], allow_unused=True)
+        for nm, g in zip(leaves, gs):
             if g is not None:
                 grads[nm] += g.view(m, b, *g.shape[1:]).sum(0).double()
-    # score per cell: (clean - corrupted) . mean gradient, summed over the axes the cell covers
-    per_layer = []
-    for nm in names:
-        prod = (cc[nm].double() - xc[nm].double()) * grads[nm] / ig_steps  # [b, ...]
-        if kind == "resid":
-            s = prod.sum(-1)  # [b, pos]
-            s = s if by == "pos" else s.sum(-1, keepdim=True)
-        elif kind == "head":
-            s = prod.sum(-1)  # [b, pos, head]
-            s = s if by == "pos" else s.sum(1)  # [b, head]
-        else:  # pattern [b, head, dest, src]
-            s = {"pos": prod.sum(-1), "all": prod.sum((-1, -2)), "dest_src": prod}[by]
-        per_layer.append(s)
-    est = torch.stack(per_layer, 1)  # [b, layer, ...]
-    if kind == "resid" and by == "all":
-        est = est[..., 0]
     sizes = dict(layer=L, pos=n, head=H, dest_pos=n, src_pos=n)
-    per_example = est.reshape(b, -1).T + baseline.unsqueeze(0)  # [cells, b]
-    values = per_example.mean(-1).view(*[sizes[a] for a in axes])
-    cells = grid_cells(axes, sizes)
-    return PatchResult(
-        activation=activation, by=by, axis_names=list(axes), values=values.float(),
-        index_df=pd.DataFrame(cells.numpy(), columns=list(axes)), per_example=per_example,
-        baseline=baseline, clean=clean_val, metric_name=getattr(metric, "name", "metric"),
-        method="eap" if ig_steps == 1 else f"eap-ig{ig_steps}",
-    )
+    out = {}
+    for a in activations:
+        kind, axes = PATCHABLE[a], axes_of[a]
+        per_layer = [_cell_scores(kind, by, (cc[nm].double() - xc[nm].double()) * grads[nm] / ig_steps, n)
+                     for nm in names[a]]
+        est = torch.stack(per_layer, 1)  # [b, layer, ...]
+        if kind == "resid" and by == "all":
+            est = est[..., 0]
+        per_example = est.reshape(b, -1).T.cpu() + baseline.unsqueeze(0)  # [cells, b]
+        values = per_example.mean(-1).view(*[sizes[x] for x in axes])
+        out[a] = PatchResult(
+            activation=a, by=by, axis_names=list(axes), values=values.float(),
+            index_df=pd.DataFrame(grid_cells(axes, sizes).numpy(), columns=list(axes)), per_example=per_example,
+            baseline=baseline, clean=clean_val, metric_name=getattr(metric, "name", "metric"),
+            method="eap" if ig_steps == 1 else f"eap-ig{ig_steps}",
+        )
+    return out
+
+
+def _cell_scores(kind: str, by: str, prod: Tensor, n: int) -> Tensor:
+    """(clean - corrupted) x gradient of one layer, summed over what a cell covers; positions the
+    input stopped before (the metric reads none of them) score 0."""
+    if kind == "resid":
+        s = prod.sum(-1)  # [b, pos]
+        return torch.nn.functional.pad(s, (0, n - s.shape[1])) if by == "pos" else s.sum(-1, keepdim=True)
+    if kind == "head":
+        s = prod.sum(-1)  # [b, pos, head]
+        return torch.nn.functional.pad(s, (0, 0, 0, n - s.shape[1])) if by == "pos" else s.sum(1)  # [b, head]
+    return {"pos": prod.sum(-1), "all": prod.sum((-1, -2)), "dest_src": prod}[by]  # pattern [b, head, dest, src]
+
+
+def _read_columns(model, metric: MetricFn, b: int, n: int, full: bool) -> tuple[Optional[Tensor], int]:
+    """The positions the metric reads (None: all) and how many input positions reach them; only on
+    a TransformerBridge (whose unembedding is a module :func:`_logits_at` can wrap)."""
+    from interp_norm.bridges._common import is_bridge
+
+    read = getattr(metric, "read_mask", None)
+    if read is None or not is_bridge(model) or not isinstance(getattr(model, "unembed", None), torch.nn.Module):
+        return None, n
+    cols = torch.as_tensor(read).to(torch.bool).expand(b, n).any(0).nonzero().flatten()
+    if len(cols) == 0:
+        return None, n
+    return cols.to(device(model)), n if full else int(cols.max()) + 1
+
+
+@contextmanager
+def _logits_at(model, cols: Optional[Tensor], n: int, ne: int):
+    """Unembed only positions ``cols`` of a pass over the first ``ne`` positions; the logits come out
+    as ``[rows, n, vocab]``, zero at the positions not read (differentiable)."""
+    if cols is None or (len(cols) == n and ne == n):
+        yield
+        return
+
+    def pre(module, args, kwargs):
+        return (args[0].index_select(1, cols),) + tuple(args[1:]), kwargs
+
+    def post(module, args, out):
+        y = out[0] if isinstance(out, tuple) else out
+        full = y.new_zeros((y.shape[0], n) + tuple(y.shape[2:])).index_copy(1, cols, y)
+        return (full,) + tuple(out[1:]) if isinstance(out, tuple) else full
+
+    handles = [model.unembed.register_forward_pre_hook(pre, with_kwargs=True), model.unembed.register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 # ----------------------------------------------------------------------------- agreement
@@ -158,4 +230,4 @@ def compare_scores(approx: Union[PatchResult, pd.DataFrame], exact: Union[PatchR
                               topk_sign_agreement=sign, max_abs_diff=float(np.abs(a - e).max()))])
 
 
-__all__ = ["attribution_patch", "compare_scores"]
+__all__ = ["attribution_patch", "node_attribution", "compare_scores"]
