@@ -128,7 +128,8 @@ def table(bridge, clean, corr, metric, act: str, repeats: int, tl_sample: int, b
     def ours():
         return activation_patch(bridge, corr, cache, metric, act, method="kv-cache", batch_size=batch_size)
 
-    ours()  # warm-up
+    warm = grid[grid["pos"] == clean.shape[1] - 1].iloc[:4]  # warm-up on a few cells: the allocator, first calls
+    activation_patch(bridge, corr, cache, metric, act, method="kv-cache", batch_size=batch_size, cells=warm)
     t_tl, ref = cpu_time(tl)
     t_ours, res = cpu_time(ours)
     diff = float((res.values.reshape(-1)[rows] - ref).abs().max())
@@ -146,6 +147,25 @@ def table(bridge, clean, corr, metric, act: str, repeats: int, tl_sample: int, b
                 fwd=res.rows_computed / (clean.numel() * L))
 
 
+def scaling(args) -> None:
+    """One table, its ratio as the layers and the positions grow (the other held at --layers / --pos)."""
+    arch, act = args.archs.split(",")[0], args.acts.split(",")[0]
+    axes = dict(kv.split("=") for kv in args.scaling.split(";"))
+    print(f"\n{arch} {act}, {args.pairs} pairs; CPU s, median of {args.repeats}; ~ = TransformerLens timed on "
+          f"{args.tl_sample} sampled cells, scaled up")
+    print(f"   {'layers':>6}{'pos':>5}{'cells':>7}{'max|diff|':>11}{'TransformerLens':>17}{'ours':>9}{'ratio':>8}{'ours fwd':>9}")
+    for axis, values in axes.items():
+        for val in (int(x) for x in values.split(",")):
+            L, n = (val, args.pos) if axis == "layers" else (args.layers, val)
+            bridge, (d, h, kvh, dh, mlp, v) = build(arch, L, n, args.d_model, args.vocab, args.shrink)
+            clean, corr, at = pairs(v, args.pairs, n, args.corrupt_pos)
+            r = table(bridge, clean, corr, LastLogitDiff(clean, corr, at), act, args.repeats, args.tl_sample, args.batch_size)
+            est = "~" if r["sampled"] else " "
+            print(f"   {L:>6}{n:>5}{r['cells']:>7}{r['diff']:>11.1e}{est}{r['tl']:>16.2f}{r['ours']:>9.2f}"
+                  f"{r['tl'] / r['ours']:>7.1f}x{r['fwd']:>9.2f}", flush=True)
+            del bridge
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--archs", default="gpt2,llama,qwen3")
@@ -161,9 +181,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median)")
     ap.add_argument("--tl-sample", type=int, default=0, help="time TransformerLens on this many sampled cells (0: all)")
     ap.add_argument("--batch-size", type=int, default=1024, help="activation_patch's batch_size")
+    ap.add_argument("--scaling", default="",
+                    help="instead of the tables: how the ratio grows, e.g. 'layers=3,6,12;pos=8,16,32' "
+                         "(first --archs, first --acts; the other axis at --layers / --pos)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     w0, c0 = time.perf_counter(), time.process_time()
+    if args.scaling:
+        scaling(args)
+        print(f"total: {time.perf_counter() - w0:.0f} s wall, {time.process_time() - c0:.0f} s CPU")
+        return
     ratios = []
     for arch in args.archs.split(","):
         bridge, (d, h, kvh, dh, mlp, v) = build(arch, args.layers, args.pos, args.d_model, args.vocab, args.shrink)
