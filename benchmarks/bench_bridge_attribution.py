@@ -21,6 +21,8 @@ moved along the corrupted -> clean line by a hook (checked equal the same way).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import statistics
 import sys
@@ -38,11 +40,16 @@ from transformer_lens.tools.analysis.attribution_patching import (  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_bridge_patching import LastLogitDiff, build, pairs  # noqa: E402
-from bench_patching import cpu_time, peak_mb, quiet  # noqa: E402
+from bench_patching import cpu_time, peak_mb  # noqa: E402
 
 from interp_norm.circuits import PatchingPairs, node_attribution  # noqa: E402
 
 TOL = 1e-5
+
+
+def quiet(fn, *args, **kw):
+    with contextlib.redirect_stderr(io.StringIO()):  # warnings; autograd stays on (attribution needs it)
+        return fn(*args, **kw)
 
 
 def tl_eap(bridge, clean, corr, metric: LastLogitDiff) -> list[dict]:

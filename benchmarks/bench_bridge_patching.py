@@ -15,7 +15,7 @@ sampled cells and scales to the whole table (its cost is one forward pass per ce
 checked on those cells), for sizes where its full tables take too long.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_bridge_patching.py [--archs gpt2,llama,qwen3]
-        [--shrink 3 | --d-model 256 --vocab 8000] [--layers 12] [--pos 16] [--pairs 8] [--repeats 3] [--tl-sample 0]
+        [--shrink 3 | --d-model 256 --vocab 8000] [--layers 12] [--pos 16] [--pairs 8] [--repeats 3] [--tl-sample 24]
 """
 
 from __future__ import annotations
@@ -179,7 +179,8 @@ def main() -> None:
     ap.add_argument("--shrink", type=float, default=1.0,
                     help="divide d_model (to whole heads) and the vocabulary alike, e.g. 3 for quick runs")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median)")
-    ap.add_argument("--tl-sample", type=int, default=0, help="time TransformerLens on this many sampled cells (0: all)")
+    ap.add_argument("--tl-sample", type=int, default=24,
+                    help="time TransformerLens on this many sampled cells, scaled to the table (0: all; a full z table at real size is ~15 CPU min)")
     ap.add_argument("--batch-size", type=int, default=1024, help="activation_patch's batch_size")
     ap.add_argument("--scaling", default="",
                     help="instead of the tables: how the ratio grows, e.g. 'layers=3,6,12;pos=8,16,32' "
