@@ -109,7 +109,7 @@ def pairs(vocab: int, b: int, n: int, corrupt_pos: int, seed: int = 1):
     return clean, corr, at
 
 
-def table(bridge, clean, corr, metric, act: str, repeats: int, tl_sample: int, batch_size: int) -> dict:
+def table(bridge, clean, corr, metric, act: str, repeats: int, tl_sample: int, batch_size: int, memory: bool = True) -> dict:
     fn, setter, axes = TL[act]
     _, cache = bridge.run_with_cache(clean)
     L, n, H = bridge.cfg.n_layers, clean.shape[1], bridge.cfg.n_heads
@@ -142,7 +142,7 @@ def table(bridge, clean, corr, metric, act: str, repeats: int, tl_sample: int, b
     few = grid.iloc[:2]
     tl_mb = peak_mb(lambda: quiet(patching.generic_activation_patch, bridge, corr, cache, metric.mean, patch_setter=setter,
                                   activation_name=act, index_df=few))
-    return dict(cells=len(grid), diff=diff, tl=med["tl"], ours=med["ours"], mb=peak_mb(ours), tl_mb=tl_mb,
+    return dict(cells=len(grid), diff=diff, tl=med["tl"], ours=med["ours"], mb=peak_mb(ours) if memory else float("nan"), tl_mb=tl_mb,
                 sampled=len(sample) < len(grid), effect=float((res.values - res.baseline.mean()).abs().max()),
                 fwd=res.rows_computed / (clean.numel() * L))
 
@@ -182,6 +182,7 @@ def main() -> None:
     ap.add_argument("--tl-sample", type=int, default=24,
                     help="time TransformerLens on this many sampled cells, scaled to the table (0: all; a full z table at real size is ~15 CPU min)")
     ap.add_argument("--batch-size", type=int, default=1024, help="activation_patch's batch_size")
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory column (it re-runs ours under the profiler)")
     ap.add_argument("--scaling", default="",
                     help="instead of the tables: how the ratio grows, e.g. 'layers=3,6,12;pos=8,16,32' "
                          "(first --archs, first --acts; the other axis at --layers / --pos)")
@@ -202,7 +203,7 @@ def main() -> None:
         print(f"   {'activation':<11}{'cells':>6}{'max|diff|':>11}{'max|effect|':>12}{'TransformerLens':>17}{'ours':>9}"
               f"{'ratio':>8}{'ours fwd':>9}{'ours MB':>9}{'TL MB':>8}")
         for act in args.acts.split(","):
-            r = table(bridge, clean, corr, metric, act, args.repeats, args.tl_sample, args.batch_size)
+            r = table(bridge, clean, corr, metric, act, args.repeats, args.tl_sample, args.batch_size, not args.no_memory)
             ratios.append(r["tl"] / r["ours"])
             est = "~" if r["sampled"] else " "
             print(f"   {act:<11}{r['cells']:>6}{r['diff']:>11.1e}{r['effect']:>12.3g}{est}{r['tl']:>16.2f}{r['ours']:>9.2f}"
