@@ -218,7 +218,7 @@ class KVCacheEngine:
         def hook(module, args, kwargs):
             x = args[0] if args else None
             if not torch.is_tensor(x) or x.ndim < 3 or x.shape[1] != width:
-                raise PatchingError(
+                raise EngineRefusal(
                     f"{type(module).__name__} of the last block takes {None if x is None else tuple(x.shape)}, not "
                     f"[rows, {width}, ...]; method='kv-cache' cannot run it at the read positions -- use method='hooks'"
                 )
