@@ -8,6 +8,8 @@ The CLI turns any of them into a one-line message and exit code 2.
 
 from __future__ import annotations
 
+import numbers
+
 
 class InterpNormError(Exception):
     """Base class for every error raised on purpose by interp_norm."""
@@ -83,7 +85,18 @@ class StatisticsError(InterpNormError, ValueError):
     """A statistic over seeds got unusable input (NaN values, an empty arm, a level outside (0, 1))."""
 
 
+def check_positive_int(value: object, name: str, error: type[InterpNormError] = ConfigError, hint: str = "") -> int:
+    """``value`` if it is an integer >= 1 (a Python or NumPy integer, not a bool); else ``error`` naming
+    ``name`` (``hint``, e.g. ``"1 = EAP"``, goes in parentheses after it). The package's one
+    positive-integer check: sizes, counts, batch sizes and worker numbers all go through it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        more = f" ({hint})" if hint else ""
+        raise error(f"{name} must be a positive integer{more}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
 __all__ = [
+    "check_positive_int",
     "InterpNormError",
     "ProblemStringError",
     "ConfigError",

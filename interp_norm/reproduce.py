@@ -21,7 +21,6 @@ also builds the seed tables every run writes: ``seed_comparisons``, ``seed_match
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import platform
 import time
@@ -43,67 +42,73 @@ __all__ = [
     "reproduce",
     "make_dashboard",
 ]
-from interp_norm.checkpoint_report import ANALYSES, DEFAULT_ANALYSES  # noqa: E402  (imports pandas only)
+from interp_norm.registry import ANALYSES, DEFAULT_ANALYSES  # noqa: E402  (standard library only)
 from interp_norm.seed_compare import DEFAULT_SEEDS, SEED_ANALYSES, seed_pass_settings, seed_tables  # noqa: E402,F401
 
-
-def _noise_default(name: str) -> tuple[float, ...]:
-    """The noise module's default levels (one source; loaded when a Settings is made, not on import)."""
-    from interp_norm import noise
-
-    return tuple(getattr(noise, name))
+#: Settings of the run as a whole (the analyses' own sizes come from the registry).
+RUN_FIELDS: dict[str, Any] = dict(workers=None, seed=0, analyses=DEFAULT_ANALYSES)
 
 
-def _hooks_default(name: str) -> tuple[str, ...]:
-    from interp_norm import hooks
-
-    return tuple(getattr(hooks, name))
+def _settings_from(values: dict[str, Any]) -> "Settings":
+    return Settings(**values)
 
 
-@dataclass(frozen=True)
 class Settings:
-    """Sizes of every analysis. :meth:`full` is the default run (< 3 min on 2 cores), :meth:`quick` is for tests."""
+    """Sizes of every analysis: :meth:`full` is the default run (< 3 min on 2 cores), :meth:`quick` is for tests.
 
-    eval_size: int = 1024  # fresh problems per split (training recorded 2048 in metrics.json)
-    exact_match: bool = True
-    noise_levels: tuple[float, ...] = field(default_factory=lambda: _noise_default("DEFAULT_NOISE_LEVELS"))
-    noise_examples: int = 512
-    noise_datasets: int = 3
-    noise_rows: tuple[str, ...] = field(default_factory=lambda: _hooks_default("NOISED_ROWS"))
-    collapse_levels: tuple[float, ...] = field(default_factory=lambda: _noise_default("DEFAULT_COLLAPSE_LEVELS"))
-    collapse_examples: int = 256
-    collapse_draws: int = 64
-    collapse_strict_samples: int = 128
-    noise_matched: bool = True  # the matched-count control group beside sparse / non-sparse
-    forward_examples: int = 128
-    forward_draws: int = 16
-    temperature_multipliers: tuple[float, ...] = field(default_factory=lambda: _noise_default("DEFAULT_MULTIPLIERS"))
-    temperature_examples: int = 256
-    temperature_draws: int = 32
-    decomposition_levels: tuple[float, ...] = (0.01,)  # noise_decomposition (datasets/examples: noise_*)
-    consequence_levels: tuple[float, ...] = field(default_factory=lambda: _noise_default("CONSEQUENCE_LEVELS"))
-    consequence_examples: int = 512
-    consequence_draws: int = 4
-    consequence_boot: int = 2000
-    workers: Optional[int] = None  # processes (None: up to 2); see run_analyses
-    geometry_examples: int = 256
-    circuit_pairs: int = 64
-    circuit_attention_problems: int = 256
-    problems: tuple[str, ...] = ()  # attention problems; default: one per split
-    seed: int = 0
-    analyses: tuple[str, ...] = DEFAULT_ANALYSES  # + checkpoint_report.CONTROLS with --controls
+    The fields are :data:`RUN_FIELDS` (``workers``: processes, None = up to 2, see :func:`run_analyses`;
+    ``seed``; ``analyses``: names from :data:`interp_norm.registry.ANALYSES`) and every registered
+    analysis's ``sizes`` (``noise_levels``, ``collapse_examples``, ...), read as attributes
+    (``settings.noise_levels``). Frozen: :meth:`replace` returns a changed copy. A field whose
+    full-run value is an integer must be a positive integer (:class:`ConfigError` otherwise).
+    """
 
-    def __post_init__(self) -> None:
-        for name in ("eval_size", "noise_examples", "noise_datasets", "collapse_examples", "collapse_draws",
-                     "collapse_strict_samples", "forward_examples", "forward_draws", "temperature_examples",
-                     "temperature_draws", "geometry_examples", "circuit_pairs", "circuit_attention_problems",
-                     "consequence_examples", "consequence_draws", "consequence_boot"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"Settings.{name} must be a positive integer, got {v!r}")
-        bad = [a for a in self.analyses if a not in ANALYSES]
+    __slots__ = ("_values",)
+
+    def __init__(self, _quick: bool = False, **values: Any) -> None:
+        from interp_norm.errors import check_positive_int
+        from interp_norm.registry import sizes
+
+        full = sizes()
+        known = {**RUN_FIELDS, **sizes(quick=_quick)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown Settings fields {unknown}; choose from {sorted(known)}")
+        merged = {k: values.get(k, v) for k, v in known.items()}
+        merged = {k: v() if callable(v) else v for k, v in merged.items()}  # registry.Lazy defaults
+        for name, default in full.items():
+            if isinstance(default, int) and not isinstance(default, bool):
+                check_positive_int(merged[name], f"Settings.{name}")
+        merged["analyses"] = tuple(merged["analyses"])
+        bad = [a for a in merged["analyses"] if a not in ANALYSES]
         if bad:
             raise ConfigError(f"unknown analyses {bad}; choose from {ANALYSES}")
+        object.__setattr__(self, "_values", merged)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return object.__getattribute__(self, "_values")[name]
+        except KeyError:
+            raise AttributeError(f"Settings has no field {name!r}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Settings is frozen; use settings.replace(...)")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Settings) and self._values == other._values
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._values.items()))
+
+    def __reduce__(self) -> tuple:
+        return (_settings_from, (self._values,))
+
+    def __repr__(self) -> str:
+        return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in self._values.items()) + ")"
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field and its value (run.json's ``settings``)."""
+        return dict(self._values)
 
     @classmethod
     def full(cls, **overrides: Any) -> "Settings":
@@ -112,17 +117,10 @@ class Settings:
     @classmethod
     def quick(cls, **overrides: Any) -> "Settings":
         """Tiny sizes: every code path, seconds instead of minutes (numbers are noisy)."""
-        base = dict(
-            eval_size=32, exact_match=True, noise_levels=(0.0, 0.01, 0.1), noise_examples=24, noise_datasets=2,
-            collapse_levels=(0.05, 0.2, 0.5), collapse_examples=16, collapse_draws=8, collapse_strict_samples=16,
-            geometry_examples=24, circuit_pairs=6, circuit_attention_problems=16, forward_examples=16,
-            forward_draws=4, temperature_multipliers=(1.0, 2.0), temperature_examples=16, temperature_draws=4,
-            consequence_examples=24, consequence_draws=2, consequence_boot=200,
-        )
-        return cls(**{**base, **overrides})
+        return cls(_quick=True, **overrides)
 
     def replace(self, **changes: Any) -> "Settings":
-        return dataclasses.replace(self, **changes)
+        return Settings(**{**self._values, **changes})
 
 
 @dataclass
@@ -288,16 +286,9 @@ def run_analyses(
     from tqdm.auto import tqdm
 
     from interp_norm.card import model_card
-    from interp_norm.checkpoint_report import (
-        analyse_checkpoint,
-        analyse_in_worker,
-        evaluate_checkpoint,
-        share_with_workers,
-        stages,
-    )
-    from interp_norm.geometry import geometry_summary
-    from interp_norm.noise import beside_thresholds, collapse_thresholds
+    from interp_norm.checkpoint_report import WorkerPlan, analyse_in_worker, job_for, run_checkpoint, stages, start_worker
     from interp_norm.plots import variant_label
+    from interp_norm.registry import each
 
     settings = settings or Settings.full()
     report = Report(settings=settings, threads=torch.get_num_threads())
@@ -352,21 +343,10 @@ def run_analyses(
         if n_workers == 1:
             for name in jobs:
                 model, info = models[name]
-                seconds: dict[str, float] = {}
-                ev = None
-                if evaluate:
-                    on_stage(name, "evaluate", False)
-                    t = time.perf_counter()
-                    ev = evaluate_checkpoint(name, model, info, settings, progress=False)
-                    seconds["evaluate"] = time.perf_counter() - t
-                    on_stage(name, "evaluate", True)
-                t_tables: dict = {}
-                if name in heavy or name in seed_pass:
-                    t_tables, more = analyse_checkpoint(name, model, info, seed_settings if name in seed_pass else settings,
-                                                        labels[name], seed_todo if name in seed_pass else todo,
-                                                        on_stage=lambda s, f, n=name: on_stage(n, s, f))
-                    seconds.update(more)
-                collect(name, ev, t_tables, seconds)
+                seed = name in seed_pass
+                job = job_for(name, model, info, seed_settings if seed else settings, labels[name])
+                collect(name, *run_checkpoint(job, seed_todo if seed else todo, name in heavy or seed,
+                                              lambda s, f, n=name: on_stage(n, s, f)))
         else:
             import multiprocessing as mp
             from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -378,9 +358,9 @@ def run_analyses(
                 while not events.empty():
                     on_stage(*events.get())
 
-            share_with_workers(models, settings, labels, todo, set(heavy) | set(seed_pass), events,
-                               overrides={n: (seed_settings, seed_todo) for n in seed_pass})
-            with ProcessPoolExecutor(n_workers, mp_context=ctx) as pool:
+            plan = WorkerPlan(models, labels, settings, frozenset(todo), frozenset(heavy) | frozenset(seed_pass),
+                              events, overrides={n: (seed_settings, seed_todo) for n in seed_pass})
+            with ProcessPoolExecutor(n_workers, mp_context=ctx, initializer=start_worker, initargs=(plan,)) as pool:
                 pending = {pool.submit(analyse_in_worker, name) for name in jobs}
                 while pending:
                     done, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
@@ -399,18 +379,9 @@ def run_analyses(
     keys = list(dict.fromkeys(k for n in order for k in tables.get(n, {})))
     for key in keys:
         T[key] = _concat([f for n in order for f in tables.get(n, {}).get(key, [])])
-    if len(T.get("collapse", ())):
-        T["collapse_thresholds"] = collapse_thresholds(T["collapse"])
-        if len(T.get("collapse_heads", ())):  # the effective number of heads beside every level
-            T["collapse_thresholds"] = beside_thresholds(T["collapse_thresholds"], T["collapse_heads"])
-    if len(T.get("forward_collapse", ())):
-        T["forward_collapse_thresholds"] = collapse_thresholds(T["forward_collapse"])
-    geo = [k[len("geometry_"):] for k in keys if k.startswith("geometry_")]
-    if geo:
-        try:
-            T["geometry_summary"] = geometry_summary({k: T[f"geometry_{k}"] for k in geo})
-        except Exception as e:  # a summary is a convenience; never lose the run over it
-            report.notes.append(f"geometry summary skipped: {type(e).__name__}: {e}")
+    for analysis in each(todo | seed_todo):  # tables over every checkpoint (thresholds, summaries)
+        if analysis.combine is not None:
+            T.update(analysis.combine(T, report.notes))
     if len(report.checkpoints):
         from interp_norm.seed_summary import per_checkpoint, seed_spread
 
@@ -470,7 +441,7 @@ def run_facts(report: Report) -> dict:
         seconds=round(report.timings.get("total", report.total_seconds), 1),
         all_seeds=bool(len(report.checkpoints) and "scope" in report.checkpoints
                        and (report.checkpoints["scope"] == "seed tables").any()),
-        settings=dataclasses.asdict(report.settings) if report.settings else None,
+        settings=report.settings.as_dict() if report.settings else None,
         checkpoints=report.checkpoints.to_dict("records") if len(report.checkpoints) else [],
         notes=report.notes,
     )

@@ -6,7 +6,8 @@ Layers, lowest first (CONTRIBUTING.md explains them):
     persistence   io, train_config, checkpoint_format, checkpoints, distributed, evaluate, train
     adapter       anatomy/ (what every analysis asks about a model, ours or a bridge; loading any model)
     analyses      _checks, theory, stats, bridges/, noise/, geometry/, circuits/
-    faces         plots/, card, seed_summary, seed_compare, dashboard/, checkpoint_report, reproduce, cli/, tutorial/
+    faces         plots/, card, seed_summary, seed_compare, dashboard/, registry, checkpoint_report, reproduce, cli/,
+                  tutorial/
 
 A module may import its own layer and the layers below it, never a layer above; the module graph
 has no cycles; no analysis or face spells a hook name by hand (they ask ``interp_norm.hooks``).
@@ -27,7 +28,8 @@ LAYERS = {
     "persistence": ("io", "train_config", "checkpoint_format", "checkpoints", "distributed", "evaluate", "train"),
     "adapter": ("anatomy",),
     "analyses": ("_checks", "theory", "stats", "bridges", "noise", "geometry", "circuits"),
-    "faces": ("plots", "card", "seed_summary", "seed_compare", "dashboard", "checkpoint_report", "reproduce", "cli", "tutorial"),
+    "faces": ("plots", "card", "seed_summary", "seed_compare", "dashboard", "registry", "checkpoint_report", "reproduce",
+              "cli", "tutorial"),
 }
 RANK = {top: i for i, tops in enumerate(LAYERS.values()) for top in tops}
 MAX_LINES = 550  # "no module over ~500 lines"

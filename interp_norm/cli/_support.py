@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from interp_norm.errors import OutputDirError
+# the analyses ``reproduce`` can run and the opt-in ones (``--controls``); the registry imports only the standard library
+from interp_norm.registry import ANALYSES, CONTROLS  # noqa: F401
 
 PROG = "interp-norm"
 #: What Ctrl-C prints unless the subcommand says otherwise (results are written at the end of a run).
@@ -329,20 +331,9 @@ def real_model_tables(models: dict, args: argparse.Namespace) -> dict:
 
 #: The task's splits (the task module imports torch; --help must not).
 SPLITS = ("id", "interp", "extrap")
-#: The analyses ``reproduce`` can run (checkpoint_report.ANALYSES, which imports pandas; a test keeps them equal).
-ANALYSES = ("evaluate", "circuits", "noise", "collapse", "forward_collapse", "temperature", "geometry", "attention",
-            "noise_decomposition", "collapse_consequence")
-#: The opt-in ones (checkpoint_report.CONTROLS; ``reproduce --controls``).
-CONTROLS = ("noise_decomposition", "collapse_consequence")
 CKPT_HELP = "checkpoint or run folder, or a pretrained name (see 'interp-norm list')"
 MODEL_HELP = (CKPT_HELP[:-1] + "), or a Hugging Face model: a local save_pretrained folder or a name already in the "
               "Hugging Face cache (never downloaded)")
-
-
-def load_any_checkpoint(ckpt: str, device: str = "cpu") -> tuple[Any, Any]:
-    from interp_norm.checkpoints import load_any
-
-    return load_any(ckpt, device=device)
 
 
 #: Printed columns that hold fractions (shown as percentages; the CSVs keep fractions).

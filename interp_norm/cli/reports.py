@@ -17,6 +17,7 @@ from interp_norm.cli._support import (
     prepare_out,
     real_model_tables,
 )
+from interp_norm.registry import get
 
 
 # ----------------------------------------------------------------------------- reproduce and dashboard
@@ -33,8 +34,8 @@ def _settings_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", nargs="+", choices=ANALYSES,
                    help=f"run only these analyses (default: all but {', '.join(CONTROLS)})")
     p.add_argument("--controls", action="store_true",
-                   help=f"also run {' and '.join(CONTROLS)} (issue 23's noise-drop decomposition and the accuracy "
-                        "of problems with a collapsed sparse row; about +5 s of CPU per analysed checkpoint)")
+                   help=f"also run {' and '.join(CONTROLS)} ({'; '.join(get(a).help for a in CONTROLS)}; about +5 s "
+                        "of CPU per analysed checkpoint)")
     p.add_argument("--workers", type=positive_int, default=None,
                    help="processes analysing checkpoints side by side, one thread each (default: up to 2 on cpu, "
                         "1 on another --device)")
