@@ -10,7 +10,9 @@ model's own code instead of re-deriving it. See :mod:`interp_norm.model_config` 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Iterator, Optional
 
 import einops
 import torch
@@ -77,34 +79,51 @@ class HeadNorm(nn.Module):
         return hook_normed(x / scale * self.w)
 
 
+#: The non-padding mask ``[batch, pos]`` of the batch the Checkpoint factors are being fitted on, while
+#: :func:`fitting_calibration` is active (in this thread / context only); None otherwise.
+_FITTING: ContextVar[Optional[Tensor]] = ContextVar("interp_norm_calibration_fitting", default=None)
+
+
+@contextmanager
+def fitting_calibration(valid: Tensor) -> Iterator[None]:
+    """While active, every :class:`Calibration` layer a forward pass reaches fits its factor on the
+    batch passing through (``valid``: its non-padding mask); on exit, even by an exception, the
+    factors are frozen again. The one switch of calibration mode: no module attribute changes."""
+    token = _FITTING.set(valid)
+    try:
+        yield
+    finally:
+        _FITTING.reset(token)
+
+
 class Calibration(nn.Module):
     """The paper's "Checkpoint" layer: ``x * factor``, the factor fitted once so the output std is ``std``.
 
-    While :meth:`HookedNormTransformer.calibrate` runs, each layer sets its factor from the batch
-    passing through (``std / std(measure)``, over the valid entries given by ``valid``); afterwards
-    the factor is a frozen buffer saved with the weights. ``kind="update"`` measures Δx relative to
-    the residual it is added to; ``kind="scores"`` measures causal, non-padding query/key pairs.
+    Inside :func:`fitting_calibration` (what :meth:`HookedNormTransformer.calibrate` uses), each layer
+    sets its factor from the batch passing through (``std / std(measure)``, over the entries the
+    fitting mask marks valid); otherwise the factor is a frozen buffer saved with the weights.
+    ``kind="update"`` measures Δx relative to the residual it is added to; ``kind="scores"`` measures
+    causal, non-padding query/key pairs.
     """
 
     def __init__(self, std: float, kind: str = "vector"):
         super().__init__()
         self.std, self.kind = float(std), kind
         self.register_buffer("factor", torch.ones(()))
-        self.valid: Optional[Tensor] = None  # [batch, pos] non-padding mask while calibrating, else None
 
-    def _std(self, x: Tensor) -> Tensor:
+    def _std(self, x: Tensor, valid: Tensor) -> Tensor:
         if self.kind == "scores":  # [b, h, q, k]: causal pairs whose query and key are both real tokens
-            v = self.valid
             n = x.shape[-1]
             keep = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
-            keep = keep & v[:, None, :n, None] & v[:, None, None, :n]
+            keep = keep & valid[:, None, :n, None] & valid[:, None, None, :n]
             return x.masked_select(keep.expand_as(x)).std()
-        return x[self.valid[:, : x.shape[1]]].std()
+        return x[valid[:, : x.shape[1]]].std()
 
     def forward(self, x: Tensor, measure: Optional[Tensor] = None, relative_to: Optional[Tensor] = None) -> Tensor:
-        if self.valid is not None:
-            target = self.std * (self._std(relative_to) if relative_to is not None else 1.0)
-            self.factor.fill_(float(target / self._std(measure if measure is not None else x)))
+        valid = _FITTING.get()
+        if valid is not None:
+            target = self.std * (self._std(relative_to, valid) if relative_to is not None else 1.0)
+            self.factor.fill_(float(target / self._std(measure if measure is not None else x, valid)))
         return x * self.factor
 
 
@@ -315,4 +334,4 @@ class OutputHead(nn.Module):
         return self.layers[-1](x)
 
 
-__all__ = ["Norm", "HeadNorm", "Calibration", "SinusoidalPosEmbed", "Attention", "MLP", "TransformerBlock", "OutputHead"]
+__all__ = ["Norm", "HeadNorm", "Calibration", "fitting_calibration", "SinusoidalPosEmbed", "Attention", "MLP", "TransformerBlock", "OutputHead"]

@@ -1,7 +1,7 @@
 """Hooked decoder-only transformers whose attention normalisation is a choice.
 
-Read top to bottom like nanoGPT's ``model.py``: config, norms, embedding, attention, MLP, block,
-output head, model. Hook names and weight shapes follow TransformerLens's HookedTransformer
+:class:`HookedNormTransformer` (its config and building blocks live in two other files, see below).
+Hook names and weight shapes follow TransformerLens's HookedTransformer
 (``blocks.{l}.attn.hook_q``, ``W_Q`` shaped ``[n_heads, d_model, d_head]``), so
 ``transformer_lens.patching`` and ``ActivationCache`` work on these models unchanged. Where TL would
 fail silently or vaguely on them (wrong hook names, hooks that never fire, the final norm, logit
@@ -43,7 +43,7 @@ from interp_norm import task as T
 from interp_norm.errors import ConfigError, ProblemStringError
 from interp_norm.hooks import ATTN_NORMS
 from interp_norm.layers import (
-    MLP, Attention, Calibration, HeadNorm, Norm, OutputHead, SinusoidalPosEmbed, TransformerBlock,
+    MLP, Attention, Calibration, HeadNorm, Norm, OutputHead, SinusoidalPosEmbed, TransformerBlock, fitting_calibration,
 )
 from interp_norm.model_config import CALIBRATIONS, NORM_KINDS, ModelConfig
 from interp_norm.tl_api import DLA_REFUSAL, NormActivationCache, check_hooks, check_names_filter, dormant_hooks
@@ -159,15 +159,8 @@ class HookedNormTransformer(HookedRootModule):
         """Fit every Checkpoint factor on this batch (in forward order), then freeze them."""
         if self.cfg.calibration == "none":
             raise ConfigError("this model has no Checkpoint layers to calibrate; build it with calibration='paper'")
-        layers = [m for m in self.modules() if isinstance(m, Calibration)]
-        valid = tokens.to(self.W_E.device) != T.PAD_ID
-        for m in layers:
-            m.valid = valid
-        try:
+        with fitting_calibration(tokens.to(self.W_E.device) != T.PAD_ID):
             self(tokens, pos_offset=pos_offset)
-        finally:
-            for m in layers:
-                m.valid = None
         self.calibrated.fill_(True)
 
     def calibration_factors(self) -> dict[str, float]:
