@@ -26,14 +26,13 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from interp_norm import task as T
-from interp_norm.errors import ConfigError
+from interp_norm.errors import ConfigError, check_positive_int
 from interp_norm.model import HookedNormTransformer
 from interp_norm.task import AdditionTask, Batch
 
 
 def _check_batch_size(batch_size: int) -> None:
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
+    check_positive_int(batch_size, "batch_size")
 
 
 def trim_padding(tokens: Int[Tensor, "batch pos"]) -> Int[Tensor, "batch pos"]:
@@ -124,8 +123,7 @@ def evaluate(
     task = T.task_for(model, task, who="evaluate")
     if isinstance(splits, str):
         splits = (splits,)
-    if not isinstance(size, int) or size < 1:
-        raise ConfigError(f"size must be a positive integer, got {size!r}")
+    check_positive_int(size, "size")
     need = max(task.split(s).max_len() for s in splits)
     if need > model.cfg.n_ctx:
         raise ConfigError(

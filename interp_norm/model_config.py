@@ -41,7 +41,7 @@ from typing import Any, Optional
 from transformer_lens.config.transformer_lens_config import TransformerLensConfig
 
 from interp_norm import task as T
-from interp_norm.errors import ConfigError
+from interp_norm.errors import ConfigError, check_positive_int
 from interp_norm.hooks import ATTN_NORMS
 
 NORM_KINDS = ("rms", "ln")
@@ -112,11 +112,9 @@ class ModelConfig(TransformerLensConfig):
                     )
                 self.n_heads = self.d_model // self.d_head
         for name in ("d_model", "d_head", "n_layers", "n_ctx", "n_heads", "d_vocab", "n_freq"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-        if self.d_mlp is not None and (not isinstance(self.d_mlp, int) or self.d_mlp < 1):
-            raise ConfigError(f"d_mlp must be a positive integer, got {self.d_mlp!r}")
+            check_positive_int(getattr(self, name), name)
+        if self.d_mlp is not None:
+            check_positive_int(self.d_mlp, "d_mlp")
         if self.attn_norm not in ATTN_NORMS:
             raise ConfigError(f"unknown attn_norm {self.attn_norm!r}; choose one of {ATTN_NORMS}")
         if self.norm_kind not in NORM_KINDS:

@@ -30,7 +30,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import pandas as pd
 
-from interp_norm.errors import CheckpointNotFoundError, ConfigError, OutputDirError
+from interp_norm.errors import CheckpointNotFoundError, ConfigError, OutputDirError, check_positive_int
 
 __all__ = [
     "Settings",
@@ -66,7 +66,6 @@ class Settings:
     __slots__ = ("_values",)
 
     def __init__(self, _quick: bool = False, **values: Any) -> None:
-        from interp_norm.errors import check_positive_int
         from interp_norm.registry import sizes
 
         full = sizes()
@@ -243,8 +242,7 @@ def _workers(workers: Optional[int], n_jobs: int) -> int:
         return 1
     if workers is None:
         return max(1, min(2, os.cpu_count() or 1, n_jobs))
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise ConfigError(f"workers must be a positive integer, got {workers!r}")
+    check_positive_int(workers, "workers")
     return min(workers, n_jobs)
 
 
@@ -275,8 +273,7 @@ def run_analyses(
     import torch
 
     if threads is not None:
-        if not isinstance(threads, int) or threads < 1:
-            raise ConfigError(f"threads must be a positive integer, got {threads!r}")
+        check_positive_int(threads, "threads")
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:

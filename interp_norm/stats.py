@@ -35,7 +35,7 @@ from typing import Sequence, Union
 
 import numpy as np
 
-from interp_norm.errors import StatisticsError
+from interp_norm.errors import StatisticsError, check_positive_int
 
 __all__ = ["PermutationTest", "bootstrap_mean_ci", "bootstrap_diff_ci", "permutation_test", "MAX_EXACT",
            "N_BOOTSTRAP", "N_PERMUTATIONS"]
@@ -65,9 +65,7 @@ def _level(level: float) -> float:
 
 
 def _count(n: int, name: str) -> int:
-    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
-        raise StatisticsError(f"{name} must be a positive integer, got {n!r}")
-    return int(n)
+    return int(check_positive_int(n, name, StatisticsError))
 
 
 def _quantiles(samples: np.ndarray, level: float) -> tuple[float, float]:

@@ -26,7 +26,7 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
-from interp_norm.errors import ConfigError, OutOfDistributionWarning, ProblemStringError, TaskMismatchWarning
+from interp_norm.errors import ConfigError, OutOfDistributionWarning, ProblemStringError, TaskMismatchWarning, check_positive_int
 
 VOCAB: tuple[str, ...] = tuple("0123456789+-=N[]*")
 TOKEN_TO_ID: dict[str, int] = {c: i for i, c in enumerate(VOCAB)}
@@ -365,8 +365,7 @@ class AdditionTask:
         return Problem(tuple(terms), ops)
 
     def sample_problems(self, n: int, split: str | Split = "id", seed: int | random.Random = 0) -> list[Problem]:
-        if not isinstance(n, int) or n < 1:
-            raise ConfigError(f"the number of problems must be a positive integer, got {n!r}")
+        check_positive_int(n, "the number of problems")
         rng = seed if isinstance(seed, random.Random) else random.Random(seed)
         return [self.sample_problem(rng, split) for _ in range(n)]
 

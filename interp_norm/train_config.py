@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from interp_norm.errors import ConfigError
+from interp_norm.errors import ConfigError, check_positive_int
 
 
 @dataclass
@@ -98,8 +98,7 @@ class TrainConfig:
             v = getattr(self, name)
             if v is None and allow_none:
                 return
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+            check_positive_int(v, name)
 
         for name in ("batch_size", "steps_per_epoch", "n_epochs", "log_every", "eval_every", "eval_size",
                      "final_eval_size", "checkpoint_every", "keep_checkpoints", "lr_patience"):

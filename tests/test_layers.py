@@ -2,7 +2,7 @@
 
 Layers, lowest first (CONTRIBUTING.md explains them):
 
-    core          errors, defaults, devices, task, hooks, model_config, layers, tl_api, model
+    core          errors, defaults, devices, task, hooks, nodes, model_config, layers, tl_api, model
     persistence   io, train_config, checkpoint_format, checkpoints, distributed, evaluate, train
     adapter       anatomy/ (what every analysis asks about a model, ours or a bridge; loading any model)
     analyses      _checks, theory, stats, bridges/, noise/, geometry/, circuits/
@@ -24,7 +24,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "interp_norm"
 LAYERS = {
-    "core": ("errors", "defaults", "devices", "task", "hooks", "model_config", "layers", "tl_api", "model"),
+    "core": ("errors", "defaults", "devices", "task", "hooks", "nodes", "model_config", "layers", "tl_api", "model"),
     "persistence": ("io", "train_config", "checkpoint_format", "checkpoints", "distributed", "evaluate", "train"),
     "adapter": ("anatomy",),
     "analyses": ("_checks", "theory", "stats", "bridges", "noise", "geometry", "circuits"),

@@ -15,7 +15,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from interp_norm.errors import PatchingError
+from interp_norm.errors import PatchingError, check_positive_int
 from interp_norm.hooks import PATCHABLE
 
 #: A metric maps logits ``[batch, pos, vocab]`` to per-example values ``[batch]`` (or a scalar).
@@ -179,8 +179,7 @@ def metric_name(metric: MetricFn) -> str:
 
 def ig_alphas(ig_steps: int) -> Tensor:
     """EAP-IG's points on the corrupted -> clean line: ``k / m`` for ``k = 0..m-1`` (``m = 1``: EAP)."""
-    if not isinstance(ig_steps, int) or ig_steps < 1:
-        raise PatchingError(f"ig_steps must be a positive integer (1 = EAP), got {ig_steps!r}")
+    check_positive_int(ig_steps, "ig_steps", PatchingError, hint="1 = EAP")
     return torch.arange(ig_steps, dtype=torch.float64) / ig_steps
 
 

@@ -38,6 +38,7 @@ from torch import Tensor
 from interp_norm.circuits import EdgeGraph, LogitDiff, PatchingPairs, PatchResult, edge_attribution
 from interp_norm.errors import PatchingError
 from interp_norm.hooks import PATCHABLE, act_name, used_name
+from interp_norm.nodes import head_input
 
 _MAX_ELEMS = 2**24  # per chunk of the [b, h, t, s, j] key-patch tensor
 
@@ -252,7 +253,7 @@ def edge_atp_star(model, pairs: PatchingPairs, metric: Optional[Callable] = None
                     S = attn.scores(v, k_x) if which == "q" else attn.scores(q_x, v)
                     est = ((_softmax(S.double()) - A) * G).sum((-1, -2)).mean(0)  # [h]
                     for h in range(H):
-                        new[(graph.senders[u], f"a{l}.h{h}.{which}")] = float(est[h])
+                        new[(graph.senders[u], head_input(l, h, which))] = float(est[h])
     keys = list(zip(df["sender"], df["receiver"]))
     df = df.assign(score=[new.get(k, s) for k, s in zip(keys, df["score"])])
     df["abs_score"] = df["score"].abs()

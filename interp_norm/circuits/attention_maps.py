@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from interp_norm import task as T
 from interp_norm.circuits._types import device, require_eval
-from interp_norm.errors import PatchingError
+from interp_norm.errors import PatchingError, check_positive_int
 from interp_norm.hooks import SPARSE_THRESHOLD, act_name
 
 ROLE_ORDER = ("bos", "operand", "sign", "operator", "eq", "answer", "answer_sign", "eos")
@@ -155,8 +155,8 @@ def attention_map_split(
     """:func:`attention_map` over ``n`` seeded problems of a split, in batches (``task``: the
     model's own unless given)."""
     task = T.task_for(model, task, who="attention_map_split")
-    if not isinstance(n, int) or n < 1 or not isinstance(batch_size, int) or batch_size < 1:
-        raise PatchingError("n and batch_size must be positive integers")
+    check_positive_int(n, "n", PatchingError)
+    check_positive_int(batch_size, "batch_size", PatchingError)
     probs = task.sample_problems(n, split, seed)
     events, counts = [], {}
     for s in tqdm(range(0, n, batch_size), disable=not progress, desc="attention map"):

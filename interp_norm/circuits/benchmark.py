@@ -45,6 +45,7 @@ from interp_norm.circuits import (
     edge_attribution,
     exact_edge_patch,
 )
+from interp_norm import nodes
 from interp_norm.circuits.atp_star import atp_star, edge_atp_star
 from interp_norm.circuits.ground_truth import SUITE, GroundTruth
 from interp_norm.errors import PatchingError
@@ -63,14 +64,14 @@ def auroc(scores: Sequence[float], labels: Sequence[bool]) -> float:
 
 
 def _heads_mlps(L: int, H: int) -> list[str]:
-    return [f"a{l}.h{h}" for l in range(L) for h in range(H)] + [f"m{l}" for l in range(L)]
+    return nodes.components(L, H)
 
 
 def _by_node(heads: torch.Tensor, mlps: torch.Tensor) -> dict[str, float]:
     """{node: |score|} from head scores [L, H] and MLP scores [L]."""
     L, H = heads.shape
-    out = {f"a{l}.h{h}": abs(float(heads[l, h])) for l in range(L) for h in range(H)}
-    out.update({f"m{l}": abs(float(mlps[l])) for l in range(L)})
+    out = {nodes.head(l, h): abs(float(heads[l, h])) for l in range(L) for h in range(H)}
+    out.update({nodes.mlp(l): abs(float(mlps[l])) for l in range(L)})
     return out
 
 
@@ -153,13 +154,13 @@ def score_model(
             df = edge_scores(model, pairs, metric, "eap-ig", ig_steps=ig_steps)
             circuit = Circuit.from_edge_scores(df, L, H, threshold=threshold)
             edges = {e: abs(v) for e, v in circuit.scores.items()}
-            nodes = {n: max((v for (u, r), v in edges.items() if n in (u, r.rsplit(".", 1)[0])), default=0.0)
-                     for n in circuit.components}
+            by_node = {n: max((v for (u, r), v in edges.items() if n in (u, nodes.receiver_node(r))), default=0.0)
+                       for n in circuit.components}
         else:
-            nodes = node_scores(model, pairs, metric, method, ig_steps=ig_steps)
+            by_node = node_scores(model, pairs, metric, method, ig_steps=ig_steps)
             df = edge_scores(model, pairs, metric, method, ig_steps=ig_steps)
             edges = {(u, r): abs(v) for u, r, v in zip(df["sender"], df["receiver"], df["score"])}
-        rows += _rows(truth, method, nodes, edges, threshold, L, H)
+        rows += _rows(truth, method, by_node, edges, threshold, L, H)
     return pd.DataFrame(rows)
 
 

@@ -18,7 +18,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from interp_norm.circuits._types import MetricFn, device, ig_alphas, metric_values
-from interp_norm.circuits.edges import EdgeGraph, EdgeRunner, receiver_node
+from interp_norm import nodes
+from interp_norm.circuits.edges import EdgeGraph, EdgeRunner
 from interp_norm.circuits.metrics import LogitDiff
 from interp_norm.circuits.pairs import PatchingPairs, as_pairs
 from interp_norm.errors import PatchingError
@@ -89,12 +90,8 @@ def edge_attribution(
 
 
 def _parse_node(name: str) -> tuple[Optional[int], Optional[int]]:
-    if name in ("embed", "logits"):
-        return None, None
-    if name.startswith("a"):
-        l, h = name[1:].split(".h")
-        return int(l), int(h.split(".")[0])
-    return int(name[1:]), None
+    n = nodes.parse(name)
+    return n.layer, n.head
 
 
 def edge_frame(graph: EdgeGraph, scores: Tensor, valid: Tensor, method: str) -> pd.DataFrame:
@@ -106,8 +103,7 @@ def edge_frame(graph: EdgeGraph, scores: Tensor, valid: Tensor, method: str) -> 
         s, rc = S[u], R[r]
         sl, sh = _parse_node(s)
         rl, rh = _parse_node(rc)
-        inp = rc.rsplit(".", 1)[1] if rc.count(".") == 2 else ("mlp" if rc.startswith("m") else "logits")
-        rows.append(dict(sender=s, receiver=rc, receiver_node=receiver_node(rc), input=inp,
+        rows.append(dict(sender=s, receiver=rc, receiver_node=nodes.receiver_node(rc), input=nodes.receiver_input(rc),
                          sender_layer=sl, sender_head=sh, receiver_layer=rl, receiver_head=rh, score=float(v)))
     df = pd.DataFrame(rows)
     df["abs_score"] = df["score"].abs()

@@ -32,11 +32,12 @@ import torch
 from torch import Tensor
 
 from interp_norm.circuits._types import device, is_ours, require_eval
+from interp_norm import nodes
 from interp_norm.errors import PatchingError
 from interp_norm.hooks import act_name
+from interp_norm.nodes import QKV, receiver_node
 from interp_norm.model import HookedNormTransformer
 
-QKV = ("q", "k", "v")
 
 
 @dataclass(frozen=True)
@@ -48,17 +49,11 @@ class EdgeGraph:
 
     @property
     def senders(self) -> list[str]:
-        out = ["embed"]
-        for l in range(self.n_layers):
-            out += [f"a{l}.h{h}" for h in range(self.n_heads)] + [f"m{l}"]
-        return out
+        return nodes.senders(self.n_layers, self.n_heads)
 
     @property
     def receivers(self) -> list[str]:
-        out = []
-        for l in range(self.n_layers):
-            out += [f"a{l}.h{h}.{j}" for h in range(self.n_heads) for j in QKV] + [f"m{l}"]
-        return out + ["logits"]
+        return nodes.receivers(self.n_layers, self.n_heads)
 
     def sender_index(self, layer: int, what: str, head: int = 0) -> int:
         """Index of ``embed`` / head ``(layer, head)`` (what='head') / MLP ``layer`` (what='mlp')."""
@@ -94,11 +89,6 @@ class EdgeGraph:
         return [(s[i], r[j]) for i, j in zip(*np.nonzero(v.numpy()))]
 
 
-def receiver_node(receiver: str) -> str:
-    """``a1.h2.q`` -> ``a1.h2``; MLP and logits receivers are their own node."""
-    return receiver.rsplit(".", 1)[0] if receiver.count(".") == 2 else receiver
-
-
 # ----------------------------------------------------------------------------- edge runner
 
 
@@ -109,8 +99,8 @@ def prune_edges(edges: set) -> set:
     (The same rule as MIB's ``Graph.prune``.)"""
     edges = set(edges)
     while True:
-        entered = {receiver_node(r) for _, r in edges} | {"embed"}
-        leaves = {u for u, _ in edges} | {"logits"}
+        entered = {receiver_node(r) for _, r in edges} | {nodes.EMBED}
+        leaves = {u for u, _ in edges} | {nodes.LOGITS}
         keep = {(u, r) for u, r in edges if u in entered and receiver_node(r) in leaves}
         if keep == edges:
             return edges

@@ -35,6 +35,9 @@ from interp_norm.circuits.edges import EdgeGraph, EdgeRunner, prune_edges, recei
 from interp_norm.circuits.metrics import LogitDiff
 from interp_norm.circuits.pairs import PatchingPairs
 from interp_norm.errors import PatchingError
+from interp_norm.nodes import EMBED, LOGITS
+from interp_norm.nodes import head as head_node
+from interp_norm.nodes import mlp as mlp_node
 
 ABLATIONS = ("resample", "mean", "zero")
 
@@ -77,7 +80,7 @@ class Circuit:
     @property
     def components(self) -> set[str]:
         """The heads and MLPs in the circuit (nodes without ``embed``/``logits``)."""
-        return self.nodes - {"embed", "logits"}
+        return self.nodes - {EMBED, LOGITS}
 
     def __len__(self) -> int:
         return len(self.edges)
@@ -130,7 +133,7 @@ class Circuit:
     @classmethod
     def from_nodes(cls, nodes: Iterable[str], n_layers: int, n_heads: int, node_scores: Optional[dict] = None) -> "Circuit":
         """Every edge among ``nodes`` (heads ``a{l}.h{h}``, MLPs ``m{l}``), the embedding and the logits."""
-        keep = set(nodes) | {"embed", "logits"}
+        keep = set(nodes) | {EMBED, LOGITS}
         g = EdgeGraph(n_layers, n_heads)
         unknown = sorted(set(nodes) - set(g.senders))
         if unknown:
@@ -225,7 +228,7 @@ def _node_table(scores: Union[PatchResult, pd.DataFrame]) -> pd.DataFrame:
     df = df.assign(kind=kind)
     has_head = "head" in df.columns
     df["node"] = [
-        f"a{int(l)}.h{int(h)}" if k == "head" else f"m{int(l)}"
+        head_node(l, h) if k == "head" else mlp_node(l)
         for l, h, k in zip(df["layer"], df["head"] if has_head else [0] * len(df), df["kind"])
     ]
     return df.groupby("node", as_index=False)["score"].sum()

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from interp_norm.circuits import Circuit, LogitDiff, PatchingPairs
 from interp_norm.hooks import act_name
+from interp_norm.nodes import EMBED, QKV, head_input
 from interp_norm.model import HookedNormTransformer, ModelConfig
 
 V, N, BOS = 17, 16, 16  # vocabulary, context, the start token every sequence begins with
@@ -358,8 +359,8 @@ class GroundTruth:
                     layout=dict(TOK=TOK, POS=POS, OUT=OUT, AUX=AUX, JUNK=JUNK, CONST=CONST, d_model=D_MODEL))
 
 
-def _prev_edges(head: str = "a0.h0") -> tuple:
-    return ((("embed", f"{head}.q", "fixed"), ("embed", f"{head}.k", "fixed"), ("embed", f"{head}.v", "token")))
+def _prev_edges(layer: int = 0, h: int = 0) -> tuple:
+    return tuple((EMBED, head_input(layer, h, j), "token" if j == "v" else "fixed") for j in QKV)
 
 
 _D = dict(tok="copies the token into JUNK", reader="maps a block through a random matrix into JUNK",

@@ -49,6 +49,8 @@ from interp_norm.circuits import (
 )
 from interp_norm.circuits.edges import prune_edges
 from interp_norm.errors import PatchingError
+from interp_norm.nodes import EMBED, LOGITS, head_input, receiver_node
+from interp_norm.nodes import parse as parse_node
 
 #: MIB's circuit sizes, as fractions of all edges (0.1 % ... 100 %).
 MIB_FRACTIONS: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -218,13 +220,13 @@ def _as_tables(scores: Scores) -> dict[str, pd.DataFrame]:
 
 
 def _mib_node(name: str) -> str:
-    return "input" if name == "embed" else name
+    return "input" if name == EMBED else name
 
 
 def _mib_edge(sender: str, receiver: str) -> str:
-    if receiver.count(".") == 2:
-        node, qkv = receiver.rsplit(".", 1)
-        return f"{_mib_node(sender)}->{node}<{qkv}>"
+    r = parse_node(receiver)
+    if r.kind == "head" and r.input:
+        return f"{_mib_node(sender)}->{receiver_node(receiver)}<{r.input}>"
     return f"{_mib_node(sender)}->{receiver}"
 
 
@@ -240,7 +242,7 @@ def to_mib_json(scores: pd.DataFrame, cfg, circuit: Optional[Circuit] = None) ->
     kept = set(circuit.edges) if circuit is not None else set()
     in_nodes = set(circuit.nodes) if circuit is not None else set()
     nodes = {_mib_node(n): {"in_graph": n in in_nodes} for n in graph.senders}
-    nodes["logits"] = {"in_graph": True}
+    nodes[LOGITS] = {"in_graph": True}
     edges = {_mib_edge(u, r): {"score": given[(u, r)], "in_graph": (u, r) in kept} for u, r in graph.edges()}
     return {
         "cfg": {"n_layers": L, "n_heads": H, "parallel_attn_mlp": False, "d_model": int(cfg.d_model)},
@@ -255,10 +257,11 @@ def from_mib_json(d: dict) -> pd.DataFrame:
     rows = []
     for name, info in d["edges"].items():
         parent, child = name.split("->")
-        sender = "embed" if parent == "input" else parent
+        sender = EMBED if parent == "input" else parent
         if child.endswith(">"):
             node, qkv = child[:-1].split("<")
-            receiver = f"{node}.{qkv}"
+            n = parse_node(node)
+            receiver = head_input(n.layer, n.head, qkv)
         else:
             receiver = child
         rows.append(dict(sender=sender, receiver=receiver, score=float(info["score"]), in_graph=bool(info["in_graph"])))

@@ -18,7 +18,7 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 
 from interp_norm import task as T
-from interp_norm.errors import PatchingError
+from interp_norm.errors import PatchingError, check_positive_int
 
 Positions = Union[str, int, Tensor]
 
@@ -266,8 +266,7 @@ def make_pairs(
         task = T.task_for(task, None, who="make_pairs")
     elif not isinstance(task, T.AdditionTask):
         raise PatchingError(f"make_pairs needs an AdditionTask or a model that knows its task, got {type(task).__name__}")
-    if not isinstance(n, int) or n < 1:
-        raise PatchingError(f"n must be a positive integer, got {n!r}")
+    check_positive_int(n, "n", PatchingError)
     rng = random.Random(seed)
     clean, corr, recs = [], [], []
     template: Optional[T.Problem] = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from interp_norm.errors import GeometryError
+from interp_norm.errors import GeometryError, check_positive_int
 from interp_norm.geometry._common import TokensLike, as_tokens, check_model, run_cached, valid_mask
 from interp_norm.geometry.bridge import bridge_pattern_hooks, is_bridge, position_mask
 from interp_norm.hooks import NONSPARSE_THRESHOLD, SPARSE_THRESHOLD, act_name
@@ -58,8 +58,7 @@ def sparsity_histogram(max_attn: pd.DataFrame, *, bins: int = 20, per_head: bool
     ``fraction`` is the share of distributions in the bin within its group; the last bin includes 1.
     The paper: Pre-Norm is sharply peaked in the top bin, QKV-Norm weighted towards low values.
     """
-    if not isinstance(bins, int) or bins < 1:
-        raise GeometryError(f"bins must be a positive integer, got {bins!r}")
+    check_positive_int(bins, "bins", GeometryError)
     edges = np.linspace(0.0, 1.0, bins + 1)
     keys = ["layer", "head"] if per_head else ["layer"]
     out = []

@@ -17,6 +17,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from interp_norm.errors import ConfigError
+from interp_norm.nodes import parse as parse_node
+from interp_norm.nodes import receiver_input, receiver_node
 from interp_norm.plots._style import bar_style, escape, row_gap
 
 __all__ = ["plot_patching_heatmap", "plot_circuit_graph", "draw_circuit", "plot_faithfulness", "plot_faithfulness_bars",
@@ -216,25 +218,23 @@ def draw_circuit(circuit: Any, title: Optional[str] = None) -> go.Figure:
     never overlap; width ~ |score| (uniform without scores). Node names sit on a white label beside
     the node, above the edges. Hover shows names and scores.
     """
-    from interp_norm.circuits.edges import receiver_node
-
     L, H = circuit.n_layers, circuit.n_heads
 
     def pos(node: str) -> tuple[float, float]:
-        if node == "embed":
+        n = parse_node(node)
+        if n.kind == "embed":
             return (H - 1) / 2, 0.0
-        if node == "logits":
+        if n.kind == "logits":
             return (H - 1) / 2, 2 * L + 1.0
-        if node.startswith("a"):
-            l, h = node[1:].split(".h")
-            return float(int(h)), 2 * int(l) + 1.0
-        return float(H), 2 * int(node[1:]) + 1.6  # MLPs to the right of their layer's heads
+        if n.kind == "head":
+            return float(n.head), 2 * n.layer + 1.0
+        return float(H), 2 * n.layer + 1.6  # MLPs to the right of their layer's heads
 
     fig = go.Figure()
     scores = [abs(v) for v in circuit.scores.values() if np.isfinite(v)]
     smax = max(scores) if scores else 1.0
     for u, r in sorted(circuit.edges):
-        inp = r.rsplit(".", 1)[1] if r.count(".") == 2 else ("logits" if r == "logits" else "mlp")
+        inp = receiver_input(r)
         (x0, y0), (x1, y1) = pos(u), pos(receiver_node(r))
         if inp in _PORT:
             x1, y1 = x1 + _PORT[inp], y1 - 0.18
@@ -254,7 +254,7 @@ def draw_circuit(circuit: Any, title: Optional[str] = None) -> go.Figure:
     xs, ys = zip(*(pos(nd) for nd in nodes))
     fig.add_trace(go.Scatter(
         x=xs, y=ys, mode="markers",
-        marker=dict(size=14, color=["#f0c000" if nd.startswith("m") else "#555" if nd.startswith("a") else "#222" for nd in nodes],
+        marker=dict(size=14, color=[{"mlp": "#f0c000", "head": "#555"}.get(parse_node(nd).kind, "#222") for nd in nodes],
                     line=dict(color="white", width=1.5)),
         hovertext=[f"{nd}: {circuit.node_scores.get(nd, '')}" for nd in nodes], hoverinfo="text", showlegend=False,
     ))
