@@ -16,7 +16,7 @@ import pandas as pd
 __all__ = ["PAPER_PER_TOKEN_ACCURACY", "SPLITS", "model_card"]
 
 # Menary et al. (2024), results table: per-token accuracy of the Baseline models on the paper's
-# task and model size (digest §3.7). Our CPU models are smaller and train on a smaller task, so
+# task and model size (arXiv 2406.17837). Our CPU models are smaller and train on a smaller task, so
 # these are a reference point for the shape (ID ≈ equal, QKV-Norm worse OOD), not a target.
 PAPER_PER_TOKEN_ACCURACY: dict[str, dict[str, float]] = {
     "pre": {"id": 0.9138, "interp": 0.8746, "extrap": 0.6665},

@@ -108,6 +108,7 @@ def evaluate(
     model: HookedNormTransformer,
     task: Optional[AdditionTask] = None,
     splits: Sequence[str] = ("id", "interp", "extrap"),
+    *,
     size: int = 2048,
     seed: int = 1234,
     batch_size: int = 512,

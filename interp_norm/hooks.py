@@ -3,7 +3,7 @@
 Analyses never spell ``f"blocks.{l}..."`` themselves: they ask :func:`act_name` (TransformerLens's
 ``get_act_name`` extended with our attention-norm hooks), and the q/k/v that the attention scores
 and values *actually use* come from :func:`used_name`, the single place that knows where the
-per-head norms sit. ``tests/test_hooks.py`` greps the analyses for hand-built names.
+per-head norms sit. ``tests/test_layers.py`` greps the package for hand-built names.
 
 Names (HookedTransformer's, plus the QK/QKV-Norm ones)::
 

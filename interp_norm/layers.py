@@ -63,7 +63,8 @@ class HeadNorm(nn.Module):
     """Per-head normalisation of q, k or v after the projection (QKV-Norm / QK-Norm).
 
     Hooks ``hook_{name}_scale`` ([batch, pos, head, 1]) and ``hook_{name}_normed`` live on the
-    parent attention module so they read ``blocks.{l}.attn.hook_q_scale`` like the issue asks.
+    parent attention module, so their names read ``blocks.{l}.attn.hook_q_scale`` as TransformerLens spells
+    its attention hooks.
     """
 
     def __init__(self, cfg: ModelConfig):

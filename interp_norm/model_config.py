@@ -1,6 +1,6 @@
 """The model's configuration: every architectural choice, with the paper's defaults.
 
-Choices the paper leaves open (digest §5), each a config field:
+Choices the paper (Menary et al. 2024, arXiv 2406.17837) leaves open, each a config field:
 
 * ``norm_kind``: N is RMSNorm (``"rms"``, the paper's "VECNORM", default) or LayerNorm (``"ln"``);
   attention norms carry a learnable gain and no bias (the paper's Eq. 2). The feed-forward blocks
@@ -21,7 +21,7 @@ Choices the paper leaves open (digest §5), each a config field:
   or a plain unembedding ``W_U`` (``"unembed"``).
 * ``calibration``: ``"none"`` (default) scales the initialisation so each variant starts at
   comparable activation sizes (see ``_init_weights``) and divides scores by ``attn_scale``.
-  ``"paper"`` adds the paper's "Checkpoint" layers (digest §3.3), :class:`Calibration` below: each
+  ``"paper"`` adds the paper's "Checkpoint" layers (its experimental set-up), :class:`Calibration` below: each
   multiplies its input by a factor fitted on the first training batch so that the output has a
   fixed std, then frozen and saved with the weights. They sit on the token embedding (std
   ``calib_type_std`` 0.5), the embedding x = x_type + x_pos (``calib_embed_std`` 1.0), each of the

@@ -250,6 +250,7 @@ def run_analyses(
     checkpoints: Optional[Union[Sequence[str], Mapping[str, tuple[Any, Any]]]] = None,
     settings: Optional[Settings] = None,
     analyse: Optional[Union[str, Sequence[str]]] = None,
+    *,
     progress: bool = True,
     threads: Optional[int] = None,
     workers: Optional[int] = None,
@@ -277,7 +278,8 @@ def run_analyses(
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return run_analyses(checkpoints, settings, analyse, progress, None, workers, device, desc, all_seeds)
+            return run_analyses(checkpoints, settings, analyse, progress=progress, workers=workers, device=device,
+                                desc=desc, all_seeds=all_seeds)
         finally:
             torch.set_num_threads(before)
     from tqdm.auto import tqdm

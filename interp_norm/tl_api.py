@@ -212,6 +212,7 @@ class NormActivationCache(ActivationCache):
         pos_slice: Any = None,
         batch_slice: Any = None,
         has_batch_dim: bool = True,
+        *,
         recompute_ln: bool = False,
     ) -> torch.Tensor:
         cfg = self.model.cfg

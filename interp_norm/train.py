@@ -1,6 +1,6 @@
 """The training loop: the paper's recipe, resumable bit-for-bit after a kill or a Ctrl-C.
 
-Recipe (Menary et al. 2024, digest §3.4): AdamW (lr 3e-4, weight decay 0.01, other settings the
+Recipe (Menary et al. 2024, arXiv 2406.17837, experimental set-up): AdamW (lr 3e-4, weight decay 0.01, other settings the
 Keras 2.15 defaults: betas 0.9/0.999, eps 1e-7, no gradient clipping, decay on every weight),
 epochs of 2000 batches of 128 generated on the fly, and the learning rate halved when the epoch's
 mean training loss has not improved for 3 consecutive epochs (Keras ``ReduceLROnPlateau``

@@ -1,4 +1,4 @@
-"""Riechers's LayerNorm ellipsoid (digest §7.2–7.3) against explicit formulas and cached model outputs."""
+"""Riechers's LayerNorm ellipsoid against explicit formulas and cached model outputs."""
 
 from __future__ import annotations
 

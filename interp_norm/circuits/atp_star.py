@@ -97,7 +97,7 @@ def _softmax(scores: Tensor) -> Tensor:
     return scores.masked_fill(~causal, float("-inf")).softmax(-1)
 
 
-def _qk_estimate(attn, which: str, by: str, q_c: Tensor, k_c: Tensor, q_x: Tensor, k_x: Tensor, G: Tensor) -> Tensor:
+def _qk_estimate(attn, which: str, by: str, *, q_c: Tensor, k_c: Tensor, q_x: Tensor, k_x: Tensor, G: Tensor) -> Tensor:
     """AtP* estimate for patching the used q or k (clean into corrupted), per example.
 
     ``q_*``/``k_*`` [b, n, h, dh] (after any per-head norm), ``G = dM/dA`` [b, h, n, n].
@@ -171,7 +171,7 @@ def atp_star(
             if fix:
                 q_c, k_c = cc[used_name(cfg.attn_norm, "q", l)], cc[used_name(cfg.attn_norm, "k", l)]
                 q_x, k_x = xc[used_name(cfg.attn_norm, "q", l)], xc[used_name(cfg.attn_norm, "k", l)]
-                est = _qk_estimate(model.blocks[l].attn, activation, by, q_c, k_c, q_x, k_x, grads[grad_names[l]])
+                est = _qk_estimate(model.blocks[l].attn, activation, by, q_c=q_c, k_c=k_c, q_x=q_x, k_x=k_x, G=grads[grad_names[l]])
             else:
                 prod = ((cc[names[l]].double() - xc[names[l]].double()) * grads[names[l]]).sum(-1)  # [b, n(, h)]
                 est = prod.sum(1) if by == "all" else prod

@@ -104,7 +104,7 @@ def edge_scores(model, pairs, metric: Callable, method: str, *, ig_steps: int = 
     raise PatchingError(f"no edge-level scores for method {method!r}; choose from exact, eap, eap-ig, atp*")
 
 
-def _rows(truth: GroundTruth, method: str, nodes: dict[str, float], edges: dict, threshold: float, L: int, H: int) -> list[dict]:
+def _rows(truth: GroundTruth, method: str, nodes: dict[str, float], edges: dict, *, threshold: float, L: int, H: int) -> list[dict]:
     rows = []
     candidates = {"node": [n for n in _heads_mlps(L, H) if n not in truth.fixed_nodes],
                   "edge": [e for e in EdgeGraph(L, H).edges() if e not in truth.fixed_edges]}
@@ -148,7 +148,7 @@ def score_model(
     rows = []
     for method in methods:
         if method == "atp*" and not isinstance(model, HookedNormTransformer):
-            rows += _rows(truth, method, None, None, threshold, L, H)  # AtP* needs our attention's steps
+            rows += _rows(truth, method, None, None, threshold=threshold, L=L, H=H)  # AtP* needs our attention's steps
             continue
         if method == "pruning":
             df = edge_scores(model, pairs, metric, "eap-ig", ig_steps=ig_steps)
@@ -160,7 +160,7 @@ def score_model(
             by_node = node_scores(model, pairs, metric, method, ig_steps=ig_steps)
             df = edge_scores(model, pairs, metric, method, ig_steps=ig_steps)
             edges = {(u, r): abs(v) for u, r, v in zip(df["sender"], df["receiver"], df["score"])}
-        rows += _rows(truth, method, by_node, edges, threshold, L, H)
+        rows += _rows(truth, method, by_node, edges, threshold=threshold, L=L, H=H)
     return pd.DataFrame(rows)
 
 

@@ -349,7 +349,7 @@ class EdgeRunner:
             else:
                 for j, nm in enumerate(QKV):
 
-                    def h_input(x: Tensor, hook: Any, l=l, j=j, r_attn=r_attn, u_attn=u_attn, state=state) -> Tensor:
+                    def h_input(x: Tensor, hook: Any, *, l=l, j=j, r_attn=r_attn, u_attn=u_attn, state=state) -> Tensor:
                         # x [B, n, H, d]; corrections for receivers (h, j) over h
                         if "attn" not in state:
                             c = corr_for(r_attn, u_attn)

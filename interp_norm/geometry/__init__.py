@@ -1,14 +1,14 @@
 """Representation geometry: what Pre-Norm asks of the residual stream, and whether models comply.
 
-Menary et al. (2024), Theorem 2 (digest §2.1): under Pre-Norm a head sees ``x/|x|``, so semantic
+Menary et al. 2024, arXiv 2406.17837, Theorem 2: under Pre-Norm a head sees ``x/|x|``, so semantic
 subspaces stay independent only if they are **orthogonal spheres** (each component of constant
 norm, components mutually orthogonal); otherwise they interfere through the shared norm. Under
 QKV-Norm linear independence suffices (Theorem 3). This package measures that geometry on a model
 and an input batch and returns pandas DataFrames (figures live in :mod:`interp_norm.plots`).
 One module per question:
 
-* :mod:`.spread` — :func:`norm_spread`: the paper's attended-embedding norm spread (digest §3.6,
-  "90% within ±20%").
+* :mod:`.spread` — :func:`norm_spread`: the paper's attended-embedding norm spread (its
+  experiments: "90% within ±20%").
 * :mod:`.sparsity` — :func:`attention_sparsity`, :func:`sparsity_summary`: histogram of the max
   attention per distribution (paper appendix), shares above/below the sparse thresholds.
 * :mod:`.subspaces` — :func:`residual_components`, :func:`subspaces`, :func:`principal_angles`,
@@ -19,7 +19,7 @@ One module per question:
 * :mod:`.interference` — :func:`direct_interference`: beyond the paper, change one subspace's
   component and measure how far the attention of each head moves.
 * :mod:`.ellipsoid` — :func:`norm_ellipsoid`, :func:`ellipsoid_table`, :func:`ellipsoid_membership`:
-  Riechers's LayerNorm hyperellipsoid (digest §7.2–7.3) and its RMSNorm analogue, checked on cached outputs.
+  Riechers's LayerNorm hyperellipsoid (Riechers 2024) and its RMSNorm analogue, checked on cached outputs.
 * :mod:`.bridge` — the same analyses on a TransformerLens 4 ``TransformerBridge`` (GPT-2, Qwen3,
   OLMo-2, Gemma 4 ...): :func:`bridge_norms` finds every norm (attention q/k/v norms included) from
   the anatomy and the module tree; ``norm_spread``, ``max_attention``/``attention_sparsity`` and the

@@ -1,4 +1,4 @@
-"""The image of a LayerNorm/RMSNorm: a hyperellipsoid (Riechers 2024; digest §7.2–7.3).
+"""The image of a LayerNorm/RMSNorm: a hyperellipsoid (Riechers 2024).
 
 A LayerNorm with gain g and bias b maps every input onto an (N−1)-dim ellipsoid in a tilted
 hyperplane; RMSNorm onto an N-dim one. This computes its axes from the weights and checks cached

@@ -1,4 +1,4 @@
-"""The ellipsoid a LayerNorm/RMSNorm maps onto, from its gain and bias alone (Riechers 2024; digest §7.2).
+"""The ellipsoid a LayerNorm/RMSNorm maps onto, from its gain and bias alone (Riechers 2024).
 
 Pure linear algebra, no model: :mod:`.ellipsoid` (our models) and :mod:`.bridge` (TransformerBridges)
 both build on it.
@@ -20,7 +20,7 @@ __all__ = ["NormEllipsoid", "norm_ellipsoid"]
 
 @dataclass(frozen=True, eq=False)
 class NormEllipsoid:
-    """The image of a LayerNorm/RMSNorm with gain g and bias b (Riechers 2024; digest §7.2).
+    """The image of a LayerNorm/RMSNorm with gain g and bias b (Riechers 2024).
 
     LayerNorm: outputs y lie in the hyperplane through ``center`` = b with unit ``normal`` ∝ 1/g
     (Σ_n (y_n − b_n)/g_n = 0), inside the (N−1)-dim ellipsoid zᵀ Q z ≤ N (z = y − b) with

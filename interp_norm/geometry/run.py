@@ -51,7 +51,7 @@ def _sample_tokens(model: HookedNormTransformer, task, tokens, n: int, split: st
     return as_tokens(model, task.sample_batch(n, split, seed=seed).tokens)
 
 
-def _spread_and_sparsity(model: Any, tokens: Tensor, cache, coverage: float, tolerance: float, bins: int,
+def _spread_and_sparsity(model: Any, tokens: Tensor, cache, *, coverage: float, tolerance: float, bins: int,
                          steps: tqdm) -> dict[str, pd.DataFrame]:
     """``norm_spread``, ``sparsity_hist`` and ``sparsity_summary`` from the cache (two progress
     steps): the analyses our models and bridges share, written once for both runners."""
@@ -99,7 +99,7 @@ def run_geometry(
     steps = tqdm(total=8, desc="geometry", disable=not progress)
     cache = run_cached(model, tokens, geometry_hook_names(model))  # one forward pass for every analysis
     steps.update()
-    out: dict[str, pd.DataFrame] = _spread_and_sparsity(model, tokens, cache, coverage, tolerance, bins, steps)
+    out: dict[str, pd.DataFrame] = _spread_and_sparsity(model, tokens, cache, coverage=coverage, tolerance=tolerance, bins=bins, steps=steps)
     sph = orthogonal_spheres(model, tokens, weighting=weighting, cache=cache)
     out["sphere_components"], out["sphere_pairs"], out["sphere_scores"] = sph["components"], sph["pairs"], sph["scores"]
     steps.update()
@@ -160,7 +160,7 @@ def bridge_geometry(
     with StreamedCache(model, toks, names) as cache:
         steps.update()
         out: dict[str, pd.DataFrame] = {"anatomy": anatomy(model).table()}
-        out.update(_spread_and_sparsity(model, toks, cache, coverage, tolerance, bins, steps))
+        out.update(_spread_and_sparsity(model, toks, cache, coverage=coverage, tolerance=tolerance, bins=bins, steps=steps))
         out["ellipsoids"] = bridge_ellipsoid_table(model, norms)
         out["ellipsoid_axes"] = bridge_ellipsoid_axes(model, norms)
         out["ellipsoid_membership"] = bridge_ellipsoid_membership(model, toks, cache=cache, norms=norms)

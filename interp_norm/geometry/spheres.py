@@ -1,4 +1,4 @@
-"""Orthogonal spheres: Theorem 2's condition for Pre-Norm (Menary et al. 2024, digest §2.1).
+"""Orthogonal spheres: Theorem 2's condition for Pre-Norm (Menary et al. 2024, arXiv 2406.17837).
 
 A Pre-Norm head sees x/|x|, so semantic subspaces stay independent only if each component of the
 residual stream has constant norm and the components are mutually orthogonal. This scores both

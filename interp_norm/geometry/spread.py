@@ -1,4 +1,4 @@
-"""The paper's attended-embedding norm spread (digest §3.6, "90% within ±20%").
+"""The paper's attended-embedding norm spread (Menary et al. 2024, arXiv 2406.17837: "90% within ±20%").
 
 A Pre-Norm head divides by |x|; the paper argues trained models keep |x| nearly constant where heads
 look. This measures how constant: every key token's residual norm, weighted by the attention it
@@ -64,7 +64,7 @@ def attended_norms(
     One row per (layer, head, sequence, key token). ``weight`` = the attention the token receives from
     all valid query rows of that head (Σ_q pattern[b, h, q, t]); ``rel`` = norm / median_h − 1 where
     median_h is the head's attention-weighted median. Choices for the paper's ambiguous statistic
-    (digest §5 item 5): the norm is of the layer's ``hook_resid_pre`` (centred for LayerNorm models,
+    (the paper does not say which norm): the norm is of the layer's ``hook_resid_pre`` (centred for LayerNorm models,
     see ``center``); with ``exclude_bos`` the ``[`` token is dropped both as key and as query row.
     On a ``TransformerBridge`` the norm is of each block's ``hook_resid_pre`` (centred iff its
     Pre-Norm is a LayerNorm), the weights come from the anatomy's verified pattern, and

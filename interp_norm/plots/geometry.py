@@ -155,7 +155,7 @@ def _empty_block_note(mat: pd.DataFrame) -> Optional[tuple[str, str, str]]:
 
 
 def _heatmap_grid(mats: Sequence[tuple[str, pd.DataFrame]], title: str, zrange: tuple[float, float], colour_title: str,
-                  axis_title: str, cols: int = 2, panel_height: int = 460) -> go.Figure:
+                  axis_title: str, *, cols: int = 2, panel_height: int = 460) -> go.Figure:
     """One heatmap per model (panels sharing one colour scale), every row and column labelled, axis
     titles on every panel, and blocks that were not computed marked as such."""
     rows = -(-len(mats) // cols)

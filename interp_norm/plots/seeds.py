@@ -51,7 +51,7 @@ def _short(name: str) -> str:
             .replace("accuracy lost by problems with", "cost with").replace(" (consequence)", ""))
 
 
-def _arm_traces(fig: go.Figure, vals: pd.DataFrame, r: pd.Series, x0: float, arm: str, row: int, col: int,
+def _arm_traces(fig: go.Figure, vals: pd.DataFrame, r: pd.Series, x0: float, arm: str, *, row: int, col: int,
                 seen: set) -> None:
     d = vals[vals["arm"] == arm.upper()].sort_values("seed")
     if not len(d):
@@ -114,8 +114,8 @@ def plot_seed_comparisons(summary: pd.DataFrame, values: pd.DataFrame, scaling: 
     for i, (_, r) in enumerate(s.iterrows()):
         row, col = i // cols + 1, i % cols + 1
         v = values[(values["scaling"] == scaling) & (values["comparison"] == r["comparison"])]
-        _arm_traces(fig, v, r, 0.0, "a", row, col, seen)
-        _arm_traces(fig, v, r, 1.0, "b", row, col, seen)
+        _arm_traces(fig, v, r, 0.0, "a", row=row, col=col, seen=seen)
+        _arm_traces(fig, v, r, 1.0, "b", row=row, col=col, seen=seen)
         fig.update_xaxes(tickmode="array", tickvals=[0.1, 1.1], ticktext=[escape(r["arm_a"]), escape(r["arm_b"])],
                          range=[-0.4, 1.6], row=row, col=col)
         fig.update_yaxes(title=dict(text=escape(r["unit"]), font=dict(size=10)), row=row, col=col)

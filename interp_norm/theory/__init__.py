@@ -3,13 +3,13 @@
 Nothing here touches a model or a hook. The inputs are the clean pre-softmax scores of attention
 rows (``hook_attn_scores``: already scaled, masked keys set to ``-inf``), a multiplicative noise
 law on the norms of q and k_t, or attention patterns. Everything follows Menary, Kaski & Freitas
-(2024), digest §1–2:
+(2024, arXiv 2406.17837), their theory of norm noise and circuit collapse:
 
 * Pre-Norm interference is modelled as multiplicative noise on the norms, q → (1+κ_q) q and
   k_t → (1+κ_t) k_t, so a score becomes w_t → (1+κ_q)(1+κ_t) w_t (Theorem 7's model).
 * **Circuit collapse**: a sparse distribution (max_t a_t ≥ 95%) picks another token because of
   the noise. The "loose" definition only asks that the argmax changes; the "strict" one also asks
-  that the new token gets ≥ 95% attention (digest §3.6).
+  that the new token gets ≥ 95% attention (the paper's thresholds).
 
 Why exact formulas rather than only Theorem 7's first-order one: the query factor (1+κ_q)
 multiplies every score in a row, so for 1+κ_q > 0 it cancels exactly from the argmax. The

@@ -85,7 +85,7 @@ def collapse_condition_exact(
     *,
     kappa_q: Float[Tensor, "..."] | None = None,
 ) -> Bool[Tensor, "..."]:
-    """Exact collapse test: ∃ t ≠ t*: (1+κ_t*)·w_t* < (1+κ_t)·w_t (digest §2.5, Thm 7 without
+    """Exact collapse test: ∃ t ≠ t*: (1+κ_t*)·w_t* < (1+κ_t)·w_t (Menary et al. 2024, Theorem 7 without
     the first-order expansion).
 
     Why the query factor cancels: noise multiplies every score of the row by the same

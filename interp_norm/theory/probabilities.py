@@ -154,7 +154,7 @@ def predicted_collapse_probability_strict(
     return_stderr: bool = False,
 ) -> Float[Tensor, "..."] | tuple[Float[Tensor, "..."], Float[Tensor, "..."]]:
     """Monte-Carlo P(argmax changes AND the new top token gets ≥ ``threshold`` attention), the
-    paper's "strict" collapse (digest §3.6).
+    paper's "strict" collapse (Menary et al. 2024, arXiv 2406.17837).
 
     Why Monte-Carlo: the strict event depends on the whole noised softmax, not only on the order
     of the scores, so the 1-D reduction of :func:`predicted_collapse_probability` does not apply.
@@ -197,7 +197,7 @@ def collapse_probability_small_angle(
     delta: Float[Tensor, "..."] | float | np.ndarray, law: NoiseLaw
 ) -> Float[Tensor, "..."] | np.ndarray:
     """P(κ_t − κ_t* > δ) for i.i.d. κ ~ ``law``: the per-token collapse probability of the
-    small-angle lemma with δ = ½θ_t² (digest §2.5).
+    small-angle lemma with δ = ½θ_t² (Menary et al. 2024, the collapse theory behind Theorem 7).
 
     Uniform, a = √3·level: κ_t − κ_t* is triangular on [−2a, 2a], so the tail is
     (2a − δ)²/(8a²) for 0 ≤ δ ≤ 2a, 0 for δ ≥ 2a, and 1 − (2a + δ)²/(8a²) for −2a ≤ δ < 0.
