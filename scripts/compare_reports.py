@@ -45,7 +45,7 @@ def compare_frames(old: pd.DataFrame, new: pd.DataFrame, rtol: float, atol: floa
                            f"max relative difference {worst:.3g})")
         else:
             sa, sb = a.astype(str).to_numpy(), b.astype(str).to_numpy()
-            diff = sa != sb
+            diff = (sa != sb) & ~(a.isna().to_numpy() & b.isna().to_numpy())  # an empty cell equals an empty cell
             if diff.any():
                 i = int(np.flatnonzero(diff)[0])
                 out.append(f"{col}: {int(diff.sum())} cells differ (row {i}: {sa[i]!r} vs {sb[i]!r})")

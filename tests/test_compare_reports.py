@@ -37,6 +37,7 @@ def test_equal_reports_pass_and_timings_are_ignored(tmp_path, capsys):
     (lambda df: df.assign(accuracy=[0.5 + 1e-6, math.nan]), "accuracy: 1 cells differ"),
     (lambda df: df.assign(accuracy=[0.5, 0.1]), "accuracy: 1 cells differ"),
     (lambda df: df.assign(variant=["Pre-Norm", "QK-Norm"]), "variant: 1 cells differ"),
+    (lambda df: df.assign(variant=["Pre-Norm", None]), "variant: 1 cells differ"),  # an empty cell is not a text
     (lambda df: df.drop(columns="level"), "missing ['level']"),
     (lambda df: df.iloc[:1], "2 rows vs 1 rows"),
 ])
@@ -54,3 +55,10 @@ def test_a_missing_file_fails(tmp_path, capsys):
     assert C.main([str(a), str(b)]) == 1
     assert "only in" in capsys.readouterr().out
     assert C.main([str(a), str(tmp_path / "nothing")]) == 2
+
+
+def test_empty_text_cells_are_equal(tmp_path, capsys):
+    """A text column with empty cells on both sides (read back as NaN) is the same table."""
+    df = BASE.assign(method=["exact", None])
+    a, b = write(tmp_path / "a", noise=df), write(tmp_path / "b", noise=df.copy())
+    assert C.main([str(a), str(b)]) == 0
