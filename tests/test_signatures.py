@@ -18,12 +18,10 @@ KNOWN = {
     "bridges/noise.py:collapse_factors", "bridges/rebuild.py:scores_from_qk", "anatomy/rebuild.py:scores_from_qk",
     "noise/collapse.py:layer_decisions", "noise/consequence.py:_group_rows", "noise/temperature.py:_row",
     "theory/rows.py:predict_rows",  # called positionally by noise/ and bridges/
-    # the patching engine rework (typed row sets)
-    "circuits/engine.py:_attend", "circuits/engine.py:_layer", "circuits/engine.py:_attention",
-    "circuits/patching.py:_engine_chunk", "circuits/patching.py:_hooks_chunk",
+    # key/value patching
     "circuits/kv_patching.py:kv_patch_cells", "circuits/kv_patching.py:_patch_hook",
     # training
-    "train.py:_log_row",
+    "train.py:_log_row", "train.py:_train",
 }
 
 

@@ -99,7 +99,8 @@ def run_geometry(
     steps = tqdm(total=8, desc="geometry", disable=not progress)
     cache = run_cached(model, tokens, geometry_hook_names(model))  # one forward pass for every analysis
     steps.update()
-    out: dict[str, pd.DataFrame] = _spread_and_sparsity(model, tokens, cache, coverage=coverage, tolerance=tolerance, bins=bins, steps=steps)
+    out: dict[str, pd.DataFrame] = _spread_and_sparsity(model, tokens, cache, coverage=coverage, tolerance=tolerance,
+                                                        bins=bins, steps=steps)
     sph = orthogonal_spheres(model, tokens, weighting=weighting, cache=cache)
     out["sphere_components"], out["sphere_pairs"], out["sphere_scores"] = sph["components"], sph["pairs"], sph["scores"]
     steps.update()
@@ -160,7 +161,8 @@ def bridge_geometry(
     with StreamedCache(model, toks, names) as cache:
         steps.update()
         out: dict[str, pd.DataFrame] = {"anatomy": anatomy(model).table()}
-        out.update(_spread_and_sparsity(model, toks, cache, coverage=coverage, tolerance=tolerance, bins=bins, steps=steps))
+        out.update(_spread_and_sparsity(model, toks, cache, coverage=coverage, tolerance=tolerance, bins=bins,
+                                        steps=steps))
         out["ellipsoids"] = bridge_ellipsoid_table(model, norms)
         out["ellipsoid_axes"] = bridge_ellipsoid_axes(model, norms)
         out["ellipsoid_membership"] = bridge_ellipsoid_membership(model, toks, cache=cache, norms=norms)
