@@ -19,7 +19,7 @@ KNOWN = {
     "noise/collapse.py:layer_decisions", "noise/consequence.py:_group_rows", "noise/temperature.py:_row",
     "theory/rows.py:predict_rows",  # called positionally by noise/ and bridges/
     # key/value patching
-    "circuits/kv_patching.py:kv_patch_cells", "circuits/kv_patching.py:_patch_hook",
+    "circuits/kv_patching.py:kv_patch_cells", "circuits/kv_patching.py:_patch_hook", "circuits/kv_patching.py:_run_chunk",
     # training
     "train.py:_log_row", "train.py:_train",
 }
