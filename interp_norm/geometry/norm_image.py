@@ -33,9 +33,17 @@ class NormEllipsoid:
     gain: Tensor
     center: Tensor
     normal: Optional[Tensor]
-    axes: Tensor
     semi_axes: Tensor
-    quad: Tensor
+
+    @property
+    def quad(self) -> Tensor:
+        """Q [N, N], computed on access (a model has one ellipsoid per norm: dense matrices are not kept)."""
+        return _decompose(self.gain, self.kind)[1]
+
+    @property
+    def axes(self) -> Tensor:
+        """The semi-axes' directions [n_axes, N] (rows, longest first), computed on access like :attr:`quad`."""
+        return _decompose(self.gain, self.kind)[2]
 
     @property
     def dim(self) -> int:
@@ -80,6 +88,13 @@ def norm_ellipsoid(gain: Tensor, bias: Optional[Tensor] = None, kind: str = "ln"
     b = torch.zeros(N, dtype=torch.float64) if bias is None else torch.as_tensor(bias).detach().double().cpu().reshape(-1)
     if b.numel() != N:
         raise GeometryError(f"bias has {b.numel()} entries but the gain has {N}")
+    normal, _, _, semi = _decompose(g, kind)  # the N×N matrices are freed here: 16 MB each at N = 1024
+    return NormEllipsoid(kind=kind, gain=g, center=b, normal=normal, semi_axes=semi)
+
+
+def _decompose(g: Tensor, kind: str) -> tuple[Optional[Tensor], Tensor, Tensor, Tensor]:
+    """(normal, Q, axes [rows], semi-axes longest first) of the norm with gain ``g`` (float64)."""
+    N = g.numel()
     Ginv2 = torch.diag(1.0 / g**2)
     if kind == "rms":
         lam, V = torch.linalg.eigh(Ginv2)
@@ -96,5 +111,4 @@ def norm_ellipsoid(gain: Tensor, bias: Optional[Tensor] = None, kind: str = "ln"
         V = B @ W
     semi = torch.sqrt(N / lam)
     order = torch.argsort(semi, descending=True)
-    return NormEllipsoid(kind=kind, gain=g, center=b, normal=normal, axes=V[:, order].T.contiguous(),
-                         semi_axes=semi[order], quad=quad)
+    return normal, quad, V[:, order].T.contiguous(), semi[order]
