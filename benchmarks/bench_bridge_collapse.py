@@ -48,7 +48,7 @@ import torch
 from interp_norm.anatomy import anatomy, bridge_from_hf, random_tokens, tiny_hf_model
 from interp_norm.bridges import collapse_chunks, collapse_kappa
 from interp_norm.anatomy.rebuild import attention_mask, rebuilt_query_key
-from interp_norm.hooks import SPARSE_THRESHOLD
+from interp_norm.defaults import SPARSE_THRESHOLD
 
 SHAPE = dict(n_layers=8, d_model=1024, n_heads=16, n_kv_heads=8, d_head=64, vocab=1000, n_ctx=512)
 

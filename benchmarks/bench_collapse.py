@@ -19,7 +19,8 @@ import torch
 
 from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig
 from interp_norm import noise as N
-from interp_norm.hooks import SPARSE_THRESHOLD, act_name, noise_site
+from interp_norm.defaults import SPARSE_THRESHOLD
+from interp_norm.hooks import act_name, noise_site
 from interp_norm.task import PAD_ID
 
 

@@ -67,7 +67,7 @@ class GeometryError(InterpNormError, ValueError):
 
 class ArchitectureError(ConfigError):
     """A model's attention cannot be described: a norm, hook or scale is missing or ambiguous
-    (raised by :mod:`interp_norm.bridges` for Hugging Face models it cannot read safely)."""
+    (raised by :mod:`interp_norm.anatomy` for Hugging Face models it cannot read safely)."""
 
 
 class TaskMismatchWarning(UserWarning):

@@ -1,4 +1,4 @@
-"""The one hook vocabulary: every hook name, and the named constants the analyses share.
+"""The one hook vocabulary: every hook name (shared constants live in :mod:`interp_norm.defaults`).
 
 Analyses never spell ``f"blocks.{l}..."`` themselves: they ask :func:`act_name` (TransformerLens's
 ``get_act_name`` extended with our attention-norm hooks), and the q/k/v that the attention scores
@@ -22,18 +22,15 @@ from transformer_lens.utilities import get_act_name
 
 from interp_norm.errors import HookNameError
 
-# ----------------------------------------------------------------------------- constants
-
-#: Attention normalisation placements, in the order tables and figures show them.
-ATTN_NORMS: tuple[str, ...] = ("pre", "qkv", "qk", "none")
-#: How every table, figure and message names a variant.
-VARIANT_LABELS: dict[str, str] = {"pre": "Pre-Norm", "qkv": "QKV-Norm", "qk": "QK-Norm", "none": "No-Norm"}
-#: A row of attention is *sparse* when its largest weight is at least this (the paper's 95%).
-SPARSE_THRESHOLD: float = 0.95
-#: A row is *non-sparse* when its largest weight is below this (the paper's 70%).
-NONSPARSE_THRESHOLD: float = 0.70
-#: Which rows a noise experiment perturbs: every row, only sparse ones, or only non-sparse ones.
-NOISED_ROWS: tuple[str, ...] = ("all", "sparse", "nonsparse")
+# The shared constants (ATTN_NORMS, VARIANT_LABELS, SPARSE_THRESHOLD, NONSPARSE_THRESHOLD, NOISED_ROWS)
+# live in interp_norm.defaults; re-exported here for code written before they moved.
+from interp_norm.defaults import (  # noqa: E402,F401
+    ATTN_NORMS,
+    NOISED_ROWS,
+    NONSPARSE_THRESHOLD,
+    SPARSE_THRESHOLD,
+    VARIANT_LABELS,
+)
 
 # Per-head norm hooks live on the attention module: blocks.{l}.attn.hook_{q,k,v}_{normed,scale}.
 _HEAD_NORM_KINDS = tuple(f"{t}_{s}" for t in "qkv" for s in ("normed", "scale"))
@@ -108,6 +105,6 @@ def noise_site(attn_norm: str, target: str, layer: int, placement: str = "before
 
 
 __all__ = [
-    "ATTN_NORMS", "VARIANT_LABELS", "SPARSE_THRESHOLD", "NONSPARSE_THRESHOLD", "NOISED_ROWS", "PATCHABLE",
+    "PATCHABLE",
     "act_name", "norm_name", "normalised_targets", "is_normalised", "used_name", "noise_site",
 ]

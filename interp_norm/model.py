@@ -41,7 +41,7 @@ from transformer_lens.HookedRootModule import HookedRootModule
 
 from interp_norm import task as T
 from interp_norm.errors import ConfigError, ProblemStringError
-from interp_norm.hooks import ATTN_NORMS
+from interp_norm.defaults import ATTN_NORMS
 from interp_norm.layers import (
     MLP, Attention, Calibration, HeadNorm, Norm, OutputHead, SinusoidalPosEmbed, TransformerBlock, fitting_calibration,
 )

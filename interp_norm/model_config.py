@@ -41,8 +41,8 @@ from typing import Any, Optional
 from transformer_lens.config.transformer_lens_config import TransformerLensConfig
 
 from interp_norm import task as T
+from interp_norm.defaults import ATTN_NORMS
 from interp_norm.errors import ConfigError, check_positive_int
-from interp_norm.hooks import ATTN_NORMS
 
 NORM_KINDS = ("rms", "ln")
 CALIBRATIONS = ("none", "paper")

@@ -23,7 +23,8 @@ from interp_norm.anatomy import (
     verify_scores,
 )
 from interp_norm.errors import ConfigError, InterpNormError
-from interp_norm.hooks import ATTN_NORMS, act_name
+from interp_norm.defaults import ATTN_NORMS
+from interp_norm.hooks import act_name
 
 from _models import make_model
 

@@ -26,7 +26,7 @@ from interp_norm.anatomy import (
     random_tokens,
     tiny_bridge,
 )
-from interp_norm.bridges import HeadNoise, argmax_changes, collapse_factors, effective_factors
+from interp_norm.noise import HeadNoise, effective_factors
 
 from _models import make_model
 
@@ -38,6 +38,43 @@ def models():
     out = {a: tiny_bridge(a, seed=5) for a in ARCHITECTURES}
     out.update({f"own-{v}": make_model(attn_norm=v) for v in ("pre", "qkv", "qk", "none")})
     out["own-qkv-ln"] = make_model(attn_norm="qkv", norm_kind="ln")
+    return out
+
+
+def collapse_factors(model, cache, layer, kappa_q, kappa_k, placement="before_norm"):
+    """(f_q [..., b, p, n_heads], f_k [..., b, p, n_kv_heads]): the factors κ puts on the q and k
+    the scores use, for noise at ``placement`` (raw projections read from ``cache``). A per-test
+    reference (it lived in interp_norm.bridges.noise, used only here)."""
+    la = anatomy(model)[layer]
+    out = []
+    for t, kappa in (("q", kappa_q), ("k", kappa_k)):
+        if placement == "after_norm" or la.norms.get(t) is None:
+            out.append(1.0 + kappa)
+            continue
+        raw = canonical(cache[la.hooks[t]], la.layouts.get(t, "bphd"), la.n_heads_of(t), la.d_head)
+        out.append(effective_factors(la, t, kappa, raw))
+    return out[0], out[1]
+
+
+def argmax_changes(scores, mask, f_q, f_k, kv_head_of, max_elements=1 << 24):
+    """Bool [draw, b, h, q]: whether each row's argmax moves when q and k are scaled per vector
+    (the whole noised score block per draw: the per-row reference for the collapse kernels).
+
+    ``scores`` [b, h, q, k] pre-mask and pre-softcap; ``mask`` [q, k] allowed keys; ``f_q``
+    [draw, b, q, h]; ``f_k`` [draw, b, k, h_kv], mapped to query heads by ``kv_head_of``. Noised
+    scores are f_q·f_k·s (exact: RoPE commutes with scalar factors). First maximum wins."""
+    w = scores.to(torch.float64).masked_fill(~mask, 0.0)
+    neg = torch.zeros_like(w).masked_fill(~mask, -math.inf)
+    clean = scores.to(torch.float64).masked_fill(~mask, -math.inf).argmax(-1)  # [b, h, q]
+    idx = torch.as_tensor(list(kv_head_of), dtype=torch.long)
+    fq = f_q.to(torch.float64).permute(0, 1, 3, 2)  # [D, b, h, q]
+    fk = f_k.to(torch.float64)[..., idx].permute(0, 1, 3, 2)  # [D, b, h, k]
+    D = fq.shape[0]
+    step = max(1, max_elements // max(1, w.numel()))
+    out = torch.empty((D, *clean.shape), dtype=torch.bool)
+    for d0 in range(0, D, step):
+        noised = w * fq[d0 : d0 + step, ..., :, None] * fk[d0 : d0 + step, ..., None, :] + neg
+        out[d0 : d0 + step] = noised.argmax(-1) != clean
     return out
 
 

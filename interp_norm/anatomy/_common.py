@@ -46,12 +46,17 @@ def is_bridge(model: Any) -> bool:
     return TransformerBridge is not None and isinstance(model, TransformerBridge)
 
 
+def wrapped(component: Any) -> Optional[nn.Module]:
+    """The HF module a bridge component wraps, or None if ``component`` wraps none."""
+    return getattr(component, "_modules", {}).get("_original_component")
+
+
 def original(component: Any) -> Optional[nn.Module]:
     """The HF module a bridge component wraps (or the module itself if it is not a bridge)."""
     if component is None:
         return None
-    orig = getattr(component, "_modules", {}).get("_original_component")
+    orig = wrapped(component)
     return orig if orig is not None else component
 
 
-__all__ = ["canonical", "from_canonical", "is_bridge", "original"]
+__all__ = ["canonical", "from_canonical", "is_bridge", "wrapped", "original"]

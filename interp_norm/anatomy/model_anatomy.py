@@ -20,6 +20,21 @@ from interp_norm.model import HookedNormTransformer
 
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, Anatomy]" = weakref.WeakKeyDictionary()
 
+#: The kinds of model the adapter knows (:attr:`Anatomy.kind` holds the same strings).
+KINDS = ("interp_norm", "bridge")
+
+
+def kind_of(model: Any) -> str:
+    """Which kind of model this is, without a probe forward: ``"interp_norm"`` (our
+    :class:`HookedNormTransformer`), ``"bridge"`` (a TransformerLens 4 ``TransformerBridge`` of a
+    Hugging Face model) or ``"other"``. The one place the package tells model kinds apart; an
+    analysis that needs more than the kind asks :func:`anatomy`."""
+    if isinstance(model, HookedNormTransformer):
+        return "interp_norm"
+    if is_bridge(model):
+        return "bridge"
+    return "other"
+
 
 def anatomy(model: Any, *, strict: bool = True, refresh: bool = False) -> Anatomy:
     """The :class:`Anatomy` of ``model`` (cached per model object; ``refresh=True`` re-derives it).
@@ -34,9 +49,10 @@ def anatomy(model: Any, *, strict: bool = True, refresh: bool = False) -> Anatom
         if strict and bad:
             raise ArchitectureError(f"layers {bad}: the rebuilt scores do not reproduce the pattern (see anatomy(model, strict=False).table())")
         return result
-    if isinstance(model, HookedNormTransformer):
+    kind = kind_of(model)
+    if kind == "interp_norm":
         result = own_anatomy(model)
-    elif is_bridge(model):
+    elif kind == "bridge":
         result = bridge_anatomy(model, strict)
     else:
         raise ArchitectureError(
@@ -47,4 +63,4 @@ def anatomy(model: Any, *, strict: bool = True, refresh: bool = False) -> Anatom
     return result
 
 
-__all__ = ["anatomy"]
+__all__ = ["anatomy", "kind_of", "KINDS"]

@@ -1,13 +1,11 @@
-"""Analyses of TransformerLens 4 bridges of Hugging Face models: noise, collapse, text agreement.
+"""Text agreement of TransformerLens 4 bridges under noise, and the names bridge users reach for.
 
 The model adapter (anatomy, scores, building and loading models, text) lives in
-:mod:`interp_norm.anatomy`; its public names are re-exported here unchanged, so
-``from interp_norm.bridges import anatomy, tiny_bridge`` keeps working.
-
-* :class:`HeadNoise`, :func:`effective_factors`, :func:`argmax_changes` (``noise``): per-head
-  multiplicative noise and collapse decisions from clean scores.
-* :func:`bridge_collapse`, :func:`collapse_kappa` (``collapse``): the collapse rate on a bridge.
-* :func:`text_agreement` (``agreement``).
+:mod:`interp_norm.anatomy`, and the one noise/collapse implementation in :mod:`interp_norm.noise`
+(:class:`~interp_norm.noise.HeadNoise` = the per-head core of ``NormNoise``,
+:func:`~interp_norm.noise.bridge_collapse`); their public names are re-exported here unchanged, so
+``from interp_norm.bridges import anatomy, tiny_bridge, HeadNoise`` keeps working. Only
+:func:`text_agreement` (``agreement``) is implemented here.
 
 Submodules load lazily (PEP 562): ``import interp_norm.bridges`` imports none of them.
 """
@@ -20,12 +18,11 @@ from typing import Any
 from interp_norm.anatomy import _EXPORTS as _ANATOMY
 
 _EXPORTS = {name: f"interp_norm.anatomy.{mod}" for name, mod in _ANATOMY.items()} | {
-    name: f"interp_norm.bridges.{mod}" for name, mod in {
-        "HeadNoise": "noise", "seeded_sampler": "noise", "effective_factors": "noise", "argmax_changes": "noise",
-        "collapse_factors": "noise",
-        "bridge_collapse": "collapse", "collapse_chunks": "collapse", "collapse_kappa": "collapse",
-        "text_agreement": "agreement",
-    }.items()
+    "HeadNoise": "interp_norm.noise.head_noise", "seeded_sampler": "interp_norm.noise.head_noise",
+    "effective_factors": "interp_norm.noise.kernels",
+    "bridge_collapse": "interp_norm.noise.bridge_collapse", "collapse_chunks": "interp_norm.noise.bridge_collapse",
+    "collapse_kappa": "interp_norm.noise.bridge_collapse",
+    "text_agreement": "interp_norm.bridges.agreement",
 }
 
 

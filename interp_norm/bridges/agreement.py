@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 
 from interp_norm.anatomy.describe import Anatomy
 from interp_norm.anatomy.model_anatomy import anatomy
-from interp_norm.bridges.noise import PLACEMENTS, HeadNoise, seeded_sampler
+from interp_norm.defaults import PLACEMENTS
+from interp_norm.noise.head_noise import HeadNoise, seeded_sampler
 from interp_norm.errors import ConfigError, NoiseSpecError
 from interp_norm.theory import NoiseLaw
 

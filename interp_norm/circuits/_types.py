@@ -131,13 +131,6 @@ def require_eval(model) -> None:
         raise PatchingError("the model is in training mode; call model.eval() before patching (dropout etc. would vary per copy)")
 
 
-def is_ours(model) -> bool:
-    """A :class:`~interp_norm.model.HookedNormTransformer` (whose steps the incremental engine calls)."""
-    from interp_norm.model import HookedNormTransformer
-
-    return isinstance(model, HookedNormTransformer)
-
-
 # ----------------------------------------------------------------------------- metrics
 
 
@@ -184,6 +177,6 @@ def ig_alphas(ig_steps: int) -> Tensor:
 
 
 __all__ = [
-    "MetricFn", "AXES", "PatchResult", "cell_kind", "check_by", "grid_cells", "device", "require_eval", "is_ours",
+    "MetricFn", "AXES", "PatchResult", "cell_kind", "check_by", "grid_cells", "device", "require_eval",
     "metric_per_copy", "metric_values", "metric_name", "ig_alphas",
 ]

@@ -8,7 +8,7 @@ predict an answer token; they are labelled by what they predict (``place``: ``an
 ``ans.sign`` / ``eos``, aligned across answer lengths; or ``index``: ``a{j}``, j-th answer token).
 
 A head attends *sparsely* when its largest attention weight from the query is at least
-``threshold`` (default :data:`~interp_norm.hooks.SPARSE_THRESHOLD`, 0.95); the key it attends to is then recorded by role. Counting those events
+``threshold`` (default :data:`~interp_norm.defaults.SPARSE_THRESHOLD`, 0.95); the key it attends to is then recorded by role. Counting those events
 over problems gives how often (``frequency`` = events / problems with that query) and how strongly
 (``mean_strength`` = mean of the max weight) each head moves each role to each answer position.
 """
@@ -23,8 +23,9 @@ from tqdm.auto import tqdm
 
 from interp_norm import task as T
 from interp_norm.circuits._types import device, require_eval
+from interp_norm.defaults import SPARSE_THRESHOLD
 from interp_norm.errors import PatchingError, check_positive_int
-from interp_norm.hooks import SPARSE_THRESHOLD, act_name
+from interp_norm.hooks import act_name
 
 ROLE_ORDER = ("bos", "operand", "sign", "operator", "eq", "answer", "answer_sign", "eos")
 

@@ -31,8 +31,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from interp_norm.circuits._types import device, is_ours, require_eval
 from interp_norm import nodes
+from interp_norm.anatomy import kind_of
+from interp_norm.circuits._types import device, require_eval
 from interp_norm.errors import PatchingError
 from interp_norm.hooks import act_name
 from interp_norm.nodes import QKV, receiver_node
@@ -151,12 +152,12 @@ def _fires(model, name: str) -> bool:
 def _check_hf_bridge(model) -> None:
     """A Hugging Face bridge's edges are sums only without post-norms and with one k/v head per query head.
 
-    Read from the attention anatomy (:func:`interp_norm.bridges.anatomy`): OLMo-2 and Gemma 4
+    Read from the attention anatomy (:func:`interp_norm.anatomy.anatomy`): OLMo-2 and Gemma 4
     normalise what attention writes before adding it, so a head's contribution to a later receiver
     is not its ``z W_O``; grouped k/v heads share one key/value input between several query heads,
     so the per-head k/v receivers are not separate edges.
     """
-    if getattr(model, "original_model", None) is None or is_ours(model):
+    if getattr(model, "original_model", None) is None or kind_of(model) == "interp_norm":
         return
     from interp_norm.anatomy import ArchitectureError, anatomy
 
@@ -193,7 +194,7 @@ class EdgeRunner:
         self.valid = self.graph.valid()
         if backend not in ("auto", "split", "copies"):
             raise PatchingError(f"backend must be 'auto', 'split' or 'copies', got {backend!r}")
-        ours = is_ours(model)
+        ours = kind_of(model) == "interp_norm"
         if backend == "auto":
             backend = "split" if ours or getattr(cfg, "use_split_qkv_input", False) else "copies"
         if backend == "split" and not ours and not getattr(cfg, "use_split_qkv_input", False):
@@ -213,7 +214,7 @@ class EdgeRunner:
         _check_hf_bridge(model)
         self.mid_feeds_mlp_only = _resid_mid_feeds_mlp_only(self.run_model)
         # rotary models (a Llama/Qwen3 bridge) never fire hook_pos_embed: the embed sender is the token embedding
-        self.has_pos = is_ours(model) or _fires(self.run_model, act_name("pos_embed"))
+        self.has_pos = kind_of(model) == "interp_norm" or _fires(self.run_model, act_name("pos_embed"))
 
     # -- sender outputs --------------------------------------------------------------------
     def senders_from_cache(self, cache) -> Tensor:

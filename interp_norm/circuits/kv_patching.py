@@ -73,9 +73,9 @@ class KVCacheEngine:
     """
 
     def __init__(self, model, tokens: Tensor, read_mask: Optional[Tensor], activation: str):
-        from interp_norm.anatomy._common import is_bridge
+        from interp_norm.anatomy import kind_of
 
-        if not is_bridge(model):
+        if kind_of(model) != "bridge":
             raise EngineRefusal("method='kv-cache' needs a TransformerLens TransformerBridge; use method='incremental' or 'hooks'")
         if activation not in KV_ACTIVATIONS:
             raise PatchingError(f"method='kv-cache' patches {list(KV_ACTIVATIONS)}, not {activation!r}; use method='hooks'")

@@ -43,6 +43,7 @@ from jaxtyping import Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from interp_norm.anatomy import kind_of
 from interp_norm.circuits._types import (
     MetricFn,
     PatchResult,
@@ -50,7 +51,6 @@ from interp_norm.circuits._types import (
     check_by,
     device,
     grid_cells,
-    is_ours,
     metric_name,
     metric_per_copy,
     require_eval,
@@ -163,7 +163,7 @@ def _make_engine(req: _Request, exact: bool) -> Optional[IncrementalEngine]:
     model, method = req.model, req.method
     if method not in ("auto", "incremental"):
         return None
-    if not is_ours(model):
+    if not kind_of(model) == "interp_norm":
         if method == "incremental":
             raise PatchingError(
                 "method='incremental' needs a HookedNormTransformer; use method='kv-cache' (bridges) or 'hooks' for other models"
@@ -183,7 +183,7 @@ def _make_kv_engine(req: _Request) -> Optional[KVCacheEngine]:
     (``method='auto'``: full forward passes instead, with a warning, when the architecture refuses:
     :class:`EngineRefusal`; any other error propagates)."""
     model, method, activation, by = req.model, req.method, req.activation, req.by
-    if method not in ("auto", "kv-cache") or is_ours(model):
+    if method not in ("auto", "kv-cache") or kind_of(model) == "interp_norm":
         if method == "kv-cache":
             raise PatchingError("method='kv-cache' is for TransformerLens bridges; use method='incremental' for our models")
         return None
@@ -193,9 +193,7 @@ def _make_kv_engine(req: _Request) -> Optional[KVCacheEngine]:
                 f"method='kv-cache' patches {list(KV_ACTIVATIONS)} by 'pos' or 'all', not {activation!r} by {by!r}; use method='hooks'"
             )
         return None
-    from interp_norm.anatomy._common import is_bridge
-
-    if method == "auto" and not is_bridge(model):
+    if method == "auto" and kind_of(model) != "bridge":
         return None
     try:
         return KVCacheEngine(model, req.corrupted, req.read, activation)
@@ -342,9 +340,9 @@ def _corrupted_run(req: _Request) -> _CorruptedRun:
         run = _CorruptedRun(kv.logits, kv.acts, kv=kv)
     else:
         names = [act_name(req.activation, l) for l in range(L)]
-        want = set(names) | ({act_name("resid_pre", l) for l in range(L)} if is_ours(model) else set())
+        want = set(names) | ({act_name("resid_pre", l) for l in range(L)} if kind_of(model) == "interp_norm" else set())
         logits, cache = model.run_with_cache(req.corrupted, names_filter=lambda nm: nm in want)
-        run = _CorruptedRun(logits, [cache[nm] for nm in names], start_cache=cache if is_ours(model) else None)
+        run = _CorruptedRun(logits, [cache[nm] for nm in names], start_cache=cache if kind_of(model) == "interp_norm" else None)
     for a, c in zip(req.clean_acts, run.acts):
         if a.shape != c.shape:
             raise PatchingError(

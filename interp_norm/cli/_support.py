@@ -202,7 +202,7 @@ def threshold_display(thresholds: Any, curves: Any) -> tuple[Any, list[str]]:
             elif g[src].iloc[0] >= row["target"]:
                 show.at[i, col] = f"< {g['level'].min():g}"
                 used.add("<")
-    from interp_norm.hooks import SPARSE_THRESHOLD
+    from interp_norm.defaults import SPARSE_THRESHOLD
 
     notes = []
     if "none" in used:
@@ -224,8 +224,8 @@ def load_model_spec(spec: str, device: str = "cpu", dtype: Optional[str] = None,
                     ) -> tuple[Any, Any]:
     """(model, info) for one of our checkpoints; (TransformerBridge, None) for a Hugging Face model.
 
-    ``interp_norm.bridges.folder_kind`` decides for an existing folder; a name is tried as one of
-    our pretrained names first, then in the Hugging Face cache (``bridges.load_model``). A folder
+    ``interp_norm.anatomy.folder_kind`` decides for an existing folder; a name is tried as one of
+    our pretrained names first, then in the Hugging Face cache (``interp_norm.anatomy.load``). A folder
     that is neither gets a CheckpointError saying what it holds. ``dtype`` (default float32) and
     ``device_map`` apply to Hugging Face models; for ours they are a ConfigError (``check_ours``).
     """
@@ -249,9 +249,9 @@ def load_model_spec(spec: str, device: str = "cpu", dtype: Optional[str] = None,
         except CheckpointNotFoundError:
             pass  # load_model tries the Hugging Face cache and names both failures
     model = load_model(spec, device=device, dtype=dtype, device_map=device_map)
-    from interp_norm.anatomy.bridge_anatomy import is_bridge
+    from interp_norm.anatomy import kind_of
 
-    if is_bridge(model):
+    if kind_of(model) == "bridge":
         return model, None
     return ours()
 

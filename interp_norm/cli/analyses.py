@@ -238,7 +238,7 @@ def _collapse(args: argparse.Namespace) -> int:
     out = prepare_out(args.out, COLLAPSE_FILES, args.force)
     model, info = _load_for_noise(args)
     if info is None:  # a Hugging Face model: collapse from its clean scores on text
-        from interp_norm.bridges import bridge_collapse
+        from interp_norm.noise import bridge_collapse
 
         curves = bridge_collapse(model, hf_tokens(model, args), args.levels, placement=args.placement,
                                  distribution=args.distribution, seed=args.seed, progress=not args.no_progress)

@@ -1,12 +1,12 @@
 """Geometry on a TransformerLens 4 ``TransformerBridge`` (GPT-2, Llama, Qwen3, OLMo-2, Gemma 4 ...).
 
 The analyses of this package read our model's hooks and weight steps; a bridge has neither, so this
-module finds what they need from :func:`interp_norm.bridges.anatomy` and the bridge's module tree:
+module finds what they need from :func:`interp_norm.anatomy.anatomy` and the bridge's module tree:
 
 * every **norm** of the model (residual Pre/Post-Norms, the final norm, and the attention q/k/v norms:
   Qwen3's per-head RMSNorm, OLMo-2's RMSNorm over all heads, Gemma 4's gainless v-norm, GPT-2's
   LayerNorms), each with the ``hook_in``/``hook_out`` HookPoints of its bridge component. A module is
-  a norm when it *computes* one (:func:`~interp_norm.bridges.identify_norm`), not by its class name;
+  a norm when it *computes* one (:func:`~interp_norm.anatomy.identify_norm`), not by its class name;
   its effective gain and bias are fitted from what it computes (so Gemma-2-style ``1 + w`` gains are
   read right), and its ellipsoid (Riechers 2024) is :func:`~interp_norm.geometry.norm_ellipsoid`.
 * the **attention pattern** from the anatomy's ``pattern`` hook, which the anatomy verified equals
@@ -33,16 +33,9 @@ from interp_norm.geometry._common import TINY
 from interp_norm.geometry.norm_image import NormEllipsoid, norm_ellipsoid
 
 __all__ = [
-    "is_bridge", "BridgeNorm", "bridge_norms", "bridge_tokens", "bridge_pattern_hooks", "bridge_resid_hooks",
+    "BridgeNorm", "bridge_norms", "bridge_tokens", "bridge_pattern_hooks", "bridge_resid_hooks",
     "bridge_ellipsoid_table", "bridge_ellipsoid_axes", "bridge_ellipsoid_membership", "position_mask",
 ]
-
-
-def is_bridge(model: Any) -> bool:
-    """Whether ``model`` is a TransformerLens 4 ``TransformerBridge``."""
-    from interp_norm.anatomy.bridge_anatomy import is_bridge as _is
-
-    return _is(model)
 
 
 def _hook_name(component: Any, attr: str) -> Optional[str]:
@@ -54,10 +47,6 @@ def _hook_name(component: Any, attr: str) -> Optional[str]:
     except AttributeError:
         return None
     return hp.name if isinstance(hp, HookPoint) and isinstance(hp.name, str) else None
-
-
-def _original(component: Any) -> Optional[nn.Module]:
-    return getattr(component, "_modules", {}).get("_original_component")
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,7 +105,7 @@ def bridge_norms(model: Any) -> list[BridgeNorm]:
     RMS/LayerNorm over them is a residual norm. Raises :class:`GeometryError` if a norm has no
     ``hook_in``/``hook_out``.
     """
-    from interp_norm.anatomy import anatomy, identify_norm
+    from interp_norm.anatomy import anatomy, identify_norm, original, wrapped
 
     anat = anatomy(model)
     attn_norms: dict[int, tuple] = {}
@@ -124,7 +113,7 @@ def bridge_norms(model: Any) -> list[BridgeNorm]:
         for t, spec in la.norms.items():
             if spec is not None:
                 comp = model.get_submodule(spec.module)
-                attn_norms.setdefault(id(_original(comp) or comp), (la.layer, t, spec, la))
+                attn_norms.setdefault(id(original(comp)), (la.layer, t, spec, la))
     layer_of: dict[int, int] = {}
     for l, block in enumerate(model.blocks):
         for _, m in block.named_modules():
@@ -132,7 +121,7 @@ def bridge_norms(model: Any) -> list[BridgeNorm]:
     out: list[BridgeNorm] = []
     seen: set[int] = set()
     for path, comp in model.named_modules():
-        orig = _original(comp)
+        orig = wrapped(comp)
         if orig is None or id(orig) in seen:
             continue
         if id(orig) in attn_norms:
@@ -158,7 +147,7 @@ def bridge_norms(model: Any) -> list[BridgeNorm]:
                               ellipsoid=norm_ellipsoid(gain, bias, kind), hook_in=hin, hook_out=hout, module=orig))
     hf = getattr(model, "original_model", None)
     for path, m in (hf.named_modules() if isinstance(hf, nn.Module) else ()):
-        if id(m) in seen or _original(m) is not None or not isinstance(m, nn.Module):
+        if id(m) in seen or wrapped(m) is not None or not isinstance(m, nn.Module):
             continue
         params = list(m.parameters())
         if not params or any(p.ndim != 1 for p in params) or len({p.numel() for p in params}) != 1:

@@ -68,9 +68,10 @@ def ellipsoid_table(model: HookedNormTransformer) -> pd.DataFrame:
     """One row per norm module and gain row: kind, N, semi-axis range, axis ratio, tilt of the
     hyperplane (``normal_cos_ones`` = |α̂·1̂|, 1 for equal gains) and |b|. On a ``TransformerBridge``:
     every norm, attention q/k/v norms included (:func:`~interp_norm.geometry.bridge.bridge_norms`)."""
-    from interp_norm.geometry.bridge import bridge_ellipsoid_table, is_bridge
+    from interp_norm.anatomy import kind_of
+    from interp_norm.geometry.bridge import bridge_ellipsoid_table
 
-    if is_bridge(model):
+    if kind_of(model) == "bridge":
         return bridge_ellipsoid_table(model)
     check_model(model)
     rows = []
@@ -89,9 +90,10 @@ def ellipsoid_table(model: HookedNormTransformer) -> pd.DataFrame:
 
 def ellipsoid_axes(model: HookedNormTransformer) -> pd.DataFrame:
     """Long table of every semi-axis length (module, gain_row, axis, semi_axis) for spectrum plots."""
-    from interp_norm.geometry.bridge import bridge_ellipsoid_axes, is_bridge
+    from interp_norm.anatomy import kind_of
+    from interp_norm.geometry.bridge import bridge_ellipsoid_axes
 
-    if is_bridge(model):
+    if kind_of(model) == "bridge":
         return bridge_ellipsoid_axes(model)
     rows = []
     for name, mod in norm_modules(model).items():
@@ -116,9 +118,10 @@ def ellipsoid_membership(
     ``TransformerBridge`` every norm is checked the same way, σ² read from its input
     (:func:`~interp_norm.geometry.bridge.bridge_ellipsoid_membership`).
     """
-    from interp_norm.geometry.bridge import bridge_ellipsoid_membership, is_bridge
+    from interp_norm.anatomy import kind_of
+    from interp_norm.geometry.bridge import bridge_ellipsoid_membership
 
-    if is_bridge(model):
+    if kind_of(model) == "bridge":
         return bridge_ellipsoid_membership(model, as_tokens(model, tokens), cache=cache)
     check_model(model)
     tokens = as_tokens(model, tokens)

@@ -21,8 +21,8 @@ from interp_norm.geometry.bridge import (
     bridge_pattern_hooks,
     bridge_resid_hooks,
     bridge_tokens,
-    is_bridge,
 )
+from interp_norm.anatomy import kind_of
 from interp_norm.geometry.ellipsoid import ellipsoid_axes, ellipsoid_membership, ellipsoid_table, norm_hook_names
 from interp_norm.geometry.interference import Intervention, direct_interference
 from interp_norm.geometry.sparsity import max_attention, sparsity_histogram, sparsity_summary
@@ -91,7 +91,7 @@ def run_geometry(
     ``task`` defaults to the model's own (``model.task``); it is only read when ``tokens`` is not given.
     A ``TransformerBridge`` (a Hugging Face model) gets :func:`bridge_geometry` instead.
     """
-    if is_bridge(model):
+    if kind_of(model) == "bridge":
         return bridge_geometry(model, tokens=tokens, n=n, seed=seed, coverage=coverage, tolerance=tolerance,
                                bins=bins, progress=progress)
     check_model(model)
@@ -137,7 +137,7 @@ def bridge_geometry(
 ) -> dict[str, pd.DataFrame]:
     """The geometry of a ``TransformerBridge``: ``norm_spread``, ``sparsity_hist``,
     ``sparsity_summary``, ``ellipsoids``, ``ellipsoid_axes``, ``ellipsoid_membership`` (every norm,
-    attention q/k/v norms included) and ``anatomy`` (:meth:`~interp_norm.bridges.Anatomy.table`).
+    attention q/k/v norms included) and ``anatomy`` (:meth:`~interp_norm.anatomy.Anatomy.table`).
 
     ``tokens`` default: ``n`` windows of ``n_ctx`` tokens of the shipped sample text, or random
     ordinary ids for a model without a tokenizer (:func:`~interp_norm.geometry.bridge.bridge_tokens`).
@@ -179,7 +179,7 @@ def compare_geometry(
     if not models:
         raise ConfigError("compare_geometry needs at least one model, e.g. {'pre': model_a, 'qkv': model_b}")
     for m in models.values():
-        if not is_bridge(m):
+        if kind_of(m) != "bridge":
             check_model(m)
     n, split, seed = kwargs.pop("n", 256), kwargs.pop("split", "id"), kwargs.pop("seed", 0)
     first = next(iter(models.values()))

@@ -15,7 +15,8 @@ import torch
 
 from interp_norm.errors import GeometryError
 from interp_norm.geometry._common import TokensLike, as_tokens, check_model, run_cached, use_center, valid_mask
-from interp_norm.geometry.bridge import bridge_pattern_hooks, bridge_resid_hooks, is_bridge, position_mask
+from interp_norm.geometry.bridge import bridge_pattern_hooks, bridge_resid_hooks, position_mask
+from interp_norm.anatomy import kind_of
 from interp_norm.hooks import act_name
 from interp_norm.model import HookedNormTransformer
 
@@ -70,7 +71,7 @@ def attended_norms(
     Pre-Norm is a LayerNorm), the weights come from the anatomy's verified pattern, and
     ``exclude_bos`` drops position 0.
     """
-    if is_bridge(model):
+    if kind_of(model) == "bridge":
         from interp_norm.anatomy import anatomy
 
         tokens = as_tokens(model, tokens)

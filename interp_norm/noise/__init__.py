@@ -1,10 +1,16 @@
 """Norm noise: hooks that jitter L2 norms, accuracy under noise, and circuit collapse.
 
 Menary et al. (2024) model Pre-Norm interference as multiplicative noise on the L2 norms of
-queries, keys and values (digest §2.3). This package turns that model into instruments:
+queries, keys and values (§2.3). This package turns that model into instruments, one
+implementation for every model (ours and TransformerLens bridges, asked through :mod:`interp_norm.anatomy`):
 
+* :mod:`~interp_norm.noise.kernels` — the one seeded generator, the κ streams and the factor a norm
+  leaves of noise before it; κ comes from :func:`interp_norm.theory.sample_kappa`, the one sampler.
 * :mod:`~interp_norm.noise.hooks` — :class:`NormNoise`, the hooks (a context manager or a hook
-  list), and the seeded draws; κ comes from :func:`interp_norm.theory.sample_kappa`, the one sampler.
+  list) on any model; its per-head core :class:`HeadNoise` (:mod:`~interp_norm.noise.head_noise`)
+  places the noise through the model's anatomy.
+* :mod:`~interp_norm.noise.bridge_collapse` — :func:`bridge_collapse`: the collapse protocol on a
+  TransformerBridge, rebuilt from cached q and k in blocks (real models are large).
 * :mod:`~interp_norm.noise.accuracy` — :func:`run_noise`: per-token accuracy vs noise level, all
   layers at once, mean ± standard error over datasets, with the paper's sparse-only /
   non-sparse-only variants.
@@ -32,7 +38,7 @@ there are sparse ones (:func:`matched_row_gates`), so sparse-only vs non-sparse-
 Every function returns tensors or DataFrames; nothing here prints, plots or writes files.
 """
 
-from interp_norm.hooks import NOISED_ROWS, VARIANT_LABELS
+from interp_norm.defaults import NOISED_ROWS, VARIANT_LABELS
 from interp_norm.noise._validate import PLACEMENTS, TARGETS
 from interp_norm.noise.accuracy import (
     DEFAULT_NOISE_LEVELS,
@@ -70,7 +76,11 @@ from interp_norm.noise.decomposition import (
     run_noise_decomposition,
 )
 from interp_norm.noise.forward import forward_collapse_decisions, measure_forward_collapse, run_forward_collapse
-from interp_norm.noise.hooks import NormNoise, effective_factor, norm_noise_hooks, unit_noise
+from interp_norm.noise.hooks import NormNoise, norm_noise_hooks
+from interp_norm.noise.kernels import effective_factor, unit_noise
+from interp_norm.noise.head_noise import HeadNoise, seeded_sampler
+from interp_norm.noise.kernels import effective_factors, seeded_generator
+from interp_norm.noise.bridge_collapse import bridge_collapse, collapse_chunks, collapse_kappa
 from interp_norm.noise.heads import (
     beside_thresholds,
     effective_heads,
@@ -90,6 +100,13 @@ __all__ = [
     "DEFAULT_COLLAPSE_LEVELS",
     "VARIANT_LABELS",
     "NormNoise",
+    "HeadNoise",
+    "seeded_sampler",
+    "seeded_generator",
+    "effective_factors",
+    "bridge_collapse",
+    "collapse_chunks",
+    "collapse_kappa",
     "norm_noise_hooks",
     "unit_noise",
     "effective_factor",

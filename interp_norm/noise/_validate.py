@@ -11,7 +11,7 @@ from interp_norm import theory
 from interp_norm._checks import require_norm_model
 from interp_norm.errors import ConfigError, NoiseSpecError
 from interp_norm.evaluate import trim_padding
-from interp_norm.hooks import VARIANT_LABELS
+from interp_norm.defaults import VARIANT_LABELS
 from interp_norm.model import HookedNormTransformer, ModelConfig
 from interp_norm.task import Batch, task_for
 from interp_norm.theory import NoiseLaw
@@ -80,7 +80,7 @@ def check_targets(targets: str | Sequence[str], cfg: Optional[ModelConfig], allo
     for t in items:
         t = ALIASES.get(t, t) if isinstance(t, str) else t
         if t not in allowed:
-            raise NoiseSpecError(f"unknown noise target {t!r}; choose from {tuple(allowed)} ('m' = 'v', the message)")
+            raise NoiseSpecError(f"unknown noise target {t!r}; choose targets from {tuple(allowed)} ('m' = 'v', the message)")
         if t == "scale" and cfg is not None and cfg.attn_norm != "pre":
             raise NoiseSpecError(
                 f"target 'scale' is the Pre-Norm scale factor (ln1.hook_scale), but this model has "

@@ -27,10 +27,12 @@ from interp_norm import task as T
 from interp_norm import theory
 from interp_norm.errors import NoiseSpecError
 from interp_norm.evaluate import count_correct
-from interp_norm.hooks import NONSPARSE_THRESHOLD, NOISED_ROWS, SPARSE_THRESHOLD, act_name
+from interp_norm.defaults import NONSPARSE_THRESHOLD, NOISED_ROWS, SPARSE_THRESHOLD
+from interp_norm.hooks import act_name
 from interp_norm.model import HookedNormTransformer
 from interp_norm.noise import _validate as V
-from interp_norm.noise.hooks import NormNoise, seeded_generator
+from interp_norm.noise.hooks import NormNoise
+from interp_norm.noise.kernels import seeded_generator
 from interp_norm.task import AdditionTask, Batch
 
 #: The paper's accuracy sweep (0, 0.1%, 0.3%, 1%, 3%, 10%, 30%).

@@ -29,10 +29,11 @@ from tqdm.auto import tqdm
 
 from interp_norm import theory
 from interp_norm.errors import ConfigError, NoiseSpecError
-from interp_norm.hooks import SPARSE_THRESHOLD, act_name, is_normalised
+from interp_norm.defaults import SPARSE_THRESHOLD
+from interp_norm.hooks import act_name, is_normalised
 from interp_norm.model import HookedNormTransformer, ModelConfig
 from interp_norm.noise import _validate as V
-from interp_norm.noise.hooks import effective_factor, seeded_generator, unit_noise
+from interp_norm.noise.kernels import effective_factor, seeded_generator, unit_noise
 from interp_norm.task import PAD_ID, AdditionTask, Batch
 from interp_norm.theory import NoiseLaw, predict_rows  # noqa: F401 (predict_rows: also importable from here)
 

@@ -33,7 +33,8 @@ from tqdm.auto import tqdm
 from interp_norm import task as T
 from interp_norm import theory
 from interp_norm.errors import NoiseSpecError
-from interp_norm.hooks import SPARSE_THRESHOLD, act_name
+from interp_norm.defaults import SPARSE_THRESHOLD
+from interp_norm.hooks import act_name
 from interp_norm.model import HookedNormTransformer
 from interp_norm.noise import _validate as V
 from interp_norm.noise.accuracy import influential_rows

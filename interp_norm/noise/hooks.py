@@ -40,45 +40,20 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping, Optional, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from interp_norm import theory
+from interp_norm.anatomy import kind_of
 from interp_norm.errors import NoiseSpecError
 from interp_norm.hooks import act_name, is_normalised, noise_site
 from interp_norm.model import HookedNormTransformer
 from interp_norm.noise import _validate as V
+from interp_norm.noise.head_noise import HeadNoise
+from interp_norm.noise.kernels import effective_factor, pass_noise, seeded_generator, unit_noise
 from interp_norm.theory import NoiseLaw
 
 
-def seeded_generator(*keys: int) -> torch.Generator:
-    """A CPU generator seeded from a tuple of non-negative ints (NumPy's SeedSequence mixing)."""
-    state = np.random.SeedSequence([int(k) for k in keys]).generate_state(1, dtype=np.uint64)[0]
-    return torch.Generator().manual_seed(int(state) & 0x7FFF_FFFF_FFFF_FFFF)
-
-
-def unit_noise(
-    shape: Sequence[int], generator: torch.Generator, distribution: str = "uniform", dtype: torch.dtype = torch.float32
-) -> Tensor:
-    """Draws z with RMS 1 (uniform on ±√3 or standard normal); κ = level · z has RMS ``level``."""
-    return theory.sample_kappa(shape, generator, V.check_distribution(distribution), 1.0, dtype=dtype)
-
-
-def effective_factor(kappa: Tensor, scale: Tensor, eps: float) -> Tensor:
-    """What noise (1+κ) on x *before* a norm leaves on the normalised vector.
-
-    With divisor s = sqrt(m + eps) (m = mean(x²), or the variance for LayerNorm; both scale by
-    (1+κ)²), N((1+κ)x) = f · N(x) with f = (1+κ)·s / sqrt((1+κ)²(s² − eps) + eps). So f → sign(1+κ)
-    as eps → 0: the norm removes the noise "by construction", and only an eps-sized residue
-    (|f − 1| ≲ |κ|·eps/m) survives. ``scale`` is the clean ``hook_{q,k,v}_scale``.
-    """
-    one = 1.0 + kappa
-    m = (scale * scale - eps).clamp(min=0.0)
-    return one * scale / torch.sqrt(one * one * m + eps)
-
-
-class NormNoise:
+class NormNoise(HeadNoise):
     """Multiply the L2 norm of chosen vectors by (1+κ), κ = level · z, z of unit RMS.
 
     Parameters: ``level`` (RMS of κ); ``targets`` any of ``"q"``, ``"k"``, ``"v"`` (alias ``"m"``),
@@ -103,20 +78,13 @@ class NormNoise:
     After each forward pass, ``last_kappa[(layer, target)]`` holds the κ used ([b, p, h, 1], or
     [b, p, 1] for ``scale``).
 
-    On a TransformerLens bridge of a Hugging Face model, ``NormNoise(model, level, ...)`` returns an
-    :class:`interp_norm.bridges.HeadNoise` placed through the model's attention anatomy (same
-    ``level``, ``targets``, ``placement``, ``layers``, ``distribution``, ``seed``; ``heads`` and
-    ``row_gate`` are refused there), usable the same way: ``.hooks()`` or ``with``.
+    On a TransformerLens bridge of a Hugging Face model the same class places the noise through the
+    model's attention anatomy (:class:`~interp_norm.noise.head_noise.HeadNoise`, its base: same
+    ``level``, ``targets`` among q/k/v, ``placement``, ``layers``, ``distribution``, ``seed`` and the
+    same κ streams; ``last_kappa`` [b, p, heads of the target]). The options only our models have
+    (``heads``, ``row_gate``, ``shared``, ``direction``, target ``scale``) are refused there with a
+    :class:`~interp_norm.errors.NoiseSpecError`.
     """
-
-    def __new__(cls, model=None, *args, **kwargs):
-        # A TransformerLens bridge of a Hugging Face model: the same noise, placed through the
-        # model's attention anatomy (interp_norm.bridges.HeadNoise).
-        from interp_norm.anatomy._common import is_bridge
-
-        if is_bridge(model):
-            return _bridge_noise(model, *args, **kwargs)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -133,9 +101,28 @@ class NormNoise:
         shared: bool = False,
         direction: str = "norm",
     ):
-        cfg = V.check_model(model)
-        self.model, self.cfg = model, cfg
         self.law = NoiseLaw(level, V.check_distribution(distribution))
+        self.row_gate, self.shared, self.direction = None, False, "norm"
+        self._scales: dict[tuple[int, str], Tensor] = {}
+        self.native = kind_of(model) != "bridge"  # our model: its config and every hook of the vocabulary
+        if not self.native:
+            unsupported = [name for name, v in (("heads", heads), ("row_gate", row_gate)) if v is not None]
+            unsupported += [name for name, v, default in (("shared", shared, False), ("direction", direction, "norm"))
+                            if v != default]
+            if unsupported:
+                raise NoiseSpecError(
+                    f"{' and '.join(unsupported)} are not available on a TransformerBridge; noise whole layers "
+                    "(layers=...) or use interp_norm.noise.HeadNoise with explicit kappa per head"
+                )
+            self.cfg = None
+            self.targets = V.check_targets(targets, None, allowed=("q", "k", "v"))
+            layers = None if layers is None else list(V.check_index_form(layers, "layer"))
+            super().__init__(model, level=level, targets=self.targets, placement=V.check_placement(placement),
+                             layers=layers, seed=V.check_seed(seed), distribution=distribution)
+            self.seed, self.layers = seed, tuple(sorted({l for l, _ in self.sites}))
+            return
+        cfg = V.check_model(model)
+        self.model, self.cfg, self._ctx = model, cfg, None
         self.targets = V.check_targets(targets, cfg)
         self.placement = V.check_placement(placement)
         self.seed = V.check_seed(seed)
@@ -158,7 +145,6 @@ class NormNoise:
                 "the Pre-Norm scale factor is shared by all heads of a layer, so it cannot be noised "
                 "per head; pass heads=None with target 'scale'"
             )
-        self.row_gate = None
         if row_gate is not None:
             missing = [l for l in self.layers if l not in row_gate]
             if missing:
@@ -175,20 +161,15 @@ class NormNoise:
             self.row_gate = gates
         self.last_kappa: dict[tuple[int, str], Tensor] = {}
         self._calls: dict[tuple[int, str], int] = {}
-        self._scales: dict[tuple[int, str], Tensor] = {}
-        self._ctx = None
 
     @property
     def level(self) -> float:
         return self.law.level
 
-    def reset(self) -> None:
-        """Restart the forward-pass counter: the next pass reuses the first pass's draws."""
-        self._calls.clear()
-        self.last_kappa.clear()
-
     def hook_names(self) -> dict[tuple[int, str], str]:
         """(layer, target) → hook point where the vector noise lands (without ``row_gate``)."""
+        if not self.native:
+            return {(l, t): self.site(l, t)[0] for l, t in self.sites}
         return {(l, t): noise_site(self.cfg.attn_norm, t, l, self.placement) for l in self.layers for t in self.targets}
 
     def draw(self, layer: int, target: str, shape: Sequence[int], call: int = 0, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -198,7 +179,7 @@ class NormNoise:
             g = seeded_generator(self.seed, layer, V.SHARED_CODE, call)
             z = unit_noise((*shape[:2], *(1,) * (len(shape) - 2)), g, self.law.distribution, dtype).expand(*shape)
         else:
-            z = unit_noise(shape, seeded_generator(self.seed, layer, V.TARGET_CODE[target], call), self.law.distribution, dtype)
+            z = pass_noise(self.seed, layer, target, call, shape, self.law.distribution, dtype)
         kappa = z * self.law.level
         if target != "scale" and len(self.heads) < self.cfg.n_heads:
             keep = torch.zeros(self.cfg.n_heads, dtype=torch.bool)
@@ -267,6 +248,8 @@ class NormNoise:
 
     def hooks(self) -> list[tuple[str, Callable]]:
         """``[(hook_name, fn), ...]`` for ``run_with_hooks`` / ``model.hooks``."""
+        if not self.native:
+            return super().hooks()
         out = []
         for l in self.layers:
             if self.row_gate is None:
@@ -282,39 +265,9 @@ class NormNoise:
                 raise NoiseSpecError(f"hook {name!r} does not exist on this model (attn_norm={self.cfg.attn_norm!r})")
         return out
 
-    def __enter__(self) -> "NormNoise":
-        if self._ctx is not None:
-            raise NoiseSpecError("this NormNoise is already active; exit it before entering again")
-        self._ctx = self.model.hooks(fwd_hooks=self.hooks())
-        self._ctx.__enter__()
-        return self
-
     def __exit__(self, *exc) -> None:
-        ctx, self._ctx = self._ctx, None
         self._scales.clear()
-        ctx.__exit__(*exc)
-
-
-def _bridge_noise(model, level: float, targets: str | Sequence[str] = ("q", "k", "v"), *, distribution: str = "uniform",
-                  layers: Optional[int | Sequence[int]] = None, heads: Optional[int | Sequence[int]] = None,
-                  placement: str = "before_norm", seed: int = 0, row_gate: Optional[Mapping[int, Tensor]] = None,
-                  shared: bool = False, direction: str = "norm"):
-    """:class:`NormNoise`'s arguments on a bridge, as a :class:`interp_norm.bridges.HeadNoise`
-    (κ per example, position and head; grouped k/v heads noised once per key/value head)."""
-    from interp_norm.bridges.noise import HeadNoise
-
-    unsupported = [name for name, v in (("heads", heads), ("row_gate", row_gate)) if v is not None]
-    unsupported += [name for name, v, default in (("shared", shared, False), ("direction", direction, "norm"))
-                    if v != default]
-    if unsupported:
-        raise NoiseSpecError(
-            f"{' and '.join(unsupported)} are not available on a TransformerBridge; noise whole layers "
-            "(layers=...) or use interp_norm.bridges.HeadNoise with explicit kappa per head"
-        )
-    targets = V.check_targets(targets, None, allowed=("q", "k", "v"))
-    layers = None if layers is None else list(V.check_index_form(layers, "layer"))
-    return HeadNoise(model, level=level, targets=targets, placement=V.check_placement(placement), layers=layers,
-                     seed=V.check_seed(seed), distribution=V.check_distribution(distribution))
+        super().__exit__(*exc)
 
 
 def norm_noise_hooks(model: HookedNormTransformer, level: float, targets: str | Sequence[str] = ("q", "k", "v"), **kwargs) -> list[tuple[str, Callable]]:
@@ -322,4 +275,4 @@ def norm_noise_hooks(model: HookedNormTransformer, level: float, targets: str | 
     return NormNoise(model, level, targets, **kwargs).hooks()
 
 
-__all__ = ["NormNoise", "norm_noise_hooks", "unit_noise", "effective_factor", "seeded_generator"]
+__all__ = ["NormNoise", "HeadNoise", "norm_noise_hooks", "unit_noise", "effective_factor", "seeded_generator"]

@@ -34,7 +34,7 @@ import zlib
 from typing import Any, Iterable, Optional
 
 from interp_norm.card import SPLITS
-from interp_norm.hooks import VARIANT_LABELS
+from interp_norm.defaults import VARIANT_LABELS
 
 #: The colour of each variant (by its display label), used by every figure.
 VARIANT_COLOURS: dict[str, str] = {

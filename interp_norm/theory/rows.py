@@ -1,7 +1,7 @@
 """Per-row predicted collapse probabilities, given how the noise reaches the scores.
 
 Shared by the collapse sweeps of our models (:mod:`interp_norm.noise.collapse`) and of Hugging
-Face bridges (:mod:`interp_norm.bridges.collapse`), so both tables are judged by the same
+Face bridges (:mod:`interp_norm.noise.bridge_collapse`), so both tables are judged by the same
 prediction (:func:`predict_rows`) and the same errors (:func:`rate_summary`). What differs between models is only *how* noise on q and k reaches the scores —
 the ``kind`` below — which the caller works out from its model's anatomy.
 """
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from interp_norm.errors import NoiseSpecError
-from interp_norm.hooks import SPARSE_THRESHOLD
+from interp_norm.defaults import SPARSE_THRESHOLD
 from interp_norm.theory.law import NoiseLaw, _as_law
 from interp_norm.theory.probabilities import predicted_collapse_probability, predicted_collapse_probability_strict
 

@@ -1,7 +1,7 @@
 """Circuit collapse on any bridge, from one clean run, with the theory's prediction beside it.
 
-The paper's protocol (digest §3.6, :mod:`interp_norm.noise.collapse` for our models) on a Hugging
-Face model: a clean *sparse* row (max attention ≥ :data:`interp_norm.hooks.SPARSE_THRESHOLD`)
+The paper's protocol (Menary et al. 2024; :mod:`interp_norm.noise.collapse` for our models) on a Hugging
+Face model: a clean *sparse* row (max attention ≥ :data:`interp_norm.defaults.SPARSE_THRESHOLD`)
 collapses when multiplicative noise on q and k makes it pick another key ("loose"), and
 "strict"-ly when the new key also gets ≥ the threshold. Each layer is judged on its own clean
 inputs ("noise every layer independently"), so the model runs once.
@@ -9,7 +9,7 @@ inputs ("noise every layer independently"), so the model runs once.
 Why no re-run is needed, with RoPE and grouped heads: scaling q by 1+κ_q and k_t by 1+κ_t scales
 the score q_rot·k_rot by (1+κ_q)(1+κ_t) exactly, because the rotation is linear and acts on each
 vector alone; a grouped k/v head is noised once, and every query head reading it sees the same
-κ. Before a q/k norm the factor that survives is :func:`~interp_norm.bridges.effective_factors`
+κ. Before a q/k norm the factor that survives is :func:`~interp_norm.noise.kernels.effective_factors`
 (≈ 1 per head: the norm removes the noise; a mix of the heads' factors for OLMo-2's all-heads
 norm, which no :class:`~interp_norm.theory.NoiseLaw` describes, so its prediction is NaN).
 
@@ -38,19 +38,19 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from interp_norm import theory
-from interp_norm.anatomy._common import canonical
-from interp_norm.anatomy.describe import Anatomy, LayerAnatomy
-from interp_norm.anatomy.model_anatomy import anatomy
-from interp_norm.bridges.noise import PLACEMENTS, effective_factors, generator
-from interp_norm.bridges.stream import layer_caches
+from interp_norm.anatomy import Anatomy, LayerAnatomy, anatomy, canonical
 from interp_norm.anatomy.rebuild import attention_mask, masked_softmax, rebuilt_query_key, scores_from_qk
+from interp_norm.bridges.stream import layer_caches
+from interp_norm.defaults import BRIDGE_COLLAPSE_LEVELS, COLLAPSE_MAX_ELEMENTS, SPARSE_THRESHOLD
 from interp_norm.errors import ArchitectureError, ConfigError, NoiseSpecError
-from interp_norm.hooks import SPARSE_THRESHOLD
+from interp_norm.noise import _validate as V
+from interp_norm.noise.kernels import placed_factors, seeded_generator
 from interp_norm.theory import NoiseLaw
 
-DEFAULT_LEVELS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3)
-DEFAULT_MAX_ELEMENTS = 1 << 22  # 4M numbers per block: ≈ 32 MB in float64 (a few such blocks live at once)
-_STREAM = 0xB21C0  # seed stream of the collapse draws (distinct from HeadNoise's per-pass stream)
+#: Defaults of the bridge collapse sweep (kept as they were: levels coarser than our models').
+DEFAULT_LEVELS = BRIDGE_COLLAPSE_LEVELS
+DEFAULT_MAX_ELEMENTS = COLLAPSE_MAX_ELEMENTS
+_STREAM = 0xB21C0  # seed stream of the collapse draws (distinct from the hooks' per-pass stream)
 
 
 # ----------------------------------------------------------------------------- noise draws
@@ -66,18 +66,11 @@ def collapse_kappa(anat: Anatomy, layer: int, batch: int, pos: int, draws: int, 
     """
     la = anat[layer]
     src = la.layer if la.kv_layer is None else la.kv_layer
-    z_q = theory.sample_kappa((draws, batch, pos, la.n_heads), generator(seed, _STREAM, layer, 0), distribution,
+    z_q = theory.sample_kappa((draws, batch, pos, la.n_heads), seeded_generator(seed, _STREAM, layer, 0), distribution,
                               dtype=torch.float32)
-    z_k = theory.sample_kappa((draws, batch, pos, la.n_kv_heads), generator(seed, _STREAM, src, 1), distribution,
+    z_k = theory.sample_kappa((draws, batch, pos, la.n_kv_heads), seeded_generator(seed, _STREAM, src, 1), distribution,
                               dtype=torch.float32)
     return z_q, z_k
-
-
-def _factors(la: LayerAnatomy, target: str, kappa: Tensor, raw: Optional[Tensor], placement: str) -> Tensor:
-    """Factor [D, b, p, heads] (float64) that κ at ``placement`` leaves on the q or k the scores use."""
-    if placement == "after_norm" or la.norms.get(target) is None:
-        return 1.0 + kappa.to(torch.float64)
-    return effective_factors(la, target, kappa, raw)
 
 
 def theory_kind(la: LayerAnatomy, targets: Sequence[str], placement: str) -> str:
@@ -230,19 +223,11 @@ def _check(tokens: Any, levels: Any, draws: Any, targets: Any, placement: Any, d
            allowed: tuple[str, ...]) -> tuple[Tensor, tuple[float, ...], tuple[str, ...]]:
     if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.is_floating_point() or tokens.shape[1] < 2:
         raise ConfigError("tokens must be an integer tensor [batch, pos] with pos >= 2 (unpadded sequences)")
-    if isinstance(levels, (int, float)):
-        levels = (levels,)
-    levels = tuple(NoiseLaw(lv, distribution).level for lv in levels)  # validates each level (NoiseSpecError)
-    if not levels:
-        raise NoiseSpecError("levels is empty; pass at least one noise level")
+    levels = V.check_levels(levels, distribution)  # each level through NoiseLaw (NoiseSpecError)
     for name, v in (("draws", draws), ("max_elements", max_elements)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise NoiseSpecError(f"{name} must be a positive integer, got {v!r}")
-    targets = (targets,) if isinstance(targets, str) else tuple(targets)
-    if not targets or any(t not in allowed for t in targets) or len(set(targets)) != len(targets):
-        raise NoiseSpecError(f"targets must be distinct names among {allowed}, got {targets!r}")
-    if placement not in PLACEMENTS:
-        raise NoiseSpecError(f"unknown placement {placement!r}; choose one of {PLACEMENTS}")
+        V.check_positive_int(v, name, NoiseSpecError)
+    targets = V.check_targets(targets, None, allowed=allowed)
+    V.check_placement(placement)
     return tokens, levels, targets
 
 
@@ -294,7 +279,7 @@ def collapse_chunks(
         for level in levels:
             kq = level * z_q if "q" in targets else torch.zeros_like(z_q)
             kk = level * z_k if "k" in targets else torch.zeros_like(z_k)
-            f.append((_factors(la, "q", kq, raw.get("q"), placement), _factors(la, "k", kk, raw.get("k"), placement)))
+            f.append((placed_factors(la, "q", kq, raw.get("q"), placement), placed_factors(la, "k", kk, raw.get("k"), placement)))
         mask = attention_mask(la, n, n, q.device)
         mask_cpu = mask.cpu()
         usable = mask_cpu.sum(-1) >= 2  # [query]: query 0 has one key
@@ -357,13 +342,13 @@ def bridge_collapse(
     / n_rows) and ``z`` = (measured − predicted) / mc_se.
     """
     anat = anat or anatomy(model)
-    gen = generator(seed, _STREAM, 0x7E0E)
+    gen = seeded_generator(seed, _STREAM, 0x7E0E)
     groups: dict[tuple, list] = {}  # (layer, head, level index, definition) -> [(rates, pred, ns, theory)]
     chunks = collapse_chunks(model, tokens, levels, draws=draws, targets=targets, placement=placement,
                              distribution=distribution, layers=layers, max_elements=max_elements, seed=seed,
                              sparse_threshold=sparse_threshold, strict_threshold=strict_threshold,
                              progress=progress, anat=anat)
-    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    targets = V.check_targets(targets, None, allowed=("q", "k"))
     level_list: tuple[float, ...] = ()
     for chunk in chunks:
         level_list = chunk.levels
