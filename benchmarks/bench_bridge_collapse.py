@@ -46,7 +46,7 @@ import time
 import torch
 
 from interp_norm.anatomy import anatomy, bridge_from_hf, random_tokens, tiny_hf_model
-from interp_norm.bridges import collapse_chunks, collapse_kappa
+from interp_norm.noise import collapse_chunks, collapse_kappa
 from interp_norm.anatomy.rebuild import attention_mask, rebuilt_query_key
 from interp_norm.defaults import SPARSE_THRESHOLD
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from interp_norm.anatomy import anatomy, canonical, random_tokens, tiny_bridge
-from interp_norm.bridges import HeadNoise, bridge_collapse, collapse_chunks, collapse_kappa
+from interp_norm.noise import HeadNoise, bridge_collapse, collapse_chunks, collapse_kappa
 from interp_norm.errors import ArchitectureError, NoiseSpecError
 from interp_norm.defaults import SPARSE_THRESHOLD
 
@@ -187,7 +187,7 @@ def test_level_zero_collapses_nothing_and_bad_input_is_refused(models):
 def test_row_decisions_equal_the_whole_noised_softmax(case):
     """row_decisions' shortcuts (ragged candidate keys, bounded far keys in strict, first-maximum
     ties) against argmax and softmax of the whole noised row computed directly (float64)."""
-    from interp_norm.bridges.collapse import row_decisions
+    from interp_norm.noise.bridge_collapse import row_decisions
 
     g = torch.Generator().manual_seed(11)
     R, K, D, F = 300, 40, 24, 6 * 40

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from interp_norm.anatomy import anatomy, random_tokens, sample_text, tiny_hf_model, verify_scores
-from interp_norm.bridges import HeadNoise
+from interp_norm.noise import HeadNoise
 from interp_norm.anatomy import bridge_from_hf
 from interp_norm.defaults import ATTN_NORMS, SPARSE_THRESHOLD
 from interp_norm.hooks import act_name
