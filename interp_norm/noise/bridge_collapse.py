@@ -44,6 +44,9 @@ from interp_norm.bridges.stream import layer_caches
 from interp_norm.defaults import BRIDGE_COLLAPSE_LEVELS, COLLAPSE_MAX_ELEMENTS, SPARSE_THRESHOLD
 from interp_norm.errors import ArchitectureError, ConfigError, NoiseSpecError
 from interp_norm.noise import _validate as V
+from interp_norm.noise.collapse import rate_table
+from interp_norm.noise.decide import cap as _cap
+from interp_norm.noise.decide import row_decisions
 from interp_norm.noise.kernels import placed_factors, seeded_generator
 from interp_norm.theory import NoiseLaw
 
@@ -108,115 +111,6 @@ class ChunkCollapse:
     strict: Tensor
     theory: str
     softcap: Optional[float]
-
-
-def _cap(x: Tensor, softcap: Optional[float]) -> Tensor:
-    return torch.tanh(x / softcap) * softcap if softcap else x
-
-
-def row_decisions(w: Tensor, fq: Tensor, fk: Tensor, base: Tensor, softcap: Optional[float], strict_threshold: float,
-                  max_elements: int) -> tuple[Tensor, Tensor]:
-    """(loose, strict) [D, R] for clean rows ``w`` [R, K] (−inf masked) under query factors ``fq``
-    [D, R] and key factors ``fk`` [D, F] (a flat table: key t of row r is column ``base[r] + t``),
-    in blocks of at most ``max_elements`` numbers.
-
-    Noised row = fq·fk·w (first maximum wins, as ``torch.argmax``); strict also needs
-    softmax(cap(noised))[new top] ≥ ``strict_threshold`` (the cap is monotone: it never moves the
-    argmax). Speed, when every factor is positive: fq cancels from the argmax, and with key factors
-    within [lo, hi] > 0 a key t can beat t* only if max_f f·w_t ≥ min_f f·w_t* (f in [lo, hi]),
-    so only those (row, key) "candidate" pairs are kept — a ragged list, not a [R, K_max]
-    block, so a few rows with many candidates cost only their own pairs, and rows whose only
-    candidate is t* cost nothing. The argmax moves iff some candidate t has fk_t·w_t > fk_t*·w_t*,
-    or = with t before t* (the first-maximum rule).
-    """
-    R, K = w.shape
-    D = fq.shape[0]
-    loose = torch.zeros(D, R, dtype=torch.bool)
-    strict = torch.zeros(D, R, dtype=torch.bool)
-    if R == 0 or D == 0:
-        return loose, strict
-    tstar = w.argmax(-1)
-    wstar = w.gather(-1, tstar[:, None])[:, 0]
-    lo, hi = (float(fk.min()), float(fk.max())) if fk.numel() else (1.0, 1.0)
-    all_keys = torch.arange(K)
-    masked_w = torch.isneginf(w)
-    w0 = w.masked_fill(masked_w, 0.0)
-
-    def strict_at(dd: Tensor, rr: Tensor) -> Tensor:  # (draw, row) pairs whose argmax moved
-        out = torch.empty(len(dd), dtype=torch.bool)
-        step = max(1, max_elements // K)
-        for i in range(0, len(dd), step):
-            d, r = dd[i:i + step], rr[i:i + step]
-            row = (w0[r] * fk[d[:, None], base[r][:, None] + all_keys] * fq[d, r, None]).masked_fill(masked_w[r], -math.inf)
-            capped = _cap(row, softcap)
-            out[i:i + step] = torch.exp(capped.max(-1).values - torch.logsumexp(capped, -1)) >= strict_threshold
-        return out
-
-    if not (lo > 0 and bool((fq > 0).all())):
-        # general case (a factor ≤ 0 can reverse a row's order): the whole noised row, blocks of draws
-        minus_inf = torch.zeros_like(w).masked_fill(masked_w, -math.inf)
-        cols = base[:, None] + all_keys
-        step = max(1, max_elements // (R * K))
-        for d0 in range(0, D, step):
-            d1 = min(D, d0 + step)
-            noised = fk[d0:d1].index_select(1, cols.reshape(-1)).view(d1 - d0, R, K)
-            moved = noised.mul_(w0).mul_(fq[d0:d1, :, None]).add_(minus_inf).argmax(-1) != tstar
-            loose[d0:d1] = moved
-            dd, rr = moved.nonzero(as_tuple=True)
-            strict[d0 + dd, rr] = strict_at(d0 + dd, rr)
-        return loose, strict
-    best = torch.where(w >= 0, w * hi, w * lo)  # largest f·w_t over the factor range (−inf stays −inf)
-    floor = torch.where(wstar >= 0, wstar * lo, wstar * hi)  # smallest f·w_t*: the top's noised score is above it
-    cand = best >= floor[:, None]  # t* included; masked (−inf) keys never qualify
-    count = cand.sum(-1)
-    cand &= (count >= 2)[:, None]  # a row whose only candidate is t* never moves
-    # strict without the far keys: with x = fq·fk·w, M = max_t fk_t·w_t ≥ floor and fq ≥ q_lo (its row
-    # minimum, > 0), Σ_{t not candidate} exp(x_t − max x) ≤ far[r]·exp(q_lo·(floor − M))
-    q_lo = fq.min(0).values
-    far = torch.exp(q_lo[:, None] * (best - floor[:, None])).masked_fill_(cand | masked_w, 0.0).sum(-1)
-    del best
-    pr, pk = cand.nonzero(as_tuple=True)  # [P] candidate pairs (t* included), by row then key
-    del cand
-    if not len(pr):
-        return loose, strict
-    ptr = torch.zeros(R + 1, dtype=torch.long)
-    ptr[1:] = torch.bincount(pr, minlength=R).cumsum(0)
-    before = (pk < tstar[pr])[:, None]
-    wp = w[pr, pk]
-    pair_col, star_col = base[pr] + pk, base + tstar
-    fkT = fk.T  # [F, D]: one pair's factors over draws are one row
-    step = max(1, max_elements // len(pr))
-    for d0 in range(0, D, step):
-        d1 = min(D, d0 + step)
-        f = fkT[:, d0:d1].contiguous()
-        v = f.index_select(0, pair_col).mul_(wp[:, None])  # [P, d]
-        vs = f.index_select(0, star_col).mul_(wstar[:, None]).index_select(0, pr)  # [P, d]: the row's top
-        beats = (v > vs).logical_or_(v.eq_(vs).logical_and_(before))  # t* vs itself: False
-        del v, vs, f
-        moved = torch.zeros(R, d1 - d0).index_add_(0, pr, beats.to(torch.float32)) > 0  # [R, d]
-        del beats
-        rr, dd = moved.nonzero(as_tuple=True)
-        loose[d0:d1] = moved.T
-        dd = dd + d0
-        if softcap or not len(rr):  # the cap is not a scale: compute the whole row
-            strict[dd, rr] = strict_at(dd, rr)
-            continue
-        for i in range(0, len(rr), max(1, max_elements // K)):  # (draw, row) hits, ragged over their candidates
-            hr, hd = rr[i:i + max_elements // K or 1], dd[i:i + max_elements // K or 1]
-            n_c = ptr[hr + 1] - ptr[hr]
-            hit = torch.repeat_interleave(torch.arange(len(hr)), n_c)
-            start = torch.repeat_interleave(ptr[hr] - (n_c.cumsum(0) - n_c), n_c)
-            pair = start + torch.arange(len(hit))
-            y = fk[hd[hit], pair_col[pair]] * wp[pair]  # fq cancels from the max and scales the exponent
-            top = torch.full((len(hr),), -math.inf, dtype=y.dtype).scatter_reduce_(0, hit, y, "amax")
-            fqh = fq[hd, hr]
-            s_c = torch.zeros(len(hr), dtype=y.dtype).index_add_(0, hit, torch.exp(fqh[hit] * (y - top[hit])))
-            sure = 1.0 / (s_c + far[hr] * torch.exp(q_lo[hr] * (floor[hr] - top))) >= strict_threshold
-            unsure = ~sure & (1.0 / s_c >= strict_threshold)  # the far keys could decide: compute the whole row
-            strict[hd[sure], hr[sure]] = True
-            if bool(unsure.any()):
-                strict[hd[unsure], hr[unsure]] = strict_at(hd[unsure], hr[unsure])
-    return loose, strict
 
 
 def _check(tokens: Any, levels: Any, draws: Any, targets: Any, placement: Any, distribution: str, max_elements: Any,
@@ -366,27 +260,25 @@ def bridge_collapse(
                     sel = slice(None) if h == "all" else heads == h
                     groups.setdefault((chunk.layer, h, i, definition), []).append((rates[sel], pred[sel], ns, chunk.theory))
     base = dict(architecture=anat.architecture, placement=placement, distribution=distribution, targets="".join(targets))
-    out = []
-    pooled: dict[tuple, list] = {}
+    per_group = []  # rate_table items: (layer, level index, definition, rates, predictions, ns, {head, theory})
     for (layer, h, i, definition), items in groups.items():
-        rates = torch.cat([it[0] for it in items])
-        pred = torch.cat([it[1] for it in items])
-        kinds = {it[3] for it in items}
-        keys = dict(base, layer=layer, head=h, level=level_list[i], definition=definition,
-                    theory=kinds.pop() if len(kinds) == 1 else "mixed")
-        out.append(dict(keys, **theory.rate_summary(rates, pred, draws, items[0][2])))
-        pooled.setdefault((i, definition), []).extend(items)
-    for (i, definition), items in sorted(pooled.items()):
-        kinds = {it[3] for it in items}
-        keys = dict(base, layer="all", head="all", level=level_list[i], definition=definition,
-                    theory=kinds.pop() if len(kinds) == 1 else "mixed")
-        out.append(dict(keys, **theory.rate_summary(torch.cat([it[0] for it in items]),
-                                                    torch.cat([it[1] for it in items]), draws, items[0][2])))
-    df = pd.DataFrame(out)
+        per_group.append((layer, i, definition, torch.cat([it[0] for it in items]), torch.cat([it[1] for it in items]),
+                          items[0][2], dict(head=h, theory=_kind({it[3] for it in items}))))
+
+    def pooled(items: list) -> dict:
+        return dict(head="all", theory=_kind({it[6]["theory"] for it in items}))
+
+    df = rate_table(per_group, level_list, draws, base, pool_extra=pooled)
     if len(df):
-        df["layer"] = df["layer"].astype(object)
+        order = [*base, "layer", "head", "level", "definition", "theory"]
+        df = df[order + [c for c in df.columns if c not in order]]
         df["head"] = df["head"].astype(object)
     return df
+
+
+def _kind(kinds: set) -> str:
+    """One theory kind, or "mixed" when the pooled rows' differ."""
+    return next(iter(kinds)) if len(kinds) == 1 else "mixed"
 
 
 __all__ = ["DEFAULT_LEVELS", "collapse_kappa", "theory_kind", "ChunkCollapse", "row_decisions", "collapse_chunks",

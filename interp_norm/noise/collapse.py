@@ -33,6 +33,7 @@ from interp_norm.defaults import SPARSE_THRESHOLD
 from interp_norm.hooks import act_name, is_normalised
 from interp_norm.model import HookedNormTransformer, ModelConfig
 from interp_norm.noise import _validate as V
+from interp_norm.noise.decide import row_decisions
 from interp_norm.noise.kernels import effective_factor, seeded_generator, unit_noise
 from interp_norm.task import PAD_ID, AdditionTask, Batch
 from interp_norm.theory import NoiseLaw, predict_rows  # noqa: F401 (predict_rows: also importable from here)
@@ -182,33 +183,15 @@ def collapse_from_scores(
     Scaling q by f_q and k_t by f_t turns the score q·k_t/scale into f_q·f_t·w_t exactly, so the
     noised row is that product (masked keys stay −inf). Loose collapse: the noised argmax differs
     from the clean one (first maximum, as ``torch.argmax``); strict: also the new top token gets
-    softmax ≥ ``strict_threshold``. Computed in float64, blocked over draws to bound memory.
+    softmax ≥ ``strict_threshold``. Computed in float64, blocked over draws to bound memory, by the
+    one decision kernel (:func:`interp_norm.noise.decide.row_decisions`, whole rows: ``prune=False``).
     """
     w = scores.to(torch.float64)
-    masked = torch.isneginf(w)
-    w0 = w.masked_fill(masked, 0.0)
-    minus_inf = torch.zeros_like(w).masked_fill(masked, -math.inf)  # added: -inf stays -inf whatever the factor's sign
-    tstar = w.argmax(-1)
-    D = factor_q.shape[0]
     R, K = w.shape
-    loose = torch.zeros(D, R, dtype=torch.bool)
-    strict = torch.zeros(D, R, dtype=torch.bool)
-    step = max(1, _CHUNK // max(1, R * K))
-    for d0 in range(0, D, step):
-        fq = factor_q[d0 : d0 + step].to(torch.float64)
-        fk = factor_k[d0 : d0 + step].to(torch.float64)
-        noised = fk * w0
-        noised.mul_(fq[..., None]).add_(minus_inf)
-        top, arg = noised.max(-1)
-        lo = arg != tstar
-        loose[d0 : d0 + step] = lo
-        hit = lo.nonzero(as_tuple=True)  # the softmax is only needed where the argmax moved
-        if hit[0].numel():
-            p_top = torch.exp(top[hit] - torch.logsumexp(noised[hit], -1))
-            s = torch.zeros_like(lo)
-            s[hit] = p_top >= strict_threshold
-            strict[d0 : d0 + step] = s
-    return loose, strict
+    D = factor_q.shape[0]
+    fk = factor_k.to(torch.float64).reshape(D, R * K)  # key t of row r is column r·K + t
+    base = torch.arange(R) * K
+    return row_decisions(w, factor_q.to(torch.float64), fk, base, None, strict_threshold, _CHUNK, prune=False)
 
 
 def collapse_noise_draws(
@@ -308,15 +291,18 @@ def collapse_decisions(
 
 
 def rate_table(
-    per_layer: list[tuple], levels: tuple[float, ...], n_draws: int, columns: dict
+    per_layer: list[tuple], levels: tuple[float, ...], n_draws: int, columns: dict,
+    *, pool_extra: Optional[Callable[[list], dict]] = None,
 ) -> pd.DataFrame:
     """Tidy rate table from ``(layer, level index, definition, per-row rates, per-row predictions,
-    strict samples)`` items: one row per item plus pooled ``layer == "all"`` rows per (level,
-    definition). ``measured``/``se`` (clustered by row), ``predicted``, ``mc_se``, ``z`` as in
-    :func:`measure_collapse`; ``columns`` are constant leading columns (variant, placement, ...)."""
+    strict samples[, extra columns])`` items: one row per item plus pooled ``layer == "all"`` rows per
+    (level, definition). ``measured``/``se`` (clustered by row), ``predicted``, ``mc_se``, ``z`` as in
+    :func:`measure_collapse`; ``columns`` are constant leading columns (variant, placement, ...). The one
+    rate table of every collapse measurement (ours and :func:`~interp_norm.noise.bridge_collapse`, whose
+    items carry ``head``/``theory`` as extra columns and whose pooled rows get ``pool_extra(items)``)."""
 
-    def summarise(layer, i, definition, rates: Tensor, pred: Tensor, ns: float) -> dict:
-        return dict(columns, layer=layer, level=levels[i], definition=definition,
+    def summarise(layer, i, definition, rates: Tensor, pred: Tensor, ns: float, extra: Optional[dict] = None) -> dict:
+        return dict(columns, layer=layer, **(extra or {}), level=levels[i], definition=definition,
                     **theory.rate_summary(rates, pred, n_draws, ns))
 
     rows = [summarise(*item) for item in per_layer]
@@ -327,7 +313,8 @@ def rate_table(
                 continue
             rates = torch.cat([it[3] for it in items])
             pred = torch.cat([it[4] for it in items])
-            rows.append(summarise("all", i, definition, rates, pred, items[0][5]))
+            rows.append(summarise("all", i, definition, rates, pred, items[0][5],
+                                  pool_extra(items) if pool_extra else None))
     df = pd.DataFrame(rows)
     if len(df):
         df["layer"] = df["layer"].astype(object)

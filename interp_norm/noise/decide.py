@@ -1,0 +1,132 @@
+"""The one collapse decision kernel: does scaling q and k per vector move a row's argmax?
+
+Scaling q by f_q and key t by f_t turns the score w_t into f_q·f_t·w_t exactly (RoPE rotates each
+vector by an orthogonal map, which commutes with a scalar factor), so a noised row is that product
+and a layer's rows are judged on its clean scores without re-running the model (the paper's
+"noise every layer independently", Menary et al. 2024). Used by the per-layer protocol on our
+models (:func:`interp_norm.noise.collapse.collapse_from_scores`) and on any described model
+(:mod:`interp_norm.noise.bridge_collapse`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def cap(x: Tensor, softcap: Optional[float]) -> Tensor:
+    """tanh soft cap of scores (Gemma 2); identity when ``softcap`` is None or 0."""
+    return torch.tanh(x / softcap) * softcap if softcap else x
+
+
+def row_decisions(w: Tensor, fq: Tensor, fk: Tensor, base: Tensor, softcap: Optional[float], strict_threshold: float,
+                  max_elements: int, *, prune: bool = True) -> tuple[Tensor, Tensor]:
+    """(loose, strict) [D, R] for clean rows ``w`` [R, K] (−inf masked) under query factors ``fq``
+    [D, R] and key factors ``fk`` [D, F] (a flat table: key t of row r is column ``base[r] + t``),
+    in blocks of at most ``max_elements`` numbers.
+
+    Noised row = fq·fk·w (first maximum wins, as ``torch.argmax``); strict also needs
+    softmax(cap(noised))[new top] ≥ ``strict_threshold`` (the cap is monotone: it never moves the
+    argmax). Speed, when every factor is positive: fq cancels from the argmax, and with key factors
+    within [lo, hi] > 0 a key t can beat t* only if max_f f·w_t ≥ min_f f·w_t* (f in [lo, hi]),
+    so only those (row, key) "candidate" pairs are kept — a ragged list, not a [R, K_max]
+    block, so a few rows with many candidates cost only their own pairs, and rows whose only
+    candidate is t* cost nothing. The argmax moves iff some candidate t has fk_t·w_t > fk_t*·w_t*,
+    or = with t before t* (the first-maximum rule). ``prune=False`` always takes the whole noised
+    row (the general case below): the same decisions with no shortcut, in the exact floating-point
+    operations of the per-layer protocol's earlier kernel, which our models' tables keep.
+    """
+    R, K = w.shape
+    D = fq.shape[0]
+    loose = torch.zeros(D, R, dtype=torch.bool)
+    strict = torch.zeros(D, R, dtype=torch.bool)
+    if R == 0 or D == 0:
+        return loose, strict
+    tstar = w.argmax(-1)
+    wstar = w.gather(-1, tstar[:, None])[:, 0]
+    lo, hi = (float(fk.min()), float(fk.max())) if fk.numel() else (1.0, 1.0)
+    all_keys = torch.arange(K)
+    masked_w = torch.isneginf(w)
+    w0 = w.masked_fill(masked_w, 0.0)
+
+    def strict_at(dd: Tensor, rr: Tensor) -> Tensor:  # (draw, row) pairs whose argmax moved
+        out = torch.empty(len(dd), dtype=torch.bool)
+        step = max(1, max_elements // K)
+        for i in range(0, len(dd), step):
+            d, r = dd[i:i + step], rr[i:i + step]
+            row = (w0[r] * fk[d[:, None], base[r][:, None] + all_keys] * fq[d, r, None]).masked_fill(masked_w[r], -math.inf)
+            capped = cap(row, softcap)
+            out[i:i + step] = torch.exp(capped.max(-1).values - torch.logsumexp(capped, -1)) >= strict_threshold
+        return out
+
+    if not prune or not (lo > 0 and bool((fq > 0).all())):
+        # general case (a factor ≤ 0 can reverse a row's order): the whole noised row, blocks of draws
+        minus_inf = torch.zeros_like(w).masked_fill(masked_w, -math.inf)
+        cols = base[:, None] + all_keys
+        step = max(1, max_elements // (R * K))
+        for d0 in range(0, D, step):
+            d1 = min(D, d0 + step)
+            noised = fk[d0:d1].index_select(1, cols.reshape(-1)).view(d1 - d0, R, K)
+            moved = noised.mul_(w0).mul_(fq[d0:d1, :, None]).add_(minus_inf).argmax(-1) != tstar
+            loose[d0:d1] = moved
+            dd, rr = moved.nonzero(as_tuple=True)
+            strict[d0 + dd, rr] = strict_at(d0 + dd, rr)
+        return loose, strict
+    best = torch.where(w >= 0, w * hi, w * lo)  # largest f·w_t over the factor range (−inf stays −inf)
+    floor = torch.where(wstar >= 0, wstar * lo, wstar * hi)  # smallest f·w_t*: the top's noised score is above it
+    cand = best >= floor[:, None]  # t* included; masked (−inf) keys never qualify
+    count = cand.sum(-1)
+    cand &= (count >= 2)[:, None]  # a row whose only candidate is t* never moves
+    # strict without the far keys: with x = fq·fk·w, M = max_t fk_t·w_t ≥ floor and fq ≥ q_lo (its row
+    # minimum, > 0), Σ_{t not candidate} exp(x_t − max x) ≤ far[r]·exp(q_lo·(floor − M))
+    q_lo = fq.min(0).values
+    far = torch.exp(q_lo[:, None] * (best - floor[:, None])).masked_fill_(cand | masked_w, 0.0).sum(-1)
+    del best
+    pr, pk = cand.nonzero(as_tuple=True)  # [P] candidate pairs (t* included), by row then key
+    del cand
+    if not len(pr):
+        return loose, strict
+    ptr = torch.zeros(R + 1, dtype=torch.long)
+    ptr[1:] = torch.bincount(pr, minlength=R).cumsum(0)
+    before = (pk < tstar[pr])[:, None]
+    wp = w[pr, pk]
+    pair_col, star_col = base[pr] + pk, base + tstar
+    fkT = fk.T  # [F, D]: one pair's factors over draws are one row
+    step = max(1, max_elements // len(pr))
+    for d0 in range(0, D, step):
+        d1 = min(D, d0 + step)
+        f = fkT[:, d0:d1].contiguous()
+        v = f.index_select(0, pair_col).mul_(wp[:, None])  # [P, d]
+        vs = f.index_select(0, star_col).mul_(wstar[:, None]).index_select(0, pr)  # [P, d]: the row's top
+        beats = (v > vs).logical_or_(v.eq_(vs).logical_and_(before))  # t* vs itself: False
+        del v, vs, f
+        moved = torch.zeros(R, d1 - d0).index_add_(0, pr, beats.to(torch.float32)) > 0  # [R, d]
+        del beats
+        rr, dd = moved.nonzero(as_tuple=True)
+        loose[d0:d1] = moved.T
+        dd = dd + d0
+        if softcap or not len(rr):  # the cap is not a scale: compute the whole row
+            strict[dd, rr] = strict_at(dd, rr)
+            continue
+        for i in range(0, len(rr), max(1, max_elements // K)):  # (draw, row) hits, ragged over their candidates
+            hr, hd = rr[i:i + max_elements // K or 1], dd[i:i + max_elements // K or 1]
+            n_c = ptr[hr + 1] - ptr[hr]
+            hit = torch.repeat_interleave(torch.arange(len(hr)), n_c)
+            start = torch.repeat_interleave(ptr[hr] - (n_c.cumsum(0) - n_c), n_c)
+            pair = start + torch.arange(len(hit))
+            y = fk[hd[hit], pair_col[pair]] * wp[pair]  # fq cancels from the max and scales the exponent
+            top = torch.full((len(hr),), -math.inf, dtype=y.dtype).scatter_reduce_(0, hit, y, "amax")
+            fqh = fq[hd, hr]
+            s_c = torch.zeros(len(hr), dtype=y.dtype).index_add_(0, hit, torch.exp(fqh[hit] * (y - top[hit])))
+            sure = 1.0 / (s_c + far[hr] * torch.exp(q_lo[hr] * (floor[hr] - top))) >= strict_threshold
+            unsure = ~sure & (1.0 / s_c >= strict_threshold)  # the far keys could decide: compute the whole row
+            strict[hd[sure], hr[sure]] = True
+            if bool(unsure.any()):
+                strict[hd[unsure], hr[unsure]] = strict_at(hd[unsure], hr[unsure])
+    return loose, strict
+
+
+__all__ = ["cap", "row_decisions"]
