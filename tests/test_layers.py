@@ -133,6 +133,15 @@ def test_no_hook_name_spelled_by_hand_outside_the_vocabulary():
     assert not offenders, "hook names built by hand (use interp_norm.hooks.act_name):\n" + "\n".join(offenders)
 
 
+def test_model_kinds_are_told_apart_only_by_the_adapter():
+    """Issue 24: analyses ask ``interp_norm.anatomy`` (``anatomy(model)``, ``kind_of(model)``), never test
+    a model's kind with their own helper."""
+    pattern = re.compile(r"\bis_bridge\b|\bis_ours\b")
+    offenders = [f"{n}:{i + 1}" for n, p in modules().items() if top(n) != "anatomy"
+                 for i, line in enumerate(p.read_text().splitlines()) if pattern.search(line)]
+    assert not offenders, "model-kind checks outside interp_norm/anatomy (use anatomy.kind_of):\n" + "\n".join(offenders)
+
+
 @pytest.mark.parametrize("name", sorted(modules()))
 def test_modules_stay_small(name):
     n = len(modules()[name].read_text().splitlines())

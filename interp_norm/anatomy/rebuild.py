@@ -79,7 +79,7 @@ def rebuilt_query_key(model: Any, cache: Any, anat: Anatomy, layer: int) -> tupl
     return out[0], out[1]
 
 
-def scores_from_qk(model: Any, anat: Anatomy, layer: int, q: Tensor, k: Tensor, heads: Optional[Sequence[int]] = None,
+def scores_from_qk(model: Any, anat: Anatomy, layer: int, q: Tensor, k: Tensor, *, heads: Optional[Sequence[int]] = None,
                    softcap: bool = True) -> Tensor:
     """Pre-mask scores [b, len(heads), query, key] from rebuilt q [b, p, n_heads, d] and k
     [b, p, n_kv_heads, d], for query ``heads`` (default all: a subset bounds memory).

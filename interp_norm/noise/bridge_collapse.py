@@ -59,7 +59,7 @@ _STREAM = 0xB21C0  # seed stream of the collapse draws (distinct from the hooks'
 # ----------------------------------------------------------------------------- noise draws
 
 
-def collapse_kappa(anat: Anatomy, layer: int, batch: int, pos: int, draws: int, seed: int = 0,
+def collapse_kappa(anat: Anatomy, layer: int, batch: int, pos: int, draws: int, seed: int = 0, *,
                    distribution: str = "uniform") -> tuple[Tensor, Tensor]:
     """Unit-RMS draws (z_q [draws, b, p, n_heads], z_k [draws, b, p, n_kv_heads]) of one layer;
     κ = level · z at every level (common random numbers: curves are smooth in the level).
@@ -113,7 +113,7 @@ class ChunkCollapse:
     softcap: Optional[float]
 
 
-def _check(tokens: Any, levels: Any, draws: Any, targets: Any, placement: Any, distribution: str, max_elements: Any,
+def _check(tokens: Any, levels: Any, *, draws: Any, targets: Any, placement: Any, distribution: str, max_elements: Any,
            allowed: tuple[str, ...]) -> tuple[Tensor, tuple[float, ...], tuple[str, ...]]:
     if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.is_floating_point() or tokens.shape[1] < 2:
         raise ConfigError("tokens must be an integer tensor [batch, pos] with pos >= 2 (unpadded sequences)")
@@ -140,7 +140,8 @@ def collapse_chunks(
     soft-capped, masked scores — verified equal to ``hook_pattern`` by :func:`anatomy`) is ≥
     ``sparse_threshold``, except query 0, which has a single key and cannot collapse.
     """
-    tokens, levels, targets = _check(tokens, levels, draws, targets, placement, distribution, max_elements, ("q", "k"))
+    tokens, levels, targets = _check(tokens, levels, draws=draws, targets=targets, placement=placement,
+                                     distribution=distribution, max_elements=max_elements, allowed=("q", "k"))
     anat = anat or anatomy(model)
     if anat.kind != "bridge":
         raise ArchitectureError("bridge_collapse is for TransformerBridges; for a HookedNormTransformer use "
@@ -166,7 +167,7 @@ def collapse_chunks(
     for l, cache in tqdm(stream, total=len(layers), desc="collapse", disable=not progress):
         la = anat[l]
         q, k = rebuilt_query_key(model, cache, anat, l)
-        z_q, z_k = collapse_kappa(anat, l, b, n, draws, seed, distribution)
+        z_q, z_k = collapse_kappa(anat, l, b, n, draws, seed, distribution=distribution)
         raw = {t: canonical(cache[la.hooks[t]], la.layouts.get(t, "bphd"), la.n_heads_of(t), la.d_head).cpu()
                for t in ("q", "k") if placement == "before_norm" and la.norms.get(t) is not None}
         f = []  # per level: (f_q [D, b, p, H], f_k [D, b, p, H_kv]) float64; O(pos), not O(pos²)

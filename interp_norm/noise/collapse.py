@@ -221,7 +221,7 @@ class LayerCollapse:
 
 
 def layer_decisions(
-    clean: CleanAttention, layer: int, levels: tuple[float, ...], spec: CollapseSpec, eps: float, multiplier: float = 1.0,
+    clean: CleanAttention, layer: int, levels: tuple[float, ...], spec: CollapseSpec, eps: float, *, multiplier: float = 1.0,
     rows: Optional[Int[Tensor, "row 3"]] = None,
 ) -> LayerCollapse:
     """One layer's sparse rows and their decisions at every level and draw, from the clean run.
@@ -301,11 +301,11 @@ def rate_table(
     rate table of every collapse measurement (ours and :func:`~interp_norm.noise.bridge_collapse`, whose
     items carry ``head``/``theory`` as extra columns and whose pooled rows get ``pool_extra(items)``)."""
 
-    def summarise(layer, i, definition, rates: Tensor, pred: Tensor, ns: float, extra: Optional[dict] = None) -> dict:
+    def summarise(layer, i, definition, rates: Tensor, pred: Tensor, ns: float, *, extra: Optional[dict] = None) -> dict:
         return dict(columns, layer=layer, **(extra or {}), level=levels[i], definition=definition,
                     **theory.rate_summary(rates, pred, n_draws, ns))
 
-    rows = [summarise(*item) for item in per_layer]
+    rows = [summarise(*item[:6], extra=item[6] if len(item) > 6 else None) for item in per_layer]
     for i in range(len(levels)):
         for definition in ("loose", "strict"):
             items = [it for it in per_layer if it[1] == i and it[2] == definition]
@@ -314,7 +314,7 @@ def rate_table(
             rates = torch.cat([it[3] for it in items])
             pred = torch.cat([it[4] for it in items])
             rows.append(summarise("all", i, definition, rates, pred, items[0][5],
-                                  pool_extra(items) if pool_extra else None))
+                                  extra=pool_extra(items) if pool_extra else None))
     df = pd.DataFrame(rows)
     if len(df):
         df["layer"] = df["layer"].astype(object)

@@ -36,7 +36,7 @@ def seeded_sampler(level: float, seed: int = 0, distribution: str = "uniform") -
     law = NoiseLaw(level, distribution)  # validates level and distribution (NoiseSpecError)
 
     def draw(layer: int, target: str, shape: tuple, call: int) -> Tensor:
-        return law.level * pass_noise(seed, layer, target, call, shape, law.distribution)
+        return law.level * pass_noise(seed, layer, target, call, shape, distribution=law.distribution)
 
     return draw
 

@@ -179,7 +179,7 @@ class NormNoise(HeadNoise):
             g = seeded_generator(self.seed, layer, V.SHARED_CODE, call)
             z = unit_noise((*shape[:2], *(1,) * (len(shape) - 2)), g, self.law.distribution, dtype).expand(*shape)
         else:
-            z = pass_noise(self.seed, layer, target, call, shape, self.law.distribution, dtype)
+            z = pass_noise(self.seed, layer, target, call, shape, distribution=self.law.distribution, dtype=dtype)
         kappa = z * self.law.level
         if target != "scale" and len(self.heads) < self.cfg.n_heads:
             keep = torch.zeros(self.cfg.n_heads, dtype=torch.bool)

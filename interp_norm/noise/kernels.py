@@ -33,7 +33,7 @@ def unit_noise(
     return theory.sample_kappa(shape, generator, V.check_distribution(distribution), 1.0, dtype=dtype)
 
 
-def pass_noise(seed: int, layer: int, target: str, call: int, shape: Sequence[int], distribution: str = "uniform",
+def pass_noise(seed: int, layer: int, target: str, call: int, shape: Sequence[int], *, distribution: str = "uniform",
                dtype: torch.dtype = torch.float32) -> Tensor:
     """Unit-RMS z of forward pass ``call`` at (layer, target): the stream of every noise hook, seeded by
     ``(seed, layer, target code, call)`` so draws do not depend on which other sites are noised."""
