@@ -1,7 +1,7 @@
 """The norm-noise hooks: :class:`NormNoise` and the seeded κ draws behind every noise experiment.
 
 Menary et al. (2024) model Pre-Norm interference as multiplicative noise on the L2 norms of
-queries, keys and values (digest §2.3): v → (1+κ) v with κ drawn independently per (example,
+queries, keys and values (§2.3): v → (1+κ) v with κ drawn independently per (example,
 position, layer, head, vector). :class:`NormNoise` is that model as hooks: a plain hook list
 (``model.run_with_hooks(..., fwd_hooks=noise.hooks())``) or a context manager (``with
 NormNoise(model, 0.01): model(tokens)``). Targets ``q``, ``k``, ``v`` (= the message, since
