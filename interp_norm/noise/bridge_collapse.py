@@ -47,13 +47,13 @@ from interp_norm.noise import _validate as V
 from interp_norm.noise.collapse import rate_table
 from interp_norm.noise.decide import cap as _cap
 from interp_norm.noise.decide import row_decisions
-from interp_norm.noise.kernels import placed_factors, seeded_generator
+from interp_norm.noise.kernels import BRIDGE_COLLAPSE_STREAM, collapse_draws, placed_factors, seeded_generator
 from interp_norm.theory import NoiseLaw
 
 #: Defaults of the bridge collapse sweep (kept as they were: levels coarser than our models').
 DEFAULT_LEVELS = BRIDGE_COLLAPSE_LEVELS
 DEFAULT_MAX_ELEMENTS = COLLAPSE_MAX_ELEMENTS
-_STREAM = 0xB21C0  # seed stream of the collapse draws (distinct from the hooks' per-pass stream)
+_STREAM = BRIDGE_COLLAPSE_STREAM  # seed stream of the collapse draws (distinct from the hooks' per-pass stream)
 
 
 # ----------------------------------------------------------------------------- noise draws
@@ -69,11 +69,8 @@ def collapse_kappa(anat: Anatomy, layer: int, batch: int, pos: int, draws: int, 
     """
     la = anat[layer]
     src = la.layer if la.kv_layer is None else la.kv_layer
-    z_q = theory.sample_kappa((draws, batch, pos, la.n_heads), seeded_generator(seed, _STREAM, layer, 0), distribution,
-                              dtype=torch.float32)
-    z_k = theory.sample_kappa((draws, batch, pos, la.n_kv_heads), seeded_generator(seed, _STREAM, src, 1), distribution,
-                              dtype=torch.float32)
-    return z_q, z_k
+    return collapse_draws((draws, batch, pos, la.n_heads), (draws, batch, pos, la.n_kv_heads), (seed, _STREAM, layer, 0),
+                          (seed, _STREAM, src, 1), distribution=distribution)
 
 
 def theory_kind(la: LayerAnatomy, targets: Sequence[str], placement: str) -> str:

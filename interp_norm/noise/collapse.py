@@ -34,7 +34,7 @@ from interp_norm.hooks import act_name, is_normalised
 from interp_norm.model import HookedNormTransformer, ModelConfig
 from interp_norm.noise import _validate as V
 from interp_norm.noise.decide import row_decisions
-from interp_norm.noise.kernels import effective_factor, seeded_generator, unit_noise
+from interp_norm.noise.kernels import OWN_COLLAPSE_STREAM, collapse_draws, effective_factor, seeded_generator
 from interp_norm.task import PAD_ID, AdditionTask, Batch
 from interp_norm.theory import NoiseLaw, predict_rows  # noqa: F401 (predict_rows: also importable from here)
 
@@ -199,9 +199,8 @@ def collapse_noise_draws(
 ) -> tuple[Float[Tensor, "draw batch pos head"], Float[Tensor, "draw batch pos head"]]:
     """Unit-RMS draws (z_q, z_k), each [n_draws, batch, pos, head], for one layer of the collapse
     sweep; κ = level · z (the same z at every level). Public so a brute-force check can reuse them."""
-    g = seeded_generator(seed, layer, 0xC011A95E)
     shape = (n_draws, *shape)
-    return unit_noise(shape, g, distribution), unit_noise(shape, g, distribution)
+    return collapse_draws(shape, shape, (seed, layer, OWN_COLLAPSE_STREAM), distribution=distribution)
 
 
 @dataclass

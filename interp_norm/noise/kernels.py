@@ -40,6 +40,24 @@ def pass_noise(seed: int, layer: int, target: str, call: int, shape: Sequence[in
     return unit_noise(shape, seeded_generator(seed, layer, V.TARGET_CODE[target], call), distribution, dtype)
 
 
+#: Seed streams of the collapse sweeps' draws (ours: one generator per layer for z_q then z_k; bridges:
+#: one per (layer, target), z_k seeded by the layer whose keys are read). Kept as each sweep had them:
+#: changing one changes every collapse table of that kind of model.
+OWN_COLLAPSE_STREAM = 0xC011A95E
+BRIDGE_COLLAPSE_STREAM = 0xB21C0
+
+
+def collapse_draws(q_shape: Sequence[int], k_shape: Sequence[int], q_keys: tuple[int, ...],
+                   k_keys: tuple[int, ...] | None = None, *, distribution: str = "uniform") -> tuple[Tensor, Tensor]:
+    """Unit-RMS draws (z_q, z_k) of one layer of a collapse sweep; κ = level · z at every level (common
+    random numbers: curves are smooth in the level). z_q comes from a generator seeded by ``q_keys``;
+    z_k from its own stream ``k_keys`` (a KV-sharing layer reads its source's keys and their κ), or
+    next from z_q's generator when ``k_keys`` is None."""
+    g = seeded_generator(*q_keys)
+    z_q = unit_noise(q_shape, g, distribution)
+    return z_q, unit_noise(k_shape, g if k_keys is None else seeded_generator(*k_keys), distribution)
+
+
 def norm_factor(one: Tensor, root: Tensor, m: Tensor, eps: float) -> Tensor:
     """f = (1+κ)·s / √((1+κ)²·m + eps) with s = √(m + eps) the clean divisor: what a norm whose divisor
     is s leaves of a factor (1+κ) applied before it (→ sign(1+κ) as eps → 0: removed by the norm)."""
@@ -93,5 +111,5 @@ def placed_factors(la: LayerAnatomy, target: str, kappa: Tensor, raw: Tensor | N
     return effective_factors(la, target, kappa, raw)
 
 
-__all__ = ["seeded_generator", "unit_noise", "pass_noise", "norm_factor", "effective_factor", "effective_factors",
+__all__ = ["seeded_generator", "unit_noise", "pass_noise", "collapse_draws", "OWN_COLLAPSE_STREAM", "BRIDGE_COLLAPSE_STREAM", "norm_factor", "effective_factor", "effective_factors",
            "placed_factors"]
