@@ -271,3 +271,30 @@ def test_norm_noise_on_a_bridge_is_head_noise_and_a_context_manager(models, name
     for option in (dict(shared=True), dict(direction="random")):  # issue 23's controls: ours only, refused here
         with pytest.raises(NoiseSpecError, match=next(iter(option))):
             NormNoise(model, 0.1, **option)
+
+
+@pytest.mark.parametrize("name", [n for n in MODELS if n != "own-qkv-ln"])
+@torch.no_grad()
+def test_norm_noise_is_one_class_and_a_context_manager_on_every_model(models, name):
+    """Issue 24: ``NormNoise(model, ...)`` is a NormNoise (and a HeadNoise) on our four variants and on
+    every bridge; inside ``with`` the k the scores use is (1+κ)·clean per key/value head (κ from
+    ``last_kappa``), and on exit the hooks are gone (clean logits bit for bit)."""
+    from interp_norm.noise import NormNoise
+
+    model = models[name]
+    la = anatomy(model)[0]
+    tokens = random_tokens(model, 2, 10, seed=4)
+    clean_logits, clean = model.run_with_cache(tokens)
+    noise = NormNoise(model, 0.1, "k", placement="after_norm", seed=7)
+    assert isinstance(noise, NormNoise) and isinstance(noise, HeadNoise)
+    key = la.used("k")
+    with noise:
+        noised_logits, noised = model.run_with_cache(tokens)
+    heads = la.n_heads_of("k")
+    k_clean = canonical(clean[la.hooks[key]], la.layouts.get(key, "bphd"), heads, la.d_head)
+    k_noised = canonical(noised[la.hooks[key]], la.layouts.get(key, "bphd"), heads, la.d_head)
+    kappa = noise.last_kappa[(0, "k")].reshape(2, 10, heads)
+    assert kappa.abs().max() > 0
+    torch.testing.assert_close(k_noised, k_clean * (1 + kappa)[..., None])
+    assert not torch.allclose(noised_logits, clean_logits)
+    assert torch.equal(model(tokens), clean_logits)
