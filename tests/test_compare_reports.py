@@ -33,6 +33,13 @@ def test_equal_reports_pass_and_timings_are_ignored(tmp_path, capsys):
     assert "noise.csv" in capsys.readouterr().out
 
 
+def test_empty_text_cells_on_both_sides_are_equal(tmp_path):
+    """pandas 3 reads a text column with empty cells as ``str`` dtype holding NaN, and NaN != NaN."""
+    df = BASE.assign(note=[math.nan, "x"])
+    assert C.main([str(write(tmp_path / "a", t=df)), str(write(tmp_path / "b", t=df))]) == 0
+    assert C.main([str(write(tmp_path / "c", t=df)), str(write(tmp_path / "d", t=df.assign(note=["y", "x"])))]) == 1
+
+
 @pytest.mark.parametrize("change, needle", [
     (lambda df: df.assign(accuracy=[0.5 + 1e-6, math.nan]), "accuracy: 1 cells differ"),
     (lambda df: df.assign(accuracy=[0.5, 0.1]), "accuracy: 1 cells differ"),
