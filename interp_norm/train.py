@@ -230,7 +230,7 @@ def train(
     torch.set_num_threads(train_cfg.threads or previous_threads)
     dist, device = distributed.setup(train_cfg.device)  # one process, or this rank's under torchrun
     try:
-        return _train(model_cfg, task, train_cfg, Path(out_dir), resume, progress and dist.main, dist, device)
+        return _train(model_cfg, task, train_cfg, Path(out_dir), resume, progress and dist.main, dist=dist, device=device)
     finally:
         dist.close()
         torch.set_num_threads(previous_threads)
@@ -238,7 +238,7 @@ def train(
 
 def _train(
     model_cfg: ModelConfig, task: AdditionTask, train_cfg: TrainConfig, out_dir: Path, resume: bool, progress: bool,
-    dist: distributed.Dist, device: torch.device,
+    *, dist: distributed.Dist, device: torch.device,
 ) -> tuple[HookedNormTransformer, pd.DataFrame]:
     out_dir = C.ensure_writable_dir(out_dir)
     saved_path = C.latest_checkpoint(out_dir)
@@ -388,7 +388,7 @@ def _train(
                         epoch_acc = _Accumulator()
                     if step % train_cfg.log_every == 0 or step % train_cfg.eval_every == 0 or step == total:
                         row, last_eval = _log_row(step, total, opt, window, model, eval_sets if dist.main else {},
-                                                  train_cfg, last_eval)
+                                                  train_cfg=train_cfg, last_eval=last_eval)
                         window = _Accumulator()
                         rows.append(row)
                         bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}", lr=f"{row['lr']:.2g}")
@@ -442,7 +442,7 @@ def _update(step: int, schedule_total: int, opt: torch.optim.Optimizer, params: 
 
 
 def _log_row(step: int, total: int, opt: torch.optim.Optimizer, window: _Accumulator, model: HookedNormTransformer,
-             eval_sets: dict, train_cfg: TrainConfig, last_eval: dict) -> tuple[dict, dict]:
+             eval_sets: dict, *, train_cfg: TrainConfig, last_eval: dict) -> tuple[dict, dict]:
     """The curve row of ``step`` (means over the window; eval accuracies on eval steps) and the latest eval."""
     row = dict(
         step=step,

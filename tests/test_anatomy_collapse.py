@@ -203,7 +203,7 @@ def test_row_decisions_equal_the_whole_noised_softmax(case):
     base = torch.randint(0, F // K, (R,), generator=g) * K
     softcap = 15.0 if case == "softcap" else None
     budget = 97 if case == "tiny_blocks" else 1 << 20
-    loose, strict = row_decisions(w, fq, fk, base, softcap, 0.9, budget)
+    loose, strict = row_decisions(w, fq, fk, base, softcap, 0.9, max_elements=budget)
     x = (w.masked_fill(w.isneginf(), 0) * fk[:, base[:, None] + torch.arange(K)] * fq[..., None]).masked_fill(
         w.isneginf(), -math.inf)
     if softcap:

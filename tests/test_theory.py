@@ -432,16 +432,16 @@ def test_predict_rows_dispatches_on_how_noise_reaches_the_scores():
     gen = torch.Generator().manual_seed(0)
     uni, nor = NoiseLaw(0.2, "uniform"), NoiseLaw(0.5, "normal")
     assert set(THEORY_KINDS) == {"multiplicative", "removed_by_norm", "not_modelled"}
-    lo, st_, ns = predict_rows(w, uni, ("q", "k"), "removed_by_norm", 0.95, 64, gen)
+    lo, st_, ns = predict_rows(w, uni, ("q", "k"), "removed_by_norm", 0.95, 64, generator=gen)
     assert (lo == 0).all() and (st_ == 0).all() and math.isinf(ns)
-    lo, st_, _ = predict_rows(w, nor, ("q", "k"), True, 0.95, 64, gen)  # old bool form; 1+κ<0 is possible
+    lo, st_, _ = predict_rows(w, nor, ("q", "k"), True, 0.95, 64, generator=gen)  # old bool form; 1+κ<0 is possible
     assert lo.isnan().all() and st_.isnan().all()
-    lo, st_, _ = predict_rows(w, uni, ("q", "k"), "not_modelled", 0.95, 64, gen)
+    lo, st_, _ = predict_rows(w, uni, ("q", "k"), "not_modelled", 0.95, 64, generator=gen)
     assert lo.isnan().all() and st_.isnan().all()
-    lo, _, _ = predict_rows(w, nor, ("q",), "multiplicative", 0.95, 64, gen)  # only a reversal: P(1+κ_q<0)
+    lo, _, _ = predict_rows(w, nor, ("q",), "multiplicative", 0.95, 64, generator=gen)  # only a reversal: P(1+κ_q<0)
     assert torch.allclose(lo, torch.full((2,), 0.5 * math.erfc(1 / 0.5 / math.sqrt(2)), dtype=torch.float64))
     # multiplicative, uniform on both: Monte Carlo of the argmax of (1+κ_q)(1+κ_k) w
-    lo, st_, ns = predict_rows(w, uni, ("q", "k"), "multiplicative", 0.95, 64, gen)
+    lo, st_, ns = predict_rows(w, uni, ("q", "k"), "multiplicative", 0.95, 64, generator=gen)
     a = 0.2 * math.sqrt(3)
     g = torch.Generator().manual_seed(1)
     kq = (torch.rand(200_000, 2, 1, generator=g, dtype=torch.float64) * 2 - 1) * a
@@ -449,7 +449,7 @@ def test_predict_rows_dispatches_on_how_noise_reaches_the_scores():
     noised = (w.masked_fill(w.isneginf(), 0) * (1 + kq) * (1 + kk)).masked_fill(w.isneginf(), -math.inf)
     mc = (noised.argmax(-1) != w.argmax(-1)).double().mean(0)
     assert torch.allclose(lo, mc, atol=4e-3) and lo[1] > 0.05 and ns == 64 and not st_.isnan().any()
-    _, st_, ns = predict_rows(w, uni, ("q", "k"), "multiplicative", 0.95, 64, gen, softcap=30.0)
+    _, st_, ns = predict_rows(w, uni, ("q", "k"), "multiplicative", 0.95, 64, generator=gen, softcap=30.0)
     assert st_.isnan().all() and math.isinf(ns)  # the theory's strict event has no soft cap
     with pytest.raises(NoiseSpecError, match="theory kind"):
         predict_rows(w, uni, ("q", "k"), "sometimes")

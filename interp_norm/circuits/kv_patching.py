@@ -283,7 +283,7 @@ class KVCacheEngine:
                 )
 
     def _patch_hook(self, rows: Tensor, examples: Tensor, pos: Optional[Tensor], heads: Optional[Tensor],
-                    clean: Tensor, p: int, state: dict):
+                    clean: Tensor, *, p: int, state: dict):
         """Hook writing the clean activation into ``rows`` of the stacked batch: at position ``pos``
         (None: every position), head ``heads`` (None: the whole vector). In place, as
         ``transformer_lens.patching``'s setters write: where the hooked tensor is also the block's
@@ -323,12 +323,12 @@ class KVCacheEngine:
         # that the read-position slicing shortens: run that block whole
         self.slice_tail = not (pos is None and self.activation in ("z", "mlp_out") and lay[-1] == self.L - 1)
         try:
-            return self._run_chunk(p, lay, examples, pos, heads, clean_acts, single)
+            return self._run_chunk(p, lay, examples, pos, heads, clean_acts, single=single)
         finally:
             self.slice_tail = True
 
     def _run_chunk(self, p: int, lay: list, examples: Tensor, pos: Optional[Tensor], heads: Optional[Tensor],
-                   clean_acts: list, single: bool) -> tuple[Tensor, Tensor]:
+                   clean_acts: list, *, single: bool) -> tuple[Tensor, Tensor]:
         bounds = np.searchsorted(np.asarray(lay), np.arange(self.L + 1))  # rows entering at each layer
         state = {"on": False}
         hooks = []
@@ -337,8 +337,8 @@ class KVCacheEngine:
             if e > s:
                 r = torch.arange(0 if single else s, e - s if single else e, device=examples.device)
                 hooks.append((self.names[l], self._patch_hook(
-                    r, examples[s:e], None if pos is None else pos[s:e], None if heads is None else heads[s:e], clean_acts[l], p,
-                    state)))
+                    r, examples[s:e], None if pos is None else pos[s:e], None if heads is None else heads[s:e], clean_acts[l], p=p,
+                    state=state)))
         H = None
         with self.model.hooks(fwd_hooks=hooks):
             for l in range(lay[0], self.L):
@@ -370,7 +370,7 @@ class KVCacheEngine:
             return self._head(H, p)
 
 def kv_patch_cells(engine: KVCacheEngine, kind: str, cells: Tensor, differs: Tensor, clean_acts: list,
-                   metric: MetricFn, batch_size: int, row_col: Optional[int], head_col: Optional[int],
+                   metric: MetricFn, *, batch_size: int, row_col: Optional[int], head_col: Optional[int],
                    progress: bool = False, desc: str = "patching") -> Tensor:
     """Metric values ``[n_cells, batch]`` (or ``[n_cells]`` for a scalar metric) of ``cells`` (live
     ones, in any order): copies of the examples that differ in the cell (``differs`` [cells, batch])
@@ -388,8 +388,9 @@ def kv_patch_cells(engine: KVCacheEngine, kind: str, cells: Tensor, differs: Ten
             out[unread] = base_val
             keep = (~unread).nonzero().flatten()
             if len(keep):
-                out[keep] = kv_patch_cells(engine, kind, cells[keep], differs[keep], clean_acts, metric, batch_size,
-                                           row_col, head_col, progress, desc)
+                out[keep] = kv_patch_cells(engine, kind, cells[keep], differs[keep], clean_acts, metric,
+                                           batch_size=batch_size, row_col=row_col, head_col=head_col,
+                                           progress=progress, desc=desc)
             return out
     starts = cells[:, row_col] if row_col is not None else torch.zeros(len(cells), dtype=torch.long)
     order = np.lexsort((cells[:, 0].numpy(), starts.numpy()))

@@ -481,7 +481,8 @@ def activation_patch(
         if len(order):
             idx = torch.from_numpy(order)
             store[idx] = kv_patch_cells(run.kv, req.kind, req.cells[idx], differs[idx], req.clean_acts, req.metric,
-                                        req.batch_size, req.row_col, req.head_col, progress, f"patching {activation}")
+                                        batch_size=req.batch_size, row_col=req.row_col, head_col=req.head_col,
+                                        progress=progress, desc=f"patching {activation}")
     else:
         _run_chunks(req, run, _plan_chunks(req, run, order, differs), differs, (store, baseline), progress)
 

@@ -54,7 +54,8 @@ HELP = {
               "float64, or auto (as stored); converted while loading, never held twice (default: float32; our "
               "models run in float32)"),
     "device_map": ("Hugging Face models too large for one device: spread the layers over the devices, e.g. auto "
-                   "(passed to transformers' from_pretrained; needs the accelerate package; replaces --device)"),
+                   "(passed to transformers' from_pretrained; needs the accelerate package; replaces --device; "
+                   "default: the whole model on --device)"),
 }
 #: What an unset --seed / --device / --threads means outside ``train``.
 DEFAULTS = dict(seed=0, device="cpu", threads=1)

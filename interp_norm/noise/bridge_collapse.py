@@ -197,7 +197,8 @@ def collapse_chunks(
             for i, (fq, fk) in enumerate(f):
                 fq_rows = fq[:, rb, rq, gh]  # [D, R]
                 fkp = fk.permute(0, 1, 3, 2).reshape(fk.shape[0], -1)  # [D, b·H_kv·n]
-                loose[i], strict[i] = row_decisions(w, fq_rows, fkp, base, la.softcap, strict_threshold, max_elements)
+                loose[i], strict[i] = row_decisions(w, fq_rows, fkp, base, la.softcap, strict_threshold,
+                                                    max_elements=max_elements)
             yield ChunkCollapse(l, heads, levels, rows, w, loose, strict, kind, la.softcap)
 
 
@@ -248,7 +249,8 @@ def bridge_collapse(
         for i, level in enumerate(chunk.levels):
             if predict:
                 pl, ps, ns = theory.predict_rows(chunk.scores, NoiseLaw(level, distribution), targets, chunk.theory,
-                                                  strict_threshold, int(strict_samples), gen, softcap=chunk.softcap)
+                                                  strict_threshold, int(strict_samples), generator=gen,
+                                                  softcap=chunk.softcap)
             else:
                 pl = ps = torch.full((len(chunk.rows),), math.nan, dtype=torch.float64)
                 ns = math.inf

@@ -191,7 +191,8 @@ def collapse_from_scores(
     D = factor_q.shape[0]
     fk = factor_k.to(torch.float64).reshape(D, R * K)  # key t of row r is column r·K + t
     base = torch.arange(R) * K
-    return row_decisions(w, factor_q.to(torch.float64), fk, base, None, strict_threshold, _CHUNK, prune=False)
+    return row_decisions(w, factor_q.to(torch.float64), fk, base, None, strict_threshold, max_elements=_CHUNK,
+                         prune=False)
 
 
 def collapse_noise_draws(
@@ -378,7 +379,7 @@ def collapse_table(
             if predict:
                 pl, ps, ns = predict_rows(r.scores, NoiseLaw(level, spec.distribution), spec.targets,
                                           "removed_by_norm" if removed else "multiplicative",
-                                          spec.strict_threshold, strict_samples, gen)
+                                          spec.strict_threshold, strict_samples, generator=gen)
             else:
                 pl = ps = torch.full((len(r.rows),), math.nan, dtype=torch.float64)
                 ns = math.inf

@@ -161,13 +161,14 @@ def collapse_consequence(
                     hit |= moved.flatten(1).any(-1)
                 collapsed[d], noisy[d] = hit.cpu().numpy(), per_problem(lg)
                 bar.update()
-        rows += _group_rows(columns, level, collapsed, noisy, clean, total, n_boot, confidence, seed)
+        rows += _group_rows(columns, level, collapsed, noisy, clean, total, n_boot=n_boot, confidence=confidence,
+                            seed=seed)
     bar.close()
     return pd.DataFrame(rows)
 
 
 def _group_rows(columns: dict, level: float, collapsed: np.ndarray, noisy: np.ndarray, clean: np.ndarray,
-                total: np.ndarray, n_boot: int, confidence: float, seed: int) -> list[dict]:
+                total: np.ndarray, *, n_boot: int, confidence: float, seed: int) -> list[dict]:
     """The three rows of one level from per-(draw, problem) arrays [D, B] and per-problem clean/total [B]."""
     num, den = [], []
     for member in (collapsed, ~collapsed):

@@ -23,7 +23,7 @@ def cap(x: Tensor, softcap: Optional[float]) -> Tensor:
 
 
 def row_decisions(w: Tensor, fq: Tensor, fk: Tensor, base: Tensor, softcap: Optional[float], strict_threshold: float,
-                  max_elements: int, *, prune: bool = True) -> tuple[Tensor, Tensor]:
+                  *, max_elements: int, prune: bool = True) -> tuple[Tensor, Tensor]:
     """(loose, strict) [D, R] for clean rows ``w`` [R, K] (−inf masked) under query factors ``fq``
     [D, R] and key factors ``fk`` [D, F] (a flat table: key t of row r is column ``base[r] + t``),
     in blocks of at most ``max_elements`` numbers.

@@ -105,11 +105,11 @@ def temperature_sweep(
             rates = {d: [dec.double().mean(0) for dec in getattr(r, d)] for d in ("loose", "strict")}
             same = base[l][tuple(r.rows.unbind(-1))] if len(r.rows) else torch.zeros(0, dtype=torch.bool)
             per_layer.append((rates, same))
-            out.append(_row(columns, c, l, n_valid, levels, rates, same, rate))
+            out.append(_row(columns, c, l, n_valid, levels, rates, same=same, rate=rate))
             bar.update()
         pooled = {d: [torch.cat([p[0][d][i] for p in per_layer]) for i in range(len(levels))] for d in ("loose", "strict")}
         same = torch.cat([p[1] for p in per_layer])
-        out.append(_row(columns, c, "all", n_valid * len(clean.layers), levels, pooled, same, rate))
+        out.append(_row(columns, c, "all", n_valid * len(clean.layers), levels, pooled, same=same, rate=rate))
     bar.close()
     df = pd.DataFrame(out)
     df["layer"] = df["layer"].astype(object)
@@ -124,7 +124,7 @@ def _levels(levels, rates: dict, keep: Tensor, rate: float) -> dict:
     return {d: theory.noise_level_at_rate(levels, curve[d], rate) for d in ("loose", "strict")}
 
 
-def _row(columns: dict, c: float, layer, n_rows: int, levels, rates: dict, same: Tensor, rate: float) -> dict:
+def _row(columns: dict, c: float, layer, n_rows: int, levels, rates: dict, *, same: Tensor, rate: float) -> dict:
     n_sparse = len(same)
     every, old, new = (_levels(levels, rates, keep, rate) for keep in (torch.ones_like(same), same, ~same))
     return dict(

@@ -29,7 +29,7 @@ THEORY_KINDS = ("multiplicative", "removed_by_norm", "not_modelled")
 def predict_rows(
     w: Tensor, law: NoiseLaw, targets: Sequence[str], kind: Union[str, bool] = "multiplicative",
     strict_threshold: float = SPARSE_THRESHOLD, strict_samples: int = 256,
-    generator: Optional[torch.Generator] = None, *, softcap: Optional[float] = None,
+    *, generator: Optional[torch.Generator] = None, softcap: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, float]:
     """Per-row predicted (loose, strict) collapse probabilities of clean rows ``w`` [R, K] (−inf
     masked), and the strict estimate's sample count (inf when exact or absent). NaN where the
