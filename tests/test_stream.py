@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from interp_norm.bridges import random_tokens, tiny_bridge
-from interp_norm.bridges.stream import StreamedCache, layer_caches
+from interp_norm.anatomy.stream import StreamedCache, layer_caches
 
 
 def _names(model):

@@ -146,7 +146,7 @@ def bridge_geometry(
     """
     from interp_norm.anatomy import anatomy
 
-    from interp_norm.bridges.stream import StreamedCache
+    from interp_norm.anatomy.stream import StreamedCache
 
     toks = as_tokens(model, tokens if tokens is not None else bridge_tokens(model, n, n_ctx, seed))
     norms = bridge_norms(model)

@@ -17,7 +17,7 @@ Memory: a real model's scores are large (batch · heads · pos² per layer), so 
 rebuilt from the cached q and k one block of heads at a time, and the noised rows one block of
 draws at a time, each block holding at most ``max_elements`` numbers. What stays whole is O(pos):
 the cached q/k and the κ draws of one layer. The clean pass hands over one layer's q/k at a time
-and stops after the last layer analysed (:func:`interp_norm.bridges.stream.layer_caches`: no
+and stops after the last layer analysed (:func:`interp_norm.anatomy.stream.layer_caches`: no
 logits, never every layer's cache at once); the values are those of ``run_with_cache``.
 
 The prediction is the theory's (:func:`interp_norm.theory.predicted_collapse_probability`, exact
@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from interp_norm import theory
 from interp_norm.anatomy import Anatomy, LayerAnatomy, anatomy, canonical
 from interp_norm.anatomy.rebuild import attention_mask, masked_softmax, rebuilt_query_key, scores_from_qk
-from interp_norm.bridges.stream import layer_caches
+from interp_norm.anatomy.stream import layer_caches
 from interp_norm.defaults import BRIDGE_COLLAPSE_LEVELS, COLLAPSE_MAX_ELEMENTS, SPARSE_THRESHOLD
 from interp_norm.errors import ArchitectureError, ConfigError, NoiseSpecError
 from interp_norm.noise import _validate as V
@@ -154,7 +154,7 @@ def collapse_chunks(
             if placement == "before_norm" and la.norms.get(t) is not None:
                 per_layer[l].add(la.hooks[t])
     device = getattr(model.cfg, "device", None) or "cpu"
-    if layers == sorted(per_layer):  # one layer's q/k at a time, no logits (interp_norm.bridges.stream)
+    if layers == sorted(per_layer):  # one layer's q/k at a time, no logits (interp_norm.anatomy.stream)
         stream = layer_caches(model, tokens.to(device), per_layer)
     else:  # an unsorted layer list keeps its order: every layer's q/k cached at once
         wanted = set().union(*per_layer.values())
