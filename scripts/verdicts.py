@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pandas as pd
 from _docs import RESULTS, replace_block
+from findings_tables import _ci  # the seed tables' own interval format, so the prose test can match it
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "docs" / "data" / "seed_comparisons.csv"
@@ -95,14 +96,14 @@ def verdict(claim: Claim, row: pd.Series) -> tuple[str, str]:
             return "not established", "no test (an arm without values)"
         if claim.rule == "same":
             within = abs(float(row["diff_lo"])) <= PAR_MARGIN and abs(float(row["diff_hi"])) <= PAR_MARGIN
-            evidence += f", A − B {_num(diff)} [{_num(row['diff_lo'])}, {_num(row['diff_hi'])}]"
+            evidence += f", A − B {_ci(diff, row['diff_lo'], row['diff_hi'])}"
             return ("reproduced" if within else "not reproduced" if p < ALPHA else "not established"), evidence
         if p >= ALPHA:
             return "not established", evidence
         return ("reproduced", evidence) if diff * claim.sign > 0 else ("not reproduced (reversed)", evidence)
     lo, hi, n = float(row["ci_lo_a"]), float(row["ci_hi_a"]), int(row["n_a"])
     censored = int(row.get("n_censored_a", 0) or 0)
-    evidence = f"{_num(row['mean_a'])} [{_num(lo)}, {_num(hi)}]" + (f", {censored} seed(s) never reached: a lower bound"
+    evidence = _ci(row["mean_a"], lo, hi) + (f", {censored} seed(s) never reached: a lower bound"
                                                                    if censored else "")
     if n < MIN_SEEDS or math.isnan(lo):
         return "not established", f"{n} seed(s)"

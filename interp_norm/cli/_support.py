@@ -249,11 +249,14 @@ def load_model_spec(spec: str, device: str = "cpu", dtype: Optional[str] = None,
         except CheckpointNotFoundError:
             pass  # load_model tries the Hugging Face cache and names both failures
     model = load_model(spec, device=device, dtype=dtype, device_map=device_map)
-    from interp_norm.anatomy import kind_of
+    return (model, None) if is_hf(model) else ours()
 
-    if kind_of(model) == "bridge":
-        return model, None
-    return ours()
+
+def is_hf(model: Any) -> bool:
+    """A Hugging Face model (a TransformerLens bridge), asked of the model adapter."""
+    from interp_norm.anatomy import kind_of  # lazy: --help imports no torch
+
+    return kind_of(model) == "bridge"
 
 
 def load_ours(spec: str, command_name: str, device: str = "cpu") -> tuple[Any, Any]:

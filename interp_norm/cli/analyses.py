@@ -24,6 +24,7 @@ from interp_norm.cli._support import (
     command,
     hf_args,
     hf_tokens,
+    is_hf,
     load_model_spec,
     check_placement,
     load_ours,
@@ -182,13 +183,6 @@ def _noise_args(p: argparse.ArgumentParser) -> None:
                          "logits tensors of that many windows)")
 
 
-def _is_hf(model) -> bool:
-    """A Hugging Face model (a TransformerLens bridge), asked of the model adapter, not inferred from a missing info."""
-    from interp_norm.anatomy import kind_of  # lazy: --help imports no torch
-
-    return kind_of(model) == "bridge"
-
-
 @command("noise", help="per-token accuracy under multiplicative norm noise (the paper's noise-sensitivity sweep)",
          add_arguments=_noise_args, flags=dict(levels="--levels", distribution="--distribution"))
 def _noise(args: argparse.Namespace) -> int:
@@ -197,7 +191,7 @@ def _noise(args: argparse.Namespace) -> int:
 
     out = prepare_out(args.out, ["noise_accuracy.csv"], args.force)
     model, info = _load_for_noise(args)
-    if _is_hf(model):  # a Hugging Face model: agreement with its clean next-token prediction on text
+    if is_hf(model):  # a Hugging Face model: agreement with its clean next-token prediction on text
         from interp_norm.bridges import text_agreement
 
         df = text_agreement(model, hf_tokens(model, args), args.levels, placement=args.placement,
@@ -244,7 +238,7 @@ def _collapse(args: argparse.Namespace) -> int:
 
     out = prepare_out(args.out, COLLAPSE_FILES, args.force)
     model, info = _load_for_noise(args)
-    if _is_hf(model):  # a Hugging Face model: collapse from its clean scores on text
+    if is_hf(model):  # a Hugging Face model: collapse from its clean scores on text
         from interp_norm.noise import bridge_collapse
 
         curves = bridge_collapse(model, hf_tokens(model, args), args.levels, placement=args.placement,
@@ -291,7 +285,7 @@ def _geometry(args: argparse.Namespace) -> int:
     out = prepare_out(args.out, ["geometry_*.csv"], args.force)
     resolve_device(args.device)
     model, info = load_model_spec(args.ckpt, device=args.device, dtype=args.dtype, device_map=args.device_map)
-    if _is_hf(model):  # a Hugging Face model: every norm's ellipsoid, sparsity and norm spread on text
+    if is_hf(model):  # a Hugging Face model: every norm's ellipsoid, sparsity and norm spread on text
         results = run_geometry(model, tokens=hf_tokens(model, args), progress=not args.no_progress)
     else:
         results = run_geometry(model, info.task, n=args.n_examples, split=args.split, seed=args.seed,
