@@ -159,6 +159,35 @@ def cells_from_df(cells: pd.DataFrame, axes: Sequence[str], sizes: dict[str, int
     return t
 
 
+def check_hooks(model, names: Sequence[str]) -> None:
+    """A :class:`HookNameError` naming the first of ``names`` the model has no hook for (a bridge's
+    KV-sharing layer has no ``hook_k``/``hook_v``; a k = v layer no ``hook_v``)."""
+    hooks = getattr(model, "hook_dict", None)
+    if not isinstance(hooks, Mapping):
+        return
+    missing = [nm for nm in names if nm not in hooks]
+    if missing:
+        raise HookNameError(
+            f"this model has no hook {missing[0]!r} ({len(missing)} of {len(names)} layers lack it: "
+            "e.g. layers reusing another layer's keys and values, or whose values are their keys); patch another activation"
+        )
+
+
+def head_count(kind: str, clean_acts: Sequence[Tensor], n_heads: int) -> int:
+    """Heads of a per-head activation (its axis 2): ``n_heads`` for q and z, the k/v heads for k and v
+    under grouped-query attention (as ``transformer_lens.patching`` sizes them); ``n_heads`` for
+    other kinds. A :class:`PatchingError` where layers differ (no rectangular grid)."""
+    if kind != "head":
+        return n_heads
+    counts = [int(a.shape[2]) for a in clean_acts]
+    if len(set(counts)) > 1:
+        raise PatchingError(
+            f"the activation has different numbers of heads across layers ({counts}); patch the layers "
+            "with equal head counts separately (cells=...) or patch 'z' / 'q'"
+        )
+    return counts[0]
+
+
 def clean_act(clean_cache: Mapping[str, Tensor], name: str) -> Tensor:
     """The clean activation ``name``, or a :class:`HookNameError` saying how to get it."""
     try:
@@ -174,8 +203,10 @@ __all__ = [
     "cell_differs",
     "cell_mask",
     "cells_from_df",
+    "check_hooks",
     "clean_act",
     "first_difference",
+    "head_count",
     "input_differs",
     "layer0_cells_differ",
     "resid0",

@@ -64,8 +64,10 @@ from interp_norm.circuits.patch_cells import (
     cell_differs,
     cell_mask,
     cells_from_df,
+    check_hooks,
     clean_act,
     first_difference,
+    head_count,
     input_differs,
     layer0_cells_differ,
     resid0,
@@ -213,7 +215,7 @@ def _engine_chunk(req: _Request, engine: IncrementalEngine, cc: Tensor, live: Te
     kind, by, clean_acts = req.kind, req.by, req.clean_acts
     K, ne = cc.shape[0], engine.n_eff
     dev = clean_acts[0].device
-    m = cell_mask(kind, by, cc, ne, req.model.cfg.n_heads, ne).to(dev)
+    m = cell_mask(kind, by, cc, ne, req.sizes["head"], ne).to(dev)
     m_rows = (m[:, 0].transpose(1, 2) if kind == "pattern" else m[:, 0]).contiguous()  # [K, rows, ...]
     m_rows = m_rows.reshape(K * ne, *m_rows.shape[2:])
     n = clean_acts[0].shape[1 if kind != "pattern" else 2]
@@ -238,7 +240,14 @@ def _engine_chunk(req: _Request, engine: IncrementalEngine, cc: Tensor, live: Te
 
 def _hooks_chunk(req: _Request, cc: Tensor, start: Optional[Tensor]) -> Tensor:
     """Logits of the copies patched in cells ``cc`` (one layer): full passes with a patching hook
-    (``start``: the layer's resid_pre, to start there on our model)."""
+    (``start``: the layer's resid_pre, to start there on our model).
+
+    The hook writes the clean values into the hooked tensor in place, as
+    ``transformer_lens.patching``'s setters do, so that every reader of that tensor sees them. A
+    bridge's ``hook_resid_mid`` is an alias of the second norm's input (``ln2.hook_in``; OLMo-2:
+    the MLP's input), and the Hugging Face block also keeps that tensor as the residual it adds the
+    MLP's output to: a hook returning a new tensor would patch the MLP's input only, not the
+    residual carried on (``tests/test_circuits_resid_mid.py`` checks against a hand-written forward)."""
     model, corrupted = req.model, req.corrupted
     K, (b, n) = cc.shape[0], corrupted.shape
     layer = int(cc[0, 0])
@@ -246,8 +255,9 @@ def _hooks_chunk(req: _Request, cc: Tensor, start: Optional[Tensor]) -> Tensor:
 
     def hook_fn(act: Tensor, hook: Any) -> Tensor:
         X = act.view(K, b, *act.shape[1:])
-        m = cell_mask(req.kind, req.by, cc, n, model.cfg.n_heads, n).to(act.device)
-        return torch.where(m, clean.unsqueeze(0).to(act.dtype), X).reshape(act.shape)
+        m = cell_mask(req.kind, req.by, cc, n, req.sizes["head"], n).to(act.device)
+        X.copy_(torch.where(m, clean.unsqueeze(0).to(act.dtype), X))
+        return act
 
     hooks = [(act_name(req.activation, layer), hook_fn)]
     if start is None:
@@ -301,6 +311,7 @@ def _prepare(model, corrupted_tokens, clean_cache, metric, activation, *, by: st
     L = model.cfg.n_layers
     sizes = dict(layer=L, pos=n, head=model.cfg.n_heads, dest_pos=n, src_pos=n)
     names = [act_name(activation, l) for l in range(L)]
+    check_hooks(model, names)
     if clean_cache is None:
         if clean_tokens is None:
             raise PatchingError("give clean_cache (model.run_with_cache(clean_tokens)[1]) or clean_tokens")
@@ -309,6 +320,7 @@ def _prepare(model, corrupted_tokens, clean_cache, metric, activation, *, by: st
     for a in clean_acts:
         if a.shape[0] != b:
             raise PatchingError(f"clean activations have batch {a.shape[0]} but corrupted tokens have batch {b}")
+    sizes["head"] = head_count(kind, clean_acts, model.cfg.n_heads)
     read = getattr(metric, "read_mask", None)
     if read is None and getattr(metric, "read_positions", None) is not None:
         read = torch.as_tensor(metric.read_positions).expand(b, -1)

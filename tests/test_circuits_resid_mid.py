@@ -1,0 +1,254 @@
+"""Patching on TransformerLens 4 bridges of Hugging Face models, by full forward passes (``method="hooks"``).
+
+``resid_mid`` of layer ``l`` is the residual stream between the block's attention and its MLP, as in
+``HookedTransformer``: replacing it changes the MLP's input AND the residual the block adds the MLP's
+output to. On a bridge, ``blocks.{l}.hook_resid_mid`` is an alias of the second norm's input
+(``ln2.hook_in``; OLMo-2: the MLP's input), and the Hugging Face block keeps that same tensor as its
+residual: a hook that returns a new tensor reaches the MLP only. The independent reference here is a
+forward of the untouched Hugging Face model written out block by block, with ``resid_mid`` replaced
+explicitly; ``transformer_lens.patching`` (in-place setters) agrees with it. The other activations are
+checked against ``transformer_lens.patching`` and the key/value-cache engine, and k/v of grouped-query
+attention have the k/v heads (as TransformerLens sizes them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from transformer_lens import patching
+
+from _models import bridges_with_hf_copies
+from interp_norm.anatomy import random_tokens, tiny_bridge
+from interp_norm.circuits import activation_patch
+from interp_norm.errors import HookNameError
+from interp_norm.hooks import act_name
+
+ARCHS = ("gpt2", "llama", "qwen3", "olmo2")
+TOL = 1e-5
+
+
+def metric(logits: torch.Tensor) -> torch.Tensor:
+    return logits[:, -1, 5] - logits[:, -1, 6]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return bridges_with_hf_copies(ARCHS, seed=3)
+
+
+def _tokens(bridge, b: int = 3, n: int = 6):
+    clean = random_tokens(bridge, b, n, seed=4, low=3)
+    corr = clean.clone()
+    for i, at in enumerate([1, 3, 2][:b]):  # a different first difference per example
+        corr[i, at] = (corr[i, at] + 7) % 120 + 3
+    return clean, corr
+
+
+def _tl(fn, *args, **kw):
+    with contextlib.redirect_stderr(io.StringIO()), torch.no_grad():  # TL's tqdm bar
+        return fn(*args, **kw)
+
+
+def _tl_resid(bridge, act, corr, cache, by="pos"):
+    setter, axes = (patching.layer_pos_patch_setter, ("layer", "pos")) if by == "pos" else (
+        lambda c, idx, clean: _set_all(c, clean), ("layer",))
+    return _tl(patching.generic_activation_patch, bridge, corr, cache, lambda lg: metric(lg).mean(), setter, act,
+               index_axis_names=axes)
+
+
+def _set_all(corrupted, clean):
+    corrupted[:] = clean
+    return corrupted
+
+
+# ----------------------------------------------------------------------------- the hand-written forward
+
+
+def _gpt2_attention(attn, x: torch.Tensor) -> torch.Tensor:
+    b, n, d = x.shape
+    H = attn.num_heads
+    q, k, v = (t.view(b, n, H, d // H).transpose(1, 2) for t in attn.c_attn(x).split(d, dim=-1))
+    s = (q @ k.transpose(-1, -2) / math.sqrt(d // H)).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
+    return attn.c_proj((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+
+
+@torch.no_grad()
+def hand_forward(hf, arch: str, tokens: torch.Tensor, patch_mid=None) -> torch.Tensor:
+    """Logits of the Hugging Face model ``hf``, block by block; ``patch_mid(l, mid)`` returns the
+    residual that layer ``l``'s MLP reads and that is carried on (mid = block input + attention update)."""
+    b, n = tokens.shape
+    if arch == "gpt2":
+        t = hf.transformer
+        h = t.wte(tokens) + t.wpe(torch.arange(n))
+        for l, blk in enumerate(t.h):
+            mid = h + _gpt2_attention(blk.attn, blk.ln_1(h))
+            mid = patch_mid(l, mid) if patch_mid else mid
+            h = mid + blk.mlp(blk.ln_2(mid))
+        return hf.lm_head(t.ln_f(h))
+    m = hf.model
+    h = m.embed_tokens(tokens)
+    rope = m.rotary_emb(h, torch.arange(n).expand(b, n))
+    mask = torch.zeros(n, n).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf).expand(b, 1, n, n)
+    for l, blk in enumerate(m.layers):
+        if arch == "olmo2":  # post-norm: the norms act on the updates
+            a, _ = blk.self_attn(hidden_states=h, position_embeddings=rope, attention_mask=mask)
+            mid = h + blk.post_attention_layernorm(a)
+            mid = patch_mid(l, mid) if patch_mid else mid
+            h = mid + blk.post_feedforward_layernorm(blk.mlp(mid))
+        else:
+            a, _ = blk.self_attn(hidden_states=blk.input_layernorm(h), position_embeddings=rope, attention_mask=mask)
+            mid = h + a
+            mid = patch_mid(l, mid) if patch_mid else mid
+            h = mid + blk.mlp(blk.post_attention_layernorm(mid))
+    return hf.lm_head(m.norm(h))
+
+
+def hand_mids(hf, arch: str, tokens: torch.Tensor) -> dict:
+    mids = {}
+
+    def keep(l, mid):
+        mids[l] = mid.clone()
+        return mid
+
+    hand_forward(hf, arch, tokens, keep)
+    return mids
+
+
+def hand_resid_mid_table(hf, arch: str, clean: torch.Tensor, corr: torch.Tensor, by: str) -> torch.Tensor:
+    """The mean metric with the clean resid_mid written into every corrupted example, cell by cell."""
+    cm = hand_mids(hf, arch, clean)
+    L, n = len(cm), clean.shape[1]
+    out = torch.zeros(L, n) if by == "pos" else torch.zeros(L)
+    for l in range(L):
+        for p in range(n) if by == "pos" else [None]:
+            def patch(ll, mid, l=l, p=p):
+                if ll != l:
+                    return mid
+                mid = mid.clone()
+                sl = slice(None) if p is None else p
+                mid[:, sl] = cm[l][:, sl]
+                return mid
+
+            out[(l, p) if p is not None else l] = metric(hand_forward(hf, arch, corr, patch)).mean()
+    return out
+
+
+# ----------------------------------------------------------------------------- the tests
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hand_forward_is_the_model_and_hook_resid_mid_holds_its_mid(models, arch):
+    """The reference is right: it reproduces the Hugging Face logits, and the bridge's hook_resid_mid
+    holds its mid (= hook_resid_pre + hook_attn_out)."""
+    bridge, hf = models[arch]
+    clean, _ = _tokens(bridge)
+    with torch.no_grad():
+        logits = hand_forward(hf, arch, clean)
+        assert (logits - hf(clean).logits).abs().max() <= TOL
+        assert (logits - bridge(clean)).abs().max() <= TOL
+    _, cache = bridge.run_with_cache(clean)
+    for l, mid in hand_mids(hf, arch, clean).items():
+        got = cache[act_name("resid_mid", l)]
+        assert (got - mid).abs().max() <= TOL
+        assert (got - cache[act_name("resid_pre", l)] - cache[act_name("attn_out", l)]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_an_in_place_write_at_hook_resid_mid_reaches_the_mlp_and_the_carried_residual(models, arch):
+    """What the hooks path relies on: the clean values written in place into the tensor at hook_resid_mid
+    are what the MLP reads (mlp_out = the HF MLP of the patched mid) and what hook_resid_post carries on."""
+    bridge, hf = models[arch]
+    clean, corr = _tokens(bridge)
+    mids = hand_mids(hf, arch, clean)
+    seen = {}
+
+    def write(act, hook):
+        act[:, 2] = mids[0][:, 2]
+        seen["mid"] = act.clone()
+        return act
+
+    def keep(name):
+        def hook(act, hook):
+            seen[name] = act.clone()
+        return hook
+
+    with torch.no_grad():
+        bridge.run_with_hooks(corr, fwd_hooks=[(act_name("resid_mid", 0), write)] + [
+            (act_name(k, 0), keep(k)) for k in ("mlp_out", "resid_post")])
+        if arch == "gpt2":
+            blk = hf.transformer.h[0]
+            mlp = blk.mlp(blk.ln_2(seen["mid"]))
+        elif arch == "olmo2":
+            blk = hf.model.layers[0]
+            mlp = blk.post_feedforward_layernorm(blk.mlp(seen["mid"]))
+        else:
+            blk = hf.model.layers[0]
+            mlp = blk.mlp(blk.post_attention_layernorm(seen["mid"]))
+    assert (seen["mlp_out"] - mlp).abs().max() <= TOL
+    assert (seen["resid_post"] - seen["mlp_out"] - seen["mid"]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("by", ["pos", "all"])
+def test_resid_mid_patching_equals_the_hand_written_forward(models, arch, by):
+    bridge, hf = models[arch]
+    clean, corr = _tokens(bridge)
+    _, cache = bridge.run_with_cache(clean)
+    ref = hand_resid_mid_table(hf, arch, clean, corr, by)
+    baseline = metric(hand_forward(hf, arch, corr)).mean()
+    assert (ref - baseline).abs().max() > 1e-3  # the patches change the metric: the check compares something
+    assert (_tl_resid(bridge, "resid_mid", corr, cache, by) - ref).abs().max() <= TOL  # TransformerLens agrees
+    for method in ("hooks", "kv-cache", "auto"):
+        ours = activation_patch(bridge, corr, cache, metric, "resid_mid", by=by, method=method, batch_size=5)
+        assert ours.values.shape == ref.shape
+        assert (ours.values - ref).abs().max() <= TOL, method
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hooks_path_equals_transformer_lens_and_the_kv_cache_engine(models, arch):
+    bridge, _ = models[arch]
+    clean, corr = _tokens(bridge)
+    _, cache = bridge.run_with_cache(clean)
+    for act in ("resid_pre", "resid_post", "attn_out", "mlp_out", "z"):
+        if act == "z":
+            ref = _tl(patching.get_act_patch_attn_head_out_by_pos, bridge, corr, cache, lambda lg: metric(lg).mean())
+        else:
+            ref = _tl_resid(bridge, act, corr, cache)
+        hooks = activation_patch(bridge, corr, cache, metric, act, method="hooks", batch_size=7)
+        kv = activation_patch(bridge, corr, cache, metric, act, method="kv-cache")
+        assert hooks.method == "exact-hooks" and kv.method == "exact-kv-cache"
+        assert (hooks.values - ref).abs().max() <= TOL, act
+        assert (hooks.values - kv.values).abs().max() <= TOL, act
+
+
+@pytest.mark.parametrize("act,by,fn", [
+    ("k", "pos", patching.get_act_patch_attn_head_k_by_pos),
+    ("v", "pos", patching.get_act_patch_attn_head_v_by_pos),
+    ("k", "all", patching.get_act_patch_attn_head_k_all_pos),
+])
+def test_grouped_key_value_heads_are_the_head_axis(models, act, by, fn):
+    """Llama has 2 k/v heads for 4 query heads: k and v cells run over the k/v heads."""
+    bridge, _ = models["llama"]
+    clean, corr = _tokens(bridge)
+    _, cache = bridge.run_with_cache(clean)
+    ref = _tl(fn, bridge, corr, cache, lambda lg: metric(lg).mean())
+    ours = activation_patch(bridge, corr, cache, metric, act, by=by, method="hooks")
+    assert ours.values.shape[-1] == bridge.cfg.n_key_value_heads == 2
+    assert ours.values.shape == ref.shape and (ours.values - ref).abs().max() <= TOL
+    assert (ref - ref.flatten()[0]).abs().max() > 1e-3
+
+
+def test_a_hook_missing_in_some_layers_is_a_typed_error():
+    """Gemma 4's KV-sharing layers have no hook_k (and k = v layers no hook_v)."""
+    bridge = tiny_bridge("gemma4-shared", seed=3)
+    clean, corr = _tokens(bridge)
+    for act in ("k", "v"):
+        with pytest.raises(HookNameError, match="no hook"):
+            activation_patch(bridge, corr, metric=metric, activation=act, clean_tokens=clean)
