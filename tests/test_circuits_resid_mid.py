@@ -7,8 +7,9 @@ output to. On a bridge, ``blocks.{l}.hook_resid_mid`` is an alias of the second 
 residual: a hook that returns a new tensor reaches the MLP only. The independent reference here is a
 forward of the untouched Hugging Face model written out block by block, with ``resid_mid`` replaced
 explicitly; ``transformer_lens.patching`` (in-place setters) agrees with it. The other activations are
-checked against ``transformer_lens.patching`` and the key/value-cache engine, and k/v of grouped-query
-attention have the k/v heads (as TransformerLens sizes them).
+checked against ``transformer_lens.patching`` and the key/value-cache engine; k/v of grouped-query
+attention have the k/v heads (as TransformerLens sizes them); hooks that cannot be patched (missing in
+some layers, or fired after the attention used them) are typed errors.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from transformer_lens import patching
 from _models import bridges_with_hf_copies
 from interp_norm.anatomy import random_tokens, tiny_bridge
 from interp_norm.circuits import activation_patch
-from interp_norm.errors import HookNameError
+from interp_norm.errors import HookNameError, PatchingError
 from interp_norm.hooks import act_name
 
 ARCHS = ("gpt2", "llama", "qwen3", "olmo2")
@@ -245,10 +246,23 @@ def test_grouped_key_value_heads_are_the_head_axis(models, act, by, fn):
     assert (ref - ref.flatten()[0]).abs().max() > 1e-3
 
 
-def test_a_hook_missing_in_some_layers_is_a_typed_error():
-    """Gemma 4's KV-sharing layers have no hook_k (and k = v layers no hook_v)."""
+def test_pattern_patching_equals_transformer_lens_where_the_pattern_is_used(models):
+    bridge, _ = models["llama"]
+    clean, corr = _tokens(bridge)
+    _, cache = bridge.run_with_cache(clean)
+    ref = _tl(patching.get_act_patch_attn_head_pattern_by_pos, bridge, corr, cache, lambda lg: metric(lg).mean())
+    ours = activation_patch(bridge, corr, cache, metric, "pattern", method="hooks")
+    assert (ours.values - ref).abs().max() <= TOL and (ref - ref.flatten()[0]).abs().max() > 1e-3
+
+
+def test_hooks_that_cannot_be_patched_are_typed_errors():
+    """Gemma 4's KV-sharing layers have no hook_k (and k = v layers no hook_v); its attention runs inside
+    the Hugging Face module and TransformerLens fires hook_pattern afterwards, so a written pattern is
+    never used (every patch would be the baseline): both refused, not a table of baselines."""
     bridge = tiny_bridge("gemma4-shared", seed=3)
     clean, corr = _tokens(bridge)
     for act in ("k", "v"):
         with pytest.raises(HookNameError, match="no hook"):
             activation_patch(bridge, corr, metric=metric, activation=act, clean_tokens=clean)
+    with pytest.raises(PatchingError, match="post hoc"):
+        activation_patch(bridge, corr, metric=metric, activation="pattern", clean_tokens=clean)

@@ -173,6 +173,26 @@ def check_hooks(model, names: Sequence[str]) -> None:
         )
 
 
+@torch.no_grad()
+def check_pattern_hooks_act(model, tokens: Tensor, names: Sequence[str]) -> None:
+    """A :class:`PatchingError` if writing into the ``hook_pattern`` tensors ``names`` leaves the
+    logits unchanged: the hook then fires after the attention has used its pattern (a bridge whose
+    attention runs inside the Hugging Face module, e.g. Gemma 4), and every patch would be the baseline."""
+    def halve(act: Tensor, hook) -> Tensor:
+        act.mul_(0.5)
+        return act
+
+    base = model(tokens[:1])
+    with model.hooks(fwd_hooks=[(nm, halve) for nm in names]):
+        changed = model(tokens[:1])
+    if torch.equal(base, changed):
+        raise PatchingError(
+            f"writing into {names[0]!r} does not change this model's output: its attention pattern is read "
+            "after the attention ran (TransformerLens fires it post hoc), so patching it changes nothing; "
+            "patch 'q', 'k' or 'z' instead"
+        )
+
+
 def head_count(kind: str, clean_acts: Sequence[Tensor], n_heads: int) -> int:
     """Heads of a per-head activation (its axis 2): ``n_heads`` for q and z, the k/v heads for k and v
     under grouped-query attention (as ``transformer_lens.patching`` sizes them); ``n_heads`` for
@@ -204,6 +224,7 @@ __all__ = [
     "cell_mask",
     "cells_from_df",
     "check_hooks",
+    "check_pattern_hooks_act",
     "clean_act",
     "first_difference",
     "head_count",

@@ -65,6 +65,7 @@ from interp_norm.circuits.patch_cells import (
     cell_mask,
     cells_from_df,
     check_hooks,
+    check_pattern_hooks_act,
     clean_act,
     first_difference,
     head_count,
@@ -312,6 +313,8 @@ def _prepare(model, corrupted_tokens, clean_cache, metric, activation, *, by: st
     sizes = dict(layer=L, pos=n, head=model.cfg.n_heads, dest_pos=n, src_pos=n)
     names = [act_name(activation, l) for l in range(L)]
     check_hooks(model, names)
+    if kind == "pattern" and kind_of(model) != "interp_norm":
+        check_pattern_hooks_act(model, corrupted, names)
     if clean_cache is None:
         if clean_tokens is None:
             raise PatchingError("give clean_cache (model.run_with_cache(clean_tokens)[1]) or clean_tokens")
