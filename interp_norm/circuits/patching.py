@@ -16,7 +16,9 @@ cell, and the metric is read per copy. Two methods compute those copies:
   whose blocks it cannot replay exactly (``auto`` then uses hooks).
 * ``method="hooks"`` (any TransformerLens-protocol model, e.g. a ``TransformerBridge``): full
   forward passes of the stacked batch with one hook per activation name that writes each copy's
-  clean slice (for our model each pass starts at the patched layer: ``model(resid, start_at_layer=l)``).
+  clean slice in place, as TransformerLens's setters do (a bridge's ``hook_resid_mid`` tensor is also
+  the residual its block carries on; for our model each pass starts at the patched layer:
+  ``model(resid, start_at_layer=l)``).
 
 Cells that cannot change the metric are the corrupted baseline without a forward pass: the clean
 and corrupted activations agree in the cell for every example, or (incremental engine) the position
@@ -243,12 +245,9 @@ def _hooks_chunk(req: _Request, cc: Tensor, start: Optional[Tensor]) -> Tensor:
     """Logits of the copies patched in cells ``cc`` (one layer): full passes with a patching hook
     (``start``: the layer's resid_pre, to start there on our model).
 
-    The hook writes the clean values into the hooked tensor in place, as
-    ``transformer_lens.patching``'s setters do, so that every reader of that tensor sees them. A
-    bridge's ``hook_resid_mid`` is an alias of the second norm's input (``ln2.hook_in``; OLMo-2:
-    the MLP's input), and the Hugging Face block also keeps that tensor as the residual it adds the
-    MLP's output to: a hook returning a new tensor would patch the MLP's input only, not the
-    residual carried on (``tests/test_circuits_resid_mid.py`` checks against a hand-written forward)."""
+    The hook writes in place, so every reader of the hooked tensor sees the patch: a bridge's
+    ``hook_resid_mid`` (``ln2.hook_in``; OLMo-2 ``mlp.hook_in``) is also the residual its Hugging Face
+    block adds the MLP's output to, which a returned new tensor would miss."""
     model, corrupted = req.model, req.corrupted
     K, (b, n) = cc.shape[0], corrupted.shape
     layer = int(cc[0, 0])
