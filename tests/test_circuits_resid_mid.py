@@ -266,3 +266,11 @@ def test_hooks_that_cannot_be_patched_are_typed_errors():
             activation_patch(bridge, corr, metric=metric, activation=act, clean_tokens=clean)
     with pytest.raises(PatchingError, match="post hoc"):
         activation_patch(bridge, corr, metric=metric, activation="pattern", clean_tokens=clean)
+
+
+def test_head_counts_that_differ_across_layers_are_a_typed_error():
+    from interp_norm.circuits.patch_cells import head_count
+
+    assert head_count("head", [torch.zeros(1, 2, 2, 3)] * 3, 4) == 2  # the k/v heads, not n_heads
+    with pytest.raises(PatchingError, match="different numbers of heads"):
+        head_count("head", [torch.zeros(1, 2, 2, 3), torch.zeros(1, 2, 1, 3)], 4)

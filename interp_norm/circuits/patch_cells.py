@@ -202,8 +202,8 @@ def head_count(kind: str, clean_acts: Sequence[Tensor], n_heads: int) -> int:
     counts = [int(a.shape[2]) for a in clean_acts]
     if len(set(counts)) > 1:
         raise PatchingError(
-            f"the activation has different numbers of heads across layers ({counts}); patch the layers "
-            "with equal head counts separately (cells=...) or patch 'z' / 'q'"
+            f"the activation has different numbers of heads across layers ({counts}), so its cells form no grid; "
+            "patch 'z' or 'q' instead"
         )
     return counts[0]
 
