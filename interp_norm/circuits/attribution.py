@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from interp_norm.circuits import attribution_replay as replay
 from interp_norm.circuits._types import (
     MetricFn,
     PatchResult,
@@ -34,7 +35,7 @@ from interp_norm.circuits._types import (
 )
 from interp_norm.circuits.metrics import LogitDiff
 from interp_norm.circuits.pairs import PatchingPairs, as_pairs
-from interp_norm.errors import PatchingError
+from interp_norm.errors import EngineRefusal, PatchingError
 from interp_norm.hooks import PATCHABLE, act_name
 
 
@@ -95,41 +96,20 @@ def node_attribution(
     embed = act_name("embed")
     want = {nm for a in activations for nm in names[a]} | {embed}
     cols, ne = _read_columns(model, metric, b, n, any(PATCHABLE[a] == "pattern" for a in activations))
-    with torch.no_grad(), _logits_at(model, cols, n, ne):
-        clean_logits, cc = model.run_with_cache(clean[:, :ne], names_filter=lambda nm: nm in want)
-        clean_val = metric_values(metric, clean_logits, b).double().cpu()
-    e_clean = cc[embed]
-    grads = {nm: torch.zeros_like(cc[nm], dtype=torch.float64) for nm in want - {embed}}
-    xc: dict[str, Tensor] = {}
-    baseline = None
     steps_per_pass = max(1, batch_size // b)
-    for s0 in range(0, ig_steps, steps_per_pass):
-        al = alphas[s0 : s0 + steps_per_pass].to(dev, e_clean.dtype)
-        m = len(al)
-        deltas: dict[str, Tensor] = {}
-
-        def embed_hook(act: Tensor, hook: Any, al=al, m=m) -> Tensor:
-            a = act.view(m, *e_clean.shape)  # the corrupted embedding: alpha = 0 leaves it as it is
-            return (a + al.view(m, 1, 1, 1) * (e_clean.unsqueeze(0) - a)).reshape(act.shape)
-
-        def leaf_hook(act: Tensor, hook: Any, nm: str, first: bool) -> Tensor:
-            if first:
-                xc[nm] = act[:b].detach().clone()  # the rows of alpha = 0: the corrupted run
-            d = torch.zeros_like(act, requires_grad=True)
-            deltas[nm] = d  # keyed by our name: a bridge's hook.name is its canonical alias
-            return act + d
-
-        leaves = sorted(grads)
-        hooks = [(embed, embed_hook)] + [(nm, partial(leaf_hook, nm=nm, first=s0 == 0)) for nm in leaves]
-        with torch.enable_grad(), _logits_at(model, cols, n, ne):
-            logits = model.run_with_hooks(corr[:, :ne].repeat(m, 1), fwd_hooks=hooks)
-            vals = metric_values(metric, logits, b)
-            if s0 == 0:
-                baseline = vals[:b].detach().double().cpu()
-            gs = torch.autograd.grad(vals.sum(), [deltas[nm] for nm in leaves], allow_unused=True)
-        for nm, g in zip(leaves, gs):
-            if g is not None:
-                grads[nm] += g.view(m, b, *g.shape[1:]).sum(0).double()
+    leaves = sorted(want - {embed})
+    found = None
+    if replay.applies(model, activations):
+        try:
+            found = replay.prefix_attribution(model, clean, corr, metric, leaves, embed,
+                                              cols if cols is not None else torch.arange(n, device=dev), alphas, steps_per_pass)
+        except EngineRefusal:
+            found = None  # a bridge whose blocks cannot be re-run: full passes
+    if found is not None:
+        cc, xc, grads, clean_val, baseline = found
+    else:
+        cc, xc, grads, clean_val, baseline = _full_passes(model, clean, corr, metric, leaves, embed, cols, ne, alphas,
+                                                          steps_per_pass)
     sizes = dict(layer=L, pos=n, head=H, dest_pos=n, src_pos=n)
     out = {}
     for a in activations:
@@ -148,6 +128,50 @@ def node_attribution(
             method="eap" if ig_steps == 1 else f"eap-ig{ig_steps}",
         )
     return out
+
+
+def _full_passes(model, clean: Tensor, corr: Tensor, metric: MetricFn, leaves: list, embed: str, cols: Optional[Tensor],
+                 ne: int, alphas: Tensor, steps_per_pass: int) -> tuple[dict, dict, dict, Tensor, Tensor]:
+    """One clean forward, then forward + backward passes from the corrupted input with zero leaves
+    added at every hooked activation: clean and corrupted activations, gradients summed over the
+    integration points, the clean metric values and the corrupted baseline."""
+    b, n = clean.shape
+    dev = clean.device
+    want = set(leaves) | {embed}
+    with torch.no_grad(), _logits_at(model, cols, n, ne):
+        clean_logits, cc = model.run_with_cache(clean[:, :ne], names_filter=lambda nm: nm in want)
+        clean_val = metric_values(metric, clean_logits, b).double().cpu()
+    e_clean = cc[embed]
+    grads = {nm: torch.zeros_like(cc[nm], dtype=torch.float64) for nm in leaves}
+    xc: dict[str, Tensor] = {}
+    baseline = None
+    for s0 in range(0, len(alphas), steps_per_pass):
+        al = alphas[s0 : s0 + steps_per_pass].to(dev, e_clean.dtype)
+        m = len(al)
+        deltas: dict[str, Tensor] = {}
+
+        def embed_hook(act: Tensor, hook: Any, al=al, m=m) -> Tensor:
+            a = act.view(m, *e_clean.shape)  # the corrupted embedding: alpha = 0 leaves it as it is
+            return (a + al.view(m, 1, 1, 1) * (e_clean.unsqueeze(0) - a)).reshape(act.shape)
+
+        def leaf_hook(act: Tensor, hook: Any, nm: str, first: bool) -> Tensor:
+            if first:
+                xc[nm] = act[:b].detach().clone()  # the rows of alpha = 0: the corrupted run
+            d = torch.zeros_like(act, requires_grad=True)
+            deltas[nm] = d  # keyed by our name: a bridge's hook.name is its canonical alias
+            return act + d
+
+        hooks = [(embed, embed_hook)] + [(nm, partial(leaf_hook, nm=nm, first=s0 == 0)) for nm in leaves]
+        with torch.enable_grad(), _logits_at(model, cols, n, ne):
+            logits = model.run_with_hooks(corr[:, :ne].repeat(m, 1), fwd_hooks=hooks)
+            vals = metric_values(metric, logits, b)
+            if s0 == 0:
+                baseline = vals[:b].detach().double().cpu()
+            gs = torch.autograd.grad(vals.sum(), [deltas[nm] for nm in leaves], allow_unused=True)
+        for nm, g in zip(leaves, gs):
+            if g is not None:
+                grads[nm] += g.view(m, b, *g.shape[1:]).sum(0).double()
+    return cc, xc, grads, clean_val, baseline
 
 
 def _cell_scores(kind: str, by: str, prod: Tensor, n: int) -> Tensor:
@@ -189,7 +213,7 @@ def _logits_at(model, cols: Optional[Tensor], n: int, ne: int):
 
     def post(module, args, out):
         y = out[0] if isinstance(out, tuple) else out
-        full = y.new_zeros((y.shape[0], n) + tuple(y.shape[2:])).index_copy(1, cols, y)
+        full = y.new_zeros((y.shape[0], n) + tuple(y.shape[2:])).index_copy_(1, cols, y)  # in place: no second copy
         return (full,) + tuple(out[1:]) if isinstance(out, tuple) else full
 
     handles = [model.unembed.register_forward_pre_hook(pre, with_kwargs=True), model.unembed.register_forward_hook(post)]

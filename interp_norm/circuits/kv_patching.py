@@ -73,6 +73,22 @@ class KVCacheEngine:
     """
 
     def __init__(self, model, tokens: Tensor, read_mask: Optional[Tensor], activation: str):
+        self._setup(model, tokens.shape, tokens.device, read_mask, activation)
+        handles = self._capture_hooks()
+        try:
+            with torch.inference_mode():
+                self.logits, cache = model.run_with_cache(tokens, names_filter=lambda nm: nm in self.names)
+        except TypeError as e:  # a block that takes no key/value cache argument
+            self._no_cache_argument(e)
+        finally:
+            for h in handles:
+                h.remove()
+        self.acts = [cache[nm] for nm in self.names]
+        self._captured()
+        self._check()
+
+    def _setup(self, model, shape: tuple, dev: torch.device, read_mask: Optional[Tensor], activation: str) -> None:
+        """Checks the bridge and prepares the capture of a run over ``shape`` = (batch, pos) tokens."""
         from interp_norm.anatomy import kind_of
 
         if kind_of(model) != "bridge":
@@ -88,8 +104,7 @@ class KVCacheEngine:
         if blocks is None or len(blocks) != self.L:
             raise EngineRefusal("method='kv-cache' needs the bridge's standard 'blocks' stack; use method='hooks'")
         self.blocks = list(blocks)
-        self.b, self.n = tokens.shape
-        dev = tokens.device
+        self.b, self.n = shape
         read = torch.ones(self.b, self.n, dtype=torch.bool, device=dev) if read_mask is None else read_mask
         read = read.to(dev, torch.bool).expand(self.b, self.n)
         self.cols = read.any(0).nonzero().flatten()  # positions the metric reads
@@ -99,20 +114,30 @@ class KVCacheEngine:
             self._params = [inspect.signature(blk.original_component.forward) for blk in self.blocks]
         except (AttributeError, ValueError) as e:  # no wrapped Hugging Face block, or no signature to bind
             raise EngineRefusal(f"the bridge's blocks have no readable original_component.forward ({e}); use method='hooks'") from None
+        last = self.blocks[-1]
+        attn = getattr(last, "attn", None)
+        #: the last block's parts whose output at a position reaches only that position's logits:
+        #: run at the read positions alone (their inputs sliced, outputs zero elsewhere)
+        self.tail = [m for m in (getattr(attn, "q", None), getattr(attn, "o", None), getattr(last, "mlp", None))
+                     if isinstance(m, torch.nn.Module)]
+        self.slice_tail = True
+
+    def _capture_hooks(self) -> list:
+        """Hooks recording each block's input, call arguments and keys/values, and the last block's
+        output, during the next forward pass (remove them after it)."""
         self.calls, self.resid, self.kv = [None] * self.L, [None] * self.L, [None] * self.L
         handles = [blk.register_forward_pre_hook(self._capture(l), with_kwargs=True) for l, blk in enumerate(self.blocks)]
         handles.append(self.blocks[-1].register_forward_hook(lambda m, a, out: self.resid.append(_first(out))))
-        try:
-            with torch.inference_mode():
-                self.logits, cache = model.run_with_cache(tokens, names_filter=lambda nm: nm in self.names)
-        except TypeError as e:  # a block that takes no key/value cache argument
-            if "layer_past" not in str(e):
-                raise
-            raise EngineRefusal(f"the bridge's blocks take no key/value cache ({e}); use method='hooks'") from None
-        finally:
-            for h in handles:
-                h.remove()
-        self.acts = [cache[nm] for nm in self.names]
+        return handles
+
+    @staticmethod
+    def _no_cache_argument(e: TypeError) -> None:
+        if "layer_past" not in str(e):
+            raise e
+        raise EngineRefusal(f"the bridge's blocks take no key/value cache ({e}); use method='hooks'") from None
+
+    def _captured(self) -> None:
+        """After the captured pass: every attention used the cache it was given; keys and values."""
         for l, rec in enumerate(self.kv):
             if rec is None or rec.calls != 1:
                 raise EngineRefusal(
@@ -124,14 +149,6 @@ class KVCacheEngine:
         self.keys = [rec.new[0] for rec in self.kv]  # [b, kv_heads, n, d_head], as the attention used them
         self.values = [rec.new[1] for rec in self.kv]
         self.rows_computed = self.b * self.n * self.L
-        last = self.blocks[-1]
-        attn = getattr(last, "attn", None)
-        #: the last block's parts whose output at a position reaches only that position's logits:
-        #: run at the read positions alone (their inputs sliced, outputs zero elsewhere)
-        self.tail = [m for m in (getattr(attn, "q", None), getattr(attn, "o", None), getattr(last, "mlp", None))
-                     if isinstance(m, torch.nn.Module)]
-        self.slice_tail = True
-        self._check()
 
     # -- the corrupted run -------------------------------------------------------------------
     def _capture(self, l: int):

@@ -1,0 +1,282 @@
+"""Node attribution (EAP / EAP-IG) on a TransformerBridge, recomputing only what the scores need.
+
+EAP scores node ``a`` by ``(a_clean - a_corr) . dM/da`` on the corrupted run (Menary et al. 2024,
+sec. 5 locates circuits with patching; attribution patching is its linear estimate). Three things
+in that computation are exactly known without running them:
+
+* **The shared prefix.** Before the first position ``p0`` where some pair's clean and corrupted
+  tokens differ, the two runs are the same computation (causal attention), so every node there
+  scores exactly 0. The clean run is the bridge's own forward; the corrupted run (with its gradient)
+  re-runs the bridge's own blocks at positions ``p0..`` only, the earlier positions' keys and values
+  taken from the clean run through the attention's key/value-cache interface -- the machinery of
+  :class:`~interp_norm.circuits.kv_patching.KVCacheEngine` (RoPE, grouped heads and q/k norms stay
+  the model's code). The backward pass covers positions ``p0..`` only.
+* **The last block at the read positions.** In the last block the query, the attention's output
+  projection and the MLP at a position reach only that position's logits: they run at the positions
+  the metric reads (their keys and values everywhere); elsewhere the gradient is exactly 0.
+* **One unembedding.** The clean run's unembedding is deferred and done in the same call as the
+  corrupted run's (one read of the unembedding matrix), at the read positions only, and the logits
+  the metric sees are written into one buffer in place.
+
+The re-run is compared with the bridge's own forward (logits, hooked activations, block inputs) the
+first time per model and again whenever its weights change
+(:func:`~interp_norm.circuits.engine.weights_key`); a bridge wired otherwise (an attention that
+ignores the cache, logits post-processed after the unembedding, ...) raises
+:class:`~interp_norm.errors.EngineRefusal` and :func:`~interp_norm.circuits.attribution.node_attribution`
+falls back to full forward passes. Never used when a hook is on the model.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from interp_norm.circuits._types import metric_values
+from interp_norm.circuits.block_steps import _has_hooks
+from interp_norm.circuits.engine import weights_key
+from interp_norm.circuits.kv_patching import KV_ACTIVATIONS, KVCacheEngine
+from interp_norm.errors import EngineRefusal
+from interp_norm.hooks import act_name
+
+#: model -> {tail sliced: weights_key when the re-run last matched the bridge's forward}
+_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, tuple]]" = weakref.WeakKeyDictionary()
+
+
+class _CleanRun(KVCacheEngine):
+    """The clean run of a bridge, captured for re-runs of its blocks (no run or check of its own)."""
+
+    def __init__(self, model, shape: tuple, dev: torch.device, cols: Tensor):
+        read = torch.zeros(shape, dtype=torch.bool, device=dev)
+        read[:, cols] = True
+        self._setup(model, shape, dev, read, "resid_pre")
+
+    def rerun(self, H: Tensor, examples: Tensor, p: int) -> Tensor:
+        """Every block on rows ``H`` [rows, p..n, d] of ``examples``; positions before ``p`` from the clean run."""
+        for l in range(self.L):
+            H = self._block(l, H, examples, p)
+        return H
+
+
+class _Unembed(torch.autograd.Function):
+    """The bridge's unembedding of rows ``[x_clean; x]`` in one call (one read of its matrix),
+    differentiable in ``x``: the unembedding is the linear map of ``weight`` [vocab, d] (checked), so
+    the backward multiplies only the columns of the incoming gradient that are not zero (a logit
+    difference has two per row) by the rows of ``weight``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, x_clean: Tensor, unembed: torch.nn.Module, weight: Tensor) -> Tensor:
+        ctx.k, ctx.weight = len(x_clean), weight
+        return unembed(torch.cat([x_clean, x]).unsqueeze(0))[0]
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        g = g[ctx.k :]
+        nz = g.ne(0).any(0).nonzero().flatten()
+        if len(nz) * 4 > g.shape[-1]:
+            return g @ ctx.weight, None, None, None
+        return g.index_select(1, nz) @ ctx.weight.index_select(0, nz), None, None, None
+
+
+def _unembed(model, x: Tensor, x_clean: Tensor, weight: Optional[Tensor]) -> Tensor:
+    """Logits [len(x_clean) + len(x), vocab] of both row sets, in one call of the bridge's unembedding."""
+    if weight is not None:
+        return _Unembed.apply(x, x_clean, model.unembed, weight)
+    return model.unembed(torch.cat([x_clean, x]).unsqueeze(0))[0]
+
+
+def _unembed_weight(model) -> Optional[Tensor]:
+    """The matrix of a bridge unembedding that is one ``nn.Linear`` (else None)."""
+    lin = getattr(model.unembed, "original_component", None)
+    return lin.weight if isinstance(lin, torch.nn.Linear) else None
+
+
+def applies(model, activations: list) -> bool:
+    """Whether the re-run path may be tried: a bridge, per-position activations, no hook on the model."""
+    from interp_norm.anatomy import kind_of
+
+    if kind_of(model) != "bridge" or not all(a in KV_ACTIVATIONS for a in activations):
+        return False
+    parts = (getattr(model, "unembed", None), getattr(model, "ln_final", None))
+    return all(isinstance(m, torch.nn.Module) for m in parts) and not _has_hooks(model)
+
+
+def _to_positions(act: Tensor, pos: Tensor, ne: int) -> Tensor:
+    """``act`` [rows, len(pos), ...] at positions ``pos`` -> [rows, ne, ...], zero elsewhere."""
+    if act.shape[1] == ne and len(pos) == ne:
+        return act
+    out = act.new_zeros((act.shape[0], ne) + tuple(act.shape[2:]))
+    return out.index_copy_(1, pos, act)
+
+
+def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, names: list, embed: str, cols: Tensor,
+                       alphas: Tensor, steps_per_pass: int) -> tuple[dict, dict, dict, Tensor, Tensor]:
+    """Clean activations, corrupted activations, gradients summed over the integration points
+    (``{name: [b, ne, ...]}``, float64 gradients), clean metric values and the corrupted baseline
+    (``[b]``), for the hooks ``names``, ``ne`` = last read position + 1. Raises
+    :class:`EngineRefusal` where the bridge's blocks cannot be re-run."""
+    b, n = clean.shape
+    dev = clean.device
+    ne = int(cols.max()) + 1
+    differs = (clean[:, :ne] != corr[:, :ne]).any(0).nonzero().flatten()
+    p0 = min(int(differs[0]) if len(differs) else ne - 1, ne - 1)
+    run = _CleanRun(model, (b, ne), dev, cols)
+    sliced = len(cols) < ne
+    pos_all = torch.arange(ne, device=dev)
+
+    # -- the clean run: the bridge's forward; the unembedding's input kept, its call deferred ----
+    held: dict[str, Any] = {}
+
+    def unembed_pre(module, args, kwargs):
+        if not args or not torch.is_tensor(args[0]) or args[0].ndim != 3 or args[0].shape[1] != ne:
+            raise EngineRefusal("the bridge's unembedding is not called on [batch, pos, d_model]; use the full passes")
+        held["x"] = args[0].index_select(1, cols)
+        return (args[0][:, :0],) + tuple(args[1:]), kwargs
+
+    def unembed_post(module, args, out):
+        held["out"] = torch.empty(0)
+        return held["out"]
+
+    handles = run._capture_hooks()
+    if sliced:
+        for m in run.tail:
+            handles.append(m.register_forward_pre_hook(run._slice_in(cols, ne), with_kwargs=True))
+            handles.append(m.register_forward_hook(run._scatter_out(cols, ne)))
+    handles += [model.unembed.register_forward_pre_hook(unembed_pre, with_kwargs=True),
+                model.unembed.register_forward_hook(unembed_post)]
+    want = set(names) | {embed}
+    try:
+        with torch.no_grad():
+            ret, cc = model.run_with_cache(clean[:, :ne], names_filter=lambda nm: nm in want)
+    except TypeError as e:
+        run._no_cache_argument(e)
+    finally:
+        for h in handles:
+            h.remove()
+    if "out" not in held or ret is not held["out"]:
+        raise EngineRefusal("the bridge changes the logits after its unembedding; use the full passes")
+    run._captured()
+    clean_acts = {nm: _to_positions(cc[nm], pos_all if cc[nm].shape[1] == ne else cols, ne) for nm in names}
+    weight = _unembed_weight(model)
+    key = weights_key(model)
+    if _CHECKED.get(model, {}).get(sliced) != key:
+        _check(run, clean[:, :ne], clean_acts, held["x"], cols, sliced, weight)
+        _CHECKED.setdefault(model, {})[sliced] = key
+
+    # -- the corrupted run from p0, with the gradient, per chunk of integration points ----------
+    e_clean = cc[embed]
+    sc = cols[cols >= p0]  # read positions the re-run reaches; the earlier ones are the clean run's
+    grads = {nm: None for nm in names}
+    xc: dict[str, Tensor] = {}
+    clean_val = baseline = buf = None
+    single = len(alphas) <= steps_per_pass
+    for s0 in range(0, len(alphas), steps_per_pass):
+        al = alphas[s0 : s0 + steps_per_pass].to(dev, e_clean.dtype)
+        m = len(al)
+        ex = torch.arange(b, device=dev).repeat(m)
+
+        def embed_hook(act: Tensor, hook: Any, al=al, m=m) -> Tensor:
+            a = act.view(m, *e_clean.shape)  # the corrupted embedding: alpha = 0 leaves it as it is
+            return (a + al.view(m, 1, 1, 1) * (e_clean.unsqueeze(0) - a)).reshape(act.shape)
+
+        with torch.no_grad(), model.hooks(fwd_hooks=[(embed, embed_hook)]):
+            h0 = model(corr[:, :ne].repeat(m, 1), stop_at_layer=0)[:, p0:]
+        deltas: dict[str, Tensor] = {}
+        seen: dict[str, Tensor] = {}
+
+        def leaf_hook(act: Tensor, hook: Any, nm: str) -> Tensor:
+            d = torch.zeros_like(act, requires_grad=True)
+            deltas[nm] = d  # keyed by our name: a bridge's hook.name is its canonical alias
+            seen[nm] = act
+            return act + d
+
+        hooks = [(nm, lambda act, hook, nm=nm: leaf_hook(act, hook, nm)) for nm in names]
+        with torch.enable_grad(), model.hooks(fwd_hooks=hooks):
+            H = run.rerun(h0, ex, p0)
+            xs = model.ln_final(H.index_select(1, sc - p0))  # [rows, len(sc), d]
+            first = buf is None
+            xcl = held.pop("x").reshape(-1, xs.shape[-1]) if first else xs.new_zeros((0, xs.shape[-1]))
+            lg = _unembed(model, xs.reshape(-1, xs.shape[-1]), xcl, weight)
+            V = lg.shape[-1]
+            if first:
+                k = b * len(cols)
+                buf = lg.new_zeros((b, n, V))
+                buf.index_copy_(1, cols, lg[:k].detach().view(b, len(cols), V))
+                with torch.no_grad():
+                    clean_val = metric_values(metric, buf, b).double().cpu()
+                lg = lg[k:]
+            # the read positions before p0 keep the clean logits (the same computation there)
+            full = buf if m == 1 and single else buf.repeat(m, 1, 1)
+            full.index_copy_(1, sc, lg.view(b * m, len(sc), V))
+            vals = metric_values(metric, full, b)
+            if s0 == 0:
+                baseline = vals[:b].detach().double().cpu()
+            order = [nm for nm in names if nm in deltas]
+            gs = torch.autograd.grad(vals.sum(), [deltas[nm] for nm in order], allow_unused=True)
+        for nm, g in zip(order, gs):
+            width = seen[nm].shape[1]
+            pos = torch.arange(p0, ne, device=dev) if width == ne - p0 else sc
+            if s0 == 0:
+                xc[nm] = _to_positions(seen[nm][:b].detach(), pos, ne)
+            if g is not None:
+                g = _to_positions(g.view(m, b, *g.shape[1:]).sum(0).double(), pos, ne)
+                grads[nm] = g if grads[nm] is None else grads[nm] + g
+    for nm in names:
+        if nm not in xc:
+            raise EngineRefusal(f"the hook {nm!r} did not run when the bridge's blocks were re-run; use the full passes")
+        x = xc[nm]
+        if p0:  # the shared prefix: the corrupted run's activations are the clean run's
+            x[:, :p0] = clean_acts[nm][:, :p0]
+        if grads[nm] is None:
+            grads[nm] = torch.zeros_like(x, dtype=torch.float64)
+    return clean_acts, xc, grads, clean_val, baseline
+
+
+def _check(run: _CleanRun, tokens: Tensor, clean_acts: dict, x_clean: Tensor, cols: Tensor, sliced: bool,
+           weight: Optional[Tensor]) -> None:
+    """The re-run of the clean tokens from a middle position, and the captured clean run, against the
+    bridge's own forward: logits at the read positions, every hooked activation, the blocks' input."""
+    model = run.model
+    b, ne = tokens.shape
+    p = ne // 2
+    seen: dict[str, Tensor] = {}
+
+    def record(act: Tensor, hook: Any, nm: str) -> None:
+        seen[nm] = act.detach().clone()
+
+    ex = torch.arange(b, device=tokens.device)
+    with torch.no_grad():
+        ref = model(tokens)
+        h0 = model(tokens, stop_at_layer=0)
+        with model.hooks(fwd_hooks=[(nm, lambda act, hook, nm=nm: record(act, hook, nm)) for nm in clean_acts]):
+            H = run.rerun(run.resid[0][:, p:], ex, p)
+        sc = cols[cols >= p]
+        lg = model.unembed(model.ln_final(H.index_select(1, sc - p)))
+        lg_clean = model.unembed(x_clean)
+        # the unembedding is linear with the matrix the backward multiplies by
+        lin = None if weight is None else (model.unembed(2 * x_clean) - lg_clean, x_clean @ weight.T)
+
+    def close(a: Tensor, r: Tensor) -> bool:
+        return a.shape == r.shape and float((a - r).abs().max()) <= 1e-4 * (float(r.abs().max()) + 1.0)
+
+    if not (close(lg, ref.index_select(1, sc)) and close(lg_clean, ref.index_select(1, cols)) and close(h0, run.resid[0])
+            and (weight is None or close(*lin))):
+        raise EngineRefusal("re-running the bridge's blocks from a key/value cache disagrees with its forward; "
+                            "attribution runs full passes")
+    for nm, want in clean_acts.items():
+        got = seen.get(nm)
+        if got is None:
+            raise EngineRefusal(f"the hook {nm!r} did not run when the bridge's blocks were re-run; use the full passes")
+        pos = torch.arange(p, ne, device=tokens.device) if got.shape[1] == ne - p else sc
+        if got.shape[1] != len(pos):
+            raise EngineRefusal(f"the hook {nm!r} holds {tuple(got.shape)} when its block is re-run; use the full passes")
+        keep = pos if not (sliced and nm.startswith(f"blocks.{run.L - 1}.")) else pos[torch.isin(pos, cols)]
+        sel = torch.searchsorted(pos, keep)
+        if not close(got.index_select(1, sel), want.index_select(1, keep)):
+            raise EngineRefusal(f"the hook {nm!r} differs from the bridge's forward when its block is re-run; "
+                                "use the full passes")
+
+
+__all__ = ["prefix_attribution", "applies"]
