@@ -105,17 +105,14 @@ def node_attribution(
                                               cols if cols is not None else torch.arange(n, device=dev), alphas, steps_per_pass)
         except EngineRefusal:
             found = None  # a bridge whose blocks cannot be re-run: full passes
-    if found is not None:
-        cc, xc, grads, clean_val, baseline = found
-    else:
-        cc, xc, grads, clean_val, baseline = _full_passes(model, clean, corr, metric, leaves, embed, cols, ne, alphas,
-                                                          steps_per_pass)
+    if found is None:
+        found = _full_passes(model, clean, corr, metric, leaves, embed, cols, ne, alphas, steps_per_pass)
+    prods, clean_val, baseline = found
     sizes = dict(layer=L, pos=n, head=H, dest_pos=n, src_pos=n)
     out = {}
     for a in activations:
         kind, axes = PATCHABLE[a], axes_of[a]
-        per_layer = [_cell_scores(kind, by, (cc[nm].double() - xc[nm].double()) * grads[nm] / ig_steps, n)
-                     for nm in names[a]]
+        per_layer = [_cell_scores(kind, by, prods[nm] / ig_steps, n) for nm in names[a]]
         est = torch.stack(per_layer, 1)  # [b, layer, ...]
         if kind == "resid" and by == "all":
             est = est[..., 0]
@@ -131,10 +128,10 @@ def node_attribution(
 
 
 def _full_passes(model, clean: Tensor, corr: Tensor, metric: MetricFn, leaves: list, embed: str, cols: Optional[Tensor],
-                 ne: int, alphas: Tensor, steps_per_pass: int) -> tuple[dict, dict, dict, Tensor, Tensor]:
+                 ne: int, alphas: Tensor, steps_per_pass: int) -> tuple[dict, Tensor, Tensor]:
     """One clean forward, then forward + backward passes from the corrupted input with zero leaves
-    added at every hooked activation: clean and corrupted activations, gradients summed over the
-    integration points, the clean metric values and the corrupted baseline."""
+    added at every hooked activation: ``{name: (clean - corrupted) x gradient summed over the
+    integration points}``, the clean metric values and the corrupted baseline."""
     b, n = clean.shape
     dev = clean.device
     want = set(leaves) | {embed}
@@ -171,7 +168,7 @@ def _full_passes(model, clean: Tensor, corr: Tensor, metric: MetricFn, leaves: l
         for nm, g in zip(leaves, gs):
             if g is not None:
                 grads[nm] += g.view(m, b, *g.shape[1:]).sum(0).double()
-    return cc, xc, grads, clean_val, baseline
+    return {nm: (cc[nm].double() - xc[nm].double()) * grads[nm] for nm in leaves}, clean_val, baseline
 
 
 def _cell_scores(kind: str, by: str, prod: Tensor, n: int) -> Tensor:

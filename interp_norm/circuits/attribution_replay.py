@@ -29,6 +29,7 @@ falls back to full forward passes. Never used when a hook is on the model.
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -112,11 +113,11 @@ def _to_positions(act: Tensor, pos: Tensor, ne: int) -> Tensor:
 
 
 def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, names: list, embed: str, cols: Tensor,
-                       alphas: Tensor, steps_per_pass: int) -> tuple[dict, dict, dict, Tensor, Tensor]:
-    """Clean activations, corrupted activations, gradients summed over the integration points
-    (``{name: [b, ne, ...]}``, float64 gradients), clean metric values and the corrupted baseline
-    (``[b]``), for the hooks ``names``, ``ne`` = last read position + 1. Raises
-    :class:`EngineRefusal` where the bridge's blocks cannot be re-run."""
+                       alphas: Tensor, steps_per_pass: int) -> tuple[dict, Tensor, Tensor]:
+    """``{name: (clean - corrupted) x gradient summed over the integration points}`` (float64,
+    ``[b, ne, ..., 1]``: summed over the last axis; ``ne`` = last read position + 1) for the hooks ``names``, the clean metric
+    values and the corrupted baseline (``[b]``). Raises :class:`EngineRefusal` where the bridge's
+    blocks cannot be re-run."""
     b, n = clean.shape
     dev = clean.device
     ne = int(cols.max()) + 1
@@ -148,7 +149,7 @@ def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, names: list, 
                 model.unembed.register_forward_hook(unembed_post)]
     want = set(names) | {embed}
     try:
-        with torch.no_grad():
+        with torch.inference_mode():  # cheaper per op than no_grad
             ret, cc = model.run_with_cache(clean[:, :ne], names_filter=lambda nm: nm in want)
     except TypeError as e:
         run._no_cache_argument(e)
@@ -158,6 +159,8 @@ def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, names: list, 
     if "out" not in held or ret is not held["out"]:
         raise EngineRefusal("the bridge changes the logits after its unembedding; use the full passes")
     run._captured()
+    # the block arguments the re-run slices become ordinary tensors (the backward may save them)
+    run.calls = [{k: _ordinary(v) for k, v in call.items()} for call in run.calls]
     clean_acts = {nm: _to_positions(cc[nm], pos_all if cc[nm].shape[1] == ne else cols, ne) for nm in names}
     weight = _unembed_weight(model)
     key = weights_key(model)
@@ -168,8 +171,9 @@ def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, names: list, 
     # -- the corrupted run from p0, with the gradient, per chunk of integration points ----------
     e_clean = cc[embed]
     sc = cols[cols >= p0]  # read positions the re-run reaches; the earlier ones are the clean run's
-    grads = {nm: None for nm in names}
-    xc: dict[str, Tensor] = {}
+    suffix = torch.arange(p0, ne, device=dev)
+    gsum: dict[str, Tensor] = {}
+    diff: dict[str, tuple] = {}
     clean_val = baseline = buf = None
     single = len(alphas) <= steps_per_pass
     for s0 in range(0, len(alphas), steps_per_pass):
@@ -183,17 +187,8 @@ def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, names: list, 
 
         with torch.no_grad(), model.hooks(fwd_hooks=[(embed, embed_hook)]):
             h0 = model(corr[:, :ne].repeat(m, 1), stop_at_layer=0)[:, p0:]
-        deltas: dict[str, Tensor] = {}
-        seen: dict[str, Tensor] = {}
-
-        def leaf_hook(act: Tensor, hook: Any, nm: str) -> Tensor:
-            d = torch.zeros_like(act, requires_grad=True)
-            deltas[nm] = d  # keyed by our name: a bridge's hook.name is its canonical alias
-            seen[nm] = act
-            return act + d
-
-        hooks = [(nm, lambda act, hook, nm=nm: leaf_hook(act, hook, nm)) for nm in names]
-        with torch.enable_grad(), model.hooks(fwd_hooks=hooks):
+        seen: dict[str, tuple] = {}
+        with torch.enable_grad(), model.hooks(fwd_hooks=[(nm, partial(_keep, seen=seen, nm=nm)) for nm in names]):
             H = run.rerun(h0, ex, p0)
             xs = model.ln_final(H.index_select(1, sc - p0))  # [rows, len(sc), d]
             first = buf is None
@@ -213,25 +208,54 @@ def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, names: list, 
             vals = metric_values(metric, full, b)
             if s0 == 0:
                 baseline = vals[:b].detach().double().cpu()
-            order = [nm for nm in names if nm in deltas]
-            gs = torch.autograd.grad(vals.sum(), [deltas[nm] for nm in order], allow_unused=True)
+            order = _unchanged(seen, names)
+            gs = torch.autograd.grad(vals.sum(), [seen[nm][0] for nm in order], allow_unused=True)
         for nm, g in zip(order, gs):
-            width = seen[nm].shape[1]
-            pos = torch.arange(p0, ne, device=dev) if width == ne - p0 else sc
-            if s0 == 0:
-                xc[nm] = _to_positions(seen[nm][:b].detach(), pos, ne)
+            act = seen[nm][0]
+            pos = suffix if act.shape[1] == ne - p0 else sc
+            if s0 == 0:  # clean - corrupted at the re-run positions (alpha = 0 rows: the corrupted run)
+                diff[nm] = (pos, (clean_acts[nm].index_select(1, pos) - act[:b].detach()).double())
             if g is not None:
-                g = _to_positions(g.view(m, b, *g.shape[1:]).sum(0).double(), pos, ne)
-                grads[nm] = g if grads[nm] is None else grads[nm] + g
+                g = g.double() if m == 1 else g.view(m, b, *g.shape[1:]).double().sum(0)
+                gsum[nm] = g if nm not in gsum else gsum[nm] + g
+    prods = {}
+    for nm in names:  # (clean - corrupted) . gradient, summed over the last axis (every cell sums it)
+        pos, d = diff[nm]
+        prod = torch.zeros((b, ne) + tuple(d.shape[2:-1]) + (1,), dtype=torch.float64, device=dev)
+        if nm in gsum:  # positions before p0 score 0: clean and corrupted runs are the same there
+            prod.index_copy_(1, pos, (d * gsum[nm]).sum(-1, keepdim=True))
+        prods[nm] = prod
+    return prods, clean_val, baseline
+
+
+def _ordinary(v: Any) -> Any:
+    """An inference-mode tensor (or a tuple of them) as an ordinary tensor."""
+    if torch.is_tensor(v):
+        return v.clone() if v.is_inference() else v
+    if isinstance(v, tuple) and any(torch.is_tensor(t) for t in v):
+        return tuple(_ordinary(t) for t in v)
+    return v
+
+
+def _keep(act: Tensor, hook: Any, seen: dict, nm: str) -> Tensor:
+    """Keep a hooked activation of the re-run (and its version) to take the gradient at; the first
+    one, which depends on nothing that has a gradient, becomes a leaf."""
+    if not act.requires_grad:
+        act = act.detach().requires_grad_()
+    seen[nm] = (act, act._version)
+    return act
+
+
+def _unchanged(seen: dict, names: list) -> list:
+    """The hooks in ``names`` that ran, each kept activation not modified in place since (else the
+    gradient taken at it would be another tensor's)."""
     for nm in names:
-        if nm not in xc:
+        if nm not in seen:
             raise EngineRefusal(f"the hook {nm!r} did not run when the bridge's blocks were re-run; use the full passes")
-        x = xc[nm]
-        if p0:  # the shared prefix: the corrupted run's activations are the clean run's
-            x[:, :p0] = clean_acts[nm][:, :p0]
-        if grads[nm] is None:
-            grads[nm] = torch.zeros_like(x, dtype=torch.float64)
-    return clean_acts, xc, grads, clean_val, baseline
+        act, version = seen[nm]
+        if act._version != version:
+            raise EngineRefusal(f"the bridge modifies the activation at {nm!r} in place; use the full passes")
+    return list(names)
 
 
 def _check(run: _CleanRun, tokens: Tensor, clean_acts: dict, x_clean: Tensor, cols: Tensor, sliced: bool,
@@ -244,7 +268,7 @@ def _check(run: _CleanRun, tokens: Tensor, clean_acts: dict, x_clean: Tensor, co
     seen: dict[str, Tensor] = {}
 
     def record(act: Tensor, hook: Any, nm: str) -> None:
-        seen[nm] = act.detach().clone()
+        seen[nm] = (act, act._version)
 
     ex = torch.arange(b, device=tokens.device)
     with torch.no_grad():
@@ -265,10 +289,8 @@ def _check(run: _CleanRun, tokens: Tensor, clean_acts: dict, x_clean: Tensor, co
             and (weight is None or close(*lin))):
         raise EngineRefusal("re-running the bridge's blocks from a key/value cache disagrees with its forward; "
                             "attribution runs full passes")
-    for nm, want in clean_acts.items():
-        got = seen.get(nm)
-        if got is None:
-            raise EngineRefusal(f"the hook {nm!r} did not run when the bridge's blocks were re-run; use the full passes")
+    for nm in _unchanged(seen, list(clean_acts)):
+        want, got = clean_acts[nm], seen[nm][0]
         pos = torch.arange(p, ne, device=tokens.device) if got.shape[1] == ne - p else sc
         if got.shape[1] != len(pos):
             raise EngineRefusal(f"the hook {nm!r} holds {tuple(got.shape)} when its block is re-run; use the full passes")
