@@ -174,3 +174,167 @@ def test_edge_eap_refuses_with_a_typed_error(bridges, arch, match):
     with pytest.raises(ValueError):
         tl_attribution_patch(bridge, pairs.clean_tokens, pairs.corrupted_tokens, _tl_metric(plain),
                              EdgeAttributionConfig(granularity="edge"))
+
+
+# --------------------------------------------------------------- the re-run from the shared prefix
+
+
+class ReadAtMany:
+    """logit(5) - logit(6), averaged over positions ``at`` (declared), per example."""
+
+    supports_stacked = True
+
+    def __init__(self, at: list, n: int = N):
+        self.at = list(at)
+        self.read_mask = torch.zeros(B, n, dtype=torch.bool)
+        self.read_mask[:, self.at] = True
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return (logits[:, self.at, 5] - logits[:, self.at, 6]).mean(-1)
+
+
+def _pairs_from(bridge, at: list, n: int = N) -> PatchingPairs:
+    """Pairs whose corrupted token ``i`` differs at position ``at[i]`` only (the shared prefix ends at min(at))."""
+    clean = random_tokens(bridge, B, n, seed=8, low=3)
+    corr = clean.clone()
+    for i, p in enumerate(at):
+        corr[i, p] = (corr[i, p] + 11) % 120 + 3
+    mask = torch.zeros_like(clean, dtype=torch.bool)
+    mask[:, -1] = True
+    return PatchingPairs(clean, corr, score_mask=mask)
+
+
+def _tl_scores(bridge, pairs: PatchingPairs, fn, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TransformerLens 4.3's attribution_patch on pair ``i``: [L, pos, head] and [L, pos] node scores."""
+    L, H, n = bridge.cfg.n_layers, bridge.cfg.n_heads, pairs.n_pos
+    ref = tl_attribution_patch(bridge, pairs.clean_tokens[i : i + 1], pairs.corrupted_tokens[i : i + 1], fn).node_scores
+    tz = torch.tensor([[[ref[Node("attn_head_out", p, l, h)] for h in range(H)] for p in range(n)] for l in range(L)])
+    tm = torch.tensor([[ref[Node("mlp_out", p, l)] for p in range(n)] for l in range(L)])
+    return tz, tm
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """Records whether each node_attribution call took the re-run path (True) or refused it (False)."""
+    from interp_norm.circuits import attribution_replay
+
+    taken: list = []
+    real = attribution_replay.prefix_attribution
+
+    def spy(*args, **kwargs):
+        try:
+            out = real(*args, **kwargs)
+        except Exception:
+            taken.append(False)
+            raise
+        taken.append(True)
+        return out
+
+    monkeypatch.setattr(attribution_replay, "prefix_attribution", spy)
+    return taken
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "olmo2"])
+def test_rerun_from_the_shared_prefix_equals_transformer_lens_per_pair(bridges, arch, replays):
+    """Pairs corrupted at positions 3, 5, 4 (shared prefix 0..2); metrics reading the last position,
+    a middle one, one inside the shared prefix together with a later one, and every position (no
+    read_mask): each pair's scores equal TransformerLens's, from the re-run path."""
+    bridge = bridges[arch]
+    pairs = _pairs_from(bridge, [3, 5, 4])
+    L, H = bridge.cfg.n_layers, bridge.cfg.n_heads
+    metrics = [(ReadAt(N - 1), _tl_metric(ReadAt(N - 1))), (ReadAt(5), _tl_metric(ReadAt(5))),
+               (ReadAtMany([1, N - 1]), lambda lg: (lg[0, [1, N - 1], 5] - lg[0, [1, N - 1], 6]).mean()),
+               (plain, _tl_metric(plain))]
+    for metric, fn in metrics:
+        res = node_attribution(bridge, pairs, metric, ("z", "mlp_out"))
+        z, mlp = _ours_per_pair(res, L, H)
+        for i in range(B):
+            tz, tm = _tl_scores(bridge, pairs, fn, i)
+            assert (z[..., i] - tz).abs().max() <= 1e-5 and (mlp[..., i] - tm).abs().max() <= 1e-5
+            assert tz.abs().max() > 1e-3 and tm.abs().max() > 1e-3
+        assert z[:, :3].abs().max() == 0 and mlp[:, :3].abs().max() == 0  # the shared prefix
+        # the baseline and clean values are the metric on the corrupted and clean runs
+        with torch.no_grad():
+            assert torch.allclose(res["z"].baseline.float(), metric(bridge(pairs.corrupted_tokens)), atol=1e-4)
+            assert torch.allclose(res["z"].clean.float(), metric(bridge(pairs.clean_tokens)), atol=1e-4)
+    assert replays == [True] * len(metrics)
+
+
+@pytest.mark.parametrize("arch", ["llama", "olmo2"])
+def test_rerun_eap_ig_in_chunks_equals_transformer_lens_gradients(bridges, arch, replays):
+    """EAP-IG through the re-run path, 3 integration points in passes of 2 and 1."""
+    bridge = bridges[arch]
+    pairs = _pairs_from(bridge, [2, 4, 3])
+    L, H = bridge.cfg.n_layers, bridge.cfg.n_heads
+    metric = ReadAt(N - 1)
+    res = node_attribution(bridge, pairs, metric, ("z", "mlp_out"), ig_steps=3, batch_size=2 * B)
+    z, mlp = _ours_per_pair(res, L, H)
+    for i in range(B):
+        ref = _tl_eap_ig(bridge, pairs.clean_tokens[i : i + 1], pairs.corrupted_tokens[i : i + 1], _tl_metric(metric), 3)
+        tz = torch.stack([ref[f"blocks.{l}.attn.hook_z"] for l in range(L)])
+        tm = torch.stack([ref[f"blocks.{l}.hook_mlp_out"] for l in range(L)])
+        assert (z[..., i].double() - tz).abs().max() <= 1e-5 and (mlp[..., i].double() - tm).abs().max() <= 1e-5
+        assert tz.abs().max() > 1e-3
+    assert replays == [True]
+
+
+def test_other_per_position_activations_and_by_all_through_the_rerun(bridges, replays):
+    """resid_pre / attn_out / resid_post by position and z by head (summed over positions) equal the
+    full passes (no hook on the model vs a no-op hook on it, which keeps the full passes)."""
+    bridge = bridges["qwen3"]
+    pairs = _pairs_from(bridge, [2, 4, 3])
+    metric = ReadAt(4)
+    acts = ("resid_pre", "attn_out", "resid_post")
+    fast = node_attribution(bridge, pairs, metric, acts)
+    fast_all = node_attribution(bridge, pairs, metric, ("z",), by="all")
+    with bridge.hooks(fwd_hooks=[("blocks.0.hook_resid_pre", lambda act, hook: act)]):
+        full = node_attribution(bridge, pairs, metric, acts)
+        full_all = node_attribution(bridge, pairs, metric, ("z",), by="all")
+    assert replays == [True, True]  # the hooked calls did not try the re-run
+    for a in acts:
+        assert (fast[a].per_example - full[a].per_example).abs().max() <= 1e-5
+        assert (fast[a].per_example - fast[a].baseline).abs().max() > 1e-3
+    assert (fast_all["z"].per_example - full_all["z"].per_example).abs().max() <= 1e-5
+
+
+def test_a_bridge_whose_blocks_ignore_the_cache_falls_back(replays):
+    """Gemma 4's attention does not take the key/value cache it is given: the re-run is refused and
+    the full passes give TransformerLens's scores."""
+    bridge = tiny_bridge("gemma4", seed=5, n_layers=2)
+    pairs = _pairs_from(bridge, [2, 4, 3])
+    L, H = bridge.cfg.n_layers, bridge.cfg.n_heads
+    res = node_attribution(bridge, pairs, ReadAt(N - 1), ("z", "mlp_out"))
+    assert replays == [False]
+    z, mlp = _ours_per_pair(res, L, H)
+    for i in range(B):
+        tz, tm = _tl_scores(bridge, pairs, _tl_metric(ReadAt(N - 1)), i)
+        assert (z[..., i] - tz).abs().max() <= 1e-5 and (mlp[..., i] - tm).abs().max() <= 1e-5
+        assert tz.abs().max() > 1e-3
+
+
+def test_the_wiring_check_runs_once_per_weights_and_a_failed_check_falls_back(monkeypatch, replays):
+    from interp_norm.circuits import attribution_replay
+    from interp_norm.errors import EngineRefusal
+
+    bridge = tiny_bridge("llama", seed=9, n_layers=2)
+    pairs = _pairs_from(bridge, [2, 4, 3])
+    checks: list = []
+    real = attribution_replay._check
+    monkeypatch.setattr(attribution_replay, "_check", lambda *a: checks.append(1) or real(*a))
+    first = node_attribution(bridge, pairs, ReadAt(N - 1), ("z",))
+    node_attribution(bridge, pairs, ReadAt(N - 1), ("z",))
+    assert len(checks) == 1  # the same weights: checked once
+    with torch.no_grad():
+        bridge.blocks[0].mlp.out.weight.mul_(1.0)  # an in-place write: checked again
+    node_attribution(bridge, pairs, ReadAt(N - 1), ("z",))
+    assert len(checks) == 2
+
+    def refuse(*a):
+        raise EngineRefusal("wired otherwise")
+
+    monkeypatch.setattr(attribution_replay, "_check", refuse)
+    with torch.no_grad():
+        bridge.blocks[0].mlp.out.weight.mul_(1.0)
+    again = node_attribution(bridge, pairs, ReadAt(N - 1), ("z",))
+    assert replays == [True, True, True, False]
+    assert (again["z"].per_example - first["z"].per_example).abs().max() <= 1e-6

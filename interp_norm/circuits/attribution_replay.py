@@ -289,12 +289,13 @@ def _check(run: _CleanRun, tokens: Tensor, clean_acts: dict, x_clean: Tensor, co
             and (weight is None or close(*lin))):
         raise EngineRefusal("re-running the bridge's blocks from a key/value cache disagrees with its forward; "
                             "attribution runs full passes")
+    last = {act_name(a, run.L - 1) for a in KV_ACTIVATIONS}
     for nm in _unchanged(seen, list(clean_acts)):
         want, got = clean_acts[nm], seen[nm][0]
         pos = torch.arange(p, ne, device=tokens.device) if got.shape[1] == ne - p else sc
         if got.shape[1] != len(pos):
             raise EngineRefusal(f"the hook {nm!r} holds {tuple(got.shape)} when its block is re-run; use the full passes")
-        keep = pos if not (sliced and nm.startswith(f"blocks.{run.L - 1}.")) else pos[torch.isin(pos, cols)]
+        keep = pos[torch.isin(pos, cols)] if sliced and nm in last else pos  # after the query: read positions
         sel = torch.searchsorted(pos, keep)
         if not close(got.index_select(1, sel), want.index_select(1, keep)):
             raise EngineRefusal(f"the hook {nm!r} differs from the bridge's forward when its block is re-run; "
