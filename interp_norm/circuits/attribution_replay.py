@@ -147,10 +147,14 @@ def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, names: list, 
             handles.append(m.register_forward_hook(run._scatter_out(cols, ne)))
     handles += [model.unembed.register_forward_pre_hook(unembed_pre, with_kwargs=True),
                 model.unembed.register_forward_hook(unembed_post)]
-    want = set(names) | {embed}
+    cc: dict[str, Tensor] = {}
+
+    def store(act: Tensor, hook: Any, nm: str) -> None:
+        cc[nm] = act
+
     try:
-        with torch.inference_mode():  # cheaper per op than no_grad
-            ret, cc = model.run_with_cache(clean[:, :ne], names_filter=lambda nm: nm in want)
+        with torch.inference_mode(), model.hooks(fwd_hooks=[(nm, partial(store, nm=nm)) for nm in [embed, *names]]):
+            ret = model(clean[:, :ne])  # inference mode: cheaper per op than no_grad
     except TypeError as e:
         run._no_cache_argument(e)
     finally:
