@@ -189,8 +189,8 @@ def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, names: list, 
             a = act.view(m, *e_clean.shape)  # the corrupted embedding: alpha = 0 leaves it as it is
             return (a + al.view(m, 1, 1, 1) * (e_clean.unsqueeze(0) - a)).reshape(act.shape)
 
-        with torch.no_grad(), model.hooks(fwd_hooks=[(embed, embed_hook)]):
-            h0 = model(corr[:, :ne].repeat(m, 1), stop_at_layer=0)[:, p0:]
+        with torch.no_grad(), model.hooks(fwd_hooks=[(embed, embed_hook)] if bool(al.any()) else []):
+            h0 = model(corr[:, :ne].repeat(m, 1), stop_at_layer=0)[:, p0:]  # alpha = 0: the corrupted input
         seen: dict[str, tuple] = {}
         with torch.enable_grad(), model.hooks(fwd_hooks=[(nm, partial(_keep, seen=seen, nm=nm)) for nm in names]):
             H = run.rerun(h0, ex, p0)
@@ -218,16 +218,16 @@ def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, names: list, 
             act = seen[nm][0]
             pos = suffix if act.shape[1] == ne - p0 else sc
             if s0 == 0:  # clean - corrupted at the re-run positions (alpha = 0 rows: the corrupted run)
-                diff[nm] = (pos, (clean_acts[nm].index_select(1, pos) - act[:b].detach()).double())
-            if g is not None:
-                g = g.double() if m == 1 else g.view(m, b, *g.shape[1:]).double().sum(0)
+                diff[nm] = (pos, clean_acts[nm].index_select(1, pos) - act[:b].detach())
+            if g is not None:  # one gradient: as computed; several summed in float64
+                g = g if m == len(alphas) == 1 else g.view(m, b, *g.shape[1:]).double().sum(0)
                 gsum[nm] = g if nm not in gsum else gsum[nm] + g
     prods = {}
     for nm in names:  # (clean - corrupted) . gradient, summed over the last axis (every cell sums it)
         pos, d = diff[nm]
         prod = torch.zeros((b, ne) + tuple(d.shape[2:-1]) + (1,), dtype=torch.float64, device=dev)
         if nm in gsum:  # positions before p0 score 0: clean and corrupted runs are the same there
-            prod.index_copy_(1, pos, (d * gsum[nm]).sum(-1, keepdim=True))
+            prod.index_copy_(1, pos, (d * gsum[nm]).sum(-1, keepdim=True).double())
         prods[nm] = prod
     return prods, clean_val, baseline
 
