@@ -10,10 +10,13 @@ Each command runs in its own child process (``python -m interp_norm.cli``, ``nic
 thread), and its peak resident memory is the kernel's high-water mark of that child
 (``resource.getrusage(RUSAGE_CHILDREN).ru_maxrss`` read in a fresh waiter process per run, so one
 run's peak never hides another's). Weights = parameter bytes in the run's dtype. The windows are
-random token ids (the folder has no tokenizer): ``--windows`` x ``--n-ctx`` tokens.
+random token ids (the folder has no tokenizer): ``--sizes`` WINDOWSxTOKENS, by default 2 x 128 and
+8 x 256; ``collapse`` and ``geometry`` get ``--window-batch`` (default 2 windows per forward pass, the
+passes in lockstep layer by layer: same tables as one pass), ``noise`` ``--batch-size 1``.
 
-    nice -n 5 .venv/bin/python benchmarks/bench_memory.py                 # both dtypes, all three commands
-    nice -n 5 .venv/bin/python benchmarks/bench_memory.py --dtypes float32 --commands collapse
+    nice -n 5 .venv/bin/python benchmarks/bench_memory.py                 # both sizes and dtypes, all three commands
+    nice -n 5 .venv/bin/python benchmarks/bench_memory.py --sizes 2x128 --dtypes bfloat16
+    nice -n 5 .venv/bin/python benchmarks/bench_memory.py --sizes 8x256 --dtypes float32 --commands collapse geometry
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,11 +84,13 @@ print(code, time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDRE
 """
 
 
-def run(command: str, folder: Path, dtype: str, args: argparse.Namespace, out: Path) -> dict:
+def run(command: str, folder: Path, dtype: str, size: tuple[int, int], args: argparse.Namespace, out: Path) -> dict:
+    windows, n_ctx = size
+    chunked = ["--window-batch", str(args.window_batch)] if args.window_batch and command != "noise" else []
     argv = [sys.executable, "-m", "interp_norm.cli", command, str(folder), "--dtype", dtype, "--windows",
-            str(args.windows), "--n-ctx", str(args.n_ctx), "--threads",
-            str(args.threads), "--no-progress", "--force", "--out", str(out / f"{command}-{dtype}"),
-            *COMMANDS[command]]
+            str(windows), "--n-ctx", str(n_ctx), "--threads",
+            str(args.threads), "--no-progress", "--force", "--out", str(out / f"{command}-{dtype}-{windows}x{n_ctx}"),
+            *COMMANDS[command], *chunked]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
     res = subprocess.run([sys.executable, "-c", WAITER, "nice", "-n", "5", *argv], env=env, capture_output=True,
                          text=True, cwd=ROOT)
@@ -96,13 +100,23 @@ def run(command: str, folder: Path, dtype: str, args: argparse.Namespace, out: P
     return dict(command=command, dtype=dtype, seconds=float(seconds), peak_gb=int(maxrss_kb) * 1024 / 1e9)
 
 
+def _size(text: str) -> tuple[int, int]:
+    try:
+        windows, n_ctx = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WINDOWSxTOKENS such as 8x256, got {text!r}") from None
+    return windows, n_ctx
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "interp_norm_bench_memory"))
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--commands", nargs="+", default=list(COMMANDS), choices=list(COMMANDS))
-    ap.add_argument("--windows", type=int, default=2)
-    ap.add_argument("--n-ctx", type=int, default=128)
+    ap.add_argument("--sizes", nargs="+", type=_size, default=[(2, 128), (8, 256)],
+                    help="WINDOWSxTOKENS per run (default: 2x128 8x256)")
+    ap.add_argument("--window-batch", type=int, default=2,
+                    help="collapse/geometry: windows per forward pass (0: all in one pass)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--build-only", action="store_true")
     args = ap.parse_args()
@@ -113,16 +127,16 @@ def main() -> None:
         print(json.dumps({d: str(f) for d, f in folders.items()}))
         return
     out = Path(tempfile.mkdtemp(prefix="bench_memory_"))
-    print(f"Qwen3-0.6B-shaped random folder; {args.windows} windows x {args.n_ctx} tokens (noise: --batch-size 1), "
-          f"{args.threads} thread(s)")
-    print(f"{'command':<10}{'dtype':<10}{'weights GB':>11}{'peak GB':>9}{'ratio':>7}{'seconds':>9}")
-    for dtype, folder in folders.items():
-        w = weight_bytes(folder) / 1e9
-        for command in args.commands:
-            r = run(command, folder, dtype, args, out)
-            print(f"{command:<10}{dtype:<10}{w:>11.2f}{r['peak_gb']:>9.2f}{r['peak_gb'] / w:>7.2f}{r['seconds']:>9.1f}",
-                  flush=True)
-    time.sleep(0)
+    wb = f"--window-batch {args.window_batch}" if args.window_batch else "one pass"
+    print(f"Qwen3-0.6B-shaped random folder; collapse/geometry {wb}, noise --batch-size 1; {args.threads} thread(s)")
+    print(f"{'windows x tokens':<18}{'command':<10}{'dtype':<10}{'weights GB':>11}{'peak GB':>9}{'ratio':>7}{'seconds':>9}")
+    for size in args.sizes:
+        for dtype, folder in folders.items():
+            w = weight_bytes(folder) / 1e9
+            for command in args.commands:
+                r = run(command, folder, dtype, size, args, out)
+                print(f"{f'{size[0]} x {size[1]}':<18}{command:<10}{dtype:<10}{w:>11.2f}{r['peak_gb']:>9.2f}"
+                      f"{r['peak_gb'] / w:>7.2f}{r['seconds']:>9.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -81,4 +81,37 @@ def check_device_map(device_map: Any, device: Union[str, torch.device, None] = N
     return device_map
 
 
-__all__ = ["DTYPES", "DTYPE_CHOICES", "resolve_device", "resolve_dtype", "check_device_map"]
+#: glibc's ``mallopt`` parameter number of the mmap threshold (``M_MMAP_THRESHOLD`` in malloc.h).
+_M_MMAP_THRESHOLD = -3
+#: The threshold :func:`return_large_frees` sets: 128 KiB, glibc's own starting value.
+MMAP_THRESHOLD = 128 << 10
+
+
+def return_large_frees(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Make every allocation of ``threshold`` bytes or more its own memory mapping, returned to the
+    system when it is freed (glibc ``mallopt(M_MMAP_THRESHOLD, threshold)``; True if it was set).
+
+    Why: glibc raises its mmap threshold each time a mapped block is freed (up to 32 MiB), after which
+    blocks of a few MB (activations, score blocks, the 8 MB float64 matrices of an ellipsoid) come from
+    the heap, and freed heap memory below a live allocation is kept by the process: resident memory
+    then grows with every pass although the live tensors do not (~190 MB over the 57 norm ellipsoids of
+    a Qwen3-0.6B-shaped model). A fixed threshold turns that dynamic adjustment off; allocations, values
+    and results are unchanged, each large allocation costs a system call and fresh pages. The analysis
+    commands on Hugging Face models call it once per process; a no-op (False) where the C library is
+    not glibc (macOS, musl, Windows).
+    """
+    import ctypes
+    import ctypes.util
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)))
+    except (OSError, AttributeError):
+        return False
+
+
+__all__ = ["DTYPES", "DTYPE_CHOICES", "resolve_device", "resolve_dtype", "check_device_map", "return_large_frees",
+           "MMAP_THRESHOLD"]

@@ -35,6 +35,7 @@ from interp_norm.anatomy.describe import (
     identify_norm,
 )
 from interp_norm.anatomy.rebuild import verify_anatomy
+from interp_norm.anatomy.stream import cache_before_unembed
 from interp_norm.errors import ArchitectureError
 
 
@@ -244,8 +245,8 @@ def bridge_anatomy(model: Any, strict: bool = True) -> Anatomy:
     n = _probe_length([s[0] for s in static])
     tokens = probe_tokens(model, 1, n)
     wanted = {h for la, _ in static for h in la.hooks.values() if h}
-    with torch.no_grad():
-        _, cache = model.run_with_cache(tokens.to(model.cfg.device or "cpu"), names_filter=lambda name: name in wanted)
+    # the probe ends before the unembedding: no logits, and the vocabulary matrix is never read
+    cache = cache_before_unembed(model, tokens.to(model.cfg.device or "cpu"), wanted)
     out = []
     for la, mods in static:
         hooks, layouts = dict(la.hooks), {}

@@ -21,14 +21,15 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor
 
-from interp_norm.errors import ArchitectureError
+from interp_norm.errors import ArchitectureError, ConfigError, check_positive_int
 
 
 class _Stop(Exception):
     """Raised inside a hook to end the forward early (caught in the worker)."""
 
 
-def layer_caches(model: Any, tokens: Tensor, names: Mapping[int, set[str]]) -> Iterator[tuple[int, dict[str, Tensor]]]:
+def layer_caches(model: Any, tokens: Tensor, names: Mapping[int, set[str]], *,
+                 window_batch: Optional[int] = None) -> Iterator[tuple[int, dict[str, Tensor]]]:
     """Yield ``(layer, cache)`` in increasing ``layer`` for every key of ``names`` (layer -> hook names it needs),
     each ``cache`` holding at least those hooks (detached, as ``run_with_cache`` stores them) from one
     forward pass of ``tokens`` (``torch.no_grad``).
@@ -36,7 +37,47 @@ def layer_caches(model: Any, tokens: Tensor, names: Mapping[int, set[str]]) -> I
     A hook another layer still needs stays until that layer is done (Gemma 4's KV-sharing layers read
     their source layer's keys); everything else is dropped after its layer. Leaving the loop early
     stops the forward. Raises :class:`ArchitectureError` if the forward ends before every named hook fired.
+
+    ``window_batch`` (None: all windows in one pass) runs the forward over that many windows (rows of
+    ``tokens``) at a time, the passes in lockstep: each pass stops in the hooks of a layer until every
+    pass has reached it, and the layer's cache is their hooks concatenated along the batch dimension,
+    so it holds exactly ``names[layer]`` for every window, as one pass would. Only one pass computes at a
+    time, so the forward's own activations (attention weights, MLP) are those of ``window_batch``
+    windows; what stays whole is the layer's cached hooks. Each window's values are its own forward's
+    (no position or token mixes windows); equal to the one-pass values bit for bit where the model's
+    matrix products give each row the same result whatever the number of rows (the tests check it).
     """
+    if window_batch is not None:
+        check_positive_int(window_batch, "window_batch", ConfigError, "windows per forward pass; None = all")
+    if window_batch is None or window_batch >= len(tokens):
+        yield from _one_pass(model, tokens, names)
+        return
+    parts = [tokens[i : i + window_batch] for i in range(0, len(tokens), window_batch)]
+    passes = [_one_pass(model, part, names) for part in parts]
+    try:
+        for layer in sorted(names):
+            caches = []
+            for it in passes:
+                got = next(it, None)
+                if got is None or got[0] != layer:
+                    raise ArchitectureError(f"a pass over a block of windows did not reach layer {layer}'s hooks")
+                caches.append(got[1])
+            merged = {}
+            for n in names[layer]:
+                pieces = [c[n] for c in caches]
+                if any(p.ndim == 0 or p.shape[0] != len(part) for p, part in zip(pieces, parts)):
+                    raise ArchitectureError(f"hook {n!r} is not batch-first ({tuple(pieces[0].shape)} for "
+                                            f"{len(parts[0])} windows); use window_batch=None")
+                merged[n] = torch.cat(pieces)
+            del caches
+            yield layer, merged
+    finally:
+        for it in reversed(passes):  # the last pass added its hooks last: it removes them first
+            it.close()
+
+
+def _one_pass(model: Any, tokens: Tensor, names: Mapping[int, set[str]]) -> Iterator[tuple[int, dict[str, Tensor]]]:
+    """:func:`layer_caches` of one forward pass over every row of ``tokens``."""
     order = sorted(names)
     wanted = {n for l in order for n in names[l]}
     last_use: dict[str, int] = {}
@@ -72,7 +113,7 @@ def layer_caches(model: Any, tokens: Tensor, names: Mapping[int, set[str]]) -> I
         state["worker"] = threading.get_ident()
         try:
             with torch.no_grad(), model.hooks(fwd_hooks=[(n, functools.partial(hook, name=n)) for n in sorted(wanted)]):
-                model(tokens)
+                model(tokens, use_cache=False)  # no key/value cache of every layer: nothing reads it
             missing = sorted(wanted - cache.keys())
             handoff.put(("error", ArchitectureError(f"the forward pass ended before hooks {missing[:4]} fired")))
         except _Stop:
@@ -100,6 +141,43 @@ def layer_caches(model: Any, tokens: Tensor, names: Mapping[int, set[str]]) -> I
         worker.join()
 
 
+def unembed_input(model: Any) -> Optional[str]:
+    """The hook holding what the unembedding reads (``unembed.hook_in``), or None if the bridge has none."""
+    hp = getattr(getattr(model, "unembed", None), "hook_in", None)
+    name = getattr(hp, "name", None)
+    return name if isinstance(name, str) else None
+
+
+def cache_before_unembed(model: Any, tokens: Tensor, names: set[str]) -> dict[str, Tensor]:
+    """The hooks of ``names`` that fire in one forward pass of ``tokens`` (``torch.no_grad``; detached,
+    as ``run_with_cache`` stores them), the pass ended where the unembedding would start.
+
+    The values are those of ``run_with_cache`` (the same forward, the model's own code); what is saved
+    is the unembedding: a [batch, pos, vocab] logits tensor nobody reads and, with tied or large
+    embeddings, reading the whole vocabulary matrix (for weights memory-mapped from safetensors, the
+    pages of that matrix are then never brought into memory). A bridge without ``unembed.hook_in``
+    runs to the end.
+    """
+    cache: dict[str, Tensor] = {}
+
+    def keep(act: Tensor, hook: Any, name: str) -> Tensor:
+        cache[name] = act.detach()
+        return act
+
+    def halt(act: Tensor, hook: Any) -> Tensor:
+        raise _Stop
+
+    stop = unembed_input(model)
+    hooks = [(n, functools.partial(keep, name=n)) for n in sorted(names)]
+    hooks += [(stop, halt)] if stop is not None else []
+    try:
+        with torch.no_grad(), model.hooks(fwd_hooks=hooks):
+            model(tokens, use_cache=False)
+    except _Stop:
+        pass
+    return cache
+
+
 class StreamedCache(Mapping):
     """A read-only cache of ``names`` (layer -> hook names) over ``tokens`` that holds one layer at a time.
 
@@ -107,11 +185,14 @@ class StreamedCache(Mapping):
     one: each lookup advances :func:`layer_caches` to the layer holding the name; a name of an earlier
     layer than the one held starts a new forward pass (``passes`` counts them). So memory stays one
     layer's hooks, and an analysis that sweeps the layers k times costs k early-stopped forwards.
-    Call :meth:`close` (or use ``with``) to stop a forward left waiting.
+    Call :meth:`close` (or use ``with``) to stop a forward left waiting. ``window_batch``: windows
+    per forward pass, as in :func:`layer_caches`.
     """
 
-    def __init__(self, model: Any, tokens: Tensor, names: Mapping[int, set[str]]) -> None:
+    def __init__(self, model: Any, tokens: Tensor, names: Mapping[int, set[str]], *,
+                 window_batch: Optional[int] = None) -> None:
         self.model, self.tokens, self.names = model, tokens, {l: set(names[l]) for l in sorted(names)}
+        self.window_batch = window_batch
         self.layer_of: dict[str, int] = {}
         for l, group in self.names.items():
             for n in group:
@@ -137,7 +218,7 @@ class StreamedCache(Mapping):
             return self._held[name]
         if self._it is None or self._layer is None or self.layer_of[name] < self._layer:
             self.close()
-            self._it = layer_caches(self.model, self.tokens, self.names)
+            self._it = layer_caches(self.model, self.tokens, self.names, window_batch=self.window_batch)
             self.passes += 1
         for layer, cache in self._it:
             self._layer, self._held = layer, {n: cache[n] for n in self.names[layer]}
@@ -158,4 +239,4 @@ class StreamedCache(Mapping):
         self.close()
 
 
-__all__ = ["layer_caches", "StreamedCache"]
+__all__ = ["layer_caches", "StreamedCache", "cache_before_unembed", "unembed_input"]

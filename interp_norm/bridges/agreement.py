@@ -42,13 +42,15 @@ def _tokens(model: Any, tokens: Optional[Tensor], n_ctx: int, max_windows: Optio
     return tokens
 
 
-def _kl(clean: Tensor, out: Tensor, max_elements: int = 1 << 20) -> Tensor:
+def _kl(clean: Tensor, out: Tensor, max_elements: int = 1 << 18) -> Tensor:
     """KL(clean ‖ noised) [b, p] from two logits tensors [b, p, vocab], in float64 (a KL near 0 is not
     rounding noise), a block of positions at a time: each position's value is the one the whole
-    tensor gives (softmax and sum run over the vocabulary alone), without [b, p, vocab] float64 copies."""
+    tensor gives (softmax and sum run over the vocabulary alone), without [b, p, vocab] float64 copies.
+    A block holds about ``max_elements`` numbers (2 MB of float64 each: five are alive at once), and at
+    least two rows, so the sums are never split across threads (one row would be)."""
     b, p, v = clean.shape
     kl = torch.empty(b, p, dtype=torch.float64, device=clean.device)
-    step = max(1, max_elements // max(1, b * v))
+    step = max(1, max_elements // max(1, b * v), 2 if b == 1 else 1)
     for p0 in range(0, p, step):
         logp = clean[:, p0:p0 + step].double().log_softmax(-1)
         kl[:, p0:p0 + step] = (logp.exp() * (logp - out[:, p0:p0 + step].double().log_softmax(-1))).sum(-1)
@@ -97,11 +99,13 @@ def text_agreement(
                         sampler=seeded_sampler(level, seed, distribution)) for level in levels]
     sums = torch.zeros(len(levels), 4, dtype=torch.float64)  # same, kl, kl², count
     for t in tqdm(batches, desc="agreement", disable=not progress):  # batches outer: one clean batch in memory
-        clean = model(t)  # kept in the model's dtype; float64 only a block of positions at a time
+        # use_cache=False: no key/value cache of every layer (same logits); clean kept in the model's dtype,
+        # float64 only a block of positions at a time
+        clean = model(t, use_cache=False)
         top = clean.argmax(-1)
         for i, noise in enumerate(noises):
             for _ in range(draws):
-                out = model.run_with_hooks(t, fwd_hooks=noise.hooks())
+                out = model.run_with_hooks(t, fwd_hooks=noise.hooks(), use_cache=False)
                 kl = _kl(clean, out)  # [b, p]
                 sums[i] += torch.tensor([float((out.argmax(-1) == top).sum()), float(kl.sum()),
                                          float(kl.pow(2).sum()), kl.numel()], dtype=torch.float64)

@@ -53,6 +53,9 @@ HELP = {
     "dtype": ("Hugging Face models: number format the weights are loaded and run in: float32, bfloat16, float16, "
               "float64, or auto (as stored); converted while loading, never held twice (default: float32; our "
               "models run in float32)"),
+    "window_batch": ("Hugging Face models: text windows per forward pass, the passes run layer by layer in "
+                     "lockstep: bounds the forward's activations, same tables as one pass (default: all windows in "
+                     "one pass)"),
     "device_map": ("Hugging Face models too large for one device: spread the layers over the devices, e.g. auto "
                    "(passed to transformers' from_pretrained; needs the accelerate package; replaces --device; "
                    "default: the whole model on --device)"),
@@ -86,6 +89,11 @@ def add_threads(p: argparse.ArgumentParser) -> None:
 def add_dtype(p: argparse.ArgumentParser) -> None:
     """``--dtype`` (checked by ``interp_norm.devices.resolve_dtype``: an unknown name is a ConfigError)."""
     p.add_argument("--dtype", metavar="DTYPE", help=HELP["dtype"])
+
+
+def add_window_batch(p: argparse.ArgumentParser) -> None:
+    """``--window-batch`` (collapse and geometry on Hugging Face models; checked by the library)."""
+    p.add_argument("--window-batch", type=positive_int, metavar="N", help=HELP["window_batch"])
 
 
 def add_device_map(p: argparse.ArgumentParser) -> None:

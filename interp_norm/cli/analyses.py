@@ -16,6 +16,7 @@ from interp_norm.cli._grammar import (
     add_n_examples,
     add_out,
     add_split,
+    add_window_batch,
 )
 from interp_norm.cli._support import (
     CKPT_HELP,
@@ -212,9 +213,10 @@ def _noise(args: argparse.Namespace) -> int:
 
 def _load_for_noise(args: argparse.Namespace):  # noqa: ANN202
     """The model of ``noise``/``collapse`` on ``--device``, refusing a ``--placement`` that means nothing for it."""
-    from interp_norm.devices import resolve_device
+    from interp_norm.devices import resolve_device, return_large_frees
 
     resolve_device(args.device)
+    return_large_frees()  # freed activations go back to the system: the peak stays near the weights
     model, info = load_model_spec(args.ckpt, device=args.device, dtype=args.dtype, device_map=args.device_map)
     check_placement(model, args.placement)
     return model, info
@@ -224,6 +226,7 @@ def _collapse_args(p: argparse.ArgumentParser) -> None:
     from interp_norm.defaults import DEFAULT_COLLAPSE_LEVELS
 
     _noise_common_args(p, DEFAULT_COLLAPSE_LEVELS, 256, "")
+    add_window_batch(p)
 
 
 #: Table names shared with ``interp-norm reproduce``.
@@ -242,8 +245,10 @@ def _collapse(args: argparse.Namespace) -> int:
         from interp_norm.noise import bridge_collapse
 
         curves = bridge_collapse(model, hf_tokens(model, args), args.levels, placement=args.placement,
-                                 distribution=args.distribution, seed=args.seed, progress=not args.no_progress)
+                                 distribution=args.distribution, seed=args.seed, progress=not args.no_progress,
+                                 window_batch=args.window_batch)
     else:
+        _refuse_window_batch(args, "collapse")
         curves = run_collapse(model, info.task, args.levels, split=args.split, n_examples=args.n_examples,
                               placement=args.placement, distribution=args.distribution, seed=args.seed,
                               progress=not args.no_progress)
@@ -271,7 +276,16 @@ def _geometry_args(p: argparse.ArgumentParser) -> None:
     hf_args(p)
     add_dtype(p)
     add_device_map(p)
+    add_window_batch(p)
     add_heavy(p)
+
+
+def _refuse_window_batch(args: argparse.Namespace, name: str) -> None:
+    if args.window_batch is not None:
+        from interp_norm.errors import ConfigError
+
+        raise ConfigError(f"--window-batch applies to Hugging Face models; {args.ckpt!r} is an interp_norm model, whose "
+                          f"'{name}' runs its problems in one pass: drop --window-batch")
 
 
 @command("geometry", help="norm spread, orthogonal spheres, subspace angles, interference, sparsity, LayerNorm ellipsoids",
@@ -280,14 +294,17 @@ def _geometry(args: argparse.Namespace) -> int:
     from interp_norm.geometry import geometry_summary, run_geometry
     from interp_norm.io import write_tables
 
-    from interp_norm.devices import resolve_device
+    from interp_norm.devices import resolve_device, return_large_frees
 
     out = prepare_out(args.out, ["geometry_*.csv"], args.force)
     resolve_device(args.device)
+    return_large_frees()  # freed activations go back to the system: the peak stays near the weights
     model, info = load_model_spec(args.ckpt, device=args.device, dtype=args.dtype, device_map=args.device_map)
     if is_hf(model):  # a Hugging Face model: every norm's ellipsoid, sparsity and norm spread on text
-        results = run_geometry(model, tokens=hf_tokens(model, args), progress=not args.no_progress)
+        results = run_geometry(model, tokens=hf_tokens(model, args), progress=not args.no_progress,
+                               window_batch=args.window_batch)
     else:
+        _refuse_window_batch(args, "geometry")
         results = run_geometry(model, info.task, n=args.n_examples, split=args.split, seed=args.seed,
                                progress=not args.no_progress)
     write_tables(out, {f"geometry_{name}": df for name, df in results.items()})

@@ -79,6 +79,7 @@ def run_geometry(
     weighting: str = "energy",
     interventions: Optional[Mapping[str, Intervention]] = None,
     progress: bool = False,
+    window_batch: Optional[int] = None,
 ) -> dict[str, pd.DataFrame]:
     """Every geometry analysis on one batch (``n`` problems of ``split``, or the given ``tokens``).
 
@@ -89,11 +90,15 @@ def run_geometry(
     ~65k large SVDs on the paper-size model; call :func:`subspace_angles` for them).
 
     ``task`` defaults to the model's own (``model.task``); it is only read when ``tokens`` is not given.
-    A ``TransformerBridge`` (a Hugging Face model) gets :func:`bridge_geometry` instead.
+    A ``TransformerBridge`` (a Hugging Face model) gets :func:`bridge_geometry` instead (``window_batch``
+    is its; our models run in one pass and refuse it).
     """
     if kind_of(model) == "bridge":
         return bridge_geometry(model, tokens=tokens, n=n, seed=seed, coverage=coverage, tolerance=tolerance,
-                               bins=bins, progress=progress)
+                               bins=bins, progress=progress, window_batch=window_batch)
+    if window_batch is not None:
+        raise ConfigError(f"window_batch={window_batch!r} applies to Hugging Face models (TransformerBridges); "
+                          "our models run the batch in one pass: drop window_batch")
     check_model(model)
     tokens = _sample_tokens(model, task, tokens, n, split, seed)
     steps = tqdm(total=8, desc="geometry", disable=not progress)
@@ -134,6 +139,7 @@ def bridge_geometry(
     tolerance: float = 0.2,
     bins: int = 20,
     progress: bool = False,
+    window_batch: Optional[int] = None,
 ) -> dict[str, pd.DataFrame]:
     """The geometry of a ``TransformerBridge``: ``norm_spread``, ``sparsity_hist``,
     ``sparsity_summary``, ``ellipsoids``, ``ellipsoid_axes``, ``ellipsoid_membership`` (every norm,
@@ -143,7 +149,16 @@ def bridge_geometry(
     ordinary ids for a model without a tokenizer (:func:`~interp_norm.geometry.bridge.bridge_tokens`).
     The orthogonal-spheres, subspace and interference analyses read our model's weight steps and
     residual decomposition, which a bridge does not expose; they are not run here.
+
+    Memory: the hooks are streamed one layer at a time (:class:`~interp_norm.anatomy.stream.StreamedCache`,
+    no logits); ``window_batch`` (None = all) runs each forward over that many windows at a time, in
+    lockstep layer by layer, so the forward's activations are those of ``window_batch`` windows while
+    every table is the one a single pass gives.
     """
+    from interp_norm.errors import GeometryError, check_positive_int
+
+    if window_batch is not None:
+        check_positive_int(window_batch, "window_batch", GeometryError, "windows per forward pass; None = all")
     from interp_norm.anatomy import anatomy
 
     from interp_norm.anatomy.stream import StreamedCache
@@ -158,7 +173,7 @@ def bridge_geometry(
         if nm.hook_in is not None:
             names.setdefault(n_layers if nm.layer is None else nm.layer, set()).update((nm.hook_in, nm.hook_out))
     # one layer's hooks in memory at a time, read by each analysis in its own early-stopped forward
-    with StreamedCache(model, toks, names) as cache:
+    with StreamedCache(model, toks, names, window_batch=window_batch) as cache:
         steps.update()
         out: dict[str, pd.DataFrame] = {"anatomy": anatomy(model).table()}
         out.update(_spread_and_sparsity(model, toks, cache, coverage=coverage, tolerance=tolerance, bins=bins,

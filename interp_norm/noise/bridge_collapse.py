@@ -128,7 +128,7 @@ def collapse_chunks(
     targets: Sequence[str] = ("q", "k"), placement: str = "before_norm", distribution: str = "uniform",
     layers: Optional[Sequence[int]] = None, max_elements: int = DEFAULT_MAX_ELEMENTS, seed: int = 0,
     sparse_threshold: float = SPARSE_THRESHOLD, strict_threshold: float = SPARSE_THRESHOLD,
-    progress: bool = False, anat: Optional[Anatomy] = None,
+    progress: bool = False, anat: Optional[Anatomy] = None, window_batch: Optional[int] = None,
 ) -> Iterator[ChunkCollapse]:
     """Per (layer, block of query heads): the sparse rows and their decisions at every level and
     draw (:class:`ChunkCollapse`), from one clean forward pass. Arguments as :func:`bridge_collapse`.
@@ -139,6 +139,8 @@ def collapse_chunks(
     """
     tokens, levels, targets = _check(tokens, levels, draws=draws, targets=targets, placement=placement,
                                      distribution=distribution, max_elements=max_elements, allowed=("q", "k"))
+    if window_batch is not None:
+        V.check_positive_int(window_batch, "window_batch", NoiseSpecError)
     anat = anat or anatomy(model)
     if anat.kind != "bridge":
         raise ArchitectureError("bridge_collapse is for TransformerBridges; for a HookedNormTransformer use "
@@ -154,11 +156,9 @@ def collapse_chunks(
             if placement == "before_norm" and la.norms.get(t) is not None:
                 per_layer[l].add(la.hooks[t])
     device = getattr(model.cfg, "device", None) or "cpu"
-    if layers == sorted(per_layer):  # one layer's q/k at a time, no logits (interp_norm.anatomy.stream)
-        stream = layer_caches(model, tokens.to(device), per_layer)
-    else:  # an unsorted layer list keeps its order: every layer's q/k cached at once
-        wanted = set().union(*per_layer.values())
-        cache = model.run_with_cache(tokens.to(device), names_filter=lambda name: name in wanted)[1]
+    stream = layer_caches(model, tokens.to(device), per_layer, window_batch=window_batch)
+    if layers != sorted(per_layer):  # an unsorted layer list keeps its order: every layer's q/k held at once
+        cache = {n: c[n] for l, c in stream for n in per_layer[l]}
         stream = ((l, cache) for l in layers)
     b, n = tokens.shape
     for l, cache in tqdm(stream, total=len(layers), desc="collapse", disable=not progress):
@@ -211,6 +211,7 @@ def bridge_collapse(
     layers: Optional[Sequence[int]] = None, by_head: bool = False, max_elements: int = DEFAULT_MAX_ELEMENTS,
     seed: int = 0, predict: bool = True, strict_samples: int = 256, sparse_threshold: float = SPARSE_THRESHOLD,
     strict_threshold: float = SPARSE_THRESHOLD, progress: bool = False, anat: Optional[Anatomy] = None,
+    window_batch: Optional[int] = None,
 ) -> pd.DataFrame:
     """Collapse rate of sparse attention rows vs noise level on a TransformerBridge, measured and
     predicted side by side (module docstring), from one clean forward pass of ``tokens`` [batch, pos].
@@ -221,6 +222,9 @@ def bridge_collapse(
     interference arrives; a per-head q/k norm then removes it) or "after_norm" (what the scores
     use). ``layers`` None = all. ``max_elements`` bounds every score block (clean scores per block of
     heads, noised rows per block of draws); peak memory grows with it, results do not change.
+    ``window_batch`` (None = all) runs the clean forward over that many windows at a time, in lockstep
+    layer by layer (:func:`interp_norm.anatomy.stream.layer_caches`): the forward's activations are
+    those of ``window_batch`` windows, the rows and decisions are those of one pass.
     ``predict=False`` skips the theory (NaN); ``strict_samples`` Monte-Carlo samples per row for the
     strict prediction (0: NaN).
 
@@ -240,7 +244,7 @@ def bridge_collapse(
     chunks = collapse_chunks(model, tokens, levels, draws=draws, targets=targets, placement=placement,
                              distribution=distribution, layers=layers, max_elements=max_elements, seed=seed,
                              sparse_threshold=sparse_threshold, strict_threshold=strict_threshold,
-                             progress=progress, anat=anat)
+                             progress=progress, anat=anat, window_batch=window_batch)
     targets = V.check_targets(targets, None, allowed=("q", "k"))
     level_list: tuple[float, ...] = ()
     for chunk in chunks:

@@ -1,0 +1,150 @@
+"""Memory bounds of the analyses on Hugging Face models (issue 25, part 3): windows in blocks and no logits.
+
+``window_batch`` runs the forward over blocks of windows in lockstep, layer by layer: each layer's
+cache must equal TransformerLens's own ``run_with_cache`` on each block (always) and on the whole
+batch (where the model's matrix products are batch-invariant: GPT-2, Llama, Qwen3, OLMo-2 on CPU),
+and collapse / geometry tables must be those of one pass. The anatomy's probe ends before the
+unembedding (``cache_before_unembed``), with the hooks ``run_with_cache`` gives. Bad values are typed
+errors.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pandas as pd
+import pytest
+import torch
+
+from interp_norm.anatomy import random_tokens, tiny_bridge
+from interp_norm.anatomy.stream import StreamedCache, cache_before_unembed, layer_caches
+from interp_norm.errors import ConfigError, GeometryError, NoiseSpecError
+
+from _models import make_model, run_cli
+from test_cli_bridges import one_line_error
+
+EXACT = ["gpt2", "llama", "qwen3", "olmo2"]  # batch-invariant on CPU: one pass == blocks, bit for bit
+
+
+def _names(model):
+    return {l: {f"blocks.{l}.hook_resid_pre", f"blocks.{l}.attn.hook_pattern", f"blocks.{l}.hook_resid_post"}
+            for l in range(len(model.blocks))}
+
+
+@pytest.mark.parametrize("arch", EXACT + ["gemma4", "gemma4-shared"])
+def test_blocks_of_windows_equal_run_with_cache_per_block_and_whole(arch):
+    model = tiny_bridge(arch, seed=1)
+    tokens = random_tokens(model, 5, 9, seed=2)
+    names = _names(model)
+    wanted = set().union(*names.values())
+    with torch.no_grad():
+        whole = model.run_with_cache(tokens, names_filter=lambda n: n in wanted)[1]
+    for wb in (1, 2, 3):
+        with torch.no_grad():
+            per_block = [model.run_with_cache(tokens[i:i + wb], names_filter=lambda n: n in wanted)[1]
+                         for i in range(0, len(tokens), wb)]
+        seen = []
+        for layer, cache in layer_caches(model, tokens, names, window_batch=wb):
+            seen.append(layer)
+            for n in names[layer]:
+                assert torch.equal(cache[n], torch.cat([c[n] for c in per_block])), (wb, n)
+                if arch in EXACT:
+                    assert torch.equal(cache[n], whole[n]), (wb, n)
+                else:  # Gemma 4's forward is not batch-invariant in float32: the same up to rounding
+                    torch.testing.assert_close(cache[n], whole[n], rtol=1e-4, atol=1e-5)
+        assert seen == sorted(names)
+
+
+def test_blocks_stop_early_remove_their_hooks_and_leave_the_logits_alone():
+    model = tiny_bridge("qwen3", seed=0)
+    tokens = random_tokens(model, 4, 7, seed=1)
+    fired = []
+    with model.hooks(fwd_hooks=[("unembed.hook_out", lambda x, hook: fired.append(1))]):
+        for layer, _ in layer_caches(model, tokens, _names(model), window_batch=2):
+            if layer == 1:
+                break  # every block's forward is stopped and joined
+    assert fired == []
+    assert not any(hp.fwd_hooks for hp in model.hook_dict.values())  # every block removed its hooks
+    with torch.no_grad():
+        ref = model(tokens)
+    with StreamedCache(model, tokens, _names(model), window_batch=3) as cache:
+        for sweep in range(2):
+            for l in range(len(model.blocks)):
+                cache[f"blocks.{l}.hook_resid_pre"]
+        assert cache.passes == 2
+    with torch.no_grad():
+        assert torch.equal(model(tokens), ref)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gpt2", "gemma4-shared"])
+def test_cache_before_unembed_equals_run_with_cache_without_unembedding(arch):
+    model = tiny_bridge(arch, seed=3)
+    tokens = random_tokens(model, 2, 8, seed=4)
+    wanted = set().union(*_names(model).values()) | {"ln_final.hook_out", "unembed.hook_in"}
+    with torch.no_grad():
+        ref = model.run_with_cache(tokens, names_filter=lambda n: n in wanted)[1]
+    fired = []
+    with model.hooks(fwd_hooks=[("unembed.hook_out", lambda x, hook: fired.append(1))]):
+        got = cache_before_unembed(model, tokens, wanted)
+    assert fired == [] and set(got) == wanted
+    for n in wanted:
+        assert torch.equal(got[n], ref[n]), n
+
+
+@pytest.mark.parametrize("arch", EXACT)
+def test_collapse_in_blocks_of_windows_is_the_one_pass_table(arch):
+    from interp_norm.noise import bridge_collapse
+
+    model = tiny_bridge(arch, seed=5, sharpness=4.0)
+    tokens = random_tokens(model, 5, 16, seed=2)
+    kw = dict(draws=16, placement="after_norm", seed=3, strict_samples=32)
+    ref = bridge_collapse(model, tokens, (0.1, 0.3), **kw)
+    assert ref["n_rows"].sum() > 0
+    for wb in (1, 2):
+        pd.testing.assert_frame_equal(bridge_collapse(model, tokens, (0.1, 0.3), window_batch=wb, **kw), ref)
+    # an unsorted layer list (every layer's q/k held at once) reads the same blocks
+    pd.testing.assert_frame_equal(bridge_collapse(model, tokens, (0.1, 0.3), layers=[1, 0], window_batch=2, **kw),
+                                  bridge_collapse(model, tokens, (0.1, 0.3), layers=[1, 0], **kw))
+
+
+@pytest.mark.parametrize("arch", EXACT)
+def test_geometry_in_blocks_of_windows_is_the_one_pass_result(arch):
+    from interp_norm.geometry import run_geometry
+
+    model = tiny_bridge(arch, seed=6)
+    tokens = random_tokens(model, 5, 12, seed=1)
+    ref = run_geometry(model, tokens=tokens)
+    got = run_geometry(model, tokens=tokens, window_batch=2)
+    assert set(got) == set(ref)
+    for k in ref:
+        pd.testing.assert_frame_equal(got[k], ref[k], obj=k)
+
+
+def test_bad_window_batch_is_a_typed_error(tmp_path, capsys):
+    from interp_norm.geometry import run_geometry
+    from interp_norm.noise import bridge_collapse
+
+    model = tiny_bridge("qwen3", seed=0)
+    tokens = random_tokens(model, 3, 6, seed=1)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="window_batch must be a positive integer"):
+            next(layer_caches(model, tokens, _names(model), window_batch=bad))
+        with pytest.raises(NoiseSpecError, match="window_batch"):
+            bridge_collapse(model, tokens, (0.1,), window_batch=bad)
+        with pytest.raises(GeometryError, match="window_batch"):
+            run_geometry(model, tokens=tokens, window_batch=bad)
+    with pytest.raises(ConfigError, match="applies to Hugging Face models"):
+        run_geometry(make_model(), n=4, window_batch=2)
+    from interp_norm.checkpoints import save_checkpoint
+    from interp_norm.task import AdditionTask
+
+    ours = tmp_path / "ckpt"
+    save_checkpoint(make_model(), ours, task=AdditionTask.preset("cpu"))
+    for command in ("collapse", "geometry"):
+        code, _, err = run_cli(capsys, command, ours, "--window-batch", "2", "--n-examples", "8",
+                               "--out", tmp_path / command)
+        one_line_error(code, err, "--window-batch applies to Hugging Face models")
+    code, _, err = run_cli(capsys, "collapse", ours, "--window-batch", "0", "--out", tmp_path / "zero")
+    assert code == 2 and "--window-batch" in err
