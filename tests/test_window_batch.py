@@ -148,3 +148,42 @@ def test_bad_window_batch_is_a_typed_error(tmp_path, capsys):
         one_line_error(code, err, "--window-batch applies to Hugging Face models")
     code, _, err = run_cli(capsys, "collapse", ours, "--window-batch", "0", "--out", tmp_path / "zero")
     assert code == 2 and "--window-batch" in err
+
+
+@pytest.mark.parametrize("arch", EXACT + ["gemma4"])
+def test_agreement_from_blocks_of_logits_equals_full_logits(arch, monkeypatch):
+    """Blocks of ``logit_positions`` positions unembedded from the final residuals: the same table as
+    full logits (``logit_positions=None``, the model's own forward), and the blocked path did run."""
+    import interp_norm.bridges.agreement as A
+
+    model = tiny_bridge(arch, seed=2)
+    tokens = random_tokens(model, 5, 40, seed=1)
+    ref = A.text_agreement(model, tokens, [0.0, 0.1, 0.3], batch_size=2, logit_positions=None)
+    checks = []
+    real = A._exact_block
+    monkeypatch.setattr(A, "_exact_block", lambda *a: checks.append(real(*a)) or checks[-1])
+    got = A.text_agreement(model, tokens, [0.0, 0.1, 0.3], batch_size=2, logit_positions=8)
+    assert len(checks) == 2 and None not in checks  # one check per batch shape (2 windows, then the last 1)
+    pd.testing.assert_frame_equal(got, ref)
+    with pytest.raises(NoiseSpecError, match="logit_positions"):
+        A.text_agreement(model, tokens, [0.1], logit_positions=0)
+
+
+def test_agreement_falls_back_to_full_logits_when_blocks_differ(monkeypatch):
+    """A logit soft-cap after the unembedding (Gemma 2/3/4's ``final_logit_softcapping``): the blocks
+    are not the model's logits, so the full-logits path runs and the table is unchanged."""
+    import interp_norm.bridges.agreement as A
+    from interp_norm.anatomy import bridge_from_hf, tiny_hf_model
+
+    hf = tiny_hf_model("gemma4", seed=0)
+    hf.config.final_logit_softcapping = 0.5
+    model = bridge_from_hf(hf)
+    tokens = random_tokens(model, 3, 20, seed=1)
+    ref = A.text_agreement(model, tokens, [0.0, 0.3], batch_size=2, logit_positions=None)
+    checks = []
+    real = A._exact_block
+    monkeypatch.setattr(A, "_exact_block", lambda *a: checks.append(real(*a)) or checks[-1])
+    got = A.text_agreement(model, tokens, [0.0, 0.3], batch_size=2, logit_positions=4)
+    assert checks == [None, None]
+    pd.testing.assert_frame_equal(got, ref)
+    assert ref["kl"].iloc[1] > 0

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from interp_norm.anatomy.describe import Anatomy
 from interp_norm.anatomy.model_anatomy import anatomy
+from interp_norm.anatomy.stream import cache_before_unembed, unembed_input
 from interp_norm.defaults import PLACEMENTS
 from interp_norm.noise.head_noise import HeadNoise, seeded_sampler
 from interp_norm.errors import ConfigError, NoiseSpecError
@@ -62,7 +63,7 @@ def text_agreement(
     model: Any, tokens: Optional[Tensor] = None, levels: Sequence[float] = (0.0, 0.05, 0.1, 0.2), *,
     targets: Sequence[str] = ("q", "k", "v"), placement: str = "before_norm", distribution: str = "uniform",
     layers: Optional[Sequence[int]] = None, draws: int = 1, batch_size: int = 8, n_ctx: int = 64,
-    max_windows: Optional[int] = 16, seed: int = 0, progress: bool = False,
+    max_windows: Optional[int] = 16, seed: int = 0, progress: bool = False, logit_positions: Optional[int] = 16,
 ) -> pd.DataFrame:
     """Top-1 agreement with the clean model and KL(clean ‖ noised), per noise level.
 
@@ -70,9 +71,18 @@ def text_agreement(
     :func:`~interp_norm.bridges.text_tokens` with ``n_ctx``/``max_windows``); noise as
     :class:`~interp_norm.bridges.HeadNoise` (``targets``, ``placement``, ``distribution``,
     ``layers``) with ``draws`` independent passes per level (the same unit draws at every level),
-    ``batch_size`` sequences per pass (the memory beyond the weights: two logits tensors of
-    ``batch_size`` windows in the model's dtype). Level 0 multiplies by exactly 1, so it is
-    bit-identical to the clean model (agreement 1, KL 0).
+    ``batch_size`` sequences per pass. Level 0 multiplies by exactly 1, so it is bit-identical to
+    the clean model (agreement 1, KL 0).
+
+    Memory: the forwards end where the unembedding starts, and the clean and noised logits are made
+    a block of positions at a time from the two final residuals (the model's own ``unembed``), so the
+    memory beyond the weights is two blocks of logits, not two [batch, pos, vocab] tensors (151 936
+    wide for Qwen3). This is used only where it gives the model's own logits bit for bit: for each new
+    batch shape, blocks of ``logit_positions``, then twice, four times as many positions ... are
+    compared with one full forward's logits (``torch.equal``; a matrix product's rounding can depend on
+    its number of rows: on this CPU, 64 positions in bfloat16 and 16 in float32 for Qwen3-0.6B's
+    unembedding), and where none is (a logit soft-cap after the unembedding, as Gemma's) the full logits
+    are used; so results never depend on it. ``None``: always full logits.
 
     One row per level. Columns: ``level``, ``targets``, ``placement``, ``distribution``,
     ``n_tokens`` (positions scored per draw), ``draws``, ``agreement`` (fraction of (position, draw)
@@ -87,7 +97,8 @@ def text_agreement(
         raise NoiseSpecError(f"targets must be among 'q', 'k', 'v', got {targets!r}")
     if placement not in PLACEMENTS:
         raise NoiseSpecError(f"unknown placement {placement!r}; choose one of {PLACEMENTS}")
-    for name, v in (("draws", draws), ("batch_size", batch_size)):
+    for name, v in (("draws", draws), ("batch_size", batch_size)) + ((("logit_positions", logit_positions),)
+                                                                     if logit_positions is not None else ()):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise NoiseSpecError(f"{name} must be a positive integer, got {v!r}")
     levels = [NoiseLaw(lv, distribution).level for lv in ((levels,) if isinstance(levels, (int, float)) else levels)]
@@ -98,18 +109,31 @@ def text_agreement(
     noises = [HeadNoise(model, targets=targets, placement=placement, layers=layers, anat=anat,
                         sampler=seeded_sampler(level, seed, distribution)) for level in levels]
     sums = torch.zeros(len(levels), 4, dtype=torch.float64)  # same, kl, kl², count
+    stop = unembed_input(model) if logit_positions is not None else None
+    exact: dict[tuple, Optional[int]] = {}  # batch shape -> positions per block that give the model's logits
     for t in tqdm(batches, desc="agreement", disable=not progress):  # batches outer: one clean batch in memory
-        # use_cache=False: no key/value cache of every layer (same logits); clean kept in the model's dtype,
-        # float64 only a block of positions at a time
-        clean = model(t, use_cache=False)
-        top = clean.argmax(-1)
+        x_clean = cache_before_unembed(model, t, {stop}).get(stop) if stop else None
+        if x_clean is not None and tuple(t.shape) not in exact:
+            exact[tuple(t.shape)] = _exact_block(model, t, x_clean, logit_positions)
+        block = exact.get(tuple(t.shape))
+        if x_clean is None or block is None:
+            del x_clean
+            _full_logits(model, t, noises, draws, sums)
+            continue
+        blocks = [slice(p0, p0 + block) for p0 in range(0, t.shape[1], block)]
         for i, noise in enumerate(noises):
             for _ in range(draws):
-                out = model.run_with_hooks(t, fwd_hooks=noise.hooks(), use_cache=False)
-                kl = _kl(clean, out)  # [b, p]
-                sums[i] += torch.tensor([float((out.argmax(-1) == top).sum()), float(kl.sum()),
-                                         float(kl.pow(2).sum()), kl.numel()], dtype=torch.float64)
-                del out
+                with model.hooks(fwd_hooks=noise.hooks()):
+                    x_out = cache_before_unembed(model, t, {stop})[stop]
+                same = 0
+                kl = torch.empty(t.shape, dtype=torch.float64, device=x_out.device)  # [b, p]
+                for sl in blocks:  # the clean block is made again for every pass: memory over time
+                    clean, out = model.unembed(x_clean[:, sl]), model.unembed(x_out[:, sl])
+                    same += int((out.argmax(-1) == clean.argmax(-1)).sum())
+                    kl[:, sl] = _kl(clean, out)
+                    del clean, out
+                sums[i] += torch.tensor([float(same), float(kl.sum()), float(kl.pow(2).sum()), kl.numel()],
+                                        dtype=torch.float64)
     rows = []
     for level, (same, kl_sum, kl_sq, count) in zip(levels, sums.tolist()):
         agreement = same / count
@@ -120,6 +144,33 @@ def text_agreement(
                          agreement_se=math.sqrt(agreement * (1 - agreement) / count), kl=kl_mean,
                          kl_se=math.sqrt(kl_var / count), removed_by_norm=removed))
     return pd.DataFrame(rows)
+
+
+def _exact_block(model: Any, t: Tensor, x_clean: Tensor, start: int) -> Optional[int]:
+    """The smallest of ``start``, 2·``start``, 4·``start`` ... (below the window length) positions per block
+    whose unembedding of ``x_clean`` gives the model's own logits of ``t`` bit for bit, or None."""
+    full = model(t, use_cache=False)
+    block = start
+    while block < t.shape[1]:
+        if all(torch.equal(model.unembed(x_clean[:, p0:p0 + block]), full[:, p0:p0 + block])
+               for p0 in range(0, t.shape[1], block)):
+            return block
+        block *= 2
+    return None
+
+
+def _full_logits(model: Any, t: Tensor, noises: list, draws: int, sums: Tensor) -> None:
+    """Agreement and KL of one batch from full logits tensors (``use_cache=False``: no key/value cache of
+    every layer, same logits); clean kept in the model's dtype, float64 only a block of positions at a time."""
+    clean = model(t, use_cache=False)
+    top = clean.argmax(-1)
+    for i, noise in enumerate(noises):
+        for _ in range(draws):
+            out = model.run_with_hooks(t, fwd_hooks=noise.hooks(), use_cache=False)
+            kl = _kl(clean, out)  # [b, p]
+            sums[i] += torch.tensor([float((out.argmax(-1) == top).sum()), float(kl.sum()),
+                                     float(kl.pow(2).sum()), kl.numel()], dtype=torch.float64)
+            del out
 
 
 __all__ = ["text_agreement"]
