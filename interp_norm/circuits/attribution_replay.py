@@ -179,7 +179,6 @@ def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, names: list, 
     gsum: dict[str, Tensor] = {}
     diff: dict[str, tuple] = {}
     clean_val = baseline = buf = None
-    single = len(alphas) <= steps_per_pass
     for s0 in range(0, len(alphas), steps_per_pass):
         al = alphas[s0 : s0 + steps_per_pass].to(dev, e_clean.dtype)
         m = len(al)
@@ -206,14 +205,21 @@ def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, names: list, 
                 with torch.no_grad():
                     clean_val = metric_values(metric, buf, b).double().cpu()
                 lg = lg[k:]
-            # the read positions before p0 keep the clean logits (the same computation there)
-            full = buf if m == 1 and single else buf.repeat(m, 1, 1)
-            full.index_copy_(1, sc, lg.view(b * m, len(sc), V))
-            vals = metric_values(metric, full, b)
-            if s0 == 0:
-                baseline = vals[:b].detach().double().cpu()
+            # the metric and its gradient per integration point, in one logits buffer whose read
+            # positions before p0 keep the clean logits (the same computation there); then one
+            # backward pass through the model from the logits' gradients
+            lg = lg.view(m, b, len(sc), V)
+            glg = torch.empty_like(lg)
+            for i in range(m):
+                li = lg[i].detach().requires_grad_()
+                buf = buf.detach()
+                buf.index_copy_(1, sc, li)
+                vals = metric_values(metric, buf, b)
+                (glg[i],) = torch.autograd.grad(vals.sum(), li)
+                if s0 == 0 and i == 0:
+                    baseline = vals.detach().double().cpu()
             order = _unchanged(seen, names)
-            gs = torch.autograd.grad(vals.sum(), [seen[nm][0] for nm in order], allow_unused=True)
+            gs = torch.autograd.grad(lg, [seen[nm][0] for nm in order], glg, allow_unused=True)
         for nm, g in zip(order, gs):
             act = seen[nm][0]
             pos = suffix if act.shape[1] == ne - p0 else sc
