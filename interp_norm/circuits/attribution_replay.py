@@ -217,16 +217,17 @@ def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, names: list, 
                 vals = metric_values(metric, buf, b)
                 (glg[i],) = torch.autograd.grad(vals.sum(), li)
                 if s0 == 0 and i == 0:
-                    baseline = vals.detach().double().cpu()
+                    baseline = vals[:b].detach().double().cpu()
             order = _unchanged(seen, names)
             gs = torch.autograd.grad(lg, [seen[nm][0] for nm in order], glg, allow_unused=True)
         for nm, g in zip(order, gs):
             act = seen[nm][0]
             pos = suffix if act.shape[1] == ne - p0 else sc
+            ct = torch.promote_types(act.dtype, torch.float32)  # float32 or wider for the products
             if s0 == 0:  # clean - corrupted at the re-run positions (alpha = 0 rows: the corrupted run)
-                diff[nm] = (pos, clean_acts[nm].index_select(1, pos) - act[:b].detach())
+                diff[nm] = (pos, clean_acts[nm].index_select(1, pos).to(ct) - act[:b].detach().to(ct))
             if g is not None:  # one gradient: as computed; several summed in float64
-                g = g if m == len(alphas) == 1 else g.view(m, b, *g.shape[1:]).double().sum(0)
+                g = g.to(ct) if m == len(alphas) == 1 else g.view(m, b, *g.shape[1:]).double().sum(0)
                 gsum[nm] = g if nm not in gsum else gsum[nm] + g
     prods = {}
     for nm in names:  # (clean - corrupted) . gradient, summed over the last axis (every cell sums it)
