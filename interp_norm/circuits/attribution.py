@@ -78,8 +78,12 @@ def node_attribution(
     corrupted run itself, so its activations and baseline come from that pass. On a
     TransformerBridge, when the metric declares the positions it reads (``read_mask``), the input
     stops at the last read position (later positions cannot reach the metric: their scores are 0)
-    and the unembedding runs at the read positions only. (TransformerLens 4.3's
-    ``attribution_patch`` runs a clean forward and a corrupted forward + backward per pair.)
+    and the unembedding runs at the read positions only. For per-position activations on a bridge
+    with no hook on it, the corrupted pass re-runs the bridge's blocks only from the first position
+    where some pair's tokens differ, with the last block at the read positions
+    (:mod:`~interp_norm.circuits.attribution_replay`; full passes where the bridge's blocks cannot be
+    re-run). (TransformerLens 4.3's ``attribution_patch`` runs a clean forward and a corrupted
+    forward + backward per pair.)
     """
     pairs = as_pairs(pairs)
     require_eval(model)
