@@ -35,11 +35,15 @@ from interp_norm.circuits._types import (
 )
 from interp_norm.circuits.metrics import LogitDiff
 from interp_norm.circuits.pairs import PatchingPairs, as_pairs
+from interp_norm.circuits.patch_cells import check_hooks, check_pattern_hooks_act, head_count
 from interp_norm.errors import EngineRefusal, PatchingError
 from interp_norm.hooks import PATCHABLE, act_name
 
 
 # ----------------------------------------------------------------------------- node level
+
+#: the activations that are the residual stream itself (a leaf is added to them in place)
+_RESIDUAL = ("resid_pre", "resid_mid", "resid_post")
 
 
 def attribution_patch(
@@ -99,6 +103,10 @@ def node_attribution(
     names = {a: [act_name(a, l) for l in range(L)] for a in activations}
     embed = act_name("embed")
     want = {nm for a in activations for nm in names[a]} | {embed}
+    check_hooks(model, sorted(want - {embed}))
+    for a in activations:
+        if PATCHABLE[a] == "pattern":  # a pattern hook fired after the attention ran has gradient 0
+            check_pattern_hooks_act(model, clean, names[a])
     cols, ne = _read_columns(model, metric, b, n, any(PATCHABLE[a] == "pattern" for a in activations))
     steps_per_pass = max(1, batch_size // b)
     leaves = sorted(want - {embed})
@@ -112,10 +120,11 @@ def node_attribution(
     if found is None:
         found = _full_passes(model, clean, corr, metric, leaves, embed, cols, ne, alphas, steps_per_pass)
     prods, clean_val, baseline = found
-    sizes = dict(layer=L, pos=n, head=H, dest_pos=n, src_pos=n)
     out = {}
     for a in activations:
         kind, axes = PATCHABLE[a], axes_of[a]
+        # k and v of grouped-query attention have the k/v heads (as exact patching sizes them)
+        sizes = dict(layer=L, pos=n, head=head_count(kind, [prods[nm] for nm in names[a]], H), dest_pos=n, src_pos=n)
         per_layer = [_cell_scores(kind, by, prods[nm] / ig_steps, n) for nm in names[a]]
         est = torch.stack(per_layer, 1)  # [b, layer, ...]
         if kind == "resid" and by == "all":
@@ -135,8 +144,18 @@ def _full_passes(model, clean: Tensor, corr: Tensor, metric: MetricFn, leaves: l
                  ne: int, alphas: Tensor, steps_per_pass: int) -> tuple[dict, Tensor, Tensor]:
     """One clean forward, then forward + backward passes from the corrupted input with zero leaves
     added at every hooked activation: ``{name: (clean - corrupted) x gradient summed over the
-    integration points}``, the clean metric values and the corrupted baseline."""
+    integration points}``, the clean metric values and the corrupted baseline.
+
+    The zero leaf is added in place at the residual stream's hooks (``resid_pre/mid/post``), so the
+    gradient at it is the gradient at the residual, whatever else holds the hooked tensor: a bridge's
+    ``hook_resid_mid`` is an alias of the second norm's input (``ln2.hook_in``; OLMo-2: the MLP's
+    input), and the Hugging Face block keeps that same tensor as the residual it adds the MLP's
+    output to -- a leaf added out of place reaches the MLP only, not the residual carried on
+    (``tests/test_bridge_attribution_resid.py`` checks against the gradient of a hand-written forward).
+    Elsewhere out of place (a tensor there may be saved for the backward pass, e.g. ``hook_pattern``:
+    the softmax's output)."""
     b, n = clean.shape
+    in_place = {nm for nm in leaves if any(nm == act_name(a, int(nm.split(".")[1])) for a in _RESIDUAL)}
     dev = clean.device
     want = set(leaves) | {embed}
     with torch.no_grad(), _logits_at(model, cols, n, ne):
@@ -160,6 +179,8 @@ def _full_passes(model, clean: Tensor, corr: Tensor, metric: MetricFn, leaves: l
                 xc[nm] = act[:b].detach().clone()  # the rows of alpha = 0: the corrupted run
             d = torch.zeros_like(act, requires_grad=True)
             deltas[nm] = d  # keyed by our name: a bridge's hook.name is its canonical alias
+            if nm in in_place:  # every reader of the residual sees d (a bridge's resid_mid: see below)
+                return act.add_(d)
             return act + d
 
         hooks = [(embed, embed_hook)] + [(nm, partial(leaf_hook, nm=nm, first=s0 == 0)) for nm in leaves]

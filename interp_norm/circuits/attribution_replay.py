@@ -42,7 +42,10 @@ from interp_norm.circuits.kv_patching import KV_ACTIVATIONS, KVCacheEngine
 from interp_norm.errors import EngineRefusal
 from interp_norm.hooks import act_name
 
-#: model -> {tail sliced: weights_key when the re-run last matched the bridge's forward}
+#: the activations that are the residual stream itself
+_RESIDUAL = ("resid_pre", "resid_mid", "resid_post")
+
+#: model -> {(tail sliced, tail modules): weights_key when the re-run last matched the bridge's forward}
 _CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, tuple]]" = weakref.WeakKeyDictionary()
 
 
@@ -124,6 +127,7 @@ def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, names: list, 
     differs = (clean[:, :ne] != corr[:, :ne]).any(0).nonzero().flatten()
     p0 = min(int(differs[0]) if len(differs) else ne - 1, ne - 1)
     run = _CleanRun(model, (b, ne), dev, cols)
+    run.tail = _tail_without_residual_hooks(model, run, names)
     sliced = len(cols) < ne
     pos_all = torch.arange(ne, device=dev)
 
@@ -168,9 +172,10 @@ def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, names: list, 
     clean_acts = {nm: _to_positions(cc[nm], pos_all if cc[nm].shape[1] == ne else cols, ne) for nm in names}
     weight = _unembed_weight(model)
     key = weights_key(model)
-    if _CHECKED.get(model, {}).get(sliced) != key:
+    wiring = (sliced, len(run.tail))
+    if _CHECKED.get(model, {}).get(wiring) != key:
         _check(run, clean[:, :ne], clean_acts, held["x"], cols, sliced, weight)
-        _CHECKED.setdefault(model, {})[sliced] = key
+        _CHECKED.setdefault(model, {})[wiring] = key
 
     # -- the corrupted run from p0, with the gradient, per chunk of integration points ----------
     e_clean = cc[embed]
@@ -239,6 +244,16 @@ def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, names: list, 
     return prods, clean_val, baseline
 
 
+def _tail_without_residual_hooks(model, run: _CleanRun, names: list) -> list:
+    """The last block's parts to run at the read positions, less any that holds the hook of a
+    residual-stream activation scored here: that hook then sees the sliced copy, not the residual the
+    block carries on (OLMo-2's ``hook_resid_mid`` is the MLP's ``hook_in``), and the gradient at it
+    would miss the carried-on path."""
+    hooks = getattr(model, "hook_dict", {})
+    held = {id(hooks[nm]) for nm in names if nm in hooks and any(nm == act_name(a, run.L - 1) for a in _RESIDUAL)}
+    return [m for m in run.tail if not held & {id(x) for x in m.modules()}]
+
+
 def _ordinary(v: Any) -> Any:
     """An inference-mode tensor (or a tuple of them) as an ordinary tensor."""
     if torch.is_tensor(v):
@@ -249,10 +264,13 @@ def _ordinary(v: Any) -> Any:
 
 
 def _keep(act: Tensor, hook: Any, seen: dict, nm: str) -> Tensor:
-    """Keep a hooked activation of the re-run (and its version) to take the gradient at; the first
-    one, which depends on nothing that has a gradient, becomes a leaf."""
+    """Keep a hooked activation of the re-run (and its version) to take the gradient at; one that
+    depends on nothing with a gradient (the first; any, when the weights do not require gradients)
+    becomes a leaf in place, so that every reader of the tensor reaches the gradient: a bridge's
+    ``hook_resid_mid`` (``ln2.hook_in``) holds the tensor the block also carries on as its residual,
+    and a detached copy returned by the hook would reach the MLP only."""
     if not act.requires_grad:
-        act = act.detach().requires_grad_()
+        act.requires_grad_()
     seen[nm] = (act, act._version)
     return act
 
@@ -286,7 +304,7 @@ def _check(run: _CleanRun, tokens: Tensor, clean_acts: dict, x_clean: Tensor, co
         ref = model(tokens)
         h0 = model(tokens, stop_at_layer=0)
         with model.hooks(fwd_hooks=[(nm, lambda act, hook, nm=nm: record(act, hook, nm)) for nm in clean_acts]):
-            H = run.rerun(run.resid[0][:, p:], ex, p)
+            H = run.rerun(_ordinary(run.resid[0][:, p:]), ex, p)  # an ordinary tensor: the hooks read its version
         sc = cols[cols >= p]
         lg = model.unembed(model.ln_final(H.index_select(1, sc - p)))
         lg_clean = model.unembed(x_clean)
