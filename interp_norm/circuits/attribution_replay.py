@@ -46,7 +46,7 @@ from interp_norm.hooks import act_name
 _RESIDUAL = ("resid_pre", "resid_mid", "resid_post")
 
 #: model -> {(tail sliced, tail modules): weights_key when the re-run last matched the bridge's forward}
-_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, tuple]]" = weakref.WeakKeyDictionary()
+_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, tuple]]" = weakref.WeakKeyDictionary()
 
 
 class _CleanRun(KVCacheEngine):
