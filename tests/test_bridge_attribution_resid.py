@@ -31,6 +31,7 @@ from interp_norm.hooks import act_name
 
 B, N = 3, 7
 RESID = ("resid_pre", "resid_mid", "resid_post")
+WRITES = ("attn_out", "mlp_out")  # the blocks' updates (OLMo-2: after the post-norms)
 TOL = 1e-5
 
 
@@ -73,7 +74,7 @@ def _gpt2_attention(attn, x: torch.Tensor) -> torch.Tensor:
 
 def hand_forward(hf, arch: str, tokens: torch.Tensor, acts: dict) -> torch.Tensor:
     """Logits of the Hugging Face model ``hf`` block by block; ``acts[(kind, l)]`` = the residual
-    tensors (resid_pre of layer 0 a leaf; every one keeps its gradient)."""
+    tensors and the blocks' updates (resid_pre of layer 0 a leaf; every one keeps its gradient)."""
     b, n = tokens.shape
 
     def keep(kind: str, l: int, x: torch.Tensor) -> torch.Tensor:
@@ -89,8 +90,8 @@ def hand_forward(hf, arch: str, tokens: torch.Tensor, acts: dict) -> torch.Tenso
         h = t.wte(tokens) + t.wpe(torch.arange(n))
         for l, blk in enumerate(t.h):
             h = keep("resid_pre", l, h)
-            mid = keep("resid_mid", l, h + _gpt2_attention(blk.attn, blk.ln_1(h)))
-            h = keep("resid_post", l, mid + blk.mlp(blk.ln_2(mid)))
+            mid = keep("resid_mid", l, h + keep("attn_out", l, _gpt2_attention(blk.attn, blk.ln_1(h))))
+            h = keep("resid_post", l, mid + keep("mlp_out", l, blk.mlp(blk.ln_2(mid))))
         return hf.lm_head(t.ln_f(h))
     m = hf.model
     h = m.embed_tokens(tokens)
@@ -100,12 +101,12 @@ def hand_forward(hf, arch: str, tokens: torch.Tensor, acts: dict) -> torch.Tenso
         h = keep("resid_pre", l, h)
         if arch == "olmo2":  # post-norm: the norms act on the updates
             a, _ = blk.self_attn(hidden_states=h, position_embeddings=rope, attention_mask=mask)
-            mid = keep("resid_mid", l, h + blk.post_attention_layernorm(a))
-            h = keep("resid_post", l, mid + blk.post_feedforward_layernorm(blk.mlp(mid)))
+            mid = keep("resid_mid", l, h + keep("attn_out", l, blk.post_attention_layernorm(a)))
+            h = keep("resid_post", l, mid + keep("mlp_out", l, blk.post_feedforward_layernorm(blk.mlp(mid))))
         else:
             a, _ = blk.self_attn(hidden_states=blk.input_layernorm(h), position_embeddings=rope, attention_mask=mask)
-            mid = keep("resid_mid", l, h + a)
-            h = keep("resid_post", l, mid + blk.mlp(blk.post_attention_layernorm(mid)))
+            mid = keep("resid_mid", l, h + keep("attn_out", l, a))
+            h = keep("resid_post", l, mid + keep("mlp_out", l, blk.mlp(blk.post_attention_layernorm(mid))))
     return hf.lm_head(m.norm(h))
 
 
@@ -117,7 +118,7 @@ def hand_eap(hf, arch: str, pairs: PatchingPairs, fn) -> dict:
     fn(hand_forward(hf, arch, pairs.corrupted_tokens, xa)).sum().backward()
     L = 1 + max(l for _, l in xa)
     return {k: torch.stack([((ca[(k, l)] - xa[(k, l)]) * xa[(k, l)].grad).sum(-1).detach().T for l in range(L)])
-            for k in RESID}
+            for k in RESID + WRITES}
 
 
 @pytest.fixture
@@ -147,7 +148,7 @@ def replays(monkeypatch):
 @pytest.mark.parametrize("frozen", [False, True])
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "olmo2"])
 def test_residual_eap_equals_the_hand_forward_gradient(arch, frozen, replays):
-    """resid_pre / resid_mid / resid_post by position, from the re-run path (no hook on the model) and
+    """resid_pre / resid_mid / resid_post (and attn_out / mlp_out) by position, from the re-run path (no hook on the model) and
     the full passes (a no-op hook on it), each activation alone and all together, for metrics reading
     every position and one middle position; ``frozen``: the weights do not require gradients."""
     bridge, hf = bridges_with_hf_copies((arch,), seed=3)[arch]  # a fresh bridge: its wiring check runs here
@@ -158,7 +159,7 @@ def test_residual_eap_equals_the_hand_forward_gradient(arch, frozen, replays):
     calls = 0
     for fn in (metric, ReadAt(4)):
         ref = hand_eap(hf, arch, pairs, fn)
-        for acts in [RESID, ("resid_mid",)]:  # resid_pre in the first call: the wiring check hooks it
+        for acts in [RESID + WRITES, ("resid_mid",)]:  # resid_pre in the first call: the wiring check hooks it
             fast = node_attribution(bridge, pairs, fn, acts)
             with bridge.hooks(fwd_hooks=[(act_name("resid_pre", 0), lambda act, hook: act)]):
                 full = node_attribution(bridge, pairs, fn, acts)
@@ -183,6 +184,36 @@ def test_resid_mid_eap_ig_through_both_paths_equals_the_hand_forward_at_alpha_ze
         full = node_attribution(bridge, pairs, metric, ("resid_mid",), ig_steps=3, batch_size=2 * B)["resid_mid"]
     assert (fast.per_example - full.per_example).abs().max() <= TOL * (1 + fast.per_example.abs().max())
     assert (fast.per_example - fast.baseline).abs().max() > 1e-2
+
+
+def test_gemma4_resid_mid_eap_equals_a_finite_difference(replays):
+    """Gemma 4 (full passes: its attention ignores the key/value cache; no hand forward here): EAP at
+    resid_mid equals (M(corrupted + eps (clean - corrupted) at one cell) - M(corrupted)) / eps, the
+    step written in place into the hooked tensor (which is what the block carries on: checked for the
+    other architectures in tests/test_circuits_resid_mid.py). Float64; the tolerance covers the
+    second-order term and Gemma 4's float32 parts (0.3% of the scale here; the bug was 84%)."""
+    bridge = tiny_bridge("gemma4", seed=3, n_layers=2).to(torch.float64)
+    pairs = _pairs(bridge)
+    L = bridge.cfg.n_layers
+    res = node_attribution(bridge, pairs, metric, ("resid_mid",))["resid_mid"]
+    assert replays == [False]
+    got = (res.per_example - res.baseline).view(L, N, B)
+    eps = 1e-3
+    with torch.no_grad():
+        _, cc = bridge.run_with_cache(pairs.clean_tokens)
+        _, xc = bridge.run_with_cache(pairs.corrupted_tokens)
+        m0 = metric(bridge(pairs.corrupted_tokens))
+        fd = torch.zeros(L, N, B, dtype=torch.float64)
+        for l in range(L):
+            nm = act_name("resid_mid", l)
+            for p in range(N):
+                def step(act, hook, nm=nm, p=p):
+                    act[:, p] += eps * (cc[nm][:, p] - xc[nm][:, p])
+                    return act
+
+                fd[l, p] = (metric(bridge.run_with_hooks(pairs.corrupted_tokens, fwd_hooks=[(nm, step)])) - m0) / eps
+    scale = float(fd.abs().max())
+    assert scale > 0.1 and (got - fd).abs().max() <= 2e-2 * scale
 
 
 # ----------------------------------------------------------------------------- grouped k/v heads
