@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 import torch
 
-from interp_norm.anatomy import random_tokens, tiny_bridge
+from interp_norm.anatomy import anatomy, random_tokens, tiny_bridge
 from interp_norm.anatomy.stream import StreamedCache, cache_before_unembed, layer_caches
 from interp_norm.errors import ConfigError, GeometryError, NoiseSpecError
 
@@ -187,3 +187,100 @@ def test_agreement_falls_back_to_full_logits_when_blocks_differ(monkeypatch):
     assert checks == [None, None]
     pd.testing.assert_frame_equal(got, ref)
     assert ref["kl"].iloc[1] > 0
+
+
+ALL = EXACT + ["gemma4", "gemma4-shared"]
+
+
+def _block_cache(model, tokens, names, wb):
+    """Every named hook of every window from TransformerLens's own ``run_with_cache`` on each block of
+    ``wb`` windows, joined: what a blocked analysis must reproduce (each window's own forward)."""
+    wanted = set().union(*names.values())
+    with torch.no_grad():
+        parts = [model.run_with_cache(tokens[i:i + wb], names_filter=lambda n: n in wanted)[1]
+                 for i in range(0, len(tokens), wb)]
+    return {n: torch.cat([p[n] for p in parts]) for n in wanted}
+
+
+@pytest.mark.parametrize("arch", ALL)
+def test_blocked_geometry_equals_the_whole_batch_analyses(arch, monkeypatch):
+    """Geometry a block of windows at a time == the public analyses (norm_spread, max_attention,
+    bridge_ellipsoid_membership) on every window's hooks at once, and no joined pattern is ever built:
+    every hook the sweep reads holds at most ``window_batch`` windows."""
+    import interp_norm.anatomy.stream as S
+    from interp_norm.geometry import max_attention, norm_spread, run_geometry, sparsity_histogram, sparsity_summary
+    from interp_norm.geometry.bridge import bridge_ellipsoid_membership, bridge_norms
+
+    model = tiny_bridge(arch, seed=6)
+    tokens = random_tokens(model, 5, 12, seed=1)
+    norms = bridge_norms(model)
+    names = {0: {h for nm in norms for h in (nm.hook_in, nm.hook_out) if h is not None}}
+    names[0] |= {f"blocks.{l}.{h}" for l in range(len(model.blocks)) for h in ("hook_resid_pre",)}
+    names[0] |= {la.hooks["pattern"] for la in anatomy(model).layers}
+    real = S.window_blocks
+    seen = []
+
+    def spy(model_, tokens_, names_, window_batch=None):
+        for layer, start, cache in real(model_, tokens_, names_, window_batch):
+            seen.append(max(t.shape[0] for t in cache.values()))
+            yield layer, start, cache
+
+    monkeypatch.setattr(S, "window_blocks", spy)
+    monkeypatch.setattr(S, "layer_caches", lambda *a, **k: pytest.fail("the sweep joined a layer's hooks"))
+    for wb in (None, 1, 2):
+        seen.clear()
+        got = run_geometry(model, tokens=tokens, window_batch=wb)
+        assert seen and max(seen) == (len(tokens) if wb is None else wb)
+        cache = _block_cache(model, tokens, names, wb or len(tokens))
+        mx = max_attention(model, tokens, cache=cache)
+        pd.testing.assert_frame_equal(got["norm_spread"], norm_spread(model, tokens, cache=cache))
+        pd.testing.assert_frame_equal(got["sparsity_hist"], sparsity_histogram(mx))
+        pd.testing.assert_frame_equal(got["sparsity_summary"], sparsity_summary(mx))
+        ref = bridge_ellipsoid_membership(model, tokens, cache=cache, norms=norms)
+        hooked = ref["role"] != "unhooked"  # a norm outside the bridge's hooks: its own forward per block
+        pd.testing.assert_frame_equal(got["ellipsoid_membership"][hooked], ref[hooked])
+        if wb is None or arch in EXACT:
+            pd.testing.assert_frame_equal(got["ellipsoid_membership"], ref)
+        else:
+            pd.testing.assert_frame_equal(got["ellipsoid_membership"], ref, check_exact=False, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("arch", ALL)
+@pytest.mark.parametrize("placement", ["before_norm", "after_norm"])
+def test_blocked_collapse_equals_one_pass_over_the_same_hooks(arch, placement, monkeypatch):
+    """Collapse a block of windows at a time (scores and noise factors of ``window_batch`` windows) ==
+    the one-pass analysis of the same clean hooks (TransformerLens's ``run_with_cache`` per block,
+    joined), with several blocks of heads (small ``max_elements``) and the strict Monte Carlo."""
+    import importlib
+
+    BC = importlib.import_module("interp_norm.noise.bridge_collapse")
+    from interp_norm.noise import bridge_collapse
+
+    model = tiny_bridge(arch, seed=5, sharpness=4.0)
+    tokens = random_tokens(model, 5, 16, seed=2)
+    kw = dict(draws=8, placement=placement, seed=3, strict_samples=16, max_elements=700)
+    widths = []
+    real_scores, real_factors = BC.scores_from_qk, BC.placed_factors
+    monkeypatch.setattr(BC, "scores_from_qk", lambda m, a, l, q, k, **h: widths.append(q.shape[0]) or
+                        real_scores(m, a, l, q, k, **h))
+    monkeypatch.setattr(BC, "placed_factors", lambda la, t, kappa, raw, p: widths.append(kappa.shape[1]) or
+                        real_factors(la, t, kappa, raw, p))
+    real_stream = BC.layer_caches
+    for wb in (1, 2):
+        widths.clear()
+        got = bridge_collapse(model, tokens, (0.1, 0.3), window_batch=wb, **kw)
+        assert widths and max(widths) == wb
+        assert got["n_rows"].sum() > 0
+        joined = {}
+
+        def from_blocks(model_, tokens_, names_, window_batch=None):
+            assert window_batch is None
+            cache = _block_cache(model_, tokens_, names_, wb)
+            joined.update(cache)
+            return ((l, cache) for l in sorted(names_))
+
+        monkeypatch.setattr(BC, "layer_caches", from_blocks)
+        ref = bridge_collapse(model, tokens, (0.1, 0.3), **kw)
+        monkeypatch.setattr(BC, "layer_caches", real_stream)
+        assert joined
+        pd.testing.assert_frame_equal(got, ref)

@@ -57,25 +57,49 @@ def layer_caches(model: Any, tokens: Tensor, names: Mapping[int, set[str]], *,
     if window_batch is None or window_batch >= len(tokens):
         yield from _one_pass(model, tokens, names)
         return
-    parts = [tokens[i : i + window_batch] for i in range(0, len(tokens), window_batch)]
-    passes = [_one_pass(model, part, names) for part in parts]
+    merged: dict[str, list[Tensor]] = {}
+    for layer, start, cache in window_blocks(model, tokens, names, window_batch):
+        for n in names[layer]:
+            merged.setdefault(n, []).append(cache[n])
+        del cache
+        if start + window_batch >= len(tokens):  # the last block of this layer
+            joined = {n: torch.cat(p) for n, p in merged.items()}
+            merged = {}
+            yield layer, joined
+            del joined
+
+
+def window_blocks(model: Any, tokens: Tensor, names: Mapping[int, set[str]],
+                  window_batch: Optional[int] = None) -> Iterator[tuple[int, int, dict[str, Tensor]]]:
+    """Yield ``(layer, start, cache)``: layer by layer (increasing), then block by block of
+    ``window_batch`` windows (rows of ``tokens``; None = all, one block), ``cache`` holding ``names[layer]``
+    of windows ``start .. start + window_batch`` only. The forwards of the blocks run in lockstep: a
+    block's pass waits in the hooks of a layer until the consumer asks for the next item, so a consumer
+    that reduces each block's hooks to small per-window results before the next ``next()`` never holds
+    more than one block's hooks of one layer (plus each paused pass's own state at that layer).
+    Values: those of :func:`layer_caches` (each window's own forward). Raises :class:`ArchitectureError`
+    if a pass does not reach a layer or a hook is not batch-first.
+    """
+    if window_batch is not None:
+        check_positive_int(window_batch, "window_batch", ConfigError, "windows per forward pass; None = all")
+    step = len(tokens) if window_batch is None else min(int(window_batch), len(tokens))
+    starts = list(range(0, len(tokens), max(1, step)))
+    passes = [_one_pass(model, tokens[i : i + step], names) for i in starts]
     try:
         for layer in sorted(names):
-            caches = []
-            for it in passes:
+            for start, it in zip(starts, passes):
                 got = next(it, None)
                 if got is None or got[0] != layer:
                     raise ArchitectureError(f"a pass over a block of windows did not reach layer {layer}'s hooks")
-                caches.append(got[1])
-            merged = {}
-            for n in names[layer]:
-                pieces = [c[n] for c in caches]
-                if any(p.ndim == 0 or p.shape[0] != len(part) for p, part in zip(pieces, parts)):
-                    raise ArchitectureError(f"hook {n!r} is not batch-first ({tuple(pieces[0].shape)} for "
-                                            f"{len(parts[0])} windows); use window_batch=None")
-                merged[n] = torch.cat(pieces)
-            del caches
-            yield layer, merged
+                cache = got[1]
+                n_rows = min(step, len(tokens) - start)
+                for n in names[layer]:
+                    p = cache[n]
+                    if len(starts) > 1 and (p.ndim == 0 or p.shape[0] != n_rows):
+                        raise ArchitectureError(f"hook {n!r} is not batch-first ({tuple(p.shape)} for {n_rows} "
+                                                "windows); use window_batch=None")
+                yield layer, start, {n: cache[n] for n in names[layer]}
+                del got, cache
     finally:
         for it in reversed(passes):  # the last pass added its hooks last: it removes them first
             it.close()
@@ -244,4 +268,4 @@ class StreamedCache(Mapping):
         self.close()
 
 
-__all__ = ["layer_caches", "StreamedCache", "cache_before_unembed", "unembed_input"]
+__all__ = ["layer_caches", "window_blocks", "StreamedCache", "cache_before_unembed", "unembed_input"]

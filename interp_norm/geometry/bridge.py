@@ -35,6 +35,7 @@ from interp_norm.geometry.norm_image import NormEllipsoid, norm_ellipsoid
 __all__ = [
     "BridgeNorm", "bridge_norms", "bridge_tokens", "bridge_pattern_hooks", "bridge_resid_hooks",
     "bridge_ellipsoid_table", "bridge_ellipsoid_axes", "bridge_ellipsoid_membership", "position_mask",
+    "membership_rows", "membership_summary", "membership_table",
 ]
 
 
@@ -264,33 +265,53 @@ def bridge_ellipsoid_membership(model: Any, tokens: Tensor, *, cache=None,
     finally:
         for h in handles:
             h.remove()
-    rows = []
+    parts = {}
     for nm in norms:
-        row = dict(module=nm.name, layer=nm.layer, role=nm.role, axis=nm.axis, gain_row="all", kind=nm.kind,
-                   N=nm.dim, eps=nm.eps)
         if nm.hook_in is None:
             pair = seen.get(nm.name)
         elif nm.hook_in in cache and nm.hook_out in cache:
             pair = (cache[nm.hook_in], cache[nm.hook_out])
         else:
             pair = None
-        if pair is None:
-            rows.append(dict(row, n=0))
-            continue
-        x, y = pair[0].double(), pair[1].double()
-        if x.shape[-1] != nm.dim or y.shape[-1] != nm.dim:
-            raise GeometryError(f"{nm.name}: hook tensors {tuple(x.shape)} / {tuple(y.shape)} do not end in the "
-                                f"norm's dimension {nm.dim}")
-        x, y = x.reshape(-1, nm.dim), y.reshape(-1, nm.dim)
-        xc = x - x.mean(-1, keepdim=True) if nm.kind == "ln" else x
-        var = xc.pow(2).mean(-1)
-        pred = var / (var + nm.eps)
-        m = nm.ellipsoid.membership(y)
-        z = (y - nm.ellipsoid.center).norm(dim=-1).clamp_min(TINY)
-        rows.append(dict(row, n=int(m.numel()), membership_mean=float(m.mean()), membership_min=float(m.min()),
-                         membership_max=float(m.max()), predicted_mean=float(pred.mean()),
-                         max_abs_err=float((m - pred).abs().max()),
-                         max_plane_residual=float((nm.ellipsoid.plane_residual(y).abs() / z).max())))
+        if pair is not None:
+            parts[nm.name] = [membership_rows(nm, *pair)]
+    return membership_table(norms, parts)
+
+
+def membership_table(norms: list[BridgeNorm], parts: dict[str, list]) -> pd.DataFrame:
+    """The table of :func:`bridge_ellipsoid_membership` from each norm's :func:`membership_rows` of its
+    blocks of windows (``parts`` by norm name; a norm without parts did not fire: ``n`` = 0)."""
+    rows = []
+    for nm in norms:
+        row = dict(module=nm.name, layer=nm.layer, role=nm.role, axis=nm.axis, gain_row="all", kind=nm.kind,
+                   N=nm.dim, eps=nm.eps)
+        rows.append(membership_summary(nm, row, parts[nm.name]) if parts.get(nm.name) else dict(row, n=0))
     df = pd.DataFrame(rows)
     df["layer"] = df["layer"].astype("Int64")
     return df
+
+
+def membership_rows(nm: BridgeNorm, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per normalised vector of ``nm`` (input ``x``, output ``y``, any leading shape): membership zᵀQz/N,
+    its prediction σ²/(σ²+ε) and the plane residual relative to |y − b| (float64, row order of
+    ``reshape(-1, N)``): the small per-row inputs of :func:`bridge_ellipsoid_membership`."""
+    x, y = x.double(), y.double()
+    if x.shape[-1] != nm.dim or y.shape[-1] != nm.dim:
+        raise GeometryError(f"{nm.name}: hook tensors {tuple(x.shape)} / {tuple(y.shape)} do not end in the "
+                            f"norm's dimension {nm.dim}")
+    x, y = x.reshape(-1, nm.dim), y.reshape(-1, nm.dim)
+    xc = x - x.mean(-1, keepdim=True) if nm.kind == "ln" else x
+    var = xc.pow(2).mean(-1)
+    pred = var / (var + nm.eps)
+    m = nm.ellipsoid.membership(y)
+    z = (y - nm.ellipsoid.center).norm(dim=-1).clamp_min(TINY)
+    return m, pred, nm.ellipsoid.plane_residual(y).abs() / z
+
+
+def membership_summary(nm: BridgeNorm, row: dict, parts: list[tuple[Tensor, Tensor, Tensor]]) -> dict:
+    """One row of :func:`bridge_ellipsoid_membership` from :func:`membership_rows` of blocks of windows
+    (concatenated in order: the statistics of one pass)."""
+    m, pred, plane = (torch.cat([p[i] for p in parts]) for i in range(3))
+    return dict(row, n=int(m.numel()), membership_mean=float(m.mean()), membership_min=float(m.min()),
+                membership_max=float(m.max()), predicted_mean=float(pred.mean()),
+                max_abs_err=float((m - pred).abs().max()), max_plane_residual=float(plane.max()))

@@ -15,11 +15,8 @@ from interp_norm.errors import ConfigError
 from interp_norm.geometry._common import TokensLike, as_tokens, check_model, run_cached
 from interp_norm.geometry.bridge import (
     bridge_ellipsoid_axes,
-    bridge_ellipsoid_membership,
     bridge_ellipsoid_table,
     bridge_norms,
-    bridge_pattern_hooks,
-    bridge_resid_hooks,
     bridge_tokens,
 )
 from interp_norm.anatomy import kind_of
@@ -150,37 +147,30 @@ def bridge_geometry(
     The orthogonal-spheres, subspace and interference analyses read our model's weight steps and
     residual decomposition, which a bridge does not expose; they are not run here.
 
-    Memory: the hooks are streamed one layer at a time (:class:`~interp_norm.anatomy.stream.StreamedCache`,
-    no logits); ``window_batch`` (None = all) runs each forward over that many windows at a time, in
-    lockstep layer by layer, so the forward's activations are those of ``window_batch`` windows while
-    every table is the one a single pass gives.
+    Memory: one early-stopped forward (no logits) per block of ``window_batch`` windows (None = all in
+    one), the blocks in lockstep layer by layer; each block's hooks of a layer are reduced to per-row
+    values before the next block runs (:func:`~interp_norm.geometry.bridge_sweep.bridge_sweep`), so the
+    peak is the weights plus one block's hooks of one layer plus those per-row values, while every table
+    is the one a single pass gives.
     """
     from interp_norm.errors import GeometryError, check_positive_int
 
     if window_batch is not None:
         check_positive_int(window_batch, "window_batch", GeometryError, "windows per forward pass; None = all")
     from interp_norm.anatomy import anatomy
-
-    from interp_norm.anatomy.stream import StreamedCache
+    from interp_norm.geometry.bridge_sweep import bridge_sweep
 
     toks = as_tokens(model, tokens if tokens is not None else bridge_tokens(model, n, n_ctx, seed))
     norms = bridge_norms(model)
     steps = tqdm(total=4, desc="geometry", disable=not progress)
-    n_layers = len(model.blocks)
-    names: dict[int, set[str]] = {l: {p, r} for l, (p, r) in enumerate(zip(bridge_pattern_hooks(model),
-                                                                             bridge_resid_hooks(model)))}
-    for nm in norms:  # a norm outside the blocks (the final norm) fires after the last one
-        if nm.hook_in is not None:
-            names.setdefault(n_layers if nm.layer is None else nm.layer, set()).update((nm.hook_in, nm.hook_out))
-    # one layer's hooks in memory at a time, read by each analysis in its own early-stopped forward
-    with StreamedCache(model, toks, names, window_batch=window_batch) as cache:
-        steps.update()
-        out: dict[str, pd.DataFrame] = {"anatomy": anatomy(model).table()}
-        out.update(_spread_and_sparsity(model, toks, cache, coverage=coverage, tolerance=tolerance, bins=bins,
-                                        steps=steps))
-        out["ellipsoids"] = bridge_ellipsoid_table(model, norms)
-        out["ellipsoid_axes"] = bridge_ellipsoid_axes(model, norms)
-        out["ellipsoid_membership"] = bridge_ellipsoid_membership(model, toks, cache=cache, norms=norms)
+    out: dict[str, pd.DataFrame] = {"anatomy": anatomy(model).table()}
+    steps.update()
+    swept = bridge_sweep(model, toks, norms, coverage=coverage, tolerance=tolerance, bins=bins,
+                         window_batch=window_batch, steps=steps)
+    out.update({k: swept[k] for k in ("norm_spread", "sparsity_hist", "sparsity_summary")})
+    out["ellipsoids"] = bridge_ellipsoid_table(model, norms)
+    out["ellipsoid_axes"] = bridge_ellipsoid_axes(model, norms)
+    out["ellipsoid_membership"] = swept["ellipsoid_membership"]
     steps.update()
     steps.close()
     return out

@@ -20,7 +20,7 @@ from interp_norm.anatomy import kind_of
 from interp_norm.hooks import act_name
 from interp_norm.model import HookedNormTransformer
 
-__all__ = ["weighted_quantile", "attended_norms", "summarize_norm_spread", "norm_spread"]
+__all__ = ["weighted_quantile", "attended_norms", "layer_frames", "summarize_norm_spread", "norm_spread"]
 
 
 def weighted_quantile(values, weights, q) -> np.ndarray:
@@ -98,24 +98,23 @@ def attended_norms(
         norms = x.norm(dim=-1)[bi, pi].cpu().numpy()
         pat = cache[p_name].double()
         w = torch.einsum("bhqk,bq->bhk", pat, keep.double())  # attention received from valid rows
-        for h in range(pat.shape[1]):
-            wh = w[bi, h, pi].cpu().numpy()
-            med = weighted_quantile(norms, wh, 0.5) if wh.sum() > 0 else float("nan")
-            frames.append(
-                pd.DataFrame(
-                    dict(
-                        layer=l,
-                        head=h,
-                        batch=bi.cpu().numpy(),
-                        pos=pi.cpu().numpy(),
-                        token=tokens[bi, pi].cpu().numpy(),
-                        norm=norms,
-                        weight=wh,
-                        rel=norms / med - 1.0,
-                    )
-                )
-            )
+        frames += layer_frames(l, tokens, bi, pi, norms, w[bi, :, pi].cpu().numpy())
     return pd.concat(frames, ignore_index=True)
+
+
+def layer_frames(layer: int, tokens: torch.Tensor, bi: torch.Tensor, pi: torch.Tensor, norms: np.ndarray,
+                 weights: np.ndarray) -> list[pd.DataFrame]:
+    """:func:`attended_norms`' rows of one layer, one frame per head, from the kept positions (``bi``,
+    ``pi``), their residual ``norms`` and the attention each receives per head (``weights`` [rows, heads]):
+    the small per-position inputs, so a caller can gather them a block of windows at a time."""
+    frames = []
+    for h in range(weights.shape[1]):
+        wh = weights[:, h]
+        med = weighted_quantile(norms, wh, 0.5) if wh.sum() > 0 else float("nan")
+        frames.append(pd.DataFrame(dict(layer=layer, head=h, batch=bi.cpu().numpy(), pos=pi.cpu().numpy(),
+                                        token=tokens[bi, pi].cpu().numpy(), norm=norms, weight=wh,
+                                        rel=norms / med - 1.0)))
+    return frames
 
 
 def _quantile_cols(quantiles: Sequence[float]) -> list[str]:

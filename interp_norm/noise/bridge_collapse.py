@@ -161,45 +161,78 @@ def collapse_chunks(
         cache = {n: c[n] for l, c in stream for n in per_layer[l]}
         stream = ((l, cache) for l in layers)
     b, n = tokens.shape
+    step = b if window_batch is None else min(int(window_batch), b)
+    spans = [(i, min(b, i + step)) for i in range(0, b, step)]  # blocks of windows, in order
     for l, cache in tqdm(stream, total=len(layers), desc="collapse", disable=not progress):
         la = anat[l]
         q, k = rebuilt_query_key(model, cache, anat, l)
         z_q, z_k = collapse_kappa(anat, l, b, n, draws, seed, distribution=distribution)
         raw = {t: canonical(cache[la.hooks[t]], la.layouts.get(t, "bphd"), la.n_heads_of(t), la.d_head).cpu()
                for t in ("q", "k") if placement == "before_norm" and la.norms.get(t) is not None}
-        f = []  # per level: (f_q [D, b, p, H], f_k [D, b, p, H_kv]) float64; O(pos), not O(pos²)
-        for level in levels:
-            kq = level * z_q if "q" in targets else torch.zeros_like(z_q)
-            kk = level * z_k if "k" in targets else torch.zeros_like(z_k)
-            f.append((placed_factors(la, "q", kq, raw.get("q"), placement), placed_factors(la, "k", kk, raw.get("k"), placement)))
         mask = attention_mask(la, n, n, q.device)
         mask_cpu = mask.cpu()
         usable = mask_cpu.sum(-1) >= 2  # [query]: query 0 has one key
         per_head = b * n * n
-        block = max(1, min(la.n_heads, max_elements // max(1, per_head)))
+        block = max(1, min(la.n_heads, max_elements // max(1, per_head)))  # the chunks of one pass
         kind = theory_kind(la, targets, placement)
         kv_of = torch.as_tensor(la.kv_head_of)
+        held = _factors(la, z_q, z_k, raw, levels, targets, placement, spans[0]) if len(spans) == 1 else None
         for h0 in range(0, la.n_heads, block):
             heads = tuple(range(h0, min(la.n_heads, h0 + block)))
-            s = scores_from_qk(model, anat, l, q, k, heads=heads, softcap=False).cpu()  # [b, hc, n, n]
-            pattern = masked_softmax(_cap(s, la.softcap), mask_cpu)
-            sparse = theory.sparse_mask(pattern, sparse_threshold) & usable[None, None, :]
-            del pattern
-            rows = sparse.nonzero()  # (batch, head in block, query)
-            rb, rh, rq = rows.unbind(-1)
-            w = s[rb, rh, rq].to(torch.float64).masked_fill(~mask_cpu[rq], -math.inf)  # [R, n]
-            del s
-            gh = rh + h0
-            rows = torch.stack([rb, gh, rq], -1)
-            loose = torch.zeros(len(levels), draws, len(rb), dtype=torch.bool)
-            strict = torch.zeros_like(loose)
-            base = (rb * la.n_kv_heads + kv_of[gh]) * n  # [R]: where each row's key factors start
-            for i, (fq, fk) in enumerate(f):
-                fq_rows = fq[:, rb, rq, gh]  # [D, R]
-                fkp = fk.permute(0, 1, 3, 2).reshape(fk.shape[0], -1)  # [D, b·H_kv·n]
-                loose[i], strict[i] = row_decisions(w, fq_rows, fkp, base, la.softcap, strict_threshold,
-                                                    max_elements=max_elements)
+            parts = []  # per block of windows: (rows, w, loose, strict) of its sparse rows
+            for span in spans:
+                f = held if held is not None else _factors(la, z_q, z_k, raw, levels, targets, placement, span)
+                parts.append(_block_rows(model, anat, l, q[span[0]:span[1]], k[span[0]:span[1]], heads, f, span[0],
+                                         mask_cpu, usable, kv_of, sparse_threshold, strict_threshold, max_elements,
+                                         len(levels), draws))
+                del f
+            rows, w, loose, strict = (torch.cat([p[i] for p in parts], -1 if i >= 2 else 0) for i in range(4))
+            del parts
             yield ChunkCollapse(l, heads, levels, rows, w, loose, strict, kind, la.softcap)
+
+
+def _factors(la: LayerAnatomy, z_q: Tensor, z_k: Tensor, raw: dict, levels: Sequence[float], targets: Sequence[str],
+             placement: str, span: tuple[int, int]) -> list[tuple[Tensor, Tensor]]:
+    """Per level: (f_q [D, w, p, H], f_k [D, w, p, H_kv]) float64 of the windows ``span`` (elementwise in
+    the windows, so a block's factors are the whole batch's, sliced). O(draws · windows · pos · heads)."""
+    b0, b1 = span
+    zq, zk = z_q[:, b0:b1], z_k[:, b0:b1]
+    rq, rk = (raw[t][b0:b1] if t in raw else None for t in ("q", "k"))
+    f = []
+    for level in levels:
+        kq = level * zq if "q" in targets else torch.zeros_like(zq)
+        kk = level * zk if "k" in targets else torch.zeros_like(zk)
+        f.append((placed_factors(la, "q", kq, rq, placement), placed_factors(la, "k", kk, rk, placement)))
+    return f
+
+
+def _block_rows(model: Any, anat: Anatomy, l: int, q: Tensor, k: Tensor, heads: tuple[int, ...], f: list, b0: int,
+                mask_cpu: Tensor, usable: Tensor, kv_of: Tensor, sparse_threshold: float, strict_threshold: float,
+                max_elements: int, n_levels: int, draws: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The sparse rows of one block of windows (``q``/``k`` theirs, the first being window ``b0``) and one
+    block of heads: (rows [R, 3] with the batch index of the whole batch, clean scores w [R, K] float64,
+    loose, strict [levels, draws, R]), in the order of one pass (window, head, query)."""
+    la = anat[l]
+    n = q.shape[1]
+    h0 = heads[0]
+    s = scores_from_qk(model, anat, l, q, k, heads=heads, softcap=False).cpu()  # [w, hc, n, n]
+    pattern = masked_softmax(_cap(s, la.softcap), mask_cpu)
+    sparse = theory.sparse_mask(pattern, sparse_threshold) & usable[None, None, :]
+    del pattern
+    rows = sparse.nonzero()  # (window in block, head in block, query)
+    rb, rh, rq = rows.unbind(-1)
+    w = s[rb, rh, rq].to(torch.float64).masked_fill(~mask_cpu[rq], -math.inf)  # [R, n]
+    del s
+    gh = rh + h0
+    loose = torch.zeros(n_levels, draws, len(rb), dtype=torch.bool)
+    strict = torch.zeros_like(loose)
+    base = (rb * la.n_kv_heads + kv_of[gh]) * n  # [R]: where each row's key factors start
+    for i, (fq, fk) in enumerate(f):
+        fq_rows = fq[:, rb, rq, gh]  # [D, R]
+        fkp = fk.permute(0, 1, 3, 2).reshape(fk.shape[0], -1)  # [D, w·H_kv·n]
+        loose[i], strict[i] = row_decisions(w, fq_rows, fkp, base, la.softcap, strict_threshold,
+                                            max_elements=max_elements)
+    return torch.stack([rb + b0, gh, rq], -1), w, loose, strict
 
 
 # ----------------------------------------------------------------------------- the table
