@@ -12,11 +12,13 @@ thread), and its peak resident memory is the kernel's high-water mark of that ch
 run's peak never hides another's). Weights = parameter bytes in the run's dtype. The windows are
 random token ids (the folder has no tokenizer): ``--sizes`` WINDOWSxTOKENS, by default 2 x 128 and
 8 x 256; ``collapse`` and ``geometry`` get ``--window-batch`` (default 2 windows per forward pass, the
-passes in lockstep layer by layer: same tables as one pass), ``noise`` ``--batch-size 1``.
+passes in lockstep layer by layer and each layer analysed a block at a time: same tables as one pass;
+several values, e.g. ``--window-batch 2 0``, are printed side by side, 0 = every window in one pass),
+``noise`` ``--batch-size 1``. The bound: with a fixed window batch the peak stays flat as windows grow.
 
     nice -n 5 .venv/bin/python benchmarks/bench_memory.py                 # both sizes and dtypes, all three commands
     nice -n 5 .venv/bin/python benchmarks/bench_memory.py --sizes 2x128 --dtypes bfloat16
-    nice -n 5 .venv/bin/python benchmarks/bench_memory.py --sizes 8x256 --dtypes float32 --commands collapse geometry
+    nice -n 5 .venv/bin/python benchmarks/bench_memory.py --sizes 4x256 16x256 --window-batch 2 0 --dtypes float32 --commands collapse geometry
 """
 
 from __future__ import annotations
@@ -84,12 +86,13 @@ print(code, time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDRE
 """
 
 
-def run(command: str, folder: Path, dtype: str, size: tuple[int, int], args: argparse.Namespace, out: Path) -> dict:
+def run(command: str, folder: Path, dtype: str, size: tuple[int, int], wb: int, args: argparse.Namespace,
+        out: Path) -> dict:
     windows, n_ctx = size
-    chunked = ["--window-batch", str(args.window_batch)] if args.window_batch and command != "noise" else []
+    chunked = ["--window-batch", str(wb or windows)] if command != "noise" else []  # 0: every window in one pass
     argv = [sys.executable, "-m", "interp_norm.cli", command, str(folder), "--dtype", dtype, "--windows",
             str(windows), "--n-ctx", str(n_ctx), "--threads",
-            str(args.threads), "--no-progress", "--force", "--out", str(out / f"{command}-{dtype}-{windows}x{n_ctx}"),
+            str(args.threads), "--no-progress", "--force", "--out", str(out / f"{command}-{dtype}-{windows}x{n_ctx}-{wb}"),
             *COMMANDS[command], *chunked]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
     res = subprocess.run([sys.executable, "-c", WAITER, "nice", "-n", "5", *argv], env=env, capture_output=True,
@@ -115,8 +118,9 @@ def main() -> None:
     ap.add_argument("--commands", nargs="+", default=list(COMMANDS), choices=list(COMMANDS))
     ap.add_argument("--sizes", nargs="+", type=_size, default=[(2, 128), (8, 256)],
                     help="WINDOWSxTOKENS per run (default: 2x128 8x256)")
-    ap.add_argument("--window-batch", type=int, default=2,
-                    help="collapse/geometry: windows per forward pass (0: all in one pass)")
+    ap.add_argument("--window-batch", type=int, nargs="+", default=[2],
+                    help="collapse/geometry: windows per forward pass (0: all in one pass); several values are run "
+                         "side by side")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--build-only", action="store_true")
     args = ap.parse_args()
@@ -127,17 +131,19 @@ def main() -> None:
         print(json.dumps({d: str(f) for d, f in folders.items()}))
         return
     out = Path(tempfile.mkdtemp(prefix="bench_memory_"))
-    wb = f"--window-batch {args.window_batch}" if args.window_batch else "one pass"
-    print(f"Qwen3-0.6B-shaped random folder; collapse/geometry {wb}, noise --batch-size 1; {args.threads} thread(s)")
-    print(f"{'windows x tokens':<18}{'command':<10}{'dtype':<10}{'weights GB':>11}{'peak GB':>9}{'ratio':>7}{'seconds':>9}")
+    print(f"Qwen3-0.6B-shaped random folder; noise --batch-size 1; {args.threads} thread(s); "
+          "window batch 0 = every window in one pass")
+    print(f"{'windows x tokens':<18}{'command':<10}{'dtype':<10}{'weights GB':>11}"
+          + "".join(f"{f'wb {wb}: peak GB':>16}{'ratio':>7}{'s':>7}" for wb in args.window_batch))
     for size in args.sizes:
         for dtype, folder in folders.items():
             w = weight_bytes(folder) / 1e9
             for command in args.commands:
-                r = run(command, folder, dtype, size, args, out)
-                print(f"{f'{size[0]} x {size[1]}':<18}{command:<10}{dtype:<10}{w:>11.2f}{r['peak_gb']:>9.2f}"
-                      f"{r['peak_gb'] / w:>7.2f}{r['seconds']:>9.1f}", flush=True)
-
+                line = f"{f'{size[0]} x {size[1]}':<18}{command:<10}{dtype:<10}{w:>11.2f}"
+                for wb in (args.window_batch if command != "noise" else args.window_batch[:1]):
+                    r = run(command, folder, dtype, size, wb, args, out)
+                    line += f"{r['peak_gb']:>16.2f}{r['peak_gb'] / w:>7.2f}{r['seconds']:>7.1f}"
+                print(line, flush=True)
 
 if __name__ == "__main__":
     main()

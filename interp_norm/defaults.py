@@ -19,6 +19,10 @@ BRIDGE_COLLAPSE_LEVELS: tuple[float, ...] = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3)
 #: Numbers per block of scores in the bridge collapse sweep (4M: about 32 MB in float64; a few such blocks
 #: live at once). Results do not depend on it.
 COLLAPSE_MAX_ELEMENTS: int = 1 << 22
+#: Text windows per forward pass of ``collapse`` / ``geometry`` on a Hugging Face model when none is given
+#: (``window_batch`` None, no ``--window-batch``): the analyses hold one block's hooks of one layer at a time,
+#: so more windows add only per-row results; the default 8 windows run in one pass, as before.
+WINDOW_BATCH: int = 8
 #: Attention normalisation placements of our models, in the order tables and figures show them.
 ATTN_NORMS: tuple[str, ...] = ("pre", "qkv", "qk", "none")
 #: How every table, figure and message names a variant.
@@ -34,6 +38,6 @@ CIRCUIT_METRICS: tuple[str, ...] = ("logit_diff", "correct_prob", "kl_to_clean")
 #: Methods scored against the ground-truth suite.
 BENCHMARK_METHODS: tuple[str, ...] = ("exact", "eap", "eap-ig", "atp*", "pruning")
 
-__all__ = ["DEFAULT_NOISE_LEVELS", "DEFAULT_COLLAPSE_LEVELS", "BRIDGE_COLLAPSE_LEVELS", "COLLAPSE_MAX_ELEMENTS",
+__all__ = ["DEFAULT_NOISE_LEVELS", "DEFAULT_COLLAPSE_LEVELS", "BRIDGE_COLLAPSE_LEVELS", "COLLAPSE_MAX_ELEMENTS", "WINDOW_BATCH",
            "PLACEMENTS", "DISTRIBUTIONS", "ATTN_NORMS", "VARIANT_LABELS", "SPARSE_THRESHOLD", "NONSPARSE_THRESHOLD",
            "NOISED_ROWS", "CIRCUIT_METRICS", "BENCHMARK_METHODS"]

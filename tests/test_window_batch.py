@@ -230,7 +230,7 @@ def test_blocked_geometry_equals_the_whole_batch_analyses(arch, monkeypatch):
     for wb in (None, 1, 2):
         seen.clear()
         got = run_geometry(model, tokens=tokens, window_batch=wb)
-        assert seen and max(seen) == (len(tokens) if wb is None else wb)
+        assert seen and max(seen) == (len(tokens) if wb is None else wb)  # None: 8 (WINDOW_BATCH) >= 5 windows
         cache = _block_cache(model, tokens, names, wb or len(tokens))
         mx = max_attention(model, tokens, cache=cache)
         pd.testing.assert_frame_equal(got["norm_spread"], norm_spread(model, tokens, cache=cache))
@@ -274,13 +274,43 @@ def test_blocked_collapse_equals_one_pass_over_the_same_hooks(arch, placement, m
         joined = {}
 
         def from_blocks(model_, tokens_, names_, window_batch=None):
-            assert window_batch is None
+            assert window_batch >= len(tokens_)  # one pass over the joined hooks
             cache = _block_cache(model_, tokens_, names_, wb)
             joined.update(cache)
             return ((l, cache) for l in sorted(names_))
 
         monkeypatch.setattr(BC, "layer_caches", from_blocks)
-        ref = bridge_collapse(model, tokens, (0.1, 0.3), **kw)
+        ref = bridge_collapse(model, tokens, (0.1, 0.3), window_batch=len(tokens), **kw)
         monkeypatch.setattr(BC, "layer_caches", real_stream)
         assert joined
         pd.testing.assert_frame_equal(got, ref)
+
+
+def test_the_default_window_batch_bounds_many_windows(monkeypatch):
+    """No window_batch: blocks of :data:`~interp_norm.defaults.WINDOW_BATCH` (8) windows, so 11 windows
+    run as 8 + 3, and the tables are those of one pass."""
+    import interp_norm.anatomy.stream as S
+    from interp_norm.defaults import WINDOW_BATCH
+    from interp_norm.geometry import run_geometry
+    from interp_norm.noise import bridge_collapse
+
+    assert WINDOW_BATCH == 8
+    model = tiny_bridge("llama", seed=6, sharpness=4.0)
+    tokens = random_tokens(model, 11, 10, seed=1)
+    real = S.window_blocks
+    sizes = []
+
+    def spy(model_, tokens_, names_, window_batch=None):
+        for layer, start, cache in real(model_, tokens_, names_, window_batch):
+            sizes.append(next(iter(cache.values())).shape[0])
+            yield layer, start, cache
+
+    monkeypatch.setattr(S, "window_blocks", spy)
+    got = run_geometry(model, tokens=tokens)
+    assert sorted(set(sizes)) == [3, 8]
+    ref = run_geometry(model, tokens=tokens, window_batch=11)
+    for k in ref:
+        pd.testing.assert_frame_equal(got[k], ref[k], obj=k)
+    kw = dict(draws=8, placement="after_norm", seed=3, strict_samples=16)
+    pd.testing.assert_frame_equal(bridge_collapse(model, tokens, (0.1, 0.3), **kw),
+                                  bridge_collapse(model, tokens, (0.1, 0.3), window_batch=11, **kw))

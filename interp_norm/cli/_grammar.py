@@ -54,8 +54,8 @@ HELP = {
               "float64, or auto (as stored); converted while loading, never held twice (default: float32; our "
               "models run in float32)"),
     "window_batch": ("Hugging Face models: text windows per forward pass, the passes run layer by layer in "
-                     "lockstep: bounds the forward's activations, same tables as one pass (default: all windows in "
-                     "one pass)"),
+                     "lockstep and each layer is analysed one block of windows at a time: bounds the peak memory "
+                     "whatever --windows is, same tables as one pass (default: 8; --windows or more: one pass)"),
     "device_map": ("Hugging Face models too large for one device: spread the layers over the devices, e.g. auto "
                    "(passed to transformers' from_pretrained; needs the accelerate package; replaces --device; "
                    "default: the whole model on --device)"),

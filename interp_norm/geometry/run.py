@@ -147,16 +147,18 @@ def bridge_geometry(
     The orthogonal-spheres, subspace and interference analyses read our model's weight steps and
     residual decomposition, which a bridge does not expose; they are not run here.
 
-    Memory: one early-stopped forward (no logits) per block of ``window_batch`` windows (None = all in
-    one), the blocks in lockstep layer by layer; each block's hooks of a layer are reduced to per-row
+    Memory: one early-stopped forward (no logits) per block of ``window_batch`` windows (None:
+    :data:`~interp_norm.defaults.WINDOW_BATCH`, 8; ≥ the windows: one pass), the blocks in lockstep layer by layer; each block's hooks of a layer are reduced to per-row
     values before the next block runs (:func:`~interp_norm.geometry.bridge_sweep.bridge_sweep`), so the
     peak is the weights plus one block's hooks of one layer plus those per-row values, while every table
     is the one a single pass gives.
     """
     from interp_norm.errors import GeometryError, check_positive_int
 
-    if window_batch is not None:
-        check_positive_int(window_batch, "window_batch", GeometryError, "windows per forward pass; None = all")
+    from interp_norm.defaults import WINDOW_BATCH
+
+    window_batch = WINDOW_BATCH if window_batch is None else window_batch
+    check_positive_int(window_batch, "window_batch", GeometryError, "windows per forward pass")
     from interp_norm.anatomy import anatomy
     from interp_norm.geometry.bridge_sweep import bridge_sweep
 

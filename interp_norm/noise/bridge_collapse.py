@@ -16,7 +16,8 @@ norm, which no :class:`~interp_norm.theory.NoiseLaw` describes, so its predictio
 Memory: a real model's scores are large (batch · heads · pos² per layer), so the clean scores are
 rebuilt from the cached q and k one block of heads at a time, and the noised rows one block of
 draws at a time, each block holding at most ``max_elements`` numbers. What stays whole is O(pos):
-the cached q/k and the κ draws of one layer. The clean pass hands over one layer's q/k at a time
+the cached q/k and the κ draws of one layer; the noise factors (draws × levels per position) and the
+scores are made one block of ``window_batch`` windows at a time. The clean pass hands over one layer's q/k at a time
 and stops after the last layer analysed (:func:`interp_norm.anatomy.stream.layer_caches`: no
 logits, never every layer's cache at once); the values are those of ``run_with_cache``.
 
@@ -41,7 +42,7 @@ from interp_norm import theory
 from interp_norm.anatomy import Anatomy, LayerAnatomy, anatomy, canonical
 from interp_norm.anatomy.rebuild import attention_mask, masked_softmax, rebuilt_query_key, scores_from_qk
 from interp_norm.anatomy.stream import layer_caches
-from interp_norm.defaults import BRIDGE_COLLAPSE_LEVELS, COLLAPSE_MAX_ELEMENTS, SPARSE_THRESHOLD
+from interp_norm.defaults import BRIDGE_COLLAPSE_LEVELS, COLLAPSE_MAX_ELEMENTS, SPARSE_THRESHOLD, WINDOW_BATCH
 from interp_norm.errors import ArchitectureError, ConfigError, NoiseSpecError
 from interp_norm.noise import _validate as V
 from interp_norm.noise.collapse import rate_table
@@ -139,8 +140,9 @@ def collapse_chunks(
     """
     tokens, levels, targets = _check(tokens, levels, draws=draws, targets=targets, placement=placement,
                                      distribution=distribution, max_elements=max_elements, allowed=("q", "k"))
-    if window_batch is not None:
-        V.check_positive_int(window_batch, "window_batch", NoiseSpecError)
+    if window_batch is None:
+        window_batch = WINDOW_BATCH
+    V.check_positive_int(window_batch, "window_batch", NoiseSpecError)
     anat = anat or anatomy(model)
     if anat.kind != "bridge":
         raise ArchitectureError("bridge_collapse is for TransformerBridges; for a HookedNormTransformer use "
@@ -161,7 +163,7 @@ def collapse_chunks(
         cache = {n: c[n] for l, c in stream for n in per_layer[l]}
         stream = ((l, cache) for l in layers)
     b, n = tokens.shape
-    step = b if window_batch is None else min(int(window_batch), b)
+    step = min(int(window_batch), b)
     spans = [(i, min(b, i + step)) for i in range(0, b, step)]  # blocks of windows, in order
     for l, cache in tqdm(stream, total=len(layers), desc="collapse", disable=not progress):
         la = anat[l]
@@ -255,9 +257,11 @@ def bridge_collapse(
     interference arrives; a per-head q/k norm then removes it) or "after_norm" (what the scores
     use). ``layers`` None = all. ``max_elements`` bounds every score block (clean scores per block of
     heads, noised rows per block of draws); peak memory grows with it, results do not change.
-    ``window_batch`` (None = all) runs the clean forward over that many windows at a time, in lockstep
-    layer by layer (:func:`interp_norm.anatomy.stream.layer_caches`): the forward's activations are
-    those of ``window_batch`` windows, the rows and decisions are those of one pass.
+    ``window_batch`` (None: :data:`~interp_norm.defaults.WINDOW_BATCH`, 8; ≥ the windows: one pass) runs
+    the clean forward over that many windows at a time, in lockstep layer by layer, and inside each layer
+    rebuilds the scores and the noise factors of one block of windows at a time, keeping only the sparse
+    rows' scores and decisions: the peak is bounded by ``window_batch`` (and ``max_elements``), not by
+    the number of windows; the rows and decisions are those of one pass (the tests check it).
     ``predict=False`` skips the theory (NaN); ``strict_samples`` Monte-Carlo samples per row for the
     strict prediction (0: NaN).
 
