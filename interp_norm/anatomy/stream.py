@@ -85,6 +85,7 @@ def window_blocks(model: Any, tokens: Tensor, names: Mapping[int, set[str]],
     step = len(tokens) if window_batch is None else min(int(window_batch), len(tokens))
     starts = list(range(0, len(tokens), max(1, step)))
     passes = [_one_pass(model, tokens[i : i + step], names) for i in starts]
+    last_use = {n: l for l in sorted(names) for n in names[l]}
     try:
         for layer in sorted(names):
             for start, it in zip(starts, passes):
@@ -99,6 +100,9 @@ def window_blocks(model: Any, tokens: Tensor, names: Mapping[int, set[str]],
                         raise ArchitectureError(f"hook {n!r} is not batch-first ({tuple(p.shape)} for {n_rows} "
                                                 "windows); use window_batch=None")
                 yield layer, start, {n: cache[n] for n in names[layer]}
+                for n in names[layer]:  # done with: the paused pass drops it now, not when it resumes
+                    if last_use[n] == layer:
+                        cache.pop(n, None)
                 del got, cache
     finally:
         for it in reversed(passes):  # the last pass added its hooks last: it removes them first
@@ -119,13 +123,16 @@ def _one_pass(model: Any, tokens: Tensor, names: Mapping[int, set[str]]) -> Iter
     cache: dict[str, Tensor] = {}
     pending = list(order)
 
+    fired: set[str] = set()
+
     def hook(act: Tensor, hook: Any, name: str) -> Tensor:
         if threading.get_ident() != state["worker"]:
             return act  # another forward of the model while this one waits (its hooks stay registered)
         if state["abort"]:
             raise _Stop
-        cache[name] = act.detach()  # under the name asked for (an alias's HookPoint has another)
-        while pending and names[pending[0]] <= cache.keys():
+        # a complete layer is handed over once the forward has moved past it (a later layer's hook fires):
+        # a pass waiting here holds no attention internals of that layer, only its own state at this point
+        while pending and names[pending[0]] <= fired and name not in names[pending[0]]:
             layer = pending.pop(0)
             handoff.put(("layer", layer))
             resume.acquire()  # the caller works on this layer's cache meanwhile
@@ -134,8 +141,13 @@ def _one_pass(model: Any, tokens: Tensor, names: Mapping[int, set[str]]) -> Iter
             for n in names[layer]:
                 if last_use[n] == layer:
                     cache.pop(n, None)
-        if not pending:
-            raise _Stop  # nothing later is needed: no further layers, no logits
+        cache[name] = act.detach()  # under the name asked for (an alias's HookPoint has another)
+        fired.add(name)
+        if wanted <= fired:  # nothing later is needed: hand the rest over and stop (no further layers, no logits)
+            for layer in pending:
+                handoff.put(("layer", layer))
+            pending.clear()
+            raise _Stop
         return act
 
     def work() -> None:
