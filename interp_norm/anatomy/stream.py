@@ -4,11 +4,14 @@
 forward it runs ends with the unembedding: for Qwen3-0.6B on 8 windows of 256 tokens, 1.2 GB of
 logits nobody reads plus every layer's q and k. :func:`layer_caches` runs the same forward (the
 model's own code, unchanged, so every value is the one ``run_with_cache`` would give) in a worker
-thread and hands the caller each layer's hooks as soon as they have fired; the forward waits in the
-hook until the caller asks for the next layer, drops what no later layer needs, and is stopped right
-after the last hook anyone asked for (no later layers, no logits). Peak memory is the weights plus
-one layer's cached hooks plus the forward's own per-layer activations; ``window_batch`` bounds the
-latter by running blocks of windows in lockstep. Every forward here runs with ``use_cache=False``: the
+thread and hands the caller each layer's hooks once the forward has moved past that layer (at the next
+layer's first hook, so the waiting forward holds none of the layer's attention internals); the forward
+waits there until the caller asks for the next layer, drops what no later layer needs, and is stopped
+right after the last hook anyone asked for (no later layers, no logits). :func:`window_blocks` runs
+blocks of ``window_batch`` windows in lockstep and hands over one block's hooks of one layer at a time:
+an analysis that reduces them to per-row results before asking for the next (collapse, geometry)
+peaks at the weights plus one block's hooks plus those results, whatever the number of windows;
+:func:`layer_caches` joins the blocks of a layer (the whole batch's hooks, as one pass). Every forward here runs with ``use_cache=False``: the
 Hugging Face key/value cache of every layer (for generation; the values are the same without it) would
 otherwise grow layer by layer, 470 MB for Qwen3-0.6B on 8 windows of 256 tokens in float32.
 :func:`cache_before_unembed` is the one-shot form (the anatomy's probe): the hooks of one forward,
@@ -48,7 +51,7 @@ def layer_caches(model: Any, tokens: Tensor, names: Mapping[int, set[str]], *,
     pass has reached it, and the layer's cache is their hooks concatenated along the batch dimension,
     so it holds exactly ``names[layer]`` for every window, as one pass would. Only one pass computes at a
     time, so the forward's own activations (attention weights, MLP) are those of ``window_batch``
-    windows; what stays whole is the layer's cached hooks. Each window's values are its own forward's
+    windows; what stays whole is the layer's cached hooks (use :func:`window_blocks` to never join them). Each window's values are its own forward's
     (no position or token mixes windows); equal to the one-pass values bit for bit where the model's
     matrix products give each row the same result whatever the number of rows (the tests check it).
     """
