@@ -265,7 +265,7 @@ def test_blocked_collapse_equals_one_pass_over_the_same_hooks(arch, placement, m
                         real_scores(m, a, l, q, k, **h))
     monkeypatch.setattr(BC, "placed_factors", lambda la, t, kappa, raw, p: widths.append(kappa.shape[1]) or
                         real_factors(la, t, kappa, raw, p))
-    real_stream = BC.layer_caches
+    real_stream = BC.window_blocks
     for wb in (1, 2):
         widths.clear()
         got = bridge_collapse(model, tokens, (0.1, 0.3), window_batch=wb, **kw)
@@ -277,11 +277,11 @@ def test_blocked_collapse_equals_one_pass_over_the_same_hooks(arch, placement, m
             assert window_batch >= len(tokens_)  # one pass over the joined hooks
             cache = _block_cache(model_, tokens_, names_, wb)
             joined.update(cache)
-            return ((l, cache) for l in sorted(names_))
+            return ((l, 0, cache) for l in sorted(names_))
 
-        monkeypatch.setattr(BC, "layer_caches", from_blocks)
+        monkeypatch.setattr(BC, "window_blocks", from_blocks)
         ref = bridge_collapse(model, tokens, (0.1, 0.3), window_batch=len(tokens), **kw)
-        monkeypatch.setattr(BC, "layer_caches", real_stream)
+        monkeypatch.setattr(BC, "window_blocks", real_stream)
         assert joined
         pd.testing.assert_frame_equal(got, ref)
 

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from interp_norm import theory
 from interp_norm.anatomy import Anatomy, LayerAnatomy, anatomy, canonical
 from interp_norm.anatomy.rebuild import attention_mask, masked_softmax, rebuilt_query_key, scores_from_qk
-from interp_norm.anatomy.stream import layer_caches
+from interp_norm.anatomy.stream import layer_caches, window_blocks
 from interp_norm.defaults import BRIDGE_COLLAPSE_LEVELS, COLLAPSE_MAX_ELEMENTS, SPARSE_THRESHOLD, WINDOW_BATCH
 from interp_norm.errors import ArchitectureError, ConfigError, NoiseSpecError
 from interp_norm.noise import _validate as V
@@ -158,48 +158,55 @@ def collapse_chunks(
             if placement == "before_norm" and la.norms.get(t) is not None:
                 per_layer[l].add(la.hooks[t])
     device = getattr(model.cfg, "device", None) or "cpu"
-    stream = layer_caches(model, tokens.to(device), per_layer, window_batch=window_batch)
-    if layers != sorted(per_layer):  # an unsorted layer list keeps its order: every layer's q/k held at once
-        cache = {n: c[n] for l, c in stream for n in per_layer[l]}
-        stream = ((l, cache) for l in layers)
     b, n = tokens.shape
     step = min(int(window_batch), b)
-    spans = [(i, min(b, i + step)) for i in range(0, b, step)]  # blocks of windows, in order
-    for l, cache in tqdm(stream, total=len(layers), desc="collapse", disable=not progress):
+    if layers == sorted(per_layer):  # one block of windows' q/k of one layer at a time
+        stream = window_blocks(model, tokens.to(device), per_layer, step)
+    else:  # an unsorted layer list keeps its order: every layer's q/k of every window held at once
+        step = b
+        joined = {nm: c[nm] for l, c in layer_caches(model, tokens.to(device), per_layer, window_batch=window_batch)
+                  for nm in per_layer[l]}
+        stream = ((l, 0, joined) for l in layers)
+    bar = tqdm(total=len(layers), desc="collapse", disable=not progress)
+    for l, start, cache in stream:
         la = anat[l]
+        if start == 0:  # the layer's draws for every window (O(draws · positions · heads)), its chunks' parts
+            z_q, z_k = collapse_kappa(anat, l, b, n, draws, seed, distribution=distribution)
+            mask_cpu = attention_mask(la, n, n, "cpu")
+            usable = mask_cpu.sum(-1) >= 2  # [query]: query 0 has one key
+            block = max(1, min(la.n_heads, max_elements // max(1, b * n * n)))  # the chunks of one pass
+            kv_of = torch.as_tensor(la.kv_head_of)
+            parts: dict[int, list] = {h0: [] for h0 in range(0, la.n_heads, block)}
         q, k = rebuilt_query_key(model, cache, anat, l)
-        z_q, z_k = collapse_kappa(anat, l, b, n, draws, seed, distribution=distribution)
         raw = {t: canonical(cache[la.hooks[t]], la.layouts.get(t, "bphd"), la.n_heads_of(t), la.d_head).cpu()
                for t in ("q", "k") if placement == "before_norm" and la.norms.get(t) is not None}
-        mask = attention_mask(la, n, n, q.device)
-        mask_cpu = mask.cpu()
-        usable = mask_cpu.sum(-1) >= 2  # [query]: query 0 has one key
-        per_head = b * n * n
-        block = max(1, min(la.n_heads, max_elements // max(1, per_head)))  # the chunks of one pass
-        kind = theory_kind(la, targets, placement)
-        kv_of = torch.as_tensor(la.kv_head_of)
-        held = _factors(la, z_q, z_k, raw, levels, targets, placement, spans[0]) if len(spans) == 1 else None
-        for h0 in range(0, la.n_heads, block):
+        del cache
+        stop = min(b, start + step)
+        f = _factors(la, z_q[:, start:stop], z_k[:, start:stop], raw, levels, targets, placement)
+        for h0 in parts:  # per block of heads: (rows, w, loose, strict) of this block of windows' sparse rows
             heads = tuple(range(h0, min(la.n_heads, h0 + block)))
-            parts = []  # per block of windows: (rows, w, loose, strict) of its sparse rows
-            for span in spans:
-                f = held if held is not None else _factors(la, z_q, z_k, raw, levels, targets, placement, span)
-                parts.append(_block_rows(model, anat, l, q[span[0]:span[1]], k[span[0]:span[1]], heads, f, span[0],
-                                         mask_cpu, usable, kv_of, sparse_threshold, strict_threshold, max_elements,
-                                         len(levels), draws))
-                del f
-            rows, w, loose, strict = (torch.cat([p[i] for p in parts], -1 if i >= 2 else 0) for i in range(4))
-            del parts
+            parts[h0].append(_block_rows(model, anat, l, q, k, heads, f, start, mask_cpu, usable, kv_of,
+                                         sparse_threshold, strict_threshold, max_elements, len(levels), draws))
+        del f, q, k, raw
+        if stop < b:
+            continue
+        bar.update()
+        kind = theory_kind(la, targets, placement)
+        for h0, got in parts.items():
+            heads = tuple(range(h0, min(la.n_heads, h0 + block)))
+            rows, w, loose, strict = (torch.cat([p[i] for p in got], -1 if i >= 2 else 0) for i in range(4))
+            got.clear()
             yield ChunkCollapse(l, heads, levels, rows, w, loose, strict, kind, la.softcap)
+        del z_q, z_k
+    bar.close()
 
 
-def _factors(la: LayerAnatomy, z_q: Tensor, z_k: Tensor, raw: dict, levels: Sequence[float], targets: Sequence[str],
-             placement: str, span: tuple[int, int]) -> list[tuple[Tensor, Tensor]]:
-    """Per level: (f_q [D, w, p, H], f_k [D, w, p, H_kv]) float64 of the windows ``span`` (elementwise in
-    the windows, so a block's factors are the whole batch's, sliced). O(draws · windows · pos · heads)."""
-    b0, b1 = span
-    zq, zk = z_q[:, b0:b1], z_k[:, b0:b1]
-    rq, rk = (raw[t][b0:b1] if t in raw else None for t in ("q", "k"))
+def _factors(la: LayerAnatomy, zq: Tensor, zk: Tensor, raw: dict, levels: Sequence[float], targets: Sequence[str],
+             placement: str) -> list[tuple[Tensor, Tensor]]:
+    """Per level: (f_q [D, w, p, H], f_k [D, w, p, H_kv]) float64 of one block of windows (its draws ``zq``,
+    ``zk`` and clean projections ``raw``; elementwise in the windows, so a block's factors are the whole
+    batch's, sliced). O(draws · windows · pos · heads)."""
+    rq, rk = raw.get("q"), raw.get("k")
     f = []
     for level in levels:
         kq = level * zq if "q" in targets else torch.zeros_like(zq)
