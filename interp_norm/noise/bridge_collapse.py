@@ -15,11 +15,13 @@ norm, which no :class:`~interp_norm.theory.NoiseLaw` describes, so its predictio
 
 Memory: a real model's scores are large (batch · heads · pos² per layer), so the clean scores are
 rebuilt from the cached q and k one block of heads at a time, and the noised rows one block of
-draws at a time, each block holding at most ``max_elements`` numbers. What stays whole is O(pos):
-the cached q/k and the κ draws of one layer; the noise factors (draws × levels per position) and the
-scores are made one block of ``window_batch`` windows at a time. The clean pass hands over one layer's q/k at a time
-and stops after the last layer analysed (:func:`interp_norm.anatomy.stream.layer_caches`: no
-logits, never every layer's cache at once); the values are those of ``run_with_cache``.
+draws at a time, each block holding at most ``max_elements`` numbers. The clean pass runs over blocks of
+``window_batch`` windows in lockstep and hands over one block's q/k of one layer at a time
+(:func:`interp_norm.anatomy.stream.window_blocks`: no logits, never every layer's or every window's
+cache at once); each block's scores and noise factors (draws × levels per position) are made from it
+and only its sparse rows are kept (their clean scores and decisions). What grows with the windows is
+the layer's κ draws (O(draws · positions · heads)) and the sparse rows; the values are those of
+``run_with_cache``.
 
 The prediction is the theory's (:func:`interp_norm.theory.predicted_collapse_probability`, exact
 for "loose"; :func:`~interp_norm.theory.predicted_collapse_probability_strict`, a Monte Carlo) on
