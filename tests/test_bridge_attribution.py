@@ -320,7 +320,7 @@ def test_the_wiring_check_runs_once_per_weights_and_a_failed_check_falls_back(mo
     pairs = _pairs_from(bridge, [2, 4, 3])
     checks: list = []
     real = attribution_replay._check
-    monkeypatch.setattr(attribution_replay, "_check", lambda *a: checks.append(1) or real(*a))
+    monkeypatch.setattr(attribution_replay, "_check", lambda *a, **kw: checks.append(1) or real(*a, **kw))
     first = node_attribution(bridge, pairs, ReadAt(N - 1), ("z",))
     node_attribution(bridge, pairs, ReadAt(N - 1), ("z",))
     assert len(checks) == 1  # the same weights: checked once
@@ -329,7 +329,7 @@ def test_the_wiring_check_runs_once_per_weights_and_a_failed_check_falls_back(mo
     node_attribution(bridge, pairs, ReadAt(N - 1), ("z",))
     assert len(checks) == 2
 
-    def refuse(*a):
+    def refuse(*a, **kw):
         raise EngineRefusal("wired otherwise")
 
     monkeypatch.setattr(attribution_replay, "_check", refuse)

@@ -113,12 +113,14 @@ def node_attribution(
     found = None
     if replay.applies(model, activations):
         try:
-            found = replay.prefix_attribution(model, clean, corr, metric, leaves, embed,
-                                              cols if cols is not None else torch.arange(n, device=dev), alphas, steps_per_pass)
+            found = replay.prefix_attribution(
+                model, clean, corr, metric, names=leaves, embed=embed,
+                cols=cols if cols is not None else torch.arange(n, device=dev), alphas=alphas, steps_per_pass=steps_per_pass)
         except EngineRefusal:
             found = None  # a bridge whose blocks cannot be re-run: full passes
     if found is None:
-        found = _full_passes(model, clean, corr, metric, leaves, embed, cols, ne, alphas, steps_per_pass)
+        found = _full_passes(model, clean, corr, metric, leaves=leaves, embed=embed, cols=cols, ne=ne, alphas=alphas,
+                             steps_per_pass=steps_per_pass)
     prods, clean_val, baseline = found
     out = {}
     for a in activations:
@@ -140,7 +142,7 @@ def node_attribution(
     return out
 
 
-def _full_passes(model, clean: Tensor, corr: Tensor, metric: MetricFn, leaves: list, embed: str, cols: Optional[Tensor],
+def _full_passes(model, clean: Tensor, corr: Tensor, metric: MetricFn, *, leaves: list, embed: str, cols: Optional[Tensor],
                  ne: int, alphas: Tensor, steps_per_pass: int) -> tuple[dict, Tensor, Tensor]:
     """One clean forward, then forward + backward passes from the corrupted input with zero leaves
     added at every hooked activation: ``{name: (clean - corrupted) x gradient summed over the

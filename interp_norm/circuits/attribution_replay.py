@@ -115,7 +115,7 @@ def _to_positions(act: Tensor, pos: Tensor, ne: int) -> Tensor:
     return out.index_copy_(1, pos, act)
 
 
-def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, names: list, embed: str, cols: Tensor,
+def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, *, names: list, embed: str, cols: Tensor,
                        alphas: Tensor, steps_per_pass: int) -> tuple[dict, Tensor, Tensor]:
     """``{name: (clean - corrupted) x gradient summed over the integration points}`` (float64,
     ``[b, ne, ..., 1]``: summed over the last axis; ``ne`` = last read position + 1) for the hooks ``names``, the clean metric
@@ -174,7 +174,7 @@ def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, names: list, 
     key = weights_key(model)
     wiring = (sliced, len(run.tail))
     if _CHECKED.get(model, {}).get(wiring) != key:
-        _check(run, clean[:, :ne], clean_acts, held["x"], cols, sliced, weight)
+        _check(run, clean[:, :ne], clean_acts, held["x"], cols, sliced=sliced, weight=weight)
         _CHECKED.setdefault(model, {})[wiring] = key
 
     # -- the corrupted run from p0, with the gradient, per chunk of integration points ----------
@@ -287,7 +287,7 @@ def _unchanged(seen: dict, names: list) -> list:
     return list(names)
 
 
-def _check(run: _CleanRun, tokens: Tensor, clean_acts: dict, x_clean: Tensor, cols: Tensor, sliced: bool,
+def _check(run: _CleanRun, tokens: Tensor, clean_acts: dict, x_clean: Tensor, cols: Tensor, *, sliced: bool,
            weight: Optional[Tensor]) -> None:
     """The re-run of the clean tokens from a middle position, and the captured clean run, against the
     bridge's own forward: logits at the read positions, every hooked activation, the blocks' input."""

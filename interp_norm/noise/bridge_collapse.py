@@ -184,11 +184,13 @@ def collapse_chunks(
                for t in ("q", "k") if placement == "before_norm" and la.norms.get(t) is not None}
         del cache
         stop = min(b, start + step)
-        f = _factors(la, z_q[:, start:stop], z_k[:, start:stop], raw, levels, targets, placement)
+        f = _factors(la, z_q[:, start:stop], z_k[:, start:stop], raw, levels=levels, targets=targets, placement=placement)
         for h0 in parts:  # per block of heads: (rows, w, loose, strict) of this block of windows' sparse rows
             heads = tuple(range(h0, min(la.n_heads, h0 + block)))
-            parts[h0].append(_block_rows(model, anat, l, q, k, heads, f, start, mask_cpu, usable, kv_of,
-                                         sparse_threshold, strict_threshold, max_elements, len(levels), draws))
+            parts[h0].append(_block_rows(
+                model, anat, l, q, k, heads=heads, f=f, b0=start, mask_cpu=mask_cpu, usable=usable, kv_of=kv_of,
+                sparse_threshold=sparse_threshold, strict_threshold=strict_threshold, max_elements=max_elements,
+                n_levels=len(levels), draws=draws))
         del f, q, k, raw
         if stop < b:
             continue
@@ -203,7 +205,7 @@ def collapse_chunks(
     bar.close()
 
 
-def _factors(la: LayerAnatomy, zq: Tensor, zk: Tensor, raw: dict, levels: Sequence[float], targets: Sequence[str],
+def _factors(la: LayerAnatomy, zq: Tensor, zk: Tensor, raw: dict, *, levels: Sequence[float], targets: Sequence[str],
              placement: str) -> list[tuple[Tensor, Tensor]]:
     """Per level: (f_q [D, w, p, H], f_k [D, w, p, H_kv]) float64 of one block of windows (its draws ``zq``,
     ``zk`` and clean projections ``raw``; elementwise in the windows, so a block's factors are the whole
@@ -217,7 +219,7 @@ def _factors(la: LayerAnatomy, zq: Tensor, zk: Tensor, raw: dict, levels: Sequen
     return f
 
 
-def _block_rows(model: Any, anat: Anatomy, l: int, q: Tensor, k: Tensor, heads: tuple[int, ...], f: list, b0: int,
+def _block_rows(model: Any, anat: Anatomy, l: int, q: Tensor, k: Tensor, *, heads: tuple[int, ...], f: list, b0: int,
                 mask_cpu: Tensor, usable: Tensor, kv_of: Tensor, sparse_threshold: float, strict_threshold: float,
                 max_elements: int, n_levels: int, draws: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The sparse rows of one block of windows (``q``/``k`` theirs, the first being window ``b0``) and one
