@@ -28,7 +28,6 @@ falls back to full forward passes. Never used when a hook is on the model.
 
 from __future__ import annotations
 
-import weakref
 from functools import partial
 from typing import Any, Optional
 
@@ -37,16 +36,13 @@ from torch import Tensor
 
 from interp_norm.circuits._types import metric_values
 from interp_norm.circuits.block_steps import _has_hooks
-from interp_norm.circuits.engine import weights_key
+from interp_norm.circuits.engine import check_once
 from interp_norm.circuits.kv_patching import KV_ACTIVATIONS, KVCacheEngine
 from interp_norm.errors import EngineRefusal
 from interp_norm.hooks import act_name
 
 #: the activations that are the residual stream itself
 _RESIDUAL = ("resid_pre", "resid_mid", "resid_post")
-
-#: model -> {(tail sliced, tail modules): weights_key when the re-run last matched the bridge's forward}
-_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, tuple]]" = weakref.WeakKeyDictionary()
 
 
 class _CleanRun(KVCacheEngine):
@@ -171,11 +167,8 @@ def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, *, names: lis
     run.calls = [{k: _ordinary(v) for k, v in call.items()} for call in run.calls]
     clean_acts = {nm: _to_positions(cc[nm], pos_all if cc[nm].shape[1] == ne else cols, ne) for nm in names}
     weight = _unembed_weight(model)
-    key = weights_key(model)
-    wiring = (sliced, len(run.tail))
-    if _CHECKED.get(model, {}).get(wiring) != key:
-        _check(run, clean[:, :ne], clean_acts, held["x"], cols, sliced=sliced, weight=weight)
-        _CHECKED.setdefault(model, {})[wiring] = key
+    check_once(model, ("attribution re-run", sliced, len(run.tail)),
+               lambda: _check(run, clean[:, :ne], clean_acts, held["x"], cols, sliced=sliced, weight=weight))
 
     # -- the corrupted run from p0, with the gradient, per chunk of integration points ----------
     e_clean = cc[embed]

@@ -30,7 +30,7 @@ instead of giving wrong numbers. The rows passed between the steps are named row
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Optional
+from typing import Callable, Hashable, Optional
 
 import torch
 from torch import Tensor
@@ -54,8 +54,18 @@ from interp_norm.errors import EngineRefusal, PatchingError
 STAGES = ("resid_pre", "q", "k", "v", "pattern", "z", "attn_out", "resid_mid", "mlp_out", "resid_post")
 _BEFORE_SCORES = ("q", "k", "v")  # entering copies whose attention is recomputed
 _BEFORE_OUT = ("q", "k", "v", "pattern", "z")  # ... whose attention output is recomputed
-#: model -> {fast mode: :func:`weights_key` when its wiring last matched ``model(tokens)``}
-_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, tuple]]" = weakref.WeakKeyDictionary()
+#: model -> {wiring: :func:`weights_key` when that wiring's check last passed} (see :func:`check_once`)
+_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[Hashable, tuple]]" = weakref.WeakKeyDictionary()
+
+
+def check_once(model, wiring: Hashable, check: Callable[[], None]) -> None:
+    """Run ``check`` (it raises :class:`~interp_norm.errors.EngineRefusal` on a mismatch) unless it
+    already passed for ``model`` with this ``wiring`` and these weights (:func:`weights_key`): a
+    re-implementation of the model's forward is compared with the model once, not on every call."""
+    key = weights_key(model)
+    if _CHECKED.get(model, {}).get(wiring) != key:
+        check()
+        _CHECKED.setdefault(model, {})[wiring] = key
 
 
 def weights_key(model) -> tuple:
@@ -120,10 +130,7 @@ class IncrementalEngine(BlockSteps):
             head = model(resid.reshape(-1, d).index_select(0, self.read_flat).unsqueeze(0), start_at_layer=self.L)[0]
             self.logits = head.new_zeros(self.b * self.n, head.shape[-1]).index_copy_(0, self.read_flat, head)
             self.logits = self.logits.view(self.b, self.n, -1)
-            key = weights_key(model)
-            if _CHECKED.get(model, {}).get(self.fast) != key:
-                self._check(tokens)
-                _CHECKED.setdefault(model, {})[self.fast] = key
+            check_once(model, ("incremental", self.fast), lambda: self._check(tokens))
         self.c = []
         for a in self.acts:  # keys and values [b, keys, h, dh] up to the last read position, contiguous for the gathers
             self.c.append(dict(k_p=a["k_used"][:, :ne].contiguous(), v_p=a["v_used"][:, :ne].contiguous()))
@@ -496,4 +503,4 @@ class IncrementalEngine(BlockSteps):
         return logits
 
 
-__all__ = ["IncrementalEngine", "STAGES", "causal_softmax", "padded_softmax", "weights_key"]
+__all__ = ["IncrementalEngine", "STAGES", "causal_softmax", "check_once", "padded_softmax", "weights_key"]
