@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from typing import Sequence
+import math
+from typing import Callable, Optional, Sequence
 
 import pandas as pd
 import pytest
@@ -51,6 +52,57 @@ def bridges_with_hf_copies(archs: Sequence[str], seed: int) -> dict:
         ref = copy.deepcopy(hf)
         out[arch] = (bridge_from_hf(hf, name=f"tiny-{arch}"), ref)
     return out
+
+
+def differing_tokens(bridge, b: int = 3, n: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(clean, corrupted) token ids for ``bridge`` whose examples first differ at positions 1, 3, 2."""
+    from interp_norm.anatomy import random_tokens
+
+    clean = random_tokens(bridge, b, n, seed=4, low=3)
+    corr = clean.clone()
+    for i, at in enumerate([1, 3, 2][:b]):  # a different first difference per example
+        corr[i, at] = (corr[i, at] + 7) % 120 + 3
+    return clean, corr
+
+
+def _gpt2_attention(attn, x: torch.Tensor) -> torch.Tensor:
+    b, n, d = x.shape
+    H = attn.num_heads
+    q, k, v = (t.view(b, n, H, d // H).transpose(1, 2) for t in attn.c_attn(x).split(d, dim=-1))
+    s = (q @ k.transpose(-1, -2) / math.sqrt(d // H)).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
+    return attn.c_proj((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+
+
+def hand_forward(hf, arch: str, tokens: torch.Tensor, at: Optional[Callable] = None) -> torch.Tensor:
+    """Logits of the Hugging Face model ``hf`` (GPT-2, Llama, Qwen3, OLMo-2) written out block by block:
+    the independent reference for what a bridge's residual hooks hold. ``at(kind, layer, x)`` sees, and
+    may replace, every ``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_out`` and ``resid_post``; the
+    MLP reads, and the block carries on, the ``resid_mid`` it returns."""
+    at = at or (lambda kind, l, x: x)
+    b, n = tokens.shape
+    if arch == "gpt2":
+        t = hf.transformer
+        h = t.wte(tokens) + t.wpe(torch.arange(n))
+        for l, blk in enumerate(t.h):
+            h = at("resid_pre", l, h)
+            mid = at("resid_mid", l, h + at("attn_out", l, _gpt2_attention(blk.attn, blk.ln_1(h))))
+            h = at("resid_post", l, mid + at("mlp_out", l, blk.mlp(blk.ln_2(mid))))
+        return hf.lm_head(t.ln_f(h))
+    m = hf.model
+    h = m.embed_tokens(tokens)
+    rope = m.rotary_emb(h, torch.arange(n).expand(b, n))
+    mask = torch.zeros(n, n).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf).expand(b, 1, n, n)
+    for l, blk in enumerate(m.layers):
+        h = at("resid_pre", l, h)
+        if arch == "olmo2":  # post-norm: the norms act on the updates
+            a, _ = blk.self_attn(hidden_states=h, position_embeddings=rope, attention_mask=mask)
+            mid = at("resid_mid", l, h + at("attn_out", l, blk.post_attention_layernorm(a)))
+            h = at("resid_post", l, mid + at("mlp_out", l, blk.post_feedforward_layernorm(blk.mlp(mid))))
+        else:
+            a, _ = blk.self_attn(hidden_states=blk.input_layernorm(h), position_embeddings=rope, attention_mask=mask)
+            mid = at("resid_mid", l, h + at("attn_out", l, a))
+            h = at("resid_post", l, mid + at("mlp_out", l, blk.mlp(blk.post_attention_layernorm(mid))))
+    return hf.lm_head(m.norm(h))
 
 
 def check_read_matrices_reproduce_qkv(model: HookedNormTransformer, tokens: torch.Tensor) -> None:

@@ -10,6 +10,7 @@
   training processes they start, which inherit an ignored SIGINT but not a handled one.
 * A run that selects no test fails with a message (exit 1), never pytest's exit code 5, which CI
   scripts could mistake for something other than a failure.
+* ``replays``: the fixture the attribution tests use to see which path ``node_attribution`` took.
 """
 
 from __future__ import annotations
@@ -44,3 +45,27 @@ def pytest_sessionfinish(session, exitstatus):
         session.config.pluginmanager.get_plugin("terminalreporter").write_line(
             "error: no test was selected (check the path, -k or -m); run `make test` from the repository root")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# ----------------------------------------------------------------------------- shared fixtures
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """Records whether each node_attribution call took the re-run path (True) or refused it (False)."""
+    from interp_norm.circuits import attribution_replay
+
+    taken: list = []
+    real = attribution_replay.prefix_attribution
+
+    def spy(*args, **kwargs):
+        try:
+            out = real(*args, **kwargs)
+        except Exception:
+            taken.append(False)
+            raise
+        taken.append(True)
+        return out
+
+    monkeypatch.setattr(attribution_replay, "prefix_attribution", spy)
+    return taken

@@ -213,27 +213,6 @@ def _tl_scores(bridge, pairs: PatchingPairs, fn, i: int) -> tuple[torch.Tensor, 
     return tz, tm
 
 
-@pytest.fixture
-def replays(monkeypatch):
-    """Records whether each node_attribution call took the re-run path (True) or refused it (False)."""
-    from interp_norm.circuits import attribution_replay
-
-    taken: list = []
-    real = attribution_replay.prefix_attribution
-
-    def spy(*args, **kwargs):
-        try:
-            out = real(*args, **kwargs)
-        except Exception:
-            taken.append(False)
-            raise
-        taken.append(True)
-        return out
-
-    monkeypatch.setattr(attribution_replay, "prefix_attribution", spy)
-    return taken
-
-
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "olmo2"])
 def test_rerun_from_the_shared_prefix_equals_transformer_lens_per_pair(bridges, arch, replays):
     """Pairs corrupted at positions 3, 5, 4 (shared prefix 0..2); metrics reading the last position,

@@ -14,7 +14,6 @@ weights requiring gradients or not.
 
 from __future__ import annotations
 
-import math
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,7 +22,7 @@ import pytest
 import torch
 from transformer_lens.tools.analysis.attribution_patching import cache_activation_and_gradient
 
-from _models import bridges_with_hf_copies
+from _models import bridges_with_hf_copies, hand_forward
 from interp_norm.anatomy import random_tokens, tiny_bridge
 from interp_norm.circuits import PatchingPairs, attribution_patch, node_attribution
 from interp_norm.errors import HookNameError, PatchingError
@@ -64,18 +63,9 @@ def _pairs(bridge) -> PatchingPairs:
 # ----------------------------------------------------------------------------- the hand-written forward
 
 
-def _gpt2_attention(attn, x: torch.Tensor) -> torch.Tensor:
-    b, n, d = x.shape
-    H = attn.num_heads
-    q, k, v = (t.view(b, n, H, d // H).transpose(1, 2) for t in attn.c_attn(x).split(d, dim=-1))
-    s = (q @ k.transpose(-1, -2) / math.sqrt(d // H)).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
-    return attn.c_proj((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
-
-
-def hand_forward(hf, arch: str, tokens: torch.Tensor, acts: dict) -> torch.Tensor:
-    """Logits of the Hugging Face model ``hf`` block by block; ``acts[(kind, l)]`` = the residual
-    tensors and the blocks' updates (resid_pre of layer 0 a leaf; every one keeps its gradient)."""
-    b, n = tokens.shape
+def recorder(acts: dict):
+    """An ``at`` for :func:`hand_forward` that keeps ``acts[(kind, l)]``: the residual tensors and the
+    blocks' updates (resid_pre of layer 0 a leaf; every one keeps its gradient)."""
 
     def keep(kind: str, l: int, x: torch.Tensor) -> torch.Tensor:
         if kind == "resid_pre" and l == 0:
@@ -85,61 +75,18 @@ def hand_forward(hf, arch: str, tokens: torch.Tensor, acts: dict) -> torch.Tenso
         acts[(kind, l)] = x
         return x
 
-    if arch == "gpt2":
-        t = hf.transformer
-        h = t.wte(tokens) + t.wpe(torch.arange(n))
-        for l, blk in enumerate(t.h):
-            h = keep("resid_pre", l, h)
-            mid = keep("resid_mid", l, h + keep("attn_out", l, _gpt2_attention(blk.attn, blk.ln_1(h))))
-            h = keep("resid_post", l, mid + keep("mlp_out", l, blk.mlp(blk.ln_2(mid))))
-        return hf.lm_head(t.ln_f(h))
-    m = hf.model
-    h = m.embed_tokens(tokens)
-    rope = m.rotary_emb(h, torch.arange(n).expand(b, n))
-    mask = torch.zeros(n, n).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf).expand(b, 1, n, n)
-    for l, blk in enumerate(m.layers):
-        h = keep("resid_pre", l, h)
-        if arch == "olmo2":  # post-norm: the norms act on the updates
-            a, _ = blk.self_attn(hidden_states=h, position_embeddings=rope, attention_mask=mask)
-            mid = keep("resid_mid", l, h + keep("attn_out", l, blk.post_attention_layernorm(a)))
-            h = keep("resid_post", l, mid + keep("mlp_out", l, blk.post_feedforward_layernorm(blk.mlp(mid))))
-        else:
-            a, _ = blk.self_attn(hidden_states=blk.input_layernorm(h), position_embeddings=rope, attention_mask=mask)
-            mid = keep("resid_mid", l, h + keep("attn_out", l, a))
-            h = keep("resid_post", l, mid + keep("mlp_out", l, blk.mlp(blk.post_attention_layernorm(mid))))
-    return hf.lm_head(m.norm(h))
+    return keep
 
 
 def hand_eap(hf, arch: str, pairs: PatchingPairs, fn) -> dict:
     """``{kind: [layer, pos, example]}``: (clean - corrupted) . d fn / d residual on the corrupted run."""
     ca, xa = {}, {}
     with torch.no_grad():
-        hand_forward(hf, arch, pairs.clean_tokens, ca)
-    fn(hand_forward(hf, arch, pairs.corrupted_tokens, xa)).sum().backward()
+        hand_forward(hf, arch, pairs.clean_tokens, recorder(ca))
+    fn(hand_forward(hf, arch, pairs.corrupted_tokens, recorder(xa))).sum().backward()
     L = 1 + max(l for _, l in xa)
     return {k: torch.stack([((ca[(k, l)] - xa[(k, l)]) * xa[(k, l)].grad).sum(-1).detach().T for l in range(L)])
             for k in RESID + WRITES}
-
-
-@pytest.fixture
-def replays(monkeypatch):
-    """Records whether each node_attribution call took the re-run path (True) or refused it (False)."""
-    from interp_norm.circuits import attribution_replay
-
-    taken: list = []
-    real = attribution_replay.prefix_attribution
-
-    def spy(*args, **kwargs):
-        try:
-            out = real(*args, **kwargs)
-        except Exception:
-            taken.append(False)
-            raise
-        taken.append(True)
-        return out
-
-    monkeypatch.setattr(attribution_replay, "prefix_attribution", spy)
-    return taken
 
 
 # ----------------------------------------------------------------------------- the residual stream

@@ -21,7 +21,8 @@ import pytest
 import torch
 from transformer_lens import patching
 
-from interp_norm.anatomy import random_tokens, tiny_bridge
+from _models import differing_tokens
+from interp_norm.anatomy import tiny_bridge
 from interp_norm.circuits import activation_patch
 from interp_norm.errors import PatchingError
 
@@ -57,14 +58,6 @@ def bridges():
     return {arch: tiny_bridge(arch, seed=3, n_layers=3) for arch in ("gpt2", "llama", "qwen3", "olmo2")}
 
 
-def _tokens(bridge, b: int = 3, n: int = 6):
-    clean = random_tokens(bridge, b, n, seed=4, low=3)
-    corr = clean.clone()
-    for i, at in enumerate([1, 3, 2][:b]):  # a different first difference per example
-        corr[i, at] = (corr[i, at] + 7) % 120 + 3
-    return clean, corr
-
-
 def _tl(bridge, fn, corr, cache, metric):
     with contextlib.redirect_stderr(io.StringIO()), torch.no_grad():
         return fn(bridge, corr, cache, lambda lg: metric(lg).mean())
@@ -74,7 +67,7 @@ def _tl(bridge, fn, corr, cache, metric):
 @pytest.mark.parametrize("act", list(TL))
 def test_kv_cache_patching_equals_transformer_lens(bridges, arch, act):
     bridge = bridges[arch]
-    clean, corr = _tokens(bridge)
+    clean, corr = differing_tokens(bridge)
     _, cache = bridge.run_with_cache(clean)
     for metric in (ReadAt(3, 6, 5), last_diff) if arch != "olmo2" else (ReadAt(3, 6, 3),):
         ref = _tl(bridge, TL[act], corr, cache, metric)
@@ -88,7 +81,7 @@ def test_kv_cache_patching_equals_transformer_lens(bridges, arch, act):
 @pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
 def test_other_residual_points_all_positions_and_explicit_cells(bridges, arch):
     bridge = bridges[arch]
-    clean, corr = _tokens(bridge)
+    clean, corr = differing_tokens(bridge)
     _, cache = bridge.run_with_cache(clean)
     metric = ReadAt(3, 6, 5)
     for act in ("resid_mid", "resid_post"):
@@ -110,7 +103,7 @@ def test_other_residual_points_all_positions_and_explicit_cells(bridges, arch):
 def test_scalar_metric_and_per_example_values(bridges):
     """A scalar metric works; per-example values equal TransformerLens run on each example alone."""
     bridge = bridges["llama"]
-    clean, corr = _tokens(bridge)
+    clean, corr = differing_tokens(bridge)
     _, cache = bridge.run_with_cache(clean)
     ref = _tl(bridge, TL["z"], corr, cache, last_diff)
     ours = activation_patch(bridge, corr, cache, lambda lg: last_diff(lg).mean(), "z", method="kv-cache")
@@ -125,7 +118,7 @@ def test_scalar_metric_and_per_example_values(bridges):
 def test_refuses_what_it_cannot_run(bridges):
     """Gemma 4's attention ignores the cache it is given: kv-cache refuses, auto falls back to full passes."""
     gemma = tiny_bridge("gemma4", seed=3)
-    clean, corr = _tokens(gemma)
+    clean, corr = differing_tokens(gemma)
     _, cache = gemma.run_with_cache(clean)
     metric = ReadAt(3, 6, 5)
     with pytest.raises(PatchingError, match="key/value cache"):
@@ -136,7 +129,7 @@ def test_refuses_what_it_cannot_run(bridges):
     assert ours.method == "exact-hooks" and any("falling back" in str(x.message) for x in w)
     assert (ours.values - _tl(gemma, TL["resid_pre"], corr, cache, metric)).abs().max() <= 1e-5
     bridge = bridges["gpt2"]
-    clean, corr = _tokens(bridge)
+    clean, corr = differing_tokens(bridge)
     _, cache = bridge.run_with_cache(clean)
     with pytest.raises(PatchingError, match="pattern"):
         activation_patch(bridge, corr, cache, metric, "pattern", method="kv-cache")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,8 +24,8 @@ import pytest
 import torch
 from transformer_lens import patching
 
-from _models import bridges_with_hf_copies
-from interp_norm.anatomy import random_tokens, tiny_bridge
+from _models import bridges_with_hf_copies, differing_tokens, hand_forward
+from interp_norm.anatomy import tiny_bridge
 from interp_norm.circuits import activation_patch
 from interp_norm.errors import HookNameError, PatchingError
 from interp_norm.hooks import act_name
@@ -42,14 +41,6 @@ def metric(logits: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def models():
     return bridges_with_hf_copies(ARCHS, seed=3)
-
-
-def _tokens(bridge, b: int = 3, n: int = 6):
-    clean = random_tokens(bridge, b, n, seed=4, low=3)
-    corr = clean.clone()
-    for i, at in enumerate([1, 3, 2][:b]):  # a different first difference per example
-        corr[i, at] = (corr[i, at] + 7) % 120 + 3
-    return clean, corr
 
 
 def _tl(fn, *args, **kw):
@@ -72,43 +63,13 @@ def _set_all(corrupted, clean):
 # ----------------------------------------------------------------------------- the hand-written forward
 
 
-def _gpt2_attention(attn, x: torch.Tensor) -> torch.Tensor:
-    b, n, d = x.shape
-    H = attn.num_heads
-    q, k, v = (t.view(b, n, H, d // H).transpose(1, 2) for t in attn.c_attn(x).split(d, dim=-1))
-    s = (q @ k.transpose(-1, -2) / math.sqrt(d // H)).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
-    return attn.c_proj((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
-
-
 @torch.no_grad()
-def hand_forward(hf, arch: str, tokens: torch.Tensor, patch_mid=None) -> torch.Tensor:
-    """Logits of the Hugging Face model ``hf``, block by block; ``patch_mid(l, mid)`` returns the
-    residual that layer ``l``'s MLP reads and that is carried on (mid = block input + attention update)."""
-    b, n = tokens.shape
-    if arch == "gpt2":
-        t = hf.transformer
-        h = t.wte(tokens) + t.wpe(torch.arange(n))
-        for l, blk in enumerate(t.h):
-            mid = h + _gpt2_attention(blk.attn, blk.ln_1(h))
-            mid = patch_mid(l, mid) if patch_mid else mid
-            h = mid + blk.mlp(blk.ln_2(mid))
-        return hf.lm_head(t.ln_f(h))
-    m = hf.model
-    h = m.embed_tokens(tokens)
-    rope = m.rotary_emb(h, torch.arange(n).expand(b, n))
-    mask = torch.zeros(n, n).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf).expand(b, 1, n, n)
-    for l, blk in enumerate(m.layers):
-        if arch == "olmo2":  # post-norm: the norms act on the updates
-            a, _ = blk.self_attn(hidden_states=h, position_embeddings=rope, attention_mask=mask)
-            mid = h + blk.post_attention_layernorm(a)
-            mid = patch_mid(l, mid) if patch_mid else mid
-            h = mid + blk.post_feedforward_layernorm(blk.mlp(mid))
-        else:
-            a, _ = blk.self_attn(hidden_states=blk.input_layernorm(h), position_embeddings=rope, attention_mask=mask)
-            mid = h + a
-            mid = patch_mid(l, mid) if patch_mid else mid
-            h = mid + blk.mlp(blk.post_attention_layernorm(mid))
-    return hf.lm_head(m.norm(h))
+def patched_forward(hf, arch: str, tokens: torch.Tensor, patch_mid=None) -> torch.Tensor:
+    """:func:`hand_forward` with ``patch_mid(l, mid)`` returning the residual that layer ``l``'s MLP reads
+    and that is carried on (mid = block input + attention update)."""
+    if patch_mid is None:
+        return hand_forward(hf, arch, tokens)
+    return hand_forward(hf, arch, tokens, lambda kind, l, x: patch_mid(l, x) if kind == "resid_mid" else x)
 
 
 def hand_mids(hf, arch: str, tokens: torch.Tensor) -> dict:
@@ -118,7 +79,7 @@ def hand_mids(hf, arch: str, tokens: torch.Tensor) -> dict:
         mids[l] = mid.clone()
         return mid
 
-    hand_forward(hf, arch, tokens, keep)
+    patched_forward(hf, arch, tokens, keep)
     return mids
 
 
@@ -137,7 +98,7 @@ def hand_resid_mid_table(hf, arch: str, clean: torch.Tensor, corr: torch.Tensor,
                 mid[:, sl] = cm[l][:, sl]
                 return mid
 
-            out[(l, p) if p is not None else l] = metric(hand_forward(hf, arch, corr, patch)).mean()
+            out[(l, p) if p is not None else l] = metric(patched_forward(hf, arch, corr, patch)).mean()
     return out
 
 
@@ -149,7 +110,7 @@ def test_hand_forward_is_the_model_and_hook_resid_mid_holds_its_mid(models, arch
     """The reference is right: it reproduces the Hugging Face logits, and the bridge's hook_resid_mid
     holds its mid (= hook_resid_pre + hook_attn_out)."""
     bridge, hf = models[arch]
-    clean, _ = _tokens(bridge)
+    clean, _ = differing_tokens(bridge)
     with torch.no_grad():
         logits = hand_forward(hf, arch, clean)
         assert (logits - hf(clean).logits).abs().max() <= TOL
@@ -166,7 +127,7 @@ def test_an_in_place_write_at_hook_resid_mid_reaches_the_mlp_and_the_carried_res
     """What the hooks path relies on: the clean values written in place into the tensor at hook_resid_mid
     are what the MLP reads (mlp_out = the HF MLP of the patched mid) and what hook_resid_post carries on."""
     bridge, hf = models[arch]
-    clean, corr = _tokens(bridge)
+    clean, corr = differing_tokens(bridge)
     mids = hand_mids(hf, arch, clean)
     seen = {}
 
@@ -200,7 +161,7 @@ def test_an_in_place_write_at_hook_resid_mid_reaches_the_mlp_and_the_carried_res
 @pytest.mark.parametrize("by", ["pos", "all"])
 def test_resid_mid_patching_equals_the_hand_written_forward(models, arch, by):
     bridge, hf = models[arch]
-    clean, corr = _tokens(bridge)
+    clean, corr = differing_tokens(bridge)
     _, cache = bridge.run_with_cache(clean)
     ref = hand_resid_mid_table(hf, arch, clean, corr, by)
     baseline = metric(hand_forward(hf, arch, corr)).mean()
@@ -215,7 +176,7 @@ def test_resid_mid_patching_equals_the_hand_written_forward(models, arch, by):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_hooks_path_equals_transformer_lens_and_the_kv_cache_engine(models, arch):
     bridge, _ = models[arch]
-    clean, corr = _tokens(bridge)
+    clean, corr = differing_tokens(bridge)
     _, cache = bridge.run_with_cache(clean)
     for act in ("resid_pre", "resid_post", "attn_out", "mlp_out", "z"):
         if act == "z":
@@ -237,7 +198,7 @@ def test_hooks_path_equals_transformer_lens_and_the_kv_cache_engine(models, arch
 def test_grouped_key_value_heads_are_the_head_axis(models, act, by, fn):
     """Llama has 2 k/v heads for 4 query heads: k and v cells run over the k/v heads."""
     bridge, _ = models["llama"]
-    clean, corr = _tokens(bridge)
+    clean, corr = differing_tokens(bridge)
     _, cache = bridge.run_with_cache(clean)
     ref = _tl(fn, bridge, corr, cache, lambda lg: metric(lg).mean())
     ours = activation_patch(bridge, corr, cache, metric, act, by=by, method="hooks")
@@ -248,7 +209,7 @@ def test_grouped_key_value_heads_are_the_head_axis(models, act, by, fn):
 
 def test_pattern_patching_equals_transformer_lens_where_the_pattern_is_used(models):
     bridge, _ = models["llama"]
-    clean, corr = _tokens(bridge)
+    clean, corr = differing_tokens(bridge)
     _, cache = bridge.run_with_cache(clean)
     ref = _tl(patching.get_act_patch_attn_head_pattern_by_pos, bridge, corr, cache, lambda lg: metric(lg).mean())
     ours = activation_patch(bridge, corr, cache, metric, "pattern", method="hooks")
@@ -260,7 +221,7 @@ def test_hooks_that_cannot_be_patched_are_typed_errors():
     the Hugging Face module and TransformerLens fires hook_pattern afterwards, so a written pattern is
     never used (every patch would be the baseline): both refused, not a table of baselines."""
     bridge = tiny_bridge("gemma4-shared", seed=3)
-    clean, corr = _tokens(bridge)
+    clean, corr = differing_tokens(bridge)
     for act in ("k", "v"):
         with pytest.raises(HookNameError, match="no hook"):
             activation_patch(bridge, corr, metric=metric, activation=act, clean_tokens=clean)
