@@ -11,8 +11,8 @@ right after the last hook anyone asked for (no later layers, no logits). :func:`
 blocks of ``window_batch`` windows in lockstep and hands over one block's hooks of one layer at a time:
 an analysis that reduces them to per-row results before asking for the next (collapse, geometry)
 peaks at the weights plus one block's hooks plus those results, whatever the number of windows;
-:func:`layer_caches` joins the blocks of a layer (the whole batch's hooks, as one pass). Every forward here runs with ``use_cache=False``: the
-Hugging Face key/value cache of every layer (for generation; the values are the same without it) would
+:func:`layer_caches` joins the blocks of a layer (the whole batch's hooks, as one pass). Every forward
+here runs with ``use_cache=False``: the Hugging Face key/value cache of every layer (for generation; the values are the same without it) would
 otherwise grow layer by layer, 470 MB for Qwen3-0.6B on 8 windows of 256 tokens in float32.
 :func:`cache_before_unembed` is the one-shot form (the anatomy's probe): the hooks of one forward,
 ended where the unembedding would start.
@@ -51,8 +51,8 @@ def layer_caches(model: Any, tokens: Tensor, names: Mapping[int, set[str]], *,
     pass has reached it, and the layer's cache is their hooks concatenated along the batch dimension,
     so it holds exactly ``names[layer]`` for every window, as one pass would. Only one pass computes at a
     time, so the forward's own activations (attention weights, MLP) are those of ``window_batch``
-    windows; what stays whole is the layer's cached hooks (use :func:`window_blocks` to never join them). Each window's values are its own forward's
-    (no position or token mixes windows); equal to the one-pass values bit for bit where the model's
+    windows; what stays whole is the layer's cached hooks (use :func:`window_blocks` to never join
+    them). Each window's values are its own forward's (no position or token mixes windows); equal to the one-pass values bit for bit where the model's
     matrix products give each row the same result whatever the number of rows (the tests check it).
     """
     if window_batch is not None:

@@ -148,19 +148,18 @@ def bridge_geometry(
     residual decomposition, which a bridge does not expose; they are not run here.
 
     Memory: one early-stopped forward (no logits) per block of ``window_batch`` windows (None:
-    :data:`~interp_norm.defaults.WINDOW_BATCH`, 8; ≥ the windows: one pass), the blocks in lockstep layer by layer; each block's hooks of a layer are reduced to per-row
-    values before the next block runs (:func:`~interp_norm.geometry.bridge_sweep.bridge_sweep`), so the
-    peak is the weights plus one block's hooks of one layer plus those per-row values, while every table
-    is the one a single pass gives.
+    :data:`~interp_norm.defaults.WINDOW_BATCH`, 8; ≥ the windows: one pass), the blocks in lockstep
+    layer by layer; each block's hooks of a layer are reduced to per-row values before the next block
+    runs (:func:`~interp_norm.geometry.bridge_sweep.bridge_sweep`), so the peak is the weights plus one
+    block's hooks of one layer plus those per-row values, while every table is the one a single pass gives.
     """
-    from interp_norm.errors import GeometryError, check_positive_int
-
+    from interp_norm.anatomy import anatomy
     from interp_norm.defaults import WINDOW_BATCH
+    from interp_norm.errors import GeometryError, check_positive_int
+    from interp_norm.geometry.bridge_sweep import bridge_sweep
 
     window_batch = WINDOW_BATCH if window_batch is None else window_batch
     check_positive_int(window_batch, "window_batch", GeometryError, "windows per forward pass")
-    from interp_norm.anatomy import anatomy
-    from interp_norm.geometry.bridge_sweep import bridge_sweep
 
     toks = as_tokens(model, tokens if tokens is not None else bridge_tokens(model, n, n_ctx, seed))
     norms = bridge_norms(model)
