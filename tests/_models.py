@@ -65,6 +65,21 @@ def differing_tokens(bridge, b: int = 3, n: int = 6) -> tuple[torch.Tensor, torc
     return clean, corr
 
 
+class ReadAt:
+    """logit(5) - logit(6) at position ``at`` of a [b, n] batch, per example, declaring what it reads
+    (``read_mask``: attribution re-runs and unembeds only there)."""
+
+    supports_stacked = True
+
+    def __init__(self, at: int, b: int, n: int):
+        self.at = at
+        self.read_mask = torch.zeros(b, n, dtype=torch.bool)
+        self.read_mask[:, at] = True
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, self.at, 5] - logits[:, self.at, 6]
+
+
 def _gpt2_attention(attn, x: torch.Tensor) -> torch.Tensor:
     b, n, d = x.shape
     H = attn.num_heads

@@ -23,6 +23,7 @@ from transformer_lens.tools.analysis.attribution_patching import (
 )
 from transformer_lens.tools.analysis.attribution_patching import attribution_patch as tl_attribution_patch
 
+from _models import ReadAt
 from interp_norm.bridges import random_tokens, tiny_bridge
 from interp_norm.circuits import PatchingPairs, edge_attribution, node_attribution
 from interp_norm.errors import PatchingError
@@ -30,18 +31,9 @@ from interp_norm.errors import PatchingError
 B, N = 3, 7
 
 
-class ReadAt:
-    """logit(5) - logit(6) at position ``at``, per example, declaring what it reads."""
-
-    supports_stacked = True
-
-    def __init__(self, at: int):
-        self.at = at
-        self.read_mask = torch.zeros(B, N, dtype=torch.bool)
-        self.read_mask[:, at] = True
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits[:, self.at, 5] - logits[:, self.at, 6]
+def read_at(at: int) -> ReadAt:
+    """logit(5) - logit(6) at position ``at`` of this module's [B, N] batches."""
+    return ReadAt(at, B, N)
 
 
 def plain(logits: torch.Tensor) -> torch.Tensor:
@@ -82,7 +74,7 @@ def test_node_eap_equals_transformer_lens_per_pair(bridges, arch):
     bridge = bridges[arch]
     pairs = _pairs(bridge)
     L, H = bridge.cfg.n_layers, bridge.cfg.n_heads
-    for metric in (ReadAt(N - 1), ReadAt(4), plain):
+    for metric in (read_at(N - 1), read_at(4), plain):
         res = node_attribution(bridge, pairs, metric, ("z", "mlp_out"), ig_steps=1)
         z, mlp = _ours_per_pair(res, L, H)
         for i in range(B):
@@ -123,7 +115,7 @@ def test_node_eap_ig_equals_transformer_lens_gradients_per_pair(bridges, arch):
     bridge = bridges[arch]
     pairs = _pairs(bridge)
     L, H = bridge.cfg.n_layers, bridge.cfg.n_heads
-    metric = ReadAt(N - 1)
+    metric = read_at(N - 1)
     res = node_attribution(bridge, pairs, metric, ("z", "mlp_out"), ig_steps=3, batch_size=2 * B)  # two passes
     assert res["z"].method == "eap-ig3"
     z, mlp = _ours_per_pair(res, L, H)
@@ -221,7 +213,7 @@ def test_rerun_from_the_shared_prefix_equals_transformer_lens_per_pair(bridges, 
     bridge = bridges[arch]
     pairs = _pairs_from(bridge, [3, 5, 4])
     L, H = bridge.cfg.n_layers, bridge.cfg.n_heads
-    metrics = [(ReadAt(N - 1), _tl_metric(ReadAt(N - 1))), (ReadAt(5), _tl_metric(ReadAt(5))),
+    metrics = [(read_at(N - 1), _tl_metric(read_at(N - 1))), (read_at(5), _tl_metric(read_at(5))),
                (ReadAtMany([1, N - 1]), lambda lg: (lg[0, [1, N - 1], 5] - lg[0, [1, N - 1], 6]).mean()),
                (plain, _tl_metric(plain))]
     for metric, fn in metrics:
@@ -245,7 +237,7 @@ def test_rerun_eap_ig_in_chunks_equals_transformer_lens_gradients(bridges, arch,
     bridge = bridges[arch]
     pairs = _pairs_from(bridge, [2, 4, 3])
     L, H = bridge.cfg.n_layers, bridge.cfg.n_heads
-    metric = ReadAt(N - 1)
+    metric = read_at(N - 1)
     res = node_attribution(bridge, pairs, metric, ("z", "mlp_out"), ig_steps=3, batch_size=2 * B)
     z, mlp = _ours_per_pair(res, L, H)
     for i in range(B):
@@ -262,7 +254,7 @@ def test_other_per_position_activations_and_by_all_through_the_rerun(bridges, re
     full passes (no hook on the model vs a no-op hook on it, which keeps the full passes)."""
     bridge = bridges["qwen3"]
     pairs = _pairs_from(bridge, [2, 4, 3])
-    metric = ReadAt(4)
+    metric = read_at(4)
     acts = ("resid_pre", "attn_out", "resid_post")
     fast = node_attribution(bridge, pairs, metric, acts)
     fast_all = node_attribution(bridge, pairs, metric, ("z",), by="all")
@@ -282,11 +274,11 @@ def test_a_bridge_whose_blocks_ignore_the_cache_falls_back(replays):
     bridge = tiny_bridge("gemma4", seed=5, n_layers=2)
     pairs = _pairs_from(bridge, [2, 4, 3])
     L, H = bridge.cfg.n_layers, bridge.cfg.n_heads
-    res = node_attribution(bridge, pairs, ReadAt(N - 1), ("z", "mlp_out"))
+    res = node_attribution(bridge, pairs, read_at(N - 1), ("z", "mlp_out"))
     assert replays == [False]
     z, mlp = _ours_per_pair(res, L, H)
     for i in range(B):
-        tz, tm = _tl_scores(bridge, pairs, _tl_metric(ReadAt(N - 1)), i)
+        tz, tm = _tl_scores(bridge, pairs, _tl_metric(read_at(N - 1)), i)
         assert (z[..., i] - tz).abs().max() <= 1e-5 and (mlp[..., i] - tm).abs().max() <= 1e-5
         assert tz.abs().max() > 1e-3
 
@@ -300,12 +292,12 @@ def test_the_wiring_check_runs_once_per_weights_and_a_failed_check_falls_back(mo
     checks: list = []
     real = attribution_replay._check
     monkeypatch.setattr(attribution_replay, "_check", lambda *a, **kw: checks.append(1) or real(*a, **kw))
-    first = node_attribution(bridge, pairs, ReadAt(N - 1), ("z",))
-    node_attribution(bridge, pairs, ReadAt(N - 1), ("z",))
+    first = node_attribution(bridge, pairs, read_at(N - 1), ("z",))
+    node_attribution(bridge, pairs, read_at(N - 1), ("z",))
     assert len(checks) == 1  # the same weights: checked once
     with torch.no_grad():
         bridge.blocks[0].mlp.out.weight.mul_(1.0)  # an in-place write: checked again
-    node_attribution(bridge, pairs, ReadAt(N - 1), ("z",))
+    node_attribution(bridge, pairs, read_at(N - 1), ("z",))
     assert len(checks) == 2
 
     def refuse(*a, **kw):
@@ -314,6 +306,6 @@ def test_the_wiring_check_runs_once_per_weights_and_a_failed_check_falls_back(mo
     monkeypatch.setattr(attribution_replay, "_check", refuse)
     with torch.no_grad():
         bridge.blocks[0].mlp.out.weight.mul_(1.0)
-    again = node_attribution(bridge, pairs, ReadAt(N - 1), ("z",))
+    again = node_attribution(bridge, pairs, read_at(N - 1), ("z",))
     assert replays == [True, True, True, False]
     assert (again["z"].per_example - first["z"].per_example).abs().max() <= 1e-6

@@ -22,7 +22,7 @@ import pytest
 import torch
 from transformer_lens.tools.analysis.attribution_patching import cache_activation_and_gradient
 
-from _models import bridges_with_hf_copies, hand_forward
+from _models import ReadAt, bridges_with_hf_copies, hand_forward
 from interp_norm.anatomy import random_tokens, tiny_bridge
 from interp_norm.circuits import PatchingPairs, attribution_patch, node_attribution
 from interp_norm.errors import HookNameError, PatchingError
@@ -38,18 +38,9 @@ def metric(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, -1, 5] - logits[:, -1, 6]
 
 
-class ReadAt:
-    """logit(5) - logit(6) at position ``at``, declaring what it reads (the re-run slices there)."""
-
-    supports_stacked = True
-
-    def __init__(self, at: int):
-        self.at = at
-        self.read_mask = torch.zeros(B, N, dtype=torch.bool)
-        self.read_mask[:, at] = True
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits[:, self.at, 5] - logits[:, self.at, 6]
+def read_at(at: int) -> ReadAt:
+    """logit(5) - logit(6) at position ``at`` of this module's [B, N] batches."""
+    return ReadAt(at, B, N)
 
 
 def _pairs(bridge) -> PatchingPairs:
@@ -104,7 +95,7 @@ def test_residual_eap_equals_the_hand_forward_gradient(arch, frozen, replays):
     pairs = _pairs(bridge)
     L = bridge.cfg.n_layers
     calls = 0
-    for fn in (metric, ReadAt(4)):
+    for fn in (metric, read_at(4)):
         ref = hand_eap(hf, arch, pairs, fn)
         for acts in [RESID + WRITES, ("resid_mid",)]:  # resid_pre in the first call: the wiring check hooks it
             fast = node_attribution(bridge, pairs, fn, acts)
