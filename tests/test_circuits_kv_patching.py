@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformer_lens import patching
 
-from _models import differing_tokens
+from _models import ReadAt, differing_tokens
 from interp_norm.anatomy import tiny_bridge
 from interp_norm.circuits import activation_patch
 from interp_norm.errors import PatchingError
@@ -32,20 +32,6 @@ TL = {
     "mlp_out": patching.get_act_patch_mlp_out,
     "z": patching.get_act_patch_attn_head_out_by_pos,
 }
-
-
-class ReadAt:
-    """logit(5) - logit(6) at position ``at`` (a metric that declares what it reads)."""
-
-    supports_stacked = True
-
-    def __init__(self, b: int, n: int, at: int):
-        self.at = at
-        self.read_mask = torch.zeros(b, n, dtype=torch.bool)
-        self.read_mask[:, at] = True
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits[:, self.at, 5] - logits[:, self.at, 6]
 
 
 def last_diff(logits: torch.Tensor) -> torch.Tensor:
@@ -69,7 +55,7 @@ def test_kv_cache_patching_equals_transformer_lens(bridges, arch, act):
     bridge = bridges[arch]
     clean, corr = differing_tokens(bridge)
     _, cache = bridge.run_with_cache(clean)
-    for metric in (ReadAt(3, 6, 5), last_diff) if arch != "olmo2" else (ReadAt(3, 6, 3),):
+    for metric in (ReadAt(5, 3, 6), last_diff) if arch != "olmo2" else (ReadAt(3, 3, 6),):
         ref = _tl(bridge, TL[act], corr, cache, metric)
         ours = activation_patch(bridge, corr, cache, metric, act, batch_size=5)  # several chunks per position
         assert ours.method == "exact-kv-cache"
@@ -83,7 +69,7 @@ def test_other_residual_points_all_positions_and_explicit_cells(bridges, arch):
     bridge = bridges[arch]
     clean, corr = differing_tokens(bridge)
     _, cache = bridge.run_with_cache(clean)
-    metric = ReadAt(3, 6, 5)
+    metric = ReadAt(5, 3, 6)
     for act in ("resid_mid", "resid_post"):
         ref = _tl(bridge, lambda m, x, c, f: patching.generic_activation_patch(
             m, x, c, f, patching.layer_pos_patch_setter, act, index_axis_names=("layer", "pos")), corr, cache, metric)
@@ -108,10 +94,10 @@ def test_scalar_metric_and_per_example_values(bridges):
     ref = _tl(bridge, TL["z"], corr, cache, last_diff)
     ours = activation_patch(bridge, corr, cache, lambda lg: last_diff(lg).mean(), "z", method="kv-cache")
     assert ours.per_example is None and (ours.values - ref).abs().max() <= 1e-5
-    ours = activation_patch(bridge, corr, cache, ReadAt(3, 6, 5), "attn_out", method="kv-cache")
+    ours = activation_patch(bridge, corr, cache, ReadAt(5, 3, 6), "attn_out", method="kv-cache")
     for i in range(3):
         _, c1 = bridge.run_with_cache(clean[i : i + 1])
-        one = _tl(bridge, TL["attn_out"], corr[i : i + 1], c1, ReadAt(1, 6, 5))
+        one = _tl(bridge, TL["attn_out"], corr[i : i + 1], c1, ReadAt(5, 1, 6))
         assert (ours.per_example[:, i].view_as(one) - one).abs().max() <= 1e-5
 
 
@@ -120,7 +106,7 @@ def test_refuses_what_it_cannot_run(bridges):
     gemma = tiny_bridge("gemma4", seed=3)
     clean, corr = differing_tokens(gemma)
     _, cache = gemma.run_with_cache(clean)
-    metric = ReadAt(3, 6, 5)
+    metric = ReadAt(5, 3, 6)
     with pytest.raises(PatchingError, match="key/value cache"):
         activation_patch(gemma, corr, cache, metric, "resid_pre", method="kv-cache")
     with warnings.catch_warnings(record=True) as w:
