@@ -15,7 +15,7 @@ own ``cache_activation_and_gradient`` once per pair and integration point with t
 moved along the corrupted -> clean line by a hook (checked equal the same way).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_bridge_attribution.py [--archs gpt2,llama,qwen3]
-        [--layers 12] [--pos 16] [--pairs 8] [--repeats 3] [--ig-steps 0] [--shrink 1]
+        [--layers 12] [--pos 16] [--pairs 8] [--repeats 3] [--ig-steps 0] [--shrink 1] [--breakdown]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from transformer_lens.tools.analysis.attribution_patching import (  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_bridge_patching import LastLogitDiff, build, pairs  # noqa: E402
-from bench_patching import cpu_time, peak_mb  # noqa: E402
+from bench_patching import cpu_time, matmul_profile, peak_gmacs, peak_mb  # noqa: E402
 
 from interp_norm.circuits import PatchingPairs, node_attribution  # noqa: E402
 
@@ -95,7 +95,7 @@ def as_tensors(ref: list, L: int, n: int, H: int, ig: bool) -> tuple[torch.Tenso
     return z.double(), m.double()
 
 
-def row(bridge, clean, corr, metric, steps: int, repeats: int) -> dict:
+def row(bridge, clean, corr, metric, steps: int, repeats: int, breakdown: bool = False) -> dict:
     L, n, H, b = bridge.cfg.n_layers, clean.shape[1], bridge.cfg.n_heads, clean.shape[0]
     pp = PatchingPairs(clean, corr, score_mask=metric.read_mask)
 
@@ -120,8 +120,11 @@ def row(bridge, clean, corr, metric, steps: int, repeats: int) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     one = lambda: quiet(tl_eap_ig, bridge, clean[:1], corr[:1], metric, steps) if steps > 1 else quiet(  # noqa: E731
         tl_eap, bridge, clean[:1], corr[:1], metric)
-    return dict(diff=diff, tl=med["tl"], ours=med["ours"], mb=peak_mb(ours), tl_mb=peak_mb(one),
-                effect=float(max(tz.abs().max(), tm.abs().max())))
+    out = dict(diff=diff, tl=med["tl"], ours=med["ours"], mb=peak_mb(ours), tl_mb=peak_mb(one),
+               effect=float(max(tz.abs().max(), tm.abs().max())))
+    if breakdown:
+        out["profile"] = {"TransformerLens": matmul_profile(tl), "ours": matmul_profile(ours)}
+    return out
 
 
 def main() -> None:
@@ -134,6 +137,8 @@ def main() -> None:
     ap.add_argument("--shrink", type=float, default=1.0, help="divide d_model and the vocabulary (quick runs)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median)")
     ap.add_argument("--ig-steps", type=int, default=0, help="also an EAP-IG row with this many steps (0: none)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also profile one run of each side: matrix products' multiply-accumulates, rate and share of CPU time")
     args = ap.parse_args()
     torch.set_num_threads(1)
     w0, c0 = time.perf_counter(), time.process_time()
@@ -148,12 +153,17 @@ def main() -> None:
         print(f"   {'method':<12}{'max|diff|':>11}{'max|score|':>12}{'TransformerLens':>17}{'ours':>9}{'ratio':>8}"
               f"{'ours MB':>9}{'TL MB/pair':>11}")
         for steps in [1] + ([args.ig_steps] if args.ig_steps > 1 else []):
-            r = row(bridge, clean, corr, metric, steps, args.repeats)
+            r = row(bridge, clean, corr, metric, steps, args.repeats, args.breakdown)
             ratios.append(r["tl"] / r["ours"])
             name = "EAP" if steps == 1 else f"EAP-IG {steps}"
             print(f"   {name:<12}{r['diff']:>11.1e}{r['effect']:>12.3g}{r['tl']:>17.2f}{r['ours']:>9.2f}{ratios[-1]:>7.1f}x"
                   f"{r['mb']:>9.0f}{r['tl_mb']:>11.0f}", flush=True)
+            for side, p in r.get("profile", {}).items():
+                print(f"      {side:<16} matrix products {p['gmac']:6.1f} GMAC in {p['mm_ms']:6.0f} ms ({p['gmac'] / p['mm_ms'] * 1e3:4.0f} GMAC/s), "
+                      f"{100 * p['mm_ms'] / p['ms']:3.0f}% of {p['ms']:.0f} ms in ops (profiled run)")
         del bridge
+    if args.breakdown:
+        print(f"\none large matrix product (512 x 768 x 3072) on this machine: {peak_gmacs():.0f} GMAC/s")
     print(f"\nSPEED RATIO (TransformerLens / ours, CPU time): min {min(ratios):.1f}x over {len(ratios)} rows (target >= 5x); "
           "EAP-IG's TransformerLens side is its gradient cache per pair and step (4.3 has no EAP-IG)")
     print(f"total: {time.perf_counter() - w0:.0f} s wall, {time.process_time() - c0:.0f} s CPU")

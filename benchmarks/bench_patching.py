@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import math
 import os
 import statistics
 import sys
@@ -106,6 +107,32 @@ def peak_mb(fn) -> float:
         cur += e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
         peak = max(peak, cur)
     return peak / 2**20
+
+
+def matmul_profile(fn) -> dict:
+    """One run of ``fn`` under the profiler: its CPU ms (ops' own time), the matrix products' share of
+    it (``mm``/``addmm``/``bmm``) and their multiply-accumulates, counted from the input shapes."""
+    with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    total = mm_ms = macs = 0.0
+    for e in prof.key_averages(group_by_input_shape=True):
+        total += e.self_cpu_time_total / 1e3
+        shapes = [s for s in e.input_shapes if s]
+        if e.key in ("aten::mm", "aten::addmm", "aten::bmm"):
+            mm_ms += e.self_cpu_time_total / 1e3
+            a, b = shapes[-2:]  # addmm's bias comes first
+            macs += e.count * math.prod(a) * b[-1]
+    return dict(ms=total, mm_ms=mm_ms, gmac=macs / 1e9)
+
+
+def peak_gmacs(m: int = 512, k: int = 768, n: int = 3072, repeats: int = 20) -> float:
+    """This machine's rate for one large matrix product (GMAC/s), the yardstick of the rates above."""
+    x, w = torch.randn(m, k), torch.randn(k, n)
+    x @ w
+    t = time.perf_counter()
+    for _ in range(repeats):
+        x @ w
+    return m * k * n * repeats / (time.perf_counter() - t) / 1e9
 
 
 def interleaved(runs: dict, repeats: int, ours_per_round: int = 3, first: dict | None = None) -> dict[str, float]:
