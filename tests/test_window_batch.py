@@ -189,6 +189,67 @@ def test_agreement_falls_back_to_full_logits_when_blocks_differ(monkeypatch):
     assert ref["kl"].iloc[1] > 0
 
 
+def test_logit_check_unembeds_only_a_block_of_positions():
+    """The check asks the model's own forward for the logits of the last ``logit_positions`` positions
+    (``logits_to_keep``): every unembedding it runs has at most that many positions, never the whole
+    window's [batch, pos, vocab] (the memory peak of ``noise`` in bfloat16 on Qwen3-0.6B before)."""
+    import interp_norm.bridges.agreement as A
+
+    model = tiny_bridge("qwen3", seed=2)
+    tokens = random_tokens(model, 2, 40, seed=1)
+    stop = A.unembed_input(model)
+    with torch.no_grad():
+        x_clean = cache_before_unembed(model, tokens, {stop})[stop]
+    shapes = []
+    model.unembed.hook_out.add_hook(lambda act, hook: shapes.append(tuple(act.shape)))
+    try:
+        with torch.no_grad():
+            assert A._exact_block(model, tokens, x_clean, 8) == 8
+    finally:
+        model.reset_hooks()
+    assert shapes and all(s[1] <= 8 for s in shapes), shapes
+    assert (2, 8, model.cfg.d_vocab) in shapes  # the model's own forward did unembed the last 8 positions
+
+
+def test_logit_check_without_logits_to_keep_compares_full_logits(monkeypatch):
+    """A forward that does not take ``logits_to_keep``: the blocks are checked against one full forward's
+    logits (blocks of 4, 8 ... positions), and the table is the full-logits one."""
+    import interp_norm.bridges.agreement as A
+
+    model = tiny_bridge("llama", seed=2)
+    hf = model.original_model
+    own = hf.forward
+    monkeypatch.setattr(hf, "forward", lambda *a, **kw: own(*a, **kw))  # a signature without logits_to_keep
+    assert not A._keeps_logits(model)
+    tokens = random_tokens(model, 3, 20, seed=1)
+    ref = A.text_agreement(model, tokens, [0.0, 0.3], batch_size=2, logit_positions=None)
+    shapes, checks, real = [], [], A._exact_block
+    monkeypatch.setattr(A, "_exact_block", lambda *a: checks.append(real(*a)) or checks[-1])
+    model.unembed.hook_out.add_hook(lambda act, hook: shapes.append(tuple(act.shape)))
+    try:
+        got = A.text_agreement(model, tokens, [0.0, 0.3], batch_size=2, logit_positions=4)
+    finally:
+        model.reset_hooks()
+    assert len(checks) == 2 and None not in checks
+    assert (2, 20, model.cfg.d_vocab) in shapes  # one full forward's logits were compared
+    pd.testing.assert_frame_equal(got, ref)
+
+
+def test_agreement_on_windows_shorter_than_a_block_equals_full_logits(monkeypatch):
+    """Windows of fewer positions than ``logit_positions``: one block is the whole window, the same
+    matrix product as the model's own forward, so the table is the full-logits one exactly."""
+    import interp_norm.bridges.agreement as A
+
+    model = tiny_bridge("qwen3", seed=2)
+    tokens = random_tokens(model, 3, 6, seed=1)
+    ref = A.text_agreement(model, tokens, [0.0, 0.1, 0.3], batch_size=2, logit_positions=None)
+    checks, real = [], A._exact_block
+    monkeypatch.setattr(A, "_exact_block", lambda *a: checks.append(real(*a)) or checks[-1])
+    got = A.text_agreement(model, tokens, [0.0, 0.1, 0.3], batch_size=2, logit_positions=8)
+    assert checks == [8, 8]  # the blocked path ran (2 windows, then the last 1)
+    pd.testing.assert_frame_equal(got, ref, check_exact=True)
+
+
 ALL = EXACT + ["gemma4", "gemma4-shared"]
 
 

@@ -9,6 +9,7 @@ unlike collapse this measures the whole model, errors compounding through the la
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Optional, Sequence
 
@@ -75,14 +76,21 @@ def text_agreement(
     the clean model (agreement 1, KL 0).
 
     Memory: the forwards end where the unembedding starts, and the clean and noised logits are made
-    a block of positions at a time from the two final residuals (the model's own ``unembed``), so the
-    memory beyond the weights is two blocks of logits, not two [batch, pos, vocab] tensors (151 936
-    wide for Qwen3). This is used only where it gives the model's own logits bit for bit: for each new
-    batch shape, blocks of ``logit_positions``, then twice, four times as many positions ... are
-    compared with one full forward's logits (``torch.equal``; a matrix product's rounding can depend on
-    its number of rows: on this CPU, 64 positions in bfloat16 and 16 in float32 for Qwen3-0.6B's
-    unembedding), and where none is (a logit soft-cap after the unembedding, as Gemma's) the full logits
-    are used; so results never depend on it. ``None``: always full logits.
+    a block of ``logit_positions`` positions at a time from the two final residuals (the model's own
+    ``unembed``), so the memory beyond the weights is two blocks of logits, not two [batch, pos, vocab]
+    tensors (151 936 wide for Qwen3). This is used only where it gives the model's own logits for those
+    positions bit for bit, checked once per batch shape: the model's own forward asked for the logits of
+    the last ``logit_positions`` positions only (Hugging Face's ``logits_to_keep``: its code unembeds that
+    slice of positions and applies whatever follows, such as Gemma's logit soft-cap) must equal the
+    unembedded final residuals there (``torch.equal``); where it does not (a soft-cap) the full logits are
+    used. What the check does not prove: that a block's logits equal a whole-window forward's to the last
+    bit, as a matrix product's rounding can depend on its number of rows (on this CPU, Qwen3-0.6B's
+    unembedding in bfloat16 gives other last bits for blocks below 64 positions than for 256; in float32
+    blocks of 16 and the whole window agree). So the logits are those of the model's own code for blocks
+    of positions, not necessarily those of one full forward; a forward without ``logits_to_keep`` is
+    checked against its full logits instead (the smallest of ``logit_positions``, twice, four times as
+    many ... positions per block that equals them on every block, else full logits). ``None``: always
+    full logits.
 
     One row per level. Columns: ``level``, ``targets``, ``placement``, ``distribution``,
     ``n_tokens`` (positions scored per draw), ``draws``, ``agreement`` (fraction of (position, draw)
@@ -147,16 +155,38 @@ def text_agreement(
 
 
 def _exact_block(model: Any, t: Tensor, x_clean: Tensor, start: int) -> Optional[int]:
-    """The smallest of ``start``, 2·``start``, 4·``start`` ... (below the window length) positions per block
-    whose unembedding of ``x_clean`` gives the model's own logits of ``t`` bit for bit, or None."""
+    """Positions per block whose unembedding of ``x_clean`` gives the model's own logits of ``t`` bit for bit,
+    or None (use full logits).
+
+    With ``logits_to_keep`` (every Hugging Face ``*ForCausalLM`` of transformers >= 4.50), the model's own
+    forward makes the logits of the last ``start`` positions only, and ``start`` is returned if they equal
+    ``model.unembed`` of ``x_clean`` there: no [batch, pos, vocab] tensor is made (77 MB for one window of
+    256 tokens of Qwen3-0.6B in bfloat16). It proves that the residuals and the unembedding reproduce the
+    model's own code for a block of positions, not that a block's rounding is a whole window's (see
+    :func:`text_agreement`). Without it: the smallest of ``start``, 2·``start``, 4·``start`` ... (below the
+    window length) whose blocks all equal one full forward's logits."""
+    p = t.shape[1]
+    if _keeps_logits(model):
+        n = min(start, p)
+        ref = model(t, use_cache=False, logits_to_keep=n)
+        return start if ref.shape[1] == n and torch.equal(model.unembed(x_clean[:, p - n:]), ref) else None
     full = model(t, use_cache=False)
     block = start
-    while block < t.shape[1]:
+    while block < p:
         if all(torch.equal(model.unembed(x_clean[:, p0:p0 + block]), full[:, p0:p0 + block])
-               for p0 in range(0, t.shape[1], block)):
+               for p0 in range(0, p, block)):
             return block
         block *= 2
     return None
+
+
+def _keeps_logits(model: Any) -> bool:
+    """Whether the Hugging Face model under a bridge takes ``logits_to_keep`` (the logits of the last n positions only)."""
+    hf = getattr(model, "original_model", None)
+    try:
+        return hf is not None and "logits_to_keep" in inspect.signature(hf.forward).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False
 
 
 def _full_logits(model: Any, t: Tensor, noises: list, draws: int, sums: Tensor) -> None:
