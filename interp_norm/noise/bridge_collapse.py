@@ -174,30 +174,24 @@ def collapse_chunks(
         la = anat[l]
         if start == 0:  # the layer's draws for every window (O(draws · positions · heads)), its chunks' parts
             z_q, z_k = collapse_kappa(anat, l, b, n, draws, seed, distribution=distribution)
-            mask_cpu = attention_mask(la, n, n, "cpu")
-            usable = mask_cpu.sum(-1) >= 2  # [query]: query 0 has one key
-            block = max(1, min(la.n_heads, max_elements // max(1, b * n * n)))  # the chunks of one pass
-            kv_of = torch.as_tensor(la.kv_head_of)
-            parts: dict[int, list] = {h0: [] for h0 in range(0, la.n_heads, block)}
+            st = _LayerState.build(model, anat, l, b, n, sparse_threshold=sparse_threshold,
+                                   strict_threshold=strict_threshold, max_elements=max_elements, n_levels=len(levels),
+                                   draws=draws)
+            parts: dict[tuple[int, ...], list] = {heads: [] for heads in st.head_blocks}
         q, k = rebuilt_query_key(model, cache, anat, l)
         raw = {t: canonical(cache[la.hooks[t]], la.layouts.get(t, "bphd"), la.n_heads_of(t), la.d_head).cpu()
                for t in ("q", "k") if placement == "before_norm" and la.norms.get(t) is not None}
         del cache
         stop = min(b, start + step)
         f = _factors(la, z_q[:, start:stop], z_k[:, start:stop], raw, levels=levels, targets=targets, placement=placement)
-        for h0 in parts:  # per block of heads: (rows, w, loose, strict) of this block of windows' sparse rows
-            heads = tuple(range(h0, min(la.n_heads, h0 + block)))
-            parts[h0].append(_block_rows(
-                model, anat, l, q, k, heads=heads, f=f, b0=start, mask_cpu=mask_cpu, usable=usable, kv_of=kv_of,
-                sparse_threshold=sparse_threshold, strict_threshold=strict_threshold, max_elements=max_elements,
-                n_levels=len(levels), draws=draws))
+        for heads, got in parts.items():  # per block of heads: (rows, w, loose, strict) of this block of windows
+            got.append(_block_rows(st, q, k, heads, f, start))
         del f, q, k, raw
         if stop < b:
             continue
         bar.update()
         kind = theory_kind(la, targets, placement)
-        for h0, got in parts.items():
-            heads = tuple(range(h0, min(la.n_heads, h0 + block)))
+        for heads, got in parts.items():
             rows, w, loose, strict = (torch.cat([p[i] for p in got], -1 if i >= 2 else 0) for i in range(4))
             got.clear()
             yield ChunkCollapse(l, heads, levels, rows, w, loose, strict, kind, la.softcap)
@@ -219,32 +213,65 @@ def _factors(la: LayerAnatomy, zq: Tensor, zk: Tensor, raw: dict, *, levels: Seq
     return f
 
 
-def _block_rows(model: Any, anat: Anatomy, l: int, q: Tensor, k: Tensor, *, heads: tuple[int, ...], f: list, b0: int,
-                mask_cpu: Tensor, usable: Tensor, kv_of: Tensor, sparse_threshold: float, strict_threshold: float,
-                max_elements: int, n_levels: int, draws: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The sparse rows of one block of windows (``q``/``k`` theirs, the first being window ``b0``) and one
-    block of heads: (rows [R, 3] with the batch index of the whole batch, clean scores w [R, K] float64,
-    loose, strict [levels, draws, R]), in the order of one pass (window, head, query)."""
-    la = anat[l]
+@dataclass(frozen=True)
+class _LayerState:
+    """What every block of windows and heads of one layer shares in a collapse sweep (built once per layer):
+    its causal/sliding ``mask`` [query, key] (CPU), the ``usable`` queries [query] (two keys or more: query 0
+    has one and cannot collapse), ``kv_of`` (query head -> its k/v head), the ``head_blocks`` whose scores
+    are made at once (at most ``max_elements`` numbers of one pass), and the sweep's thresholds and sizes."""
+
+    model: Any
+    anat: Anatomy
+    layer: int
+    mask: Tensor
+    usable: Tensor
+    kv_of: Tensor
+    head_blocks: tuple[tuple[int, ...], ...]
+    sparse_threshold: float
+    strict_threshold: float
+    max_elements: int
+    n_levels: int
+    draws: int
+
+    @classmethod
+    def build(cls, model: Any, anat: Anatomy, layer: int, batch: int, n: int, *, sparse_threshold: float,
+              strict_threshold: float, max_elements: int, n_levels: int, draws: int) -> "_LayerState":
+        """Layer ``layer``'s state for ``batch`` windows of ``n`` positions."""
+        la = anat[layer]
+        mask = attention_mask(la, n, n, "cpu")
+        block = max(1, min(la.n_heads, max_elements // max(1, batch * n * n)))  # heads per block of one pass
+        return cls(model, anat, layer, mask=mask, usable=mask.sum(-1) >= 2, kv_of=torch.as_tensor(la.kv_head_of),
+                   head_blocks=tuple(tuple(range(h0, min(la.n_heads, h0 + block))) for h0 in range(0, la.n_heads, block)),
+                   sparse_threshold=sparse_threshold, strict_threshold=strict_threshold, max_elements=max_elements,
+                   n_levels=n_levels, draws=draws)
+
+
+def _block_rows(st: _LayerState, q: Tensor, k: Tensor, heads: tuple[int, ...], f: list, b0: int
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The sparse rows of one block of windows of layer ``st.layer`` (``q``/``k`` theirs, the first being window
+    ``b0``; ``f`` their noise factors per level, :func:`_factors`) and one block of ``heads``: (rows [R, 3] with
+    the batch index of the whole batch, clean scores w [R, K] float64, loose, strict [levels, draws, R]), in
+    the order of one pass (window, head, query)."""
+    la = st.anat[st.layer]
     n = q.shape[1]
     h0 = heads[0]
-    s = scores_from_qk(model, anat, l, q, k, heads=heads, softcap=False).cpu()  # [w, hc, n, n]
-    pattern = masked_softmax(_cap(s, la.softcap), mask_cpu)
-    sparse = theory.sparse_mask(pattern, sparse_threshold) & usable[None, None, :]
+    s = scores_from_qk(st.model, st.anat, st.layer, q, k, heads=heads, softcap=False).cpu()  # [w, hc, n, n]
+    pattern = masked_softmax(_cap(s, la.softcap), st.mask)
+    sparse = theory.sparse_mask(pattern, st.sparse_threshold) & st.usable[None, None, :]
     del pattern
     rows = sparse.nonzero()  # (window in block, head in block, query)
     rb, rh, rq = rows.unbind(-1)
-    w = s[rb, rh, rq].to(torch.float64).masked_fill(~mask_cpu[rq], -math.inf)  # [R, n]
+    w = s[rb, rh, rq].to(torch.float64).masked_fill(~st.mask[rq], -math.inf)  # [R, n]
     del s
     gh = rh + h0
-    loose = torch.zeros(n_levels, draws, len(rb), dtype=torch.bool)
+    loose = torch.zeros(st.n_levels, st.draws, len(rb), dtype=torch.bool)
     strict = torch.zeros_like(loose)
-    base = (rb * la.n_kv_heads + kv_of[gh]) * n  # [R]: where each row's key factors start
+    base = (rb * la.n_kv_heads + st.kv_of[gh]) * n  # [R]: where each row's key factors start
     for i, (fq, fk) in enumerate(f):
         fq_rows = fq[:, rb, rq, gh]  # [D, R]
         fkp = fk.permute(0, 1, 3, 2).reshape(fk.shape[0], -1)  # [D, w·H_kv·n]
-        loose[i], strict[i] = row_decisions(w, fq_rows, fkp, base, la.softcap, strict_threshold,
-                                            max_elements=max_elements)
+        loose[i], strict[i] = row_decisions(w, fq_rows, fkp, base, la.softcap, st.strict_threshold,
+                                            max_elements=st.max_elements)
     return torch.stack([rb + b0, gh, rq], -1), w, loose, strict
 
 
