@@ -181,7 +181,8 @@ def _noise_args(p: argparse.ArgumentParser) -> None:
     _noise_common_args(p, DEFAULT_NOISE_LEVELS, 512, " per dataset")
     p.add_argument("--n-datasets", type=positive_int, default=3, help="independent datasets for the standard error")
     add_batch_size(p, 8, " (Hugging Face models: text windows per pass; their logits are made a block of positions "
-                         "at a time where that gives the model's own logits bit for bit, else whole)")
+                         "at a time by the model's own forward (logits_to_keep) where that equals its unembedding bit for bit, "
+                         "else whole)")
 
 
 @command("noise", help="per-token accuracy under multiplicative norm noise (the paper's noise-sensitivity sweep)",
