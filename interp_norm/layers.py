@@ -35,6 +35,10 @@ class Norm(nn.Module):
     ``hook_normalized`` the output after gain and bias. ``n_gains > 1`` gives the paper's separate
     query/key/value gains on one shared normalisation (Pre-Norm); then ``hook_normalized`` is the
     vector before the gains and :meth:`forward` returns one tensor per gain.
+
+    Unhooked it runs as one fused kernel (``F.layer_norm`` / ``F.rms_norm``, with a fused backward:
+    a training step as fast as a plain PyTorch model's, ``benchmarks/bench_train_step.py``); the
+    divisor is computed explicitly only when a hook sits on ``hook_scale`` (:func:`_hooked_scale`).
     """
 
     def __init__(self, length: int, kind: str, eps: float, bias: bool = False, n_gains: int = 1):
@@ -46,17 +50,55 @@ class Norm(nn.Module):
         self.hook_normalized = HookPoint()  # [..., length]
 
     def forward(self, x: Float[Tensor, "... d"]) -> Any:
-        if self.kind == "ln":
-            x = x - x.mean(-1, keepdim=True)
-        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
-        x = x / scale
+        scale = _hooked_scale(self.hook_scale, x, self.kind, self.eps)
+        if scale is None:  # nothing changes the scale: one fused kernel (and a fused backward)
+            y = unit_norm(x, self.kind, self.eps) if self.n_gains > 1 else _gained_norm(x, self.kind, self.eps, self.w, self.b)
+        else:
+            y = _center(x, self.kind) / scale
+            if self.n_gains == 1:
+                y = y * self.w if self.b is None else y * self.w + self.b
         if self.n_gains > 1:
-            x = self.hook_normalized(x)
-            return tuple(x * self.w[i] for i in range(self.n_gains))
-        x = x * self.w
-        if self.b is not None:
-            x = x + self.b
-        return self.hook_normalized(x)
+            y = self.hook_normalized(y)
+            return tuple(y * self.w[i] for i in range(self.n_gains))
+        return self.hook_normalized(y)
+
+
+def _center(x: Tensor, kind: str) -> Tensor:
+    return x - x.mean(-1, keepdim=True) if kind == "ln" else x
+
+
+def unit_norm(x: Tensor, kind: str, eps: float) -> Tensor:
+    """``x`` normalised over the last axis (LayerNorm or RMS), before any gain: one fused kernel."""
+    return F.layer_norm(x, x.shape[-1:], eps=eps) if kind == "ln" else F.rms_norm(x, x.shape[-1:], eps=eps)
+
+
+def _gained_norm(x: Tensor, kind: str, eps: float, w: Tensor, b: Optional[Tensor]) -> Tensor:
+    """``unit_norm(x) * w (+ b)``, the gain inside the kernel where its shape allows (not per-head gains)."""
+    if w.shape != x.shape[-1:]:
+        y = unit_norm(x, kind, eps) * w
+    elif kind == "ln":
+        return F.layer_norm(x, x.shape[-1:], w, b, eps)
+    else:
+        y = F.rms_norm(x, x.shape[-1:], w, eps)
+    return y if b is None else y + b
+
+
+def _hooked_scale(hook: HookPoint, x: Tensor, kind: str, eps: float) -> Optional[Tensor]:
+    """The divisor a norm must use when a hook on its ``hook_scale`` changes it, else None.
+
+    Without hooks the scale is not computed at all. With hooks it is computed explicitly
+    (``sqrt(mean(x²) + eps)``, ``x`` centred for LayerNorm) and the hook runs on it; if the hook
+    only read it (the same tensor back, not modified in place, no backward hook, which needs the
+    divisor on the gradient's path), None again: caching a scale leaves the output bit-identical to
+    an unhooked run, and patching or noising it takes effect.
+    """
+    bwd = hook._backward_hooks or hook._backward_pre_hooks
+    if not (hook._forward_hooks or hook._forward_pre_hooks or bwd):
+        return None
+    scale = (_center(x, kind).pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    version = scale._version
+    out = hook(scale)
+    return None if out is scale and scale._version == version and not bwd else out
 
 
 class HeadNorm(nn.Module):
@@ -74,10 +116,10 @@ class HeadNorm(nn.Module):
         self.w = nn.Parameter(torch.ones(shape))
 
     def forward(self, x: Float[Tensor, "b p h d"], hook_scale: HookPoint, hook_normed: HookPoint) -> Float[Tensor, "b p h d"]:
-        if self.kind == "ln":
-            x = x - x.mean(-1, keepdim=True)
-        scale = hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
-        return hook_normed(x / scale * self.w)
+        scale = _hooked_scale(hook_scale, x, self.kind, self.eps)
+        if scale is None:  # nothing changes the scale: one fused kernel
+            return hook_normed(_gained_norm(x, self.kind, self.eps, self.w, None))
+        return hook_normed(_center(x, self.kind) / scale * self.w)
 
 
 #: The non-padding mask ``[batch, pos]`` of the batch the Checkpoint factors are being fitted on, while

@@ -33,7 +33,7 @@ def test_events_match_a_brute_force_loop():
     thr = 0.6
     ev = sparse_attention_events(model, problems, threshold=thr)
     assert len(ev) > 0
-    expected = set()
+    expected = {}
     for i, p in enumerate(problems):
         tokens = model.to_tokens(p.text)
         _, cache = model.run_with_cache(tokens)
@@ -45,9 +45,11 @@ def test_events_match_a_brute_force_loop():
                 row = cache[act_name("pattern", l)][0, :, q]  # [head, key]
                 for h in range(4):
                     if row[h].max() >= thr:
-                        expected.add((i, roles[q + 1]["label"], l, h, roles[int(row[h].argmax())]["label"], round(float(row[h].max()), 5)))
-    got = {(r.problem, r.query, r.layer, r.head, r.key, round(r.strength, 5)) for r in ev.itertuples()}
-    assert got == expected
+                        expected[(i, roles[q + 1]["label"], l, h, roles[int(row[h].argmax())]["label"])] = float(row[h].max())
+    got = {(r.problem, r.query, r.layer, r.head, r.key): r.strength for r in ev.itertuples()}
+    assert got.keys() == expected.keys()
+    # one problem at a time vs a padded batch: the same arithmetic up to float32 rounding
+    assert max(abs(got[k] - expected[k]) for k in got) < 1e-5
 
 
 @torch.no_grad()

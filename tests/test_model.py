@@ -441,3 +441,86 @@ def test_apply_ln_to_stack_uses_each_norm_as_the_model_does(variant, tokens):
     pre = cache["blocks.1.hook_resid_pre"]
     want = _norm(pre, cfg.norm_kind, cfg.eps) if cfg.attn_norm == "pre" else pre
     torch.testing.assert_close(cache.apply_ln_to_stack(pre[None], layer=1)[0], want, atol=1e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- the norms' scale hooks
+
+
+def _norm_reference(x: torch.Tensor, kind: str, eps: float, w: torch.Tensor, b, scale_factor: float = 1.0):
+    """The norm by its formula in float64: (x - mean) / (sqrt(var + eps) * factor) * w + b (RMS: no mean)."""
+    x = x.double()
+    if kind == "ln":
+        x = x - x.mean(-1, keepdim=True)
+    s = (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    y = x / (s * scale_factor) * w.double()
+    return (y if b is None else y + b.double()), s
+
+
+@pytest.mark.parametrize("kind", ["ln", "rms"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_norm_fused_unless_a_hook_changes_the_scale(kind, bias):
+    """Unhooked, a Norm is one fused kernel; a hook that only reads ``hook_scale`` leaves the output
+    bit-identical; one that changes it (a new tensor or in place) takes effect; a backward hook on it
+    gets the gradient of the formula with respect to the divisor."""
+    from interp_norm.layers import Norm
+
+    g = torch.Generator().manual_seed(1)
+    norm = Norm(16, kind, 1e-5, bias=bias)
+    with torch.no_grad():
+        norm.w.copy_(torch.randn(16, generator=g))
+        if bias:
+            norm.b.copy_(torch.randn(16, generator=g))
+    x = torch.randn(3, 5, 16, generator=g) * 3 + 1
+    ref, s = _norm_reference(x, kind, 1e-5, norm.w.detach(), None if norm.b is None else norm.b.detach())
+    plain = norm(x)
+    torch.testing.assert_close(plain.double(), ref, atol=1e-5, rtol=1e-5)
+
+    seen = {}
+
+    def read(module, inputs, out) -> None:
+        seen["s"] = out.detach().clone()
+
+    h = norm.hook_scale.register_forward_hook(read)
+    assert torch.equal(norm(x), plain)  # read only: the same arithmetic
+    h.remove()
+    torch.testing.assert_close(seen["s"].double(), s, atol=1e-6, rtol=1e-6)
+
+    doubled, _ = _norm_reference(x, kind, 1e-5, norm.w.detach(), None if norm.b is None else norm.b.detach(), 2.0)
+    for edit in (lambda m, i, out: out * 2, lambda m, i, out: out.mul_(2)):
+        h = norm.hook_scale.register_forward_hook(edit)
+        torch.testing.assert_close(norm(x).double(), doubled, atol=1e-5, rtol=1e-5)
+        h.remove()
+
+    grads = {}
+
+    def read_grad(grad, hook) -> None:
+        grads["g"] = grad.detach().clone()
+
+    norm.hook_scale.add_hook(read_grad, dir="bwd")
+    r = torch.randn(3, 5, 16, generator=g)
+    (norm(x.clone().requires_grad_()) * r).sum().backward()  # in a model the residual carries a gradient
+    norm.hook_scale.remove_hooks(dir="bwd")
+    s64 = s.clone().requires_grad_()
+    xc = x.double() - x.double().mean(-1, keepdim=True) if kind == "ln" else x.double()
+    (gs,) = torch.autograd.grad((xc / s64 * norm.w.detach().double() * r.double()).sum(), s64)
+    torch.testing.assert_close(grads["g"].double(), gs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attn_norm", ["qk", "qkv"])
+def test_head_norm_scale_hooks_read_or_change(attn_norm, tokens):
+    """The per-head norms: caching ``hook_q_scale`` leaves the logits bit-identical; patching it with
+    the doubled scale gives the logits of q halved before the gain (the norm's formula)."""
+    model = make_model(attn_norm=attn_norm, norm_kind="ln")
+    clean = model(tokens)
+    _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_q_scale"))
+    assert torch.equal(model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.attn.hook_q_scale", lambda a, hook: None)]), clean)
+    doubled = model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.attn.hook_q_scale", lambda a, hook: a * 2)])
+    attn = model.blocks[0].attn
+
+    def halve_normed_q(act, hook):  # q_normed = (q - mean) / scale * w: doubling the scale halves it
+        return act / 2
+
+    ref = model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.attn.hook_q_normed", halve_normed_q)])
+    torch.testing.assert_close(doubled, ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(doubled, clean, atol=1e-4)
+    assert attn.q_norm.w.shape[-1] == model.cfg.d_head

@@ -5,11 +5,11 @@ With ``fast=False`` every step is the model's own: ``blk.ln1`` / ``ln2``, ``attn
 ``fast=True``, and only when no hook is on the model (a fused kernel would bypass it), the same
 functions run as fused CPU kernels on the model's weights: q, k and v as one
 ``[d_model, 3 * n_heads * d_head]`` matmul (separate Pre-Norm gains folded into it), ``W_O`` and the
-MLP as ``addmm``, ``F.layer_norm`` / ``F.rms_norm`` for the norms, and the softmax on a key axis
-padded to a multiple of 16 (``Tensor.softmax`` is ~10x slower on 12 or 14 keys). They round
-differently (~1e-7 relative) and make a recomputed row cheaper than a row of the model's own forward
-pass (``benchmarks/bench_patching.py``, ``row cost``). Both use the model's own calibration layers
-and score scaling (``attn.scale_scores``).
+MLP as ``addmm``, and the softmax on a key axis padded to a multiple of 16 (``Tensor.softmax`` is
+~10x slower on 12 or 14 keys). They round differently (~1e-7 relative) and make a recomputed row
+cheaper than a row of the model's own forward pass (``benchmarks/bench_patching.py``, ``row cost``).
+Both use the model's own norms (one fused kernel each when unhooked, :class:`interp_norm.layers.Norm`),
+calibration layers and score scaling (``attn.scale_scores``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from interp_norm.layers import unit_norm
 
 
 def causal_softmax(scores: Tensor, causal: Tensor) -> Tensor:
@@ -37,12 +39,6 @@ def padded_softmax(scores: Tensor, causal: Tensor) -> Tensor:
     if not pad:
         return x.softmax(-1)
     return F.pad(x, (0, pad), value=float("-inf")).softmax(-1)[..., :nk]
-
-
-def _unit_norm(norm, x: Tensor) -> Tensor:
-    """``x`` normalised by a Norm/HeadNorm's kind (LayerNorm or RMS) over the last axis, before any gain."""
-    shape = (x.shape[-1],)
-    return F.layer_norm(x, shape, eps=norm.eps) if norm.kind == "ln" else F.rms_norm(x, shape, eps=norm.eps)
 
 
 def _has_hooks(model) -> bool:
@@ -64,29 +60,8 @@ class BlockSteps:
         ln1 = getattr(blk, "ln1", None)
         if ln1 is None:
             return x, x, x
-        out = self._norm(ln1, x)
+        out = ln1(x)
         return out if isinstance(out, tuple) else (out, out, out)
-
-    def _norm(self, norm, x: Tensor):
-        """``norm(x)`` for a :class:`~interp_norm.layers.Norm` (fast mode: ``F.layer_norm`` /
-        ``F.rms_norm``, one kernel instead of eight elementwise passes)."""
-        if not self.fast:
-            return norm(x)
-        shape, w = (x.shape[-1],), norm.w
-        if norm.n_gains > 1:
-            y = _unit_norm(norm, x)
-            return tuple(y * w[i] for i in range(norm.n_gains))
-        if norm.kind == "ln":
-            return F.layer_norm(x, shape, w, norm.b, norm.eps)
-        y = F.rms_norm(x, shape, w, norm.eps)
-        return y if norm.b is None else y + norm.b
-
-    def _normalize(self, attn, y: Tensor, which: str) -> Tensor:
-        """``attn.normalize(y, which)``: the per-head norm (fast mode: one fused kernel, then the gain)."""
-        norm = getattr(attn, f"{which}_norm", None)
-        if norm is None or not self.fast:
-            return attn.normalize(y, which)
-        return _unit_norm(norm, y) * norm.w
 
     def _fuse(self, blk) -> Optional[dict]:
         """The block's weights laid out for plain 2-D matmuls (None: this block keeps the model's steps)."""
@@ -110,7 +85,7 @@ class BlockSteps:
         blk = self.model.blocks[l]
         attn, w = blk.attn, self._fused and self._fused[l]
         if w and "qkv_gained" in w:  # separate Pre-Norm gains folded into the weights: one matmul
-            y = _unit_norm(blk.ln1, resid).reshape(-1, resid.shape[-1])
+            y = unit_norm(resid, blk.ln1.kind, blk.ln1.eps).reshape(-1, resid.shape[-1])
             return self._split_qkv(attn, y @ w["qkv_gained"], resid.shape[:-1])
         xs = self._attn_inputs(blk, resid)
         if not w:
@@ -143,7 +118,7 @@ class BlockSteps:
         if not (self._fused and self._fused[l]):
             return blk.mlp_update(x.unsqueeze(0))[0] if x.ndim == 2 else blk.mlp_update(x)
         mlp = blk.mlp
-        hid = torch.addmm(mlp.b_in, self._norm(blk.ln2, x).reshape(-1, x.shape[-1]), mlp.W_in).relu_()
+        hid = torch.addmm(mlp.b_in, blk.ln2(x).reshape(-1, x.shape[-1]), mlp.W_in).relu_()
         out = torch.addmm(mlp.b_out, hid, mlp.W_out).view_as(x)
         calib = getattr(blk, "calib_mlp_out", None)
         return out if calib is None else calib(out, relative_to=x)

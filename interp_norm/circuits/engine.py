@@ -144,7 +144,7 @@ class IncrementalEngine(BlockSteps):
         a = {"resid_pre": resid}
         for t, y in zip("qkv", self._qkv(l, resid)):
             a[t] = y
-            a[f"{t}_used"] = self._normalize(attn, y, t)
+            a[f"{t}_used"] = attn.normalize(y, t)
         n = resid.shape[1]
         scores = attn.scores(a["q_used"], a["k_used"])
         if self.exact_pattern:  # as the model's forward computes it
@@ -345,11 +345,11 @@ class IncrementalEngine(BlockSteps):
         if kv is not None and kv.any():
             x_kv = rows.x if torch.equal(kv, rows.changed) else self._rows(l, inp, kv)
             out.rows = kv
-            out.q, out.k, out.v = (self._normalize(attn, y, t) for y, t in zip(self._qkv(l, x_kv), "qkv"))
+            out.q, out.k, out.v = (attn.normalize(y, t) for y, t in zip(self._qkv(l, x_kv), "qkv"))
         if entry is not None and entry.stage in ("k", "v"):  # the entering copies' patched key/value rows
             out.patched_stage, out.patched = entry.stage, entry.rows & seen
             pidx = out.patched.nonzero(as_tuple=True)
-            out.patched_values = self._normalize(attn, entry.patch(self._at(l, entry.stage, pidx), pidx), entry.stage)
+            out.patched_values = attn.normalize(entry.patch(self._at(l, entry.stage, pidx), pidx), entry.stage)
         return out
 
     def _queries(self, l: int, rows: LayerRows, entry: Optional[Entry], kv: KVChanges) -> tuple[Optional[Tensor], Optional[Tensor]]:
@@ -363,7 +363,7 @@ class IncrementalEngine(BlockSteps):
                 q_changed[kv.rows[rows.changed]] = kv.q[rows.changed[kv.rows]]
         stage, ie = None if entry is None else entry.stage, rows.entering_idx
         if stage == "q":
-            q_entering = self._normalize(attn, entry.patch(self._at(l, "q", ie), ie), "q")
+            q_entering = attn.normalize(entry.patch(self._at(l, "q", ie), ie), "q")
         elif stage in ("k", "v"):
             q_entering = self._at(l, "q_used", ie)
         return q_changed, q_entering

@@ -206,6 +206,8 @@ class NormNoise(HeadNoise):
         def hook(act: Tensor, hook=None) -> Tensor:
             shape = (*act.shape[:-1], 1)  # [b, p, h, 1] or [b, p, 1] for the scale
             kappa = self._next(layer, target, shape, act)
+            if not kappa.any():  # level 0 (or no selected head): the activation as it is, bit for bit
+                return act
             if self.direction == "random":
                 u = self.draw_direction(layer, target, act.shape, self._calls[(layer, target)] - 1, act.dtype)
                 return act + kappa * act.norm(dim=-1, keepdim=True) * u.to(act.device)
