@@ -38,7 +38,7 @@ class Norm(nn.Module):
 
     Unhooked it runs as one fused kernel (``F.layer_norm`` / ``F.rms_norm``, with a fused backward:
     a training step as fast as a plain PyTorch model's, ``benchmarks/bench_train_step.py``); the
-    divisor is computed explicitly only when a hook sits on ``hook_scale`` (:func:`_hooked_scale`).
+    divisor is computed explicitly only when a hook sits on ``hook_scale`` (:func:`_unit_by_hooked_scale`).
     """
 
     def __init__(self, length: int, kind: str, eps: float, bias: bool = False, n_gains: int = 1):
@@ -50,21 +50,14 @@ class Norm(nn.Module):
         self.hook_normalized = HookPoint()  # [..., length]
 
     def forward(self, x: Float[Tensor, "... d"]) -> Any:
-        scale = _hooked_scale(self.hook_scale, x, self.kind, self.eps)
-        if scale is None:  # nothing changes the scale: one fused kernel (and a fused backward)
-            y = unit_norm(x, self.kind, self.eps) if self.n_gains > 1 else _gained_norm(x, self.kind, self.eps, self.w, self.b)
-        else:
-            y = _center(x, self.kind) / scale
-            if self.n_gains == 1:
-                y = y * self.w if self.b is None else y * self.w + self.b
+        unit = _unit_by_hooked_scale(self.hook_scale, x, self.kind, self.eps)  # None: one fused kernel
         if self.n_gains > 1:
-            y = self.hook_normalized(y)
+            y = self.hook_normalized(unit_norm(x, self.kind, self.eps) if unit is None else unit)
             return tuple(y * self.w[i] for i in range(self.n_gains))
-        return self.hook_normalized(y)
-
-
-def _center(x: Tensor, kind: str) -> Tensor:
-    return x - x.mean(-1, keepdim=True) if kind == "ln" else x
+        if unit is None:
+            return self.hook_normalized(_gained_norm(x, self.kind, self.eps, self.w, self.b))
+        y = unit * self.w
+        return self.hook_normalized(y if self.b is None else y + self.b)
 
 
 def unit_norm(x: Tensor, kind: str, eps: float) -> Tensor:
@@ -83,22 +76,25 @@ def _gained_norm(x: Tensor, kind: str, eps: float, w: Tensor, b: Optional[Tensor
     return y if b is None else y + b
 
 
-def _hooked_scale(hook: HookPoint, x: Tensor, kind: str, eps: float) -> Optional[Tensor]:
-    """The divisor a norm must use when a hook on its ``hook_scale`` changes it, else None.
+def _unit_by_hooked_scale(hook: HookPoint, x: Tensor, kind: str, eps: float) -> Optional[Tensor]:
+    """``x`` (centred for LayerNorm) divided by the scale a hook on ``hook_scale`` gave back, or None
+    when no hook changes the scale (then the norm runs as one fused kernel).
 
     Without hooks the scale is not computed at all. With hooks it is computed explicitly
-    (``sqrt(mean(x²) + eps)``, ``x`` centred for LayerNorm) and the hook runs on it; if the hook
-    only read it (the same tensor back, not modified in place, no backward hook, which needs the
-    divisor on the gradient's path), None again: caching a scale leaves the output bit-identical to
-    an unhooked run, and patching or noising it takes effect.
+    (``sqrt(mean(x²) + eps)``) and the hook runs on it; if the hook only read it (the same tensor
+    back, not modified in place, no backward hook, which needs the divisor on the gradient's path),
+    None again: caching a scale leaves the output bit-identical to an unhooked run, and patching or
+    noising it takes effect.
     """
     bwd = hook._backward_hooks or hook._backward_pre_hooks
     if not (hook._forward_hooks or hook._forward_pre_hooks or bwd):
         return None
-    scale = (_center(x, kind).pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    if kind == "ln":
+        x = x - x.mean(-1, keepdim=True)
+    scale = (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
     version = scale._version
     out = hook(scale)
-    return None if out is scale and scale._version == version and not bwd else out
+    return None if out is scale and scale._version == version and not bwd else x / out
 
 
 class HeadNorm(nn.Module):
@@ -116,10 +112,8 @@ class HeadNorm(nn.Module):
         self.w = nn.Parameter(torch.ones(shape))
 
     def forward(self, x: Float[Tensor, "b p h d"], hook_scale: HookPoint, hook_normed: HookPoint) -> Float[Tensor, "b p h d"]:
-        scale = _hooked_scale(hook_scale, x, self.kind, self.eps)
-        if scale is None:  # nothing changes the scale: one fused kernel
-            return hook_normed(_gained_norm(x, self.kind, self.eps, self.w, None))
-        return hook_normed(_center(x, self.kind) / scale * self.w)
+        unit = _unit_by_hooked_scale(hook_scale, x, self.kind, self.eps)  # None: one fused kernel
+        return hook_normed(_gained_norm(x, self.kind, self.eps, self.w, None) if unit is None else unit * self.w)
 
 
 #: The non-padding mask ``[batch, pos]`` of the batch the Checkpoint factors are being fitted on, while
