@@ -1,7 +1,7 @@
 """Circuit collapse on a Qwen3-shaped bridge: bridge_collapse vs re-running each layer per draw.
 
 Model: a random Qwen3 (per-head RMS QK-Norm before RoPE, grouped k/v heads) built offline with
-``interp_norm.bridges.tiny_hf_model`` at 8 layers, 16 query / 8 key-value heads, d_head 64,
+``interp_norm.anatomy.tiny_hf_model`` at 8 layers, 16 query / 8 key-value heads, d_head 64,
 d_model 1024, on 512 tokens; ``sharpness`` multiplies the score factor so random weights give
 sparse rows (as trained models have). Noise after the q/k norms (before them the norm removes it).
 
@@ -48,7 +48,7 @@ import torch
 from interp_norm.anatomy import anatomy, bridge_from_hf, random_tokens, tiny_hf_model
 from interp_norm.noise import collapse_chunks, collapse_kappa
 from interp_norm.anatomy.rebuild import attention_mask, rebuilt_query_key
-from interp_norm.defaults import SPARSE_THRESHOLD
+from interp_norm.core.defaults import SPARSE_THRESHOLD
 
 SHAPE = dict(n_layers=8, d_model=1024, n_heads=16, n_kv_heads=8, d_head=64, vocab=1000, n_ctx=512)
 

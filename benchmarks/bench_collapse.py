@@ -19,9 +19,9 @@ import torch
 
 from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig
 from interp_norm import noise as N
-from interp_norm.defaults import SPARSE_THRESHOLD
-from interp_norm.hooks import act_name, noise_site
-from interp_norm.task import PAD_ID
+from interp_norm.core.defaults import SPARSE_THRESHOLD
+from interp_norm.core.hook_names import act_name, noise_site
+from interp_norm.core.task import PAD_ID
 
 
 @torch.no_grad()
@@ -70,7 +70,7 @@ def main() -> None:
     torch.set_num_threads(1)
     levels = tuple(float(x) for x in args.levels.split(","))
     if args.ckpt:
-        from interp_norm.checkpoints import load_checkpoint
+        from interp_norm.training.checkpoints import load_checkpoint
 
         model, info = load_checkpoint(args.ckpt)
         task = info.task

@@ -48,7 +48,7 @@ from transformer_lens import patching  # noqa: E402
 
 from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig  # noqa: E402
 from interp_norm.circuits import LogitDiff, activation_patch, make_pairs  # noqa: E402
-from interp_norm.circuits.engine import IncrementalEngine  # noqa: E402
+from interp_norm.circuits.exact.engine import IncrementalEngine  # noqa: E402
 
 TOL = 1e-5
 TL_FN = {

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig
-from interp_norm.task import next_token_targets
+from interp_norm.core.task import next_token_targets
 
 
 def _norm(x, kind, eps):

@@ -11,7 +11,7 @@ The names below load on first use (PEP 562), so ``import interp_norm`` -- and wi
 ``interp-norm --help`` -- does not import torch, TransformerLens, plotly or pandas.
 
 The functions ``train`` and ``evaluate`` live in the submodules of the same names
-(``from interp_norm.train import train``); they are not re-exported here so that the submodules
+(``from interp_norm.training.train import train``); they are not re-exported here so that the submodules
 stay reachable as attributes.
 """
 
@@ -24,18 +24,18 @@ __version__ = "0.1.0"
 
 # public name -> the submodule that defines it
 _LAZY = {
-    "AdditionTask": "interp_norm.task",
-    "Problem": "interp_norm.task",
-    "parse_problem": "interp_norm.task",
-    "TrainConfig": "interp_norm.train",
-    "list_pretrained": "interp_norm.checkpoints",
-    "load_checkpoint": "interp_norm.checkpoints",
-    "load_any": "interp_norm.checkpoints",
+    "AdditionTask": "interp_norm.core.task",
+    "Problem": "interp_norm.core.task",
+    "parse_problem": "interp_norm.core.task",
+    "TrainConfig": "interp_norm.training.config",
+    "list_pretrained": "interp_norm.training.checkpoints",
+    "load_checkpoint": "interp_norm.training.checkpoints",
+    "load_any": "interp_norm.training.checkpoints",
     "load": "interp_norm.anatomy.loading",
-    "load_pretrained": "interp_norm.checkpoints",
-    "save_checkpoint": "interp_norm.checkpoints",
-    "HookedNormTransformer": "interp_norm.model",
-    "ModelConfig": "interp_norm.model",
+    "load_pretrained": "interp_norm.training.checkpoints",
+    "save_checkpoint": "interp_norm.training.checkpoints",
+    "HookedNormTransformer": "interp_norm.core.model",
+    "ModelConfig": "interp_norm.core.model",
     "InterpNormError": "interp_norm.errors",
 }
 

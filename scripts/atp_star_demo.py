@@ -16,7 +16,7 @@ import argparse
 import pandas as pd
 import torch
 
-from interp_norm.checkpoints import load_pretrained
+from interp_norm.training.checkpoints import load_pretrained
 from interp_norm.circuits import LogitDiff, activation_patch, attribution_patch, make_pairs
 from interp_norm.circuits.atp_star import atp_star
 

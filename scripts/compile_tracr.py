@@ -7,7 +7,7 @@ Run in a separate virtual environment (tracr needs JAX; the project's does not h
 
 For each program it writes ``<name>.npz`` (the raw tracr parameters, test inputs with the RASP
 interpreter's outputs, and clean/corrupted pairs with their outputs) and ``<name>.json`` (the
-model config, residual labels, encodings and the ground truth). ``interp_norm.circuits.tracr_suite``
+model config, residual labels, encodings and the ground truth). ``interp_norm.circuits.benchmark.tracr_suite``
 turns the parameters into a TransformerLens 4 ``TransformerBridge`` with TransformerLens's own
 ``transformer_lens.utilities.tracr`` converter.
 

@@ -36,7 +36,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         page = Path(args.dashboard) if args.dashboard else None
         if page is None:
-            from interp_norm.reproduce import reproduce
+            from interp_norm.report.reproduce import reproduce
 
             reproduce(Path(tmp) / "report", quick=True, progress=True)
             page = Path(tmp) / "report" / "dashboard.html"

@@ -10,10 +10,10 @@ import argparse
 
 import pandas as pd
 
-from interp_norm.checkpoints import load_pretrained
+from interp_norm.training.checkpoints import load_pretrained
 from interp_norm.circuits import make_pairs
-from interp_norm.circuits.ground_truth import SUITE, make_gt_pairs
-from interp_norm.circuits.mib import run_mib
+from interp_norm.circuits.benchmark.ground_truth import SUITE, make_gt_pairs
+from interp_norm.circuits.benchmark.mib import run_mib
 
 METHODS = ("exact", "eap", "eap-ig", "atp*")
 

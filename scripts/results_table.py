@@ -4,7 +4,7 @@
     .venv/bin/python scripts/results_table.py --write   # also rewrite it in docs/results.md between the markers
 
 Numbers are read from ``data/checkpoints/*/metrics.json`` (written at the end of training by
-``interp_norm.train`` on fixed seeded test sets of 2048 problems per split), so the table always
+``interp_norm.training.train`` on fixed seeded test sets of 2048 problems per split), so the table always
 matches the shipped files. Per variant and scaling (√d_head, or the paper's Checkpoint
 calibration): mean ± half the range over seeds (± 0 for one seed).
 """

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # name -> (attn_norm, seed, calibration[, n_epochs]): "none" divides scores by sqrt(d_head); "paper"
-# adds the paper's Checkpoint calibration layers (interp_norm.model.Calibration). n_epochs (of 250
+# adds the paper's Checkpoint calibration layers (interp_norm.core.model.Calibration). n_epochs (of 250
 # steps) defaults to the cpu preset's 40 (10k steps); the "-30k" runs train three times as long, with
 # the cosine schedule stretched over the whole run, to measure what longer training does to attention
 # temperature and circuit collapse (issue 13).
@@ -54,8 +54,9 @@ for _seed in range(2, 6):
 
 def train_one(name: str, runs: Path, data: Path, progress: bool = True) -> None:
     from interp_norm import AdditionTask, ModelConfig
-    from interp_norm.checkpoints import latest_checkpoint, load_checkpoint, read_checkpoint_info, save_checkpoint
-    from interp_norm.train import TrainConfig, train
+    from interp_norm.training.checkpoints import latest_checkpoint, load_checkpoint, read_checkpoint_info, save_checkpoint
+    from interp_norm.training.train import train
+    from interp_norm.training.config import TrainConfig
 
     attn_norm, seed, calibration, *epochs = REFERENCE[name]
     model_cfg = ModelConfig.preset("cpu", attn_norm=attn_norm, seed=seed, calibration=calibration)

@@ -2,7 +2,7 @@
 
 The JSON files are the construction's circuit (tests check they equal the code's); the README
 has one table describing the models and one with the benchmark measured by
-``interp_norm.circuits.benchmark.run_benchmark()`` (so it is regenerated, never hand-edited).
+``interp_norm.circuits.benchmark.suite.run_benchmark()`` (so it is regenerated, never hand-edited).
 
     PYTHONPATH=. python scripts/write_ground_truth.py [--out data/ground_truth] [--no-benchmark]
 """
@@ -13,12 +13,12 @@ import argparse
 
 import pandas as pd
 
-from interp_norm.circuits.ground_truth import SUITE
-from interp_norm.io import ensure_writable_dir, write_json, write_text_atomic
+from interp_norm.circuits.benchmark.ground_truth import SUITE
+from interp_norm.training.io import ensure_writable_dir, write_json, write_text_atomic
 
 HEADER = """# Ground-truth circuit suite
 
-Hand-weighted 2-layer, 2-head models in our own architecture (`interp_norm.circuits.ground_truth`);
+Hand-weighted 2-layer, 2-head models in our own architecture (`interp_norm.circuits.benchmark.ground_truth`);
 the circuit of each comes from its construction, stated in `<model>.json` (`nodes`, and `edges`
 with what the receiver reads: `token` = depends on the tokens, `fixed` = only positions or
 constants). Clean/corrupted pairs change tokens and keep positions, so `fixed` edges carry the
@@ -32,7 +32,7 @@ exact patching ranks every circuit node first (AUROC 1).
 
 The `tracr:` models are RASP programs compiled by tracr (`scripts/compile_tracr.py`, run once in a
 separate environment with JAX) and loaded as TransformerLens 4 `TransformerBridge`s by
-`interp_norm.circuits.tracr_suite`; their circuit is the compiler's (which labelled residual
+`interp_norm.circuits.benchmark.tracr_suite`; their circuit is the compiler's (which labelled residual
 subspaces each head/MLP reads and writes, see `tracr/<name>.json`). Nodes marked `fixed` compute
 something independent of the tokens at a fixed length (e.g. the input length in `reverse`) and are
 left out like fixed edges. Their metric is the program-output difference; AtP* needs our own
@@ -63,7 +63,7 @@ def main() -> None:
                            token_edges=", ".join(f"{u}->{r}" for u, r, k in g.edges if k == "token"),
                            fixed_edges=", ".join(f"{u}->{r}" for u, r, k in g.edges if k == "fixed") or "-",
                            pairs=g.pairs))
-    from interp_norm.circuits.tracr_suite import TRACR_SUITE
+    from interp_norm.circuits.benchmark.tracr_suite import TRACR_SUITE
 
     for name, g in TRACR_SUITE.items():
         spec = g.spec
@@ -74,7 +74,7 @@ def main() -> None:
                            pairs="one input token changes (tracr/<name>.npz)"))
     text = HEADER + "## Models\n\n" + _md(pd.DataFrame(models))
     if not args.no_benchmark:
-        from interp_norm.circuits.benchmark import run_benchmark
+        from interp_norm.circuits.benchmark.suite import run_benchmark
 
         df = run_benchmark()
         table = df.pivot_table(index=["model", "method"], columns="level", values=["precision", "recall", "auroc"], sort=False)

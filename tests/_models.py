@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from interp_norm import HookedNormTransformer, ModelConfig
-from interp_norm.task import BOS_ID, PAD_ID
+from interp_norm.core.task import BOS_ID, PAD_ID
 
 
 def make_model(seed: int = 0, **kw) -> HookedNormTransformer:

@@ -23,8 +23,8 @@ from interp_norm.anatomy import (
     verify_scores,
 )
 from interp_norm.errors import ConfigError, InterpNormError
-from interp_norm.defaults import ATTN_NORMS
-from interp_norm.hooks import act_name
+from interp_norm.core.defaults import ATTN_NORMS
+from interp_norm.core.hook_names import act_name
 
 from _models import make_model
 
@@ -154,10 +154,9 @@ def test_attention_mask_causal_and_sliding_window():
 
 
 def test_architecture_error_lives_in_errors_and_is_a_config_error():
-    import interp_norm.bridges as B
+    import interp_norm.anatomy as A
     from interp_norm import errors
 
-    assert B.ArchitectureError is errors.ArchitectureError
     assert issubclass(errors.ArchitectureError, ConfigError) and issubclass(errors.ArchitectureError, ValueError)
-    for name in B._EXPORTS:  # every public name resolves to its module's object
-        assert getattr(B, name) is not None
+    for name in A._EXPORTS:  # every public name resolves to its module's object
+        assert getattr(A, name) is not None

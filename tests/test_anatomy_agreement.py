@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from interp_norm.anatomy import anatomy, random_tokens, tiny_bridge
-from interp_norm.bridges import text_agreement
+from interp_norm.noise.text_agreement import text_agreement
 from interp_norm.noise import HeadNoise, seeded_sampler
 from interp_norm.errors import ConfigError, NoiseSpecError
 

@@ -20,7 +20,7 @@ import torch
 from interp_norm.anatomy import anatomy, canonical, random_tokens, tiny_bridge
 from interp_norm.noise import HeadNoise, bridge_collapse, collapse_chunks, collapse_kappa
 from interp_norm.errors import ArchitectureError, NoiseSpecError
-from interp_norm.defaults import SPARSE_THRESHOLD
+from interp_norm.core.defaults import SPARSE_THRESHOLD
 
 ARCHS = ["gpt2", "llama", "qwen3", "olmo2", "gemma4", "gemma4-shared"]
 B, N = 3, 16

@@ -14,14 +14,14 @@ import torch
 from interp_norm import AdditionTask, HookedNormTransformer
 from interp_norm.anatomy import (
     anatomy,
-    load_model,
+    load,
     random_tokens,
     sample_text,
     text_tokens,
     tiny_hf_model,
     verify_scores,
 )
-from interp_norm.checkpoints import save_checkpoint
+from interp_norm.training.checkpoints import save_checkpoint
 from interp_norm.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 
 from _models import make_model, word_tokenizer
@@ -34,7 +34,7 @@ def test_load_a_save_pretrained_folder(tmp_path, arch):
     tokens = random_tokens(128, 2, 9, seed=1)
     ref = hf(tokens).logits
     hf.save_pretrained(tmp_path / arch)
-    bridge = load_model(tmp_path / arch)
+    bridge = load(tmp_path / arch)
     assert type(bridge).__name__ == "TransformerBridge"
     assert torch.allclose(bridge(tokens), ref, atol=1e-5)
     assert verify_scores(bridge, tokens)["ok"].all()
@@ -51,7 +51,7 @@ def test_load_a_multimodal_gemma4_folder(tmp_path):
     tokens = random_tokens(120, 2, 9, seed=2)  # ids 120-126 are media tokens in this config
     ref = hf(tokens).logits
     hf.save_pretrained(tmp_path / "g4")
-    bridge = load_model(tmp_path / "g4")
+    bridge = load(tmp_path / "g4")
     assert torch.allclose(bridge(tokens), ref, atol=1e-5)
     an = anatomy(bridge)
     assert an.architecture == "Gemma4ForConditionalGeneration"
@@ -81,7 +81,7 @@ def test_load_a_cached_name_with_the_hub_offline(tmp_path, monkeypatch):
     _populate_hub_cache(hub, "tiny-org/tiny-olmo2", hf, tokenizer=word_tokenizer(128))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
-    bridge = load_model("tiny-org/tiny-olmo2")
+    bridge = load("tiny-org/tiny-olmo2")
     assert torch.allclose(bridge(tokens), ref, atol=1e-5)
     assert anatomy(bridge)[0].norms["q"].axis == "all_heads"
     # the tokenizer came along: the sample text becomes windows of real token ids
@@ -93,9 +93,9 @@ def test_load_a_cached_name_with_the_hub_offline(tmp_path, monkeypatch):
 def test_a_name_that_is_not_cached_says_how_to_get_it(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
     with pytest.raises(CheckpointNotFoundError, match="hf download nobody/no-such-model"):
-        load_model("nobody/no-such-model")
+        load("nobody/no-such-model")
     with pytest.raises(CheckpointNotFoundError, match="not in the Hugging Face cache"):
-        load_model("no-such-name")
+        load("no-such-name")
 
 
 def test_a_folder_that_is_no_model_is_a_typed_error(tmp_path):
@@ -104,16 +104,16 @@ def test_a_folder_that_is_no_model_is_a_typed_error(tmp_path):
     (junk / "config.json").write_text(json.dumps({"hello": 1}))
     (junk / "notes.txt").write_text("x")
     with pytest.raises(CheckpointError, match="not a supported model folder") as e:
-        load_model(junk)
+        load(junk)
     assert "format_version None" not in str(e.value)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(CheckpointError, match="not a supported model folder"):
-        load_model(empty)
+        load(empty)
     with pytest.raises(CheckpointNotFoundError, match="does not exist"):
-        load_model(tmp_path / "missing")
+        load(tmp_path / "missing")
     with pytest.raises(CheckpointError, match="is a file"):
-        load_model(junk / "notes.txt")
+        load(junk / "notes.txt")
 
 
 def test_an_hf_folder_with_an_unknown_model_type_is_a_typed_error(tmp_path):
@@ -121,14 +121,14 @@ def test_an_hf_folder_with_an_unknown_model_type_is_a_typed_error(tmp_path):
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"model_type": "no_such_architecture_xyz"}))
     with pytest.raises(ConfigError, match="cannot read"):
-        load_model(bad)
+        load(bad)
 
 
 @torch.no_grad()
 def test_our_checkpoint_folders_still_load_as_our_models(tmp_path):
     model = make_model(attn_norm="qk")
     path = save_checkpoint(model, tmp_path / "ck", task=AdditionTask.preset("cpu"))
-    loaded = load_model(path)
+    loaded = load(path)
     assert isinstance(loaded, HookedNormTransformer)
     tokens = random_tokens(loaded, 2, 8, seed=0)
     assert torch.equal(loaded(tokens), model(tokens))

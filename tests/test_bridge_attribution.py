@@ -24,7 +24,7 @@ from transformer_lens.tools.analysis.attribution_patching import (
 from transformer_lens.tools.analysis.attribution_patching import attribution_patch as tl_attribution_patch
 
 from _models import ReadAt
-from interp_norm.bridges import random_tokens, tiny_bridge
+from interp_norm.anatomy import random_tokens, tiny_bridge
 from interp_norm.circuits import PatchingPairs, edge_attribution, node_attribution
 from interp_norm.errors import PatchingError
 

@@ -26,7 +26,7 @@ from _models import ReadAt, bridges_with_hf_copies, hand_forward
 from interp_norm.anatomy import random_tokens, tiny_bridge
 from interp_norm.circuits import PatchingPairs, attribution_patch, node_attribution
 from interp_norm.errors import HookNameError, PatchingError
-from interp_norm.hooks import act_name
+from interp_norm.core.hook_names import act_name
 
 B, N = 3, 7
 RESID = ("resid_pre", "resid_mid", "resid_post")

@@ -22,7 +22,7 @@ from transformer_lens import patching
 from interp_norm.anatomy import random_tokens, tiny_bridge
 from interp_norm.circuits import PatchingPairs, activation_patch, attribution_patch, edge_attribution
 from interp_norm.errors import PatchingError
-from interp_norm.hooks import act_name
+from interp_norm.core.hook_names import act_name
 
 
 def _metric(logits: torch.Tensor) -> torch.Tensor:

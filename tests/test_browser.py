@@ -23,12 +23,13 @@ import pytest
 from _devtools import Browser, PageLoad, boxes_overlap, inside
 
 from interp_norm import cli
-from interp_norm import dashboard as D
-from interp_norm import reproduce as R
-from interp_norm.model import ModelConfig
-from interp_norm.plots._style import REAL_MODEL_COLOURS, VARIANT_COLOURS, base_variant
-from interp_norm.task import AdditionTask
-from interp_norm.train import TrainConfig, train
+from interp_norm.report import dashboard as D
+from interp_norm.report import reproduce as R
+from interp_norm.core.model import ModelConfig
+from interp_norm.report.plots._style import REAL_MODEL_COLOURS, VARIANT_COLOURS, base_variant
+from interp_norm.core.task import AdditionTask
+from interp_norm.training.train import train
+from interp_norm.training.config import TrainConfig
 
 pytestmark = pytest.mark.browser
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interp_norm import task as T
-from interp_norm.layers import Calibration, fitting_calibration
-from interp_norm.model import HookedNormTransformer, ModelConfig
+from interp_norm.core import task as T
+from interp_norm.core.components import Calibration, fitting_calibration
+from interp_norm.core.model import HookedNormTransformer, ModelConfig
 
 
 def _model(attn_norm: str) -> HookedNormTransformer:

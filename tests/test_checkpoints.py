@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from interp_norm import checkpoints as C
-from interp_norm.checkpoint_format import sha256
-from interp_norm.checkpoints import (
+from interp_norm.training import checkpoints as C
+from interp_norm.training.checkpoint_format import sha256
+from interp_norm.training.checkpoints import (
     commit_run_checkpoint,
     list_pretrained,
     load_checkpoint,
@@ -21,9 +21,9 @@ from interp_norm.checkpoints import (
     save_checkpoint,
 )
 from interp_norm.errors import CheckpointError, CheckpointNotFoundError, InterpNormError, OutputDirError
-from interp_norm.model import HookedNormTransformer, ModelConfig
-from interp_norm.task import AdditionTask
-from interp_norm.train_config import TrainConfig
+from interp_norm.core.model import HookedNormTransformer, ModelConfig
+from interp_norm.core.task import AdditionTask
+from interp_norm.training.config import TrainConfig
 
 TASK = AdditionTask(train_terms=(2,), interp_terms=(2,), extrap_terms=(3,), n_digits=(1,))
 
@@ -113,7 +113,7 @@ def test_every_checkpoint_file_is_world_readable_whatever_the_umask(ckpt, tmp_pa
 
 
 def test_checkpoints_keeps_the_io_helpers_callers_import():
-    from interp_norm import io
+    from interp_norm.training import io
 
     assert C.ensure_writable_dir is io.ensure_writable_dir  # re-exported, not a second copy
 
@@ -337,7 +337,7 @@ def test_reproduce_defaults_to_the_reference_set(tmp_path, monkeypatch):
     """A shipped checkpoint of another set (metrics ``set``, e.g. longer training) is listed and
     loads by name, but `reproduce` without --checkpoints leaves it out: its tables group seeds by
     variant, which would mix training recipes."""
-    from interp_norm.reproduce import load_models
+    from interp_norm.report.reproduce import load_models
 
     monkeypatch.setenv("INTERP_NORM_DATA", str(tmp_path))
     root = tmp_path / "checkpoints"

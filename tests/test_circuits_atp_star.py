@@ -21,7 +21,7 @@ from interp_norm.circuits import (
 )
 from interp_norm.circuits.atp_star import atp_star, edge_atp_star
 from interp_norm.errors import PatchingError
-from interp_norm.hooks import act_name
+from interp_norm.core.hook_names import act_name
 from tests._models import make_model
 
 # ----------------------------------------------------------------------------- independent reference

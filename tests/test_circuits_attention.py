@@ -8,8 +8,8 @@ import torch
 from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig
 from interp_norm.circuits import attention_map, attention_map_split, sparse_attention_events, token_roles
 from interp_norm.errors import PatchingError
-from interp_norm.hooks import act_name
-from interp_norm.task import parse_problem
+from interp_norm.core.hook_names import act_name
+from interp_norm.core.task import parse_problem
 
 TASK = AdditionTask.preset("cpu")
 

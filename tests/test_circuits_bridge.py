@@ -23,7 +23,7 @@ from interp_norm.circuits import (
     sparse_attention_events,
 )
 from interp_norm.errors import PatchingError
-from interp_norm.hooks import act_name
+from interp_norm.core.hook_names import act_name
 
 
 @pytest.fixture(scope="module")

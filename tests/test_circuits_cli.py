@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig, cli
-from interp_norm.checkpoints import save_checkpoint
+from interp_norm.training.checkpoints import save_checkpoint
 from interp_norm.circuits import run_circuits
 
 TASK = AdditionTask.preset("cpu")
@@ -61,7 +61,7 @@ def test_cli_writes_every_table_the_graph_and_the_edge_list(ckpt, tmp_path, caps
     out = tmp_path / "out"
     assert cli.main(["circuits", str(ckpt), "--out", str(out), *ARGS]) == 0
     assert f"wrote {len(EXPECTED)} tables" in capsys.readouterr().out
-    from interp_norm.checkpoints import load_checkpoint
+    from interp_norm.training.checkpoints import load_checkpoint
 
     model, _ = load_checkpoint(ckpt)
     tables = run_circuits(model, TASK, n_pairs=6, ig_steps=2, top_n=6, attention_problems=16)
@@ -109,7 +109,7 @@ BENCH = ["--models", "prev_token", "induction", "--methods", "exact", "eap", "pr
 
 
 def test_benchmark_writes_the_suite_tables_and_the_faithfulness_figure(tmp_path, capsys):
-    from interp_norm.circuits.benchmark import run_benchmark, run_benchmark_mib
+    from interp_norm.circuits.benchmark.suite import run_benchmark, run_benchmark_mib
 
     out = tmp_path / "bench"
     assert cli.main(["circuits", "--benchmark", "--out", str(out), *BENCH]) == 0
@@ -141,7 +141,7 @@ def test_benchmark_shows_progress_by_default(tmp_path, monkeypatch):
         seen.append(kw["progress"])
         raise ConfigError("stop here")
 
-    monkeypatch.setattr("interp_norm.circuits.benchmark.run_benchmark", fake)
+    monkeypatch.setattr("interp_norm.circuits.benchmark.suite.run_benchmark", fake)
     base = ["circuits", "--benchmark", "--models", "prev_token", "--out", str(tmp_path / "b")]
     assert cli.main(base) == 2 and cli.main([*base, "--no-progress"]) == 2
     assert seen == [True, False]

@@ -20,8 +20,8 @@ from transformer_lens import patching
 
 from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig
 from interp_norm.circuits import LogitDiff, activation_patch, make_pairs
-from interp_norm.circuits.engine import IncrementalEngine
-from interp_norm.circuits.kv_patching import KVCacheEngine
+from interp_norm.circuits.exact.engine import IncrementalEngine
+from interp_norm.circuits.exact.kv_patching import KVCacheEngine
 from interp_norm.errors import EngineRefusal, PatchingError
 
 ENGINE_MODULES = ("engine.py", "engine_rows.py", "block_steps.py", "patching.py", "patch_cells.py")
@@ -78,7 +78,7 @@ def test_a_refusal_falls_back_to_hooks_with_a_warning(pairs):
 
 def test_a_kv_engine_bug_propagates_in_auto_mode(monkeypatch):
     """Same for the bridges' key/value-cache engine: a TypeError in its check is raised in auto mode."""
-    from interp_norm.bridges import random_tokens, tiny_bridge
+    from interp_norm.anatomy import random_tokens, tiny_bridge
 
     bridge = tiny_bridge("gpt2", seed=0)
     clean = random_tokens(bridge, 2, 6, seed=0)
@@ -131,7 +131,7 @@ def _positional_parameters(fn: ast.FunctionDef) -> int:
 
 def test_engine_functions_take_at_most_six_positional_parameters():
     """Row sets travel as named dataclasses (``engine_rows``), not as long positional lists."""
-    root = Path(__file__).resolve().parents[1] / "interp_norm" / "circuits"
+    root = Path(__file__).resolve().parents[1] / "interp_norm" / "circuits" / "exact"
     too_many = []
     for name in ENGINE_MODULES:
         for node in ast.walk(ast.parse((root / name).read_text())):

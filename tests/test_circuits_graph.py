@@ -17,8 +17,8 @@ from interp_norm.circuits import (
     make_pairs,
 )
 from interp_norm.errors import PatchingError
-from interp_norm.hooks import act_name
-from interp_norm.plots import draw_circuit
+from interp_norm.core.hook_names import act_name
+from interp_norm.report.plots import draw_circuit
 
 
 def make_model(seed=0, **kw):

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from interp_norm.circuits import Circuit
-from interp_norm.circuits.benchmark import auroc, run_benchmark, score_model
-from interp_norm.circuits.ground_truth import SUITE, make_gt_pairs, sample_inputs
+from interp_norm.circuits.benchmark.suite import auroc, run_benchmark, score_model
+from interp_norm.circuits.benchmark.ground_truth import SUITE, make_gt_pairs, sample_inputs
 from interp_norm.errors import PatchingError
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "ground_truth"

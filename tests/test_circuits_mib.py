@@ -14,7 +14,7 @@ import torch
 
 from interp_norm import AdditionTask
 from interp_norm.circuits import Circuit, EdgeGraph, LogitDiff, edge_attribution, faithfulness, make_pairs
-from interp_norm.circuits.mib import (
+from interp_norm.circuits.benchmark.mib import (
     MIB_FRACTIONS,
     area_under,
     cpr_cmd,
@@ -190,8 +190,8 @@ def test_mib_json_has_eap_igs_names_and_round_trips():
 def test_faithfulness_figure_from_the_suite_curves():
     """plot_faithfulness draws run_benchmark_mib's curves: one line per (model, method) with the
     curve's points, f = 1 at 100 % of the edges, CPR/CMD of the summary in the legend (one model)."""
-    from interp_norm.circuits.benchmark import run_benchmark_mib
-    from interp_norm.plots import plot_faithfulness
+    from interp_norm.circuits.benchmark.suite import run_benchmark_mib
+    from interp_norm.report.plots import plot_faithfulness
 
     mib = run_benchmark_mib(["prev_token", "induction"], ["exact", "eap"], n_pairs=8, ig_steps=2)
     fig = plot_faithfulness(mib["curve"], mib["summary"])

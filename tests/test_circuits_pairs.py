@@ -21,7 +21,7 @@ from interp_norm.circuits import (
     problem_format,
 )
 from interp_norm.errors import PatchingError
-from interp_norm.task import Problem, parse_problem
+from interp_norm.core.task import Problem, parse_problem
 
 TASK = AdditionTask.preset("cpu")
 

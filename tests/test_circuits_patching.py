@@ -20,9 +20,9 @@ from interp_norm.circuits import (
     make_pairs,
     patch_sweep,
 )
-from interp_norm.circuits.engine import STAGES, IncrementalEngine
+from interp_norm.circuits.exact.engine import STAGES, IncrementalEngine
 from interp_norm.errors import HookNameError, PatchingError
-from interp_norm.hooks import act_name
+from interp_norm.core.hook_names import act_name
 
 TL_BY_POS = {
     "resid_pre": patching.get_act_patch_resid_pre,

@@ -28,7 +28,7 @@ from _models import bridges_with_hf_copies, differing_tokens, hand_forward
 from interp_norm.anatomy import tiny_bridge
 from interp_norm.circuits import activation_patch
 from interp_norm.errors import HookNameError, PatchingError
-from interp_norm.hooks import act_name
+from interp_norm.core.hook_names import act_name
 
 ARCHS = ("gpt2", "llama", "qwen3", "olmo2")
 TOL = 1e-5
@@ -230,7 +230,7 @@ def test_hooks_that_cannot_be_patched_are_typed_errors():
 
 
 def test_head_counts_that_differ_across_layers_are_a_typed_error():
-    from interp_norm.circuits.patch_cells import head_count
+    from interp_norm.circuits.exact.patch_cells import head_count
 
     assert head_count("head", [torch.zeros(1, 2, 2, 3)] * 3, 4) == 2  # the k/v heads, not n_heads
     with pytest.raises(PatchingError, match="different numbers of heads"):

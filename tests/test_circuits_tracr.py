@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from interp_norm.circuits.benchmark import run_benchmark
-from interp_norm.circuits.tracr_suite import TRACR_PROGRAMS, TRACR_SUITE, TracrMetric, load_tracr
+from interp_norm.circuits.benchmark.suite import run_benchmark
+from interp_norm.circuits.benchmark.tracr_suite import TRACR_PROGRAMS, TRACR_SUITE, TracrMetric, load_tracr
 from interp_norm.errors import PatchingError
 
 

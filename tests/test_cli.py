@@ -14,11 +14,11 @@ import torch
 
 from interp_norm.cli import _support as S
 from interp_norm import cli
-from interp_norm.checkpoints import load_checkpoint, save_checkpoint
+from interp_norm.training.checkpoints import load_checkpoint, save_checkpoint
 from interp_norm.errors import ConfigError
-from interp_norm.evaluate import evaluate
-from interp_norm.model import HookedNormTransformer, ModelConfig
-from interp_norm.task import AdditionTask
+from interp_norm.core.scoring import evaluate
+from interp_norm.core.model import HookedNormTransformer, ModelConfig
+from interp_norm.core.task import AdditionTask
 
 TASK = AdditionTask.preset("cpu")
 
@@ -69,7 +69,7 @@ def test_errors_from_the_library_become_one_line_in_a_real_process(tmp_path):
 
 def test_unwritable_output_fails_before_any_work(tmp_path, capsys, monkeypatch):
     (tmp_path / "file").write_text("x")
-    monkeypatch.setattr("interp_norm.train.train", lambda *a, **k: pytest.fail("training started"))
+    monkeypatch.setattr("interp_norm.training.train.train", lambda *a, **k: pytest.fail("training started"))
     code, _, err = run(capsys, "train", "--out", str(tmp_path / "file" / "run"), "--model-preset", "tiny")
     assert_one_line_error(code, err, "cannot write to output folder")
     code, _, err = run(capsys, "evaluate", "nothing-here", "--out", str(tmp_path / "file"))
@@ -217,7 +217,7 @@ def test_lazy_package_names_resolve():
         assert getattr(interp_norm, name) is not None
         assert name in dir(interp_norm)
     from interp_norm import AdditionTask as A
-    from interp_norm.task import AdditionTask as B
+    from interp_norm.core.task import AdditionTask as B
 
     assert A is B
     with pytest.raises(AttributeError):
@@ -373,7 +373,7 @@ def test_train_threads_and_min_lr_reach_the_training_config(tmp_path, monkeypatc
         seen.append(train_cfg)
         raise ConfigError("stop here")
 
-    monkeypatch.setattr("interp_norm.train.train", fake_train)
+    monkeypatch.setattr("interp_norm.training.train.train", fake_train)
     base = ["train", "--out", str(tmp_path / "r"), "--model-preset", "tiny", "--no-progress"]
     assert cli.main(base) == 2 and seen[-1].threads == 1 and seen[-1].min_lr == 0  # the default path: 1 thread
     assert cli.main([*base, "--threads", "2", "--min-lr", "1e-4"]) == 2

@@ -101,7 +101,7 @@ def test_dashboard_with_a_hf_model_has_the_real_model_section(hf_folder, tmp_pat
 
 
 def test_layer_comparison_puts_ours_beside_the_real_model():
-    from interp_norm.dashboard.real_models import layer_comparison
+    from interp_norm.report.dashboard.real_models import layer_comparison
 
     real = pd.DataFrame(dict(model="hf", layer=[0, 1, 2], spread=[0.1, 0.2, 0.3], frac_sparse=[0.0, 0.5, 1.0]))
     ns = pd.DataFrame(dict(variant="pre", layer=[0, 1, 0, 1], head=pd.array([pd.NA, pd.NA, 0, 0], dtype="Int64"),

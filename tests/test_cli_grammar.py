@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from interp_norm import cli
-from interp_norm.checkpoints import save_checkpoint
-from interp_norm.model import HookedNormTransformer, ModelConfig
-from interp_norm.task import AdditionTask
+from interp_norm.training.checkpoints import save_checkpoint
+from interp_norm.core.model import HookedNormTransformer, ModelConfig
+from interp_norm.core.task import AdditionTask
 
 from _models import run_cli
 
@@ -202,8 +202,8 @@ def test_ctrl_c_says_what_the_subcommand_leaves(tmp_path, monkeypatch, capsys):
     def interrupt(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("interp_norm.reproduce.reproduce", interrupt)
-    monkeypatch.setattr("interp_norm.train.train", interrupt)
+    monkeypatch.setattr("interp_norm.report.reproduce.reproduce", interrupt)
+    monkeypatch.setattr("interp_norm.training.train.train", interrupt)
     code, _, err = run_cli(capsys, "reproduce", "pre", "--out", tmp_path / "a" / "b")
     assert code == 130 and err.startswith("interp-norm reproduce: interrupted") and "--resume" not in err
     assert "run it again" in err
@@ -256,7 +256,7 @@ def test_list_prints_percentages(tiny_ckpts, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("INTERP_NORM_DATA", str(data))
     code, out, _ = run_cli(capsys, "list")
     assert code == 0 and "pre" in out
-    from interp_norm.checkpoints import list_pretrained
+    from interp_norm.training.checkpoints import list_pretrained
 
     row = list_pretrained().iloc[0]
     for col in ("id_acc", "interp_acc", "extrap_acc"):
@@ -287,7 +287,7 @@ class _Bar:
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_reproduce_progress_ticks_per_stage(tiny_ckpts, monkeypatch, workers):
-    from interp_norm.reproduce import Settings, run_analyses
+    from interp_norm.report.reproduce import Settings, run_analyses
 
     monkeypatch.setattr("tqdm.auto.tqdm", _Bar)
     _Bar.made = []

@@ -17,13 +17,16 @@ import pandas as pd
 import pytest
 import torch
 
-from interp_norm import cli, plots
-from interp_norm import dashboard as D
-from interp_norm import reproduce as R
+from interp_norm import cli
+from interp_norm.circuits.attention_maps import attention_patterns
+from interp_norm.report import plots
+from interp_norm.report import dashboard as D
+from interp_norm.report import reproduce as R
 from interp_norm.errors import CheckpointNotFoundError, ConfigError, OutputDirError
-from interp_norm.model import ModelConfig
-from interp_norm.task import AdditionTask, encode
-from interp_norm.train import TrainConfig, train
+from interp_norm.core.model import ModelConfig
+from interp_norm.core.task import AdditionTask, encode
+from interp_norm.training.train import train
+from interp_norm.training.config import TrainConfig
 
 EASY = AdditionTask(train_terms=(2,), interp_terms=(2,), extrap_terms=(3,), n_digits=(1,))
 HOSTILE = '<img src=x onerror="alert(1)">'
@@ -90,7 +93,7 @@ def test_model_card_matches_configs_and_evaluation(run, ckpts):
     report, _ = run
     card = report.tables["model_card"].set_index("checkpoint")
     ev = report.tables["evaluation"]
-    from interp_norm.checkpoints import load_checkpoint
+    from interp_norm.training.checkpoints import load_checkpoint
 
     for name, path in ckpts.items():
         model, info = load_checkpoint(path)
@@ -106,11 +109,11 @@ def test_model_card_matches_configs_and_evaluation(run, ckpts):
 
 
 def test_attention_table_equals_the_models_own_cache(ckpts):
-    from interp_norm.checkpoints import load_checkpoint
+    from interp_norm.training.checkpoints import load_checkpoint
 
     model, _ = load_checkpoint(ckpts["pre"])
     problems = ["[3+N4=", "[7-2=5]"]
-    df = plots.attention_patterns(model, problems, name="pre")
+    df = attention_patterns(model, problems, name="pre")
     for i, text in enumerate(["[3+N4=N1]", "[7-2=5]"]):
         _, cache = model.run_with_cache(encode(text)[None])
         g = df[df["problem"] == i]
@@ -127,10 +130,10 @@ def test_attention_table_equals_the_models_own_cache(ckpts):
 
 
 def test_attention_explorer_shows_one_heatmap_per_choice(ckpts):
-    from interp_norm.checkpoints import load_checkpoint
+    from interp_norm.training.checkpoints import load_checkpoint
 
     model, _ = load_checkpoint(ckpts["pre"])
-    df = plots.attention_patterns(model, ["[3+N4=", "[1+1="], name="pre")
+    df = attention_patterns(model, ["[3+N4=", "[1+1="], name="pre")
     fig = plots.plot_attention_explorer(df)
     ex = fig.layout.meta["explorer"]
     L, H = model.cfg.n_layers, model.cfg.n_heads
@@ -148,12 +151,12 @@ def test_attention_explorer_shows_one_heatmap_per_choice(ckpts):
 
 
 def test_bad_problem_string_is_a_typed_error(ckpts):
-    from interp_norm.checkpoints import load_checkpoint
+    from interp_norm.training.checkpoints import load_checkpoint
     from interp_norm.errors import ProblemStringError
 
     model, _ = load_checkpoint(ckpts["pre"])
     with pytest.raises(ProblemStringError):
-        plots.attention_patterns(model, ["<script>"])
+        attention_patterns(model, ["<script>"])
 
 
 # ----------------------------------------------------------------------------- the HTML
@@ -304,7 +307,7 @@ def test_figures_with_many_rows_keep_their_panels_apart_and_readable(n):
 def test_fit_layout_puts_every_legend_below_with_its_rows_reserved_and_ignores_named_heatmaps():
     import plotly.graph_objects as go
 
-    from interp_norm.plots._style import fit_layout, legend_rows
+    from interp_norm.report.plots._style import fit_layout, legend_rows
 
     # 24 entries "series 00".."series 23" (9 characters): 46 px of swatch + 9 x 7.5 px = 113.5 px each,
     # so 7 fit in the 880 px a 1000 px window leaves (8 would need 908): 4 rows
@@ -324,7 +327,7 @@ def test_fit_layout_puts_every_legend_below_with_its_rows_reserved_and_ignores_n
 
 
 def test_seed_and_recipe_styles_tell_the_shipped_checkpoints_apart():
-    from interp_norm.plots._style import SEED_DASHES, member_key, member_style, variant_colour
+    from interp_norm.report.plots._style import SEED_DASHES, member_key, member_style, variant_colour
 
     # read from the names, by hand
     assert member_key("Pre-Norm") == (0, "", False)
@@ -405,7 +408,7 @@ def _trace_colour(t: dict):
 def test_every_variant_has_one_colour_in_every_figure_and_legends_are_short(run):
     """Without a browser: each trace that names a variant carries that variant's colour (a seed or
     'noise after norm' suffix keeps it), and no legend lists more than 20 entries."""
-    from interp_norm.plots._style import VARIANT_COLOURS, base_variant
+    from interp_norm.report.plots._style import VARIANT_COLOURS, base_variant
 
     _, out = run
     seen: dict = {}
@@ -427,7 +430,7 @@ def test_every_variant_has_one_colour_in_every_figure_and_legends_are_short(run)
 
 
 def test_base_variant_reads_derived_labels():
-    from interp_norm.plots._style import base_variant, variant_colour
+    from interp_norm.report.plots._style import base_variant, variant_colour
 
     assert base_variant("QKV-Norm, noise after norm") == "QKV-Norm"
     assert base_variant("QK-Norm (qk-s3)") == "QK-Norm" and base_variant("qkv") == "QKV-Norm"
@@ -437,7 +440,7 @@ def test_base_variant_reads_derived_labels():
 
 
 def test_models_text_states_what_these_models_show():
-    from interp_norm.dashboard.sections import models_finding
+    from interp_norm.report.dashboard.sections import models_finding
 
     card = pd.DataFrame([dict(checkpoint="pre", attn_norm="pre", id_acc=0.99, extrap_acc=0.50),
                          dict(checkpoint="pre-s1", attn_norm="pre", id_acc=0.97, extrap_acc=0.60),
@@ -503,7 +506,7 @@ def test_faithfulness_bars_and_agreement_dots_show_the_table_values():
 
 
 def test_circuit_edges_into_k_and_v_of_one_head_end_apart_in_colours_no_variant_uses():
-    from interp_norm.plots._style import VARIANT_COLOURS
+    from interp_norm.report.plots._style import VARIANT_COLOURS
 
     table = pd.DataFrame(dict(sender=["a0.h1", "a0.h1", "a0.h1"], receiver=["a1.h0.q", "a1.h0.k", "a1.h0.v"],
                               score=[1.0, 2.0, 3.0], checkpoint="pre-s1"))
@@ -520,7 +523,7 @@ def test_circuit_edges_into_k_and_v_of_one_head_end_apart_in_colours_no_variant_
 
 
 def test_dashboard_without_csvs_or_with_only_hugging_face_models():
-    from interp_norm.dashboard.sections import figure_sections
+    from interp_norm.report.dashboard.sections import figure_sections
 
     card = pd.DataFrame([dict(checkpoint="pre", attn_norm="pre", id_acc=0.9)])
     ours = SimpleNamespace(tables={"model_card": card}, checkpoints=pd.DataFrame(), timings={}, notes=[])
@@ -555,7 +558,7 @@ def test_page_title_fits_what_was_analysed(run):
 
 
 def test_models_text_keeps_the_two_score_scalings_apart():
-    from interp_norm.dashboard.sections import models_finding
+    from interp_norm.report.dashboard.sections import models_finding
 
     card = pd.DataFrame([dict(checkpoint="pre", attn_norm="pre", calibration="none", id_acc=0.9, extrap_acc=0.70),
                          dict(checkpoint="qkv", attn_norm="qkv", calibration="none", id_acc=0.9, extrap_acc=0.80),

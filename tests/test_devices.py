@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import interp_norm
-from interp_norm.bridges import tiny_hf_model
-from interp_norm.devices import check_device_map, resolve_device, resolve_dtype
+from interp_norm.anatomy import tiny_hf_model
+from interp_norm.training.devices import check_device_map, resolve_device, resolve_dtype
 from interp_norm.errors import ConfigError
 
 from _models import make_model, run_cli
@@ -35,8 +35,8 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ours(tmp_path_factory):
-    from interp_norm.checkpoints import save_checkpoint
-    from interp_norm.task import AdditionTask
+    from interp_norm.training.checkpoints import save_checkpoint
+    from interp_norm.core.task import AdditionTask
 
     folder = tmp_path_factory.mktemp("ours") / "ckpt"
     save_checkpoint(make_model(), folder, task=AdditionTask.preset("cpu"))
@@ -85,8 +85,8 @@ def test_load_refuses_bad_device_dtype_and_device_map(folders, ours, monkeypatch
         interp_norm.load(f32, device="cuda:99")
     with pytest.raises(ConfigError, match="cuda:99"):
         interp_norm.load(ours, device="cuda:99")
-    from interp_norm.checkpoints import load_checkpoint
-    from interp_norm.model import HookedNormTransformer
+    from interp_norm.training.checkpoints import load_checkpoint
+    from interp_norm.core.model import HookedNormTransformer
 
     with pytest.raises(ConfigError, match="cuda:99"):
         load_checkpoint(ours, device="cuda:99")

@@ -112,7 +112,7 @@ def _fired(model: HookedNormTransformer, tokens: torch.Tensor) -> set[str]:
 @pytest.mark.parametrize("attn_norm", ["pre", "qkv", "qk", "none"])
 @pytest.mark.parametrize("flags", [{}, dict(use_attn_result=True), dict(use_split_qkv_input=True)])
 def test_dormant_hooks_are_exactly_the_points_that_never_fire(attn_norm, flags):
-    from interp_norm.tl_api import dormant_hooks
+    from interp_norm.core.tl_api import dormant_hooks
 
     model = HookedNormTransformer(ModelConfig.preset("tiny", attn_norm=attn_norm, **flags)).eval()
     tokens = TASK.sample_batch(2, "id", seed=0).tokens

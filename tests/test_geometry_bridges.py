@@ -31,7 +31,7 @@ from interp_norm.geometry import (
     run_geometry,
     sparsity_summary,
 )
-from interp_norm.defaults import SPARSE_THRESHOLD
+from interp_norm.core.defaults import SPARSE_THRESHOLD
 from _models import bridges_with_hf_copies
 
 ARCHS = ("gpt2", "llama", "qwen3", "olmo2", "gemma4")

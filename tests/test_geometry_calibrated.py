@@ -12,7 +12,7 @@ import torch
 
 from interp_norm import AdditionTask, HookedNormTransformer
 from interp_norm import geometry as G
-from interp_norm.task import BOS_ID, PAD_ID
+from interp_norm.core.task import BOS_ID, PAD_ID
 from _models import check_read_matrices_reproduce_qkv, check_spheres_match_direct, layer1_change_from_doubled_embed, make_model
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig
 from interp_norm.errors import GeometryError
-from interp_norm.task import PAD_ID
+from interp_norm.core.task import PAD_ID
 from interp_norm.geometry import (
     ellipsoid_axes,
     ellipsoid_membership,

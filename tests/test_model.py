@@ -10,7 +10,7 @@ from transformer_lens import ActivationCache, patching
 
 from interp_norm import AdditionTask, HookedNormTransformer, ModelConfig
 from interp_norm.errors import ConfigError, ProblemStringError
-from interp_norm.task import PAD_ID
+from interp_norm.core.task import PAD_ID
 from _models import make_model
 
 VARIANTS = [
@@ -274,7 +274,7 @@ def test_generate_refuses_prompts_that_do_not_fit_like_to_tokens():
 
 def test_from_pretrained_is_load_pretrained_and_takes_folders(tmp_path):
     from interp_norm import load_pretrained
-    from interp_norm.checkpoints import pretrained_dir
+    from interp_norm.training.checkpoints import pretrained_dir
     from interp_norm.errors import CheckpointNotFoundError
 
     ours = HookedNormTransformer.from_pretrained("pre")
@@ -295,9 +295,9 @@ def test_model_module_does_not_import_checkpoints_at_module_level():
     import ast
     import inspect
 
-    import interp_norm.model
+    import interp_norm.core.model
 
-    tree = ast.parse(inspect.getsource(interp_norm.model))
+    tree = ast.parse(inspect.getsource(interp_norm.core.model))
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
     names += [f"{n.module}.{a.name}" for n in top if isinstance(n, ast.ImportFrom) for a in n.names]
@@ -462,7 +462,7 @@ def test_norm_fused_unless_a_hook_changes_the_scale(kind, bias):
     """Unhooked, a Norm is one fused kernel; a hook that only reads ``hook_scale`` leaves the output
     bit-identical; one that changes it (a new tensor or in place) takes effect; a backward hook on it
     gets the gradient of the formula with respect to the divisor."""
-    from interp_norm.layers import Norm
+    from interp_norm.core.components import Norm
 
     g = torch.Generator().manual_seed(1)
     norm = Norm(16, kind, 1e-5, bias=bias)

@@ -16,15 +16,15 @@ import torch
 
 import interp_norm
 from interp_norm import AdditionTask, HookedNormTransformer
-from interp_norm.checkpoints import load_any, load_checkpoint, load_pretrained, save_checkpoint
+from interp_norm.training.checkpoints import load_any, load_checkpoint, load_pretrained, save_checkpoint
 from interp_norm.circuits import attention_map_split, make_pairs
 from interp_norm.errors import (
     CheckpointError, ConfigError, HookNameError, OutOfDistributionWarning, PatchingError, TaskMismatchWarning,
 )
-from interp_norm.evaluate import evaluate
+from interp_norm.core.scoring import evaluate
 from interp_norm.geometry import run_geometry
 from interp_norm.noise import CollapseSpec, run_collapse, run_forward_collapse, run_noise, run_temperature_sweep
-from interp_norm.task import encode
+from interp_norm.core.task import encode
 
 from _models import make_model, sharpened_model
 

@@ -1,4 +1,4 @@
-"""The circuit node vocabulary (interp_norm.nodes): names built and parsed in one place (issue 24).
+"""The circuit node vocabulary (interp_norm.core.nodes): names built and parsed in one place (issue 24).
 
 Expected names are written out by hand here (EAP-IG/MIB's spelling), never produced by the module.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from interp_norm import nodes
+from interp_norm.core import nodes
 from interp_norm.circuits.edges import EdgeGraph
 
 

@@ -13,9 +13,9 @@ from interp_norm import AdditionTask, HookedNormTransformer
 from interp_norm import noise as N
 from interp_norm import theory
 from interp_norm.errors import ConfigError, NoiseSpecError
-from interp_norm.evaluate import per_token_accuracy
-from interp_norm.plots import plot_accuracy_vs_noise, plot_collapse_thresholds, plot_collapse_vs_noise
-from interp_norm.task import PAD_ID
+from interp_norm.core.scoring import per_token_accuracy
+from interp_norm.report.plots import plot_accuracy_vs_noise, plot_collapse_thresholds, plot_collapse_vs_noise
+from interp_norm.core.task import PAD_ID
 from _models import sharpened_model
 
 TASK = AdditionTask.preset("cpu")
@@ -411,7 +411,7 @@ def test_collapse_spec_is_validated_once_and_equals_keyword_options(tokens):
 
 
 def test_analyses_refuse_a_model_that_is_not_ours():
-    from interp_norm._checks import require_norm_model
+    from interp_norm.core.checks import require_norm_model
 
     for not_ours in (None, "pre-norm", torch.nn.Linear(2, 2)):
         with pytest.raises(ConfigError, match="HookedNormTransformer.*load_pretrained"):

@@ -12,9 +12,9 @@ from interp_norm import AdditionTask, HookedNormTransformer
 from interp_norm import noise as N
 from interp_norm import theory
 from interp_norm.errors import NoiseSpecError
-from interp_norm.hooks import act_name, used_name
+from interp_norm.core.hook_names import act_name, used_name
 from interp_norm.noise.accuracy import pass_seed
-from interp_norm.task import EQ_ID, PAD_ID
+from interp_norm.core.task import EQ_ID, PAD_ID
 from _models import sharpened_model
 
 TASK = AdditionTask.preset("cpu")

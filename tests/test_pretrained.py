@@ -7,8 +7,8 @@ import json
 import pytest
 
 from interp_norm import list_pretrained, load_pretrained
-from interp_norm.checkpoints import pretrained_dir
-from interp_norm.evaluate import per_token_accuracy
+from interp_norm.training.checkpoints import pretrained_dir
+from interp_norm.core.scoring import per_token_accuracy
 
 # name -> attention normalisation; "-cal" checkpoints use the paper's Checkpoint calibration
 EXPECTED = {
@@ -74,7 +74,7 @@ def test_pre_knows_its_task_and_analyses_default_to_it():
     from interp_norm import AdditionTask, HookedNormTransformer
     from interp_norm.errors import TaskMismatchWarning
     from interp_norm.noise import run_noise
-    from interp_norm.task import encode
+    from interp_norm.core.task import encode
 
     recorded = json.loads((pretrained_dir() / "pre" / "config.json").read_text())["task"]
     cpu = AdditionTask(**{k: tuple(v) for k, v in recorded.items()})

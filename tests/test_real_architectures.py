@@ -26,8 +26,8 @@ import torch
 from interp_norm.anatomy import anatomy, random_tokens, sample_text, tiny_hf_model, verify_scores
 from interp_norm.noise import HeadNoise
 from interp_norm.anatomy import bridge_from_hf
-from interp_norm.defaults import ATTN_NORMS, SPARSE_THRESHOLD
-from interp_norm.hooks import act_name
+from interp_norm.core.defaults import ATTN_NORMS, SPARSE_THRESHOLD
+from interp_norm.core.hook_names import act_name
 
 from _models import make_model, run_cli, word_tokenizer
 

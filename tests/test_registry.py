@@ -1,6 +1,6 @@
 """The analysis registry (issue 24): every registered analysis reaches reproduce, the CLI and the dashboard.
 
-``interp_norm.registry.REGISTRY`` is the one list of analyses; these tests read what each consumer
+``interp_norm.report.registry.REGISTRY`` is the one list of analyses; these tests read what each consumer
 actually produced (the report folder's CSVs and timings, the parser's choices, the dashboard's HTML)
 and check each registered analysis is there, under the names its entry declares.
 """
@@ -14,12 +14,13 @@ import re
 import pandas as pd
 import pytest
 
-from interp_norm import registry
-from interp_norm import reproduce as R
+from interp_norm.report import registry
+from interp_norm.report import reproduce as R
 from interp_norm.errors import ConfigError
-from interp_norm.model import ModelConfig
-from interp_norm.task import AdditionTask
-from interp_norm.train import TrainConfig, train
+from interp_norm.core.model import ModelConfig
+from interp_norm.core.task import AdditionTask
+from interp_norm.training.train import train
+from interp_norm.training.config import TrainConfig
 
 EASY = AdditionTask(train_terms=(2,), interp_terms=(2,), extrap_terms=(3,), n_digits=(1,))
 #: Tables the report makes itself, from every checkpoint (no analysis owns them).
@@ -115,7 +116,7 @@ def test_registry_import_stays_light():
     import subprocess
     import sys
 
-    code = ("import sys, interp_norm.registry as r; r.REGISTRY; "
+    code = ("import sys, interp_norm.report.registry as r; r.REGISTRY; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'pandas') "
             "or m.startswith(('interp_norm.noise', 'interp_norm.circuits', 'interp_norm.geometry'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

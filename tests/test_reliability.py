@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from interp_norm.checkpoints import load_checkpoint
+from interp_norm.training.checkpoints import load_checkpoint
 from interp_norm.cli import main
 
 pytestmark = pytest.mark.slow

@@ -7,12 +7,14 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from interp_norm import checkpoint_report, cli
-from interp_norm import reproduce as R
+from interp_norm import cli
+from interp_norm.report import worker
+from interp_norm.report import reproduce as R
 from interp_norm.errors import ConfigError
-from interp_norm.model import ModelConfig
-from interp_norm.task import AdditionTask
-from interp_norm.train import TrainConfig, train
+from interp_norm.core.model import ModelConfig
+from interp_norm.core.task import AdditionTask
+from interp_norm.training.train import train
+from interp_norm.training.config import TrainConfig
 
 EASY = AdditionTask(train_terms=(2,), interp_terms=(2,), extrap_terms=(3,), n_digits=(1,))
 
@@ -41,7 +43,7 @@ def test_default_analysed_takes_every_seed_at_the_reference_scaling():
 
 
 def test_cli_offers_exactly_the_analyses_reproduce_runs():
-    assert cli.ANALYSES == checkpoint_report.ANALYSES
+    assert cli.ANALYSES == worker.ANALYSES
 
 
 def test_workers_do_not_change_any_table(tiny_checkpoints):
@@ -61,11 +63,11 @@ def test_workers_do_not_change_any_table(tiny_checkpoints):
 
 
 def test_controls_are_opt_in_and_land_in_the_report(tiny_checkpoints, tmp_path):
-    assert set(checkpoint_report.CONTROLS) <= set(checkpoint_report.ANALYSES)
-    assert not set(checkpoint_report.CONTROLS) & set(R.Settings().analyses)  # keeps make reproduce in budget
+    assert set(worker.CONTROLS) <= set(worker.ANALYSES)
+    assert not set(worker.CONTROLS) & set(R.Settings().analyses)  # keeps make reproduce in budget
     from interp_norm.cli._support import CONTROLS
 
-    assert CONTROLS == checkpoint_report.CONTROLS
+    assert CONTROLS == worker.CONTROLS
     out = tmp_path / "rep"
     code = cli.main(["reproduce", "--out", str(out), "--checkpoints", str(tiny_checkpoints["pre"]),
                      str(tiny_checkpoints["qkv"]), "--quick", "--no-progress", "--only", "evaluate", "collapse",
@@ -90,7 +92,7 @@ def test_bad_workers_is_a_typed_error(tiny_checkpoints):
 
 
 def test_seed_spread_matches_a_hand_computation():
-    from interp_norm.seed_summary import per_checkpoint, seed_spread
+    from interp_norm.stats.seed_summary import per_checkpoint, seed_spread
 
     ck = pd.DataFrame([dict(checkpoint="pre", label="Pre-Norm", attn_norm="pre", calibration="none", seed=0),
                        dict(checkpoint="pre-s1", label="Pre-Norm (pre-s1)", attn_norm="pre", calibration="none", seed=1)])
@@ -113,7 +115,7 @@ def test_seed_spread_matches_a_hand_computation():
 
 
 def test_temperature_figure_has_one_colour_per_variant():
-    from interp_norm import plots
+    from interp_norm.report import plots
 
     df = pd.DataFrame([dict(variant=v, c=c, layer="all", frac_sparse=f, collapse_level_loose=lv)
                        for v, rows in (("Pre-Norm", ((1.0, 0.1, 0.3), (2.0, 0.2, 0.2))),
@@ -127,7 +129,7 @@ def test_temperature_figure_has_one_colour_per_variant():
 
 
 def test_evaluated_only_checkpoints_report_accuracy_and_nothing_else():
-    from interp_norm.seed_summary import per_checkpoint
+    from interp_norm.stats.seed_summary import per_checkpoint
 
     ck = pd.DataFrame([dict(checkpoint="c", label="Pre-Norm (c)", attn_norm="pre", calibration="paper", seed=0,
                             analysed=False)])

@@ -8,13 +8,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from interp_norm import reproduce as R
+from interp_norm.report import reproduce as R
 from interp_norm.geometry import sparsity_summary
-from interp_norm.model import ModelConfig
-from interp_norm.seed_compare import NOISE_CROSS, compare_seeds, matched_id_comparison
-from interp_norm.seed_summary import per_checkpoint
-from interp_norm.task import AdditionTask
-from interp_norm.train import TrainConfig, train
+from interp_norm.core.model import ModelConfig
+from interp_norm.stats.seed_compare import NOISE_CROSS, compare_seeds, matched_id_comparison
+from interp_norm.stats.seed_summary import per_checkpoint
+from interp_norm.core.task import AdditionTask
+from interp_norm.training.train import train
+from interp_norm.training.config import TrainConfig
 
 EASY = AdditionTask(train_terms=(2,), interp_terms=(2,), extrap_terms=(3,), n_digits=(1,))
 BEFORE, AFTER = "accuracy lost to 1% noise (all rows, before any norm)", "accuracy lost to 1% noise placed after the norm"
@@ -142,7 +143,7 @@ def test_all_seeds_path_writes_the_seed_tables_and_matches_the_full_analyses(two
 
 
 def test_dot_and_range_figure_draws_every_seed_and_the_interval_of_the_table():
-    from interp_norm import plots
+    from interp_norm.report import plots
 
     per = pd.DataFrame(_rows("pre", "none", "extrapolation accuracy", [70.0, 72.0, 71.0])
                        + _rows("qkv", "none", "extrapolation accuracy", [80.0, 84.0, 79.0]))
@@ -161,7 +162,7 @@ def test_dot_and_range_figure_draws_every_seed_and_the_interval_of_the_table():
 
 
 def test_a_censored_seed_is_drawn_open_at_the_largest_level_tested():
-    from interp_norm import plots
+    from interp_norm.report import plots
 
     q = "1% loose collapse level, per-layer protocol"
     per = pd.DataFrame(_rows("pre", "none", q, [20.0, 30.0, 25.0], "% noise")
@@ -244,7 +245,7 @@ def _rank_p_by_hand(a, b):
 
 
 def test_never_reached_collapse_levels_are_censored_not_dropped():
-    from interp_norm.seed_compare import compare_arms
+    from interp_norm.stats.seed_compare import compare_arms
 
     nan = float("nan")
     a = [10.0, 20.0, 30.0, 25.0]
@@ -261,7 +262,7 @@ def test_never_reached_collapse_levels_are_censored_not_dropped():
 
 
 def test_censored_ties_and_a_reached_value_above_some_censored_bound_rank_correctly():
-    from interp_norm.seed_compare import compare_arms
+    from interp_norm.stats.seed_compare import compare_arms
 
     nan = float("nan")
     a = [12.0, 48.0, nan]  # one A seed censored too
@@ -290,7 +291,7 @@ def test_per_checkpoint_marks_a_never_reached_level_with_the_largest_level_teste
 
 
 def test_per_checkpoint_reads_the_controls_per_seed():
-    from interp_norm.seed_summary import CONTROLS
+    from interp_norm.stats.seed_summary import CONTROLS
 
     ck = pd.DataFrame([dict(checkpoint="p", label="Pre-Norm", attn_norm="pre", calibration="none", seed=0)])
     modes = ("q", "k", "v", "qkv", "random", "shared")
@@ -305,7 +306,7 @@ def test_per_checkpoint_reads_the_controls_per_seed():
 
 
 def test_qkv_decomposition_noise_before_its_norms_is_noted_as_zero_by_construction_except_random():
-    from interp_norm.seed_summary import CONTROLS
+    from interp_norm.stats.seed_summary import CONTROLS
 
     per = pd.DataFrame(_rows("pre", "none", CONTROLS[0][0], [1.0, 2.0, 3.0], "points")
                        + _rows("qkv", "none", CONTROLS[0][0], [0.0, 0.0, 0.0], "points")

@@ -1,4 +1,4 @@
-"""interp_norm.stats against independent computations: explicit enumerations, hand-computable cases."""
+"""interp_norm.stats.inference against independent computations: explicit enumerations, hand-computable cases."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from interp_norm.errors import StatisticsError
-from interp_norm.stats import bootstrap_diff_ci, bootstrap_mean_ci, permutation_test
+from interp_norm.stats.inference import bootstrap_diff_ci, bootstrap_mean_ci, permutation_test
 
 
 def _enumerated_p(a, b):

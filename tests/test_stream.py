@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interp_norm.bridges import random_tokens, tiny_bridge
+from interp_norm.anatomy import random_tokens, tiny_bridge
 from interp_norm.anatomy.stream import StreamedCache, layer_caches
 
 
@@ -76,7 +76,7 @@ def test_another_forward_while_a_stream_waits_is_left_alone():
 
 @pytest.mark.parametrize("max_elements", [1, 50, 1 << 20])
 def test_kl_by_blocks_of_positions_equals_the_whole_tensor_formula(max_elements):
-    from interp_norm.bridges.agreement import _kl
+    from interp_norm.noise.text_agreement import _kl
 
     g = torch.Generator().manual_seed(0)
     clean, out = torch.randn(2, 11, 37, generator=g) * 3, torch.randn(2, 11, 37, generator=g) * 3

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from interp_norm.errors import ConfigError, ProblemStringError
-from interp_norm.task import (
+from interp_norm.core.task import (
     EQ_ID,
     PAD_ID,
     VOCAB,

@@ -11,13 +11,14 @@ import pandas as pd
 import pytest
 import torch
 
-from interp_norm import train as train_mod
-from interp_norm.checkpoints import load_checkpoint, load_train_state
+from interp_norm.training import train as train_mod
+from interp_norm.training.checkpoints import load_checkpoint, load_train_state
 from interp_norm.errors import ConfigError, OutputDirError, TrainingDivergedError
-from interp_norm.evaluate import evaluate
-from interp_norm.model import HookedNormTransformer, ModelConfig
-from interp_norm.task import AdditionTask
-from interp_norm.train import PlateauHalving, TrainConfig, batch_for_step, train
+from interp_norm.core.scoring import evaluate
+from interp_norm.core.model import HookedNormTransformer, ModelConfig
+from interp_norm.core.task import AdditionTask
+from interp_norm.training.train import PlateauHalving, batch_for_step, train
+from interp_norm.training.config import TrainConfig
 
 EASY = AdditionTask(train_terms=(2,), interp_terms=(2,), extrap_terms=(3,), n_digits=(1,))
 
@@ -234,7 +235,7 @@ def test_resume_with_another_thread_count_is_refused(reference):
 
 def _make_old(ckpt, drop_train=("threads",), drop_state=("threads", "schedule_total_steps")):
     """Rewrite a checkpoint as the code before these fields wrote it (manifest re-recorded)."""
-    from interp_norm.checkpoint_format import manifest_entry
+    from interp_norm.training.checkpoint_format import manifest_entry
 
     state = torch.load(ckpt / "train_state.pt", weights_only=True)
     for k in drop_state:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from interp_norm.checkpoints import load_checkpoint, read_checkpoint_info
+from interp_norm.training.checkpoints import load_checkpoint, read_checkpoint_info
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ def test_two_processes_equal_one_with_the_same_global_batch_and_resume(tmp_path)
     assert moved == 0.0
     # the runs really trained (weights moved away from the shared initialisation)
     init = load_checkpoint(one)[0]
-    from interp_norm.model import HookedNormTransformer
+    from interp_norm.core.model import HookedNormTransformer
 
     fresh = HookedNormTransformer(init.cfg)
     assert max(float((p - q).abs().max()) for p, q in zip(init.state_dict().values(), fresh.state_dict().values())) > 1e-3

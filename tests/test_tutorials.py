@@ -38,7 +38,7 @@ from _models import make_model  # noqa: E402
 
 from interp_norm import AdditionTask  # noqa: E402
 from interp_norm.circuits import LogitDiff, make_pairs  # noqa: E402
-from interp_norm.hooks import act_name  # noqa: E402
+from interp_norm.core.hook_names import act_name  # noqa: E402
 from interp_norm.tutorial import _core  # noqa: E402
 from interp_norm.tutorial import checks as C  # noqa: E402
 from interp_norm.tutorial import solutions as S  # noqa: E402

@@ -137,8 +137,8 @@ def test_bad_window_batch_is_a_typed_error(tmp_path, capsys):
             run_geometry(model, tokens=tokens, window_batch=bad)
     with pytest.raises(ConfigError, match="applies to Hugging Face models"):
         run_geometry(make_model(), n=4, window_batch=2)
-    from interp_norm.checkpoints import save_checkpoint
-    from interp_norm.task import AdditionTask
+    from interp_norm.training.checkpoints import save_checkpoint
+    from interp_norm.core.task import AdditionTask
 
     ours = tmp_path / "ckpt"
     save_checkpoint(make_model(), ours, task=AdditionTask.preset("cpu"))
@@ -154,7 +154,7 @@ def test_bad_window_batch_is_a_typed_error(tmp_path, capsys):
 def test_agreement_from_blocks_of_logits_equals_full_logits(arch, monkeypatch):
     """Blocks of ``logit_positions`` positions unembedded from the final residuals: the same table as
     full logits (``logit_positions=None``, the model's own forward), and the blocked path did run."""
-    import interp_norm.bridges.agreement as A
+    import interp_norm.noise.text_agreement as A
 
     model = tiny_bridge(arch, seed=2)
     tokens = random_tokens(model, 5, 40, seed=1)
@@ -172,7 +172,7 @@ def test_agreement_from_blocks_of_logits_equals_full_logits(arch, monkeypatch):
 def test_agreement_falls_back_to_full_logits_when_blocks_differ(monkeypatch):
     """A logit soft-cap after the unembedding (Gemma 2/3/4's ``final_logit_softcapping``): the blocks
     are not the model's logits, so the full-logits path runs and the table is unchanged."""
-    import interp_norm.bridges.agreement as A
+    import interp_norm.noise.text_agreement as A
     from interp_norm.anatomy import bridge_from_hf, tiny_hf_model
 
     hf = tiny_hf_model("gemma4", seed=0)
@@ -193,7 +193,7 @@ def test_logit_check_unembeds_only_a_block_of_positions():
     """The check asks the model's own forward for the logits of the last ``logit_positions`` positions
     (``logits_to_keep``): every unembedding it runs has at most that many positions, never the whole
     window's [batch, pos, vocab] (the memory peak of ``noise`` in bfloat16 on Qwen3-0.6B before)."""
-    import interp_norm.bridges.agreement as A
+    import interp_norm.noise.text_agreement as A
 
     model = tiny_bridge("qwen3", seed=2)
     tokens = random_tokens(model, 2, 40, seed=1)
@@ -214,7 +214,7 @@ def test_logit_check_unembeds_only_a_block_of_positions():
 def test_logit_check_without_logits_to_keep_compares_full_logits(monkeypatch):
     """A forward that does not take ``logits_to_keep``: the blocks are checked against one full forward's
     logits (blocks of 4, 8 ... positions), and the table is the full-logits one."""
-    import interp_norm.bridges.agreement as A
+    import interp_norm.noise.text_agreement as A
 
     model = tiny_bridge("llama", seed=2)
     hf = model.original_model
@@ -238,7 +238,7 @@ def test_logit_check_without_logits_to_keep_compares_full_logits(monkeypatch):
 def test_agreement_on_windows_shorter_than_a_block_equals_full_logits(monkeypatch):
     """Windows of fewer positions than ``logit_positions``: one block is the whole window, the same
     matrix product as the model's own forward, so the table is the full-logits one exactly."""
-    import interp_norm.bridges.agreement as A
+    import interp_norm.noise.text_agreement as A
 
     model = tiny_bridge("qwen3", seed=2)
     tokens = random_tokens(model, 3, 6, seed=1)
@@ -348,10 +348,10 @@ def test_blocked_collapse_equals_one_pass_over_the_same_hooks(arch, placement, m
 
 
 def test_the_default_window_batch_bounds_many_windows(monkeypatch):
-    """No window_batch: blocks of :data:`~interp_norm.defaults.WINDOW_BATCH` (8) windows, so 11 windows
+    """No window_batch: blocks of :data:`~interp_norm.core.defaults.WINDOW_BATCH` (8) windows, so 11 windows
     run as 8 + 3, and the tables are those of one pass."""
     import interp_norm.anatomy.stream as S
-    from interp_norm.defaults import WINDOW_BATCH
+    from interp_norm.core.defaults import WINDOW_BATCH
     from interp_norm.geometry import run_geometry
     from interp_norm.noise import bridge_collapse
 

@@ -1,6 +1,6 @@
 """The model adapter layer: what every analysis asks about a model, whatever its kind.
 
-One :class:`Anatomy` per model -- ours (:class:`~interp_norm.model.HookedNormTransformer`) or a
+One :class:`Anatomy` per model -- ours (:class:`~interp_norm.core.model.HookedNormTransformer`) or a
 TransformerLens 4 bridge of a Hugging Face model -- says per layer where q, k, v sit before/after
 their norms and RoPE, the norm's kind/axis/gain, the score scale, grouped k/v heads, sliding windows,
 Gemma 4's KV sharing, and whether ``hook_attn_scores`` can be trusted.
@@ -48,7 +48,7 @@ _EXPORTS = {
     "attention_scores": "scores", "verify_scores": "scores",
     "ARCHITECTURES": "build", "tiny_config": "build", "tiny_hf_model": "build", "bridge_from_hf": "build",
     "tiny_bridge": "build", "tiny_gemma4_conditional": "build", "sharpen": "build",
-    "load": "loading", "load_model": "loading", "load_hf_model": "loading", "folder_kind": "loading",
+    "load": "loading", "load_hf_model": "loading", "folder_kind": "loading",
     "wrapped": "_common", "original": "_common", "from_canonical": "_common",
     "sample_text": "text", "random_tokens": "text", "text_tokens": "text",
 }

@@ -2,13 +2,13 @@
 
 :func:`~interp_norm.anatomy.anatomy` (:mod:`interp_norm.anatomy.model_anatomy`) describes every
 attention layer of our :class:`HookedNormTransformer` (:func:`own_anatomy`, from its config,
-:mod:`interp_norm.hooks` and its module tree) and of a TransformerLens 4
+:mod:`interp_norm.core.hook_names` and its module tree) and of a TransformerLens 4
 ``TransformerBridge`` around a Hugging Face model (from the bridge's config and the wrapped HF
 module tree: the ``q_norm``/``k_norm``/``v_norm`` children of each attention, identified by what
 they compute, and their weight shapes). Nothing is read from a per-architecture table.
 
 Hook names are never spelled here: they are read from the ``HookPoint`` objects of the module tree
-(``.name``), or for our models from :mod:`interp_norm.hooks`. The bridge part lives in
+(``.name``), or for our models from :mod:`interp_norm.core.hook_names`. The bridge part lives in
 :mod:`interp_norm.anatomy.bridge_anatomy`.
 
 Why a probe forward: a bridge's hook does not always mean what its name says (on Gemma 4,
@@ -19,7 +19,7 @@ sequence whose length differs from every head count, records which hooks fire an
 layout, checks that each "normed" hook really holds norm(q) of the raw hook, and checks that the
 scores it rebuilds from q and k reproduce the model's own attention pattern
 (:mod:`interp_norm.anatomy.rebuild`). A model that fails gets an :class:`ArchitectureError`
-(defined in :mod:`interp_norm.errors`, re-exported here).
+(defined in :mod:`interp_norm.errors`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from interp_norm import hooks as H
+from interp_norm.core import hook_names as H
 from interp_norm.errors import ArchitectureError
 
 TARGETS = ("q", "k", "v")
@@ -259,4 +259,4 @@ def own_anatomy(model: Any) -> Anatomy:
     return Anatomy("interp_norm", f"HookedNormTransformer[{cfg.attn_norm}]", tuple(layers))
 
 
-__all__ = ["ArchitectureError", "NormSpec", "LayerAnatomy", "Anatomy", "identify_norm", "own_anatomy", "TARGETS", "HOOK_KEYS"]
+__all__ = ["NormSpec", "LayerAnatomy", "Anatomy", "identify_norm", "own_anatomy", "TARGETS", "HOOK_KEYS"]

@@ -1,10 +1,10 @@
 """Load any model an analysis accepts: our checkpoints, or a Hugging Face model as a bridge.
 
-:func:`load` (public as ``interp_norm.load``; also ``load_model``) takes what a user types after
+:func:`load` (public as ``interp_norm.load``) takes what a user types after
 ``interp-norm collapse``:
 
 * one of our checkpoint or run folders, or a shipped pretrained name -> a
-  :class:`~interp_norm.model.HookedNormTransformer` (through ``checkpoints.load_any``);
+  :class:`~interp_norm.core.model.HookedNormTransformer` (through ``checkpoints.load_any``);
 * a local Hugging Face folder (``save_pretrained`` output: ``config.json`` with a ``model_type``)
   -> a TransformerLens ``TransformerBridge``;
 * a Hugging Face name such as ``Qwen/Qwen3-0.6B`` that is already in the local cache -> a bridge.
@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from interp_norm.checkpoint_format import folder_kind
+from interp_norm.training.checkpoint_format import folder_kind
 from interp_norm.errors import ArchitectureError, CheckpointError, CheckpointNotFoundError, ConfigError
 
 
@@ -50,7 +50,7 @@ def load_hf_model(folder: str | os.PathLike, *, dtype: torch.dtype | str = torch
     """
     import transformers
 
-    from interp_norm.devices import check_device_map, resolve_device, resolve_dtype
+    from interp_norm.training.devices import check_device_map, resolve_device, resolve_dtype
     from transformer_lens.model_bridge.sources._hf_format import determine_architecture_from_hf_config
     from transformer_lens.model_bridge.sources.transformers import get_hf_model_class_for_architecture
 
@@ -107,7 +107,7 @@ def load(spec: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype | s
     """Any model interp_norm analyses, from one spec (``interp_norm.load``; nothing is downloaded).
 
     * a shipped pretrained name (``"pre"``, ``"qkv"``; see ``interp_norm.list_pretrained()``) or one of
-      our checkpoint / training-run folders -> a :class:`~interp_norm.model.HookedNormTransformer` in
+      our checkpoint / training-run folders -> a :class:`~interp_norm.core.model.HookedNormTransformer` in
       eval mode that knows its training task (``model.task``; every analysis defaults to it);
     * a Hugging Face ``save_pretrained`` folder (``config.json`` with ``model_type``), or a Hugging
       Face name already in the local cache (``HF_HUB_CACHE`` / ``HF_HOME``; ``cache_dir`` overrides it)
@@ -133,8 +133,8 @@ def load(spec: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype | s
         from interp_norm.noise import run_collapse
         run_collapse(model)                                 # on the model's own task
     """
-    from interp_norm import checkpoints as C
-    from interp_norm.devices import resolve_device, resolve_dtype
+    from interp_norm.training import checkpoints as C
+    from interp_norm.training.devices import resolve_device, resolve_dtype
 
     resolve_device(device)
     resolve_dtype(dtype)
@@ -181,7 +181,7 @@ def load(spec: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype | s
 
 def check_ours(spec: str, dtype: Any, device_map: Any) -> None:
     """Our models are stored and run in float32 on one device: refuse another dtype or a device_map."""
-    from interp_norm.devices import resolve_dtype
+    from interp_norm.training.devices import resolve_dtype
 
     if device_map is not None:
         raise ConfigError(f"device_map={device_map!r} applies to Hugging Face models; {spec!r} is an interp_norm model, "
@@ -191,7 +191,4 @@ def check_ours(spec: str, dtype: Any, device_map: Any) -> None:
                           "and run in float32: drop dtype (--dtype) or pass float32")
 
 
-#: The name the CLI and older code use.
-load_model = load
-
-__all__ = ["load", "load_model", "load_hf_model", "folder_kind", "check_ours"]
+__all__ = ["load", "load_hf_model", "folder_kind", "check_ours"]

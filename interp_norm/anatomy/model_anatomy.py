@@ -16,7 +16,7 @@ from interp_norm.anatomy._common import is_bridge
 from interp_norm.anatomy.bridge_anatomy import bridge_anatomy
 from interp_norm.anatomy.describe import Anatomy, own_anatomy
 from interp_norm.errors import ArchitectureError
-from interp_norm.model import HookedNormTransformer
+from interp_norm.core.model import HookedNormTransformer
 
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, Anatomy]" = weakref.WeakKeyDictionary()
 

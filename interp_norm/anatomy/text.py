@@ -21,7 +21,7 @@ SAMPLE_FILE = Path("text") / "sample.txt"
 
 def sample_text() -> str:
     """The shipped sample text (``<data folder>/text/sample.txt``)."""
-    from interp_norm.checkpoints import data_dir
+    from interp_norm.training.checkpoints import data_dir
 
     path = data_dir() / SAMPLE_FILE
     if not path.is_file():

@@ -3,16 +3,16 @@
 * :mod:`~interp_norm.circuits.pairs` -- clean/corrupted addition pairs;
   :mod:`~interp_norm.circuits.metrics` -- per-example metrics on them (logit difference,
   correct-token probability, KL to the clean distribution).
-* :mod:`~interp_norm.circuits.patching` -- exact activation patching, many cells per forward pass,
-  equal to ``transformer_lens.patching`` cell by cell; :mod:`~interp_norm.circuits.engine` is its
+* :mod:`~interp_norm.circuits.exact.patching` -- exact activation patching, many cells per forward pass,
+  equal to ``transformer_lens.patching`` cell by cell; :mod:`~interp_norm.circuits.exact.engine` is its
   incremental engine (recomputes only the rows a patch changes, with the model's block steps or fused
   kernels equal to them up to rounding).
 * :mod:`~interp_norm.circuits.attribution` -- node-level attribution patching (EAP, EAP-IG) and
   agreement with exact patching.
 * :mod:`~interp_norm.circuits.edges` -- the sender -> receiver edge graph and edge-intervening
   passes; :mod:`~interp_norm.circuits.edge_scores` -- EAP / EAP-IG edge scores, exact edge patching.
-* :mod:`~interp_norm.circuits.graph` -- :class:`Circuit` from thresholds/top-n, faithfulness under
-  resample/mean/zero ablation (drawn by :func:`interp_norm.plots.draw_circuit`).
+* :mod:`~interp_norm.circuits.circuit` -- :class:`Circuit` from thresholds/top-n, faithfulness under
+  resample/mean/zero ablation (drawn by :func:`interp_norm.report.plots.draw_circuit`).
 * :mod:`~interp_norm.circuits.attention_maps` -- which heads attend sparsely to which operand
   digit/operator/``=`` from each answer position.
 
@@ -31,7 +31,7 @@ from interp_norm.circuits.attention_maps import attention_map, attention_map_spl
 from interp_norm.circuits.attribution import attribution_patch, compare_scores, node_attribution
 from interp_norm.circuits.edge_scores import edge_attribution, exact_edge_patch
 from interp_norm.circuits.edges import EdgeGraph, receiver_node
-from interp_norm.circuits.graph import ABLATIONS, Circuit, faithfulness, run_with_circuit
+from interp_norm.circuits.circuit import ABLATIONS, Circuit, faithfulness, run_with_circuit
 from interp_norm.circuits.metrics import (
     METRICS,
     CorrectProb,
@@ -45,7 +45,7 @@ from interp_norm.circuits.metrics import (
     make_metric,
 )
 from interp_norm.circuits.pairs import PatchingPairs, corrupt_problem, make_pairs, problem_format
-from interp_norm.circuits.patching import activation_patch, patch_sweep
+from interp_norm.circuits.exact.patching import activation_patch, patch_sweep
 
 
 def _head_scores(est: PatchResult, exact_all: PatchResult) -> pd.DataFrame:
@@ -84,11 +84,11 @@ def run_circuits(
     ``eap_vs_exact_heads`` (per head: the EAP / EAP-IG estimate of patching the whole head beside exact
     whole-head patching, when ``("z", "all")`` is among ``activations``), ``edges`` (EAP-IG edge scores),
     ``circuit`` (top ``top_n`` edges, pruned; ``Circuit.from_dataframe(tables["circuit"], n_layers,
-    n_heads)`` rebuilds the :class:`Circuit`, for :func:`interp_norm.plots.draw_circuit` and ``Circuit.to_json()``),
+    n_heads)`` rebuilds the :class:`Circuit`, for :func:`interp_norm.report.plots.draw_circuit` and ``Circuit.to_json()``),
     ``faithfulness`` (all ablations), ``attention_map``. ``task`` defaults to the model's own
     (``model.task``); another one runs with a warning naming both.
     """
-    from interp_norm.task import task_for
+    from interp_norm.core.task import task_for
 
     task = task_for(model, task, who="run_circuits")
     cfg = model.cfg

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from interp_norm.errors import PatchingError, check_positive_int
-from interp_norm.hooks import PATCHABLE
+from interp_norm.core.hook_names import PATCHABLE
 
 #: A metric maps logits ``[batch, pos, vocab]`` to per-example values ``[batch]`` (or a scalar).
 MetricFn = Callable[[Tensor], Tensor]

@@ -22,7 +22,7 @@ Kramár et al. show two ways it misses important cells, and fix both:
 (``q``/``k`` with the softmax fix; other activations plain AtP, all optionally with GradDrop).
 :func:`edge_atp_star` gives edge scores: EAP, with every edge into a query or key rescored through
 the exact pattern (the receiver's input moved by ``u_clean - u_corr``, then Pre-Norm, ``W_Q``/``W_K``,
-the per-head norm and the softmax recomputed). Both need a :class:`~interp_norm.model.HookedNormTransformer`.
+the per-head norm and the softmax recomputed). Both need a :class:`~interp_norm.core.model.HookedNormTransformer`.
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ from torch import Tensor
 
 from interp_norm.circuits import EdgeGraph, LogitDiff, PatchingPairs, PatchResult, edge_attribution
 from interp_norm.errors import PatchingError
-from interp_norm.hooks import PATCHABLE, act_name, used_name
-from interp_norm.nodes import head_input
+from interp_norm.core.hook_names import PATCHABLE, act_name, used_name
+from interp_norm.core.nodes import head_input
 
 _MAX_ELEMS = 2**24  # per chunk of the [b, h, t, s, j] key-patch tensor
 
 
 def _check(model, pairs) -> None:
-    from interp_norm.model import HookedNormTransformer
+    from interp_norm.core.model import HookedNormTransformer
 
     if not isinstance(model, HookedNormTransformer):
         raise PatchingError("AtP* recomputes attention with the model's own attn.scores; it needs a HookedNormTransformer")

@@ -8,7 +8,7 @@ predict an answer token; they are labelled by what they predict (``place``: ``an
 ``ans.sign`` / ``eos``, aligned across answer lengths; or ``index``: ``a{j}``, j-th answer token).
 
 A head attends *sparsely* when its largest attention weight from the query is at least
-``threshold`` (default :data:`~interp_norm.defaults.SPARSE_THRESHOLD`, 0.95); the key it attends to is then recorded by role. Counting those events
+``threshold`` (default :data:`~interp_norm.core.defaults.SPARSE_THRESHOLD`, 0.95); the key it attends to is then recorded by role. Counting those events
 over problems gives how often (``frequency`` = events / problems with that query) and how strongly
 (``mean_strength`` = mean of the max weight) each head moves each role to each answer position.
 """
@@ -21,11 +21,11 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from interp_norm import task as T
+from interp_norm.core import task as T
 from interp_norm.circuits._types import device, require_eval
-from interp_norm.defaults import SPARSE_THRESHOLD
+from interp_norm.core.defaults import SPARSE_THRESHOLD
 from interp_norm.errors import PatchingError, check_positive_int
-from interp_norm.hooks import act_name
+from interp_norm.core.hook_names import act_name
 
 ROLE_ORDER = ("bos", "operand", "sign", "operator", "eq", "answer", "answer_sign", "eos")
 
@@ -141,7 +141,7 @@ def attention_map(model, problems, threshold: float = SPARSE_THRESHOLD, query: s
     """For every answer query, the heads that attend sparsely (max weight >= ``threshold``) and to
     which role, with ``count``, ``frequency`` (of the problems having that query) and ``mean_strength``.
 
-    ``problems``: strings, :class:`~interp_norm.task.Problem` objects, a task ``Batch`` or
+    ``problems``: strings, :class:`~interp_norm.core.task.Problem` objects, a task ``Batch`` or
     ``PatchingPairs`` (their clean problems).
     """
     ev = sparse_attention_events(model, problems, threshold, query)
@@ -181,16 +181,16 @@ __all__ = ["token_roles", "sparse_attention_events", "attention_map", "attention
 def attention_patterns(model, problems, name=None) -> pd.DataFrame:
     """The cached ``hook_pattern`` of each problem as a tidy table for the attention figures.
 
-    ``problems``: strings (``"[12+N7="`` or a full ``"[12+N7=5]"``) or :class:`~interp_norm.task.Problem`;
+    ``problems``: strings (``"[12+N7="`` or a full ``"[12+N7=5]"``) or :class:`~interp_norm.core.task.Problem`;
     a question without answer is completed with the true answer, so the table shows the pattern
     while the answer is produced (teacher forcing). One row per (problem, layer, head, query, key)
     with ``key <= query``: ``weight``, ``q_token``, ``k_token``. ``name`` labels the model.
-    :mod:`interp_norm.plots.attention` draws it (this runs the model, so it lives with the analyses).
+    :mod:`interp_norm.report.plots.attention` draws it (this runs the model, so it lives with the analyses).
     """
     import numpy as np
 
     from interp_norm.errors import ConfigError
-    from interp_norm.hooks import act_name
+    from interp_norm.core.hook_names import act_name
 
     if isinstance(problems, (str, T.Problem)):
         problems = [problems]

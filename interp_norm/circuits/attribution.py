@@ -3,7 +3,7 @@
 Attribution patching linearises activation patching: the effect of patching activation ``a``
 from the clean run into the corrupted run is estimated by ``(a_clean - a_corr) . dM/da`` with the
 gradient taken on the corrupted run (TransformerLens 4.x's "denoising" convention, so estimates
-compare directly with :func:`~interp_norm.circuits.patching.activation_patch`). Cost: a clean
+compare directly with :func:`~interp_norm.circuits.exact.patching.activation_patch`). Cost: a clean
 and a corrupted forward pass plus one backward pass. EAP-IG (``ig_steps = m > 1``) averages the
 gradient over ``m`` points on the straight line between the corrupted and clean token
 embeddings, ``alpha = k/m`` for ``k = 0..m-1`` (as Hanna et al.'s ``EAP-IG``; ``m = 1`` is EAP).
@@ -35,9 +35,9 @@ from interp_norm.circuits._types import (
 )
 from interp_norm.circuits.metrics import LogitDiff
 from interp_norm.circuits.pairs import PatchingPairs, as_pairs
-from interp_norm.circuits.patch_cells import check_hooks, check_pattern_hooks_act, head_count
+from interp_norm.circuits.exact.patch_cells import check_hooks, check_pattern_hooks_act, head_count
 from interp_norm.errors import EngineRefusal, PatchingError
-from interp_norm.hooks import PATCHABLE, act_name
+from interp_norm.core.hook_names import PATCHABLE, act_name
 
 
 # ----------------------------------------------------------------------------- node level

@@ -9,7 +9,7 @@ in that computation are exactly known without running them:
   scores exactly 0. The clean run is the bridge's own forward; the corrupted run (with its gradient)
   re-runs the bridge's own blocks at positions ``p0..`` only, the earlier positions' keys and values
   taken from the clean run through the attention's key/value-cache interface -- the machinery of
-  :class:`~interp_norm.circuits.kv_patching.KVCacheEngine` (RoPE, grouped heads and q/k norms stay
+  :class:`~interp_norm.circuits.exact.kv_patching.KVCacheEngine` (RoPE, grouped heads and q/k norms stay
   the model's code). The backward pass covers positions ``p0..`` only.
 * **The last block at the read positions.** In the last block the query, the attention's output
   projection and the MLP at a position reach only that position's logits: they run at the positions
@@ -20,7 +20,7 @@ in that computation are exactly known without running them:
 
 The re-run is compared with the bridge's own forward (logits, hooked activations, block inputs) the
 first time per model and again whenever its weights change
-(:func:`~interp_norm.circuits.engine.weights_key`); a bridge wired otherwise (an attention that
+(:func:`~interp_norm.circuits.exact.engine.weights_key`); a bridge wired otherwise (an attention that
 ignores the cache, logits post-processed after the unembedding, ...) raises
 :class:`~interp_norm.errors.EngineRefusal` and :func:`~interp_norm.circuits.attribution.node_attribution`
 falls back to full forward passes. Never used when a hook is on the model.
@@ -35,11 +35,11 @@ import torch
 from torch import Tensor
 
 from interp_norm.circuits._types import metric_values
-from interp_norm.circuits.block_steps import _has_hooks
-from interp_norm.circuits.engine import check_once
-from interp_norm.circuits.kv_patching import KV_ACTIVATIONS, KVCacheEngine
+from interp_norm.circuits.exact.block_steps import _has_hooks
+from interp_norm.circuits.exact.engine import check_once
+from interp_norm.circuits.exact.kv_patching import KV_ACTIVATIONS, KVCacheEngine
 from interp_norm.errors import EngineRefusal
-from interp_norm.hooks import act_name
+from interp_norm.core.hook_names import act_name
 
 #: the activations that are the residual stream itself
 _RESIDUAL = ("resid_pre", "resid_mid", "resid_post")

@@ -18,12 +18,12 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from interp_norm.circuits._types import MetricFn, device, ig_alphas, metric_values
-from interp_norm import nodes
+from interp_norm.core import nodes
 from interp_norm.circuits.edges import EdgeGraph, EdgeRunner
 from interp_norm.circuits.metrics import LogitDiff
 from interp_norm.circuits.pairs import PatchingPairs, as_pairs
 from interp_norm.errors import PatchingError
-from interp_norm.hooks import act_name
+from interp_norm.core.hook_names import act_name
 
 
 def edge_attribution(

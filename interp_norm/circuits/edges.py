@@ -31,13 +31,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from interp_norm import nodes
+from interp_norm.core import nodes
 from interp_norm.anatomy import kind_of
 from interp_norm.circuits._types import device, require_eval
 from interp_norm.errors import PatchingError
-from interp_norm.hooks import act_name
-from interp_norm.nodes import QKV, receiver_node
-from interp_norm.model import HookedNormTransformer
+from interp_norm.core.hook_names import act_name
+from interp_norm.core.nodes import QKV, receiver_node
+from interp_norm.core.model import HookedNormTransformer
 
 
 

@@ -16,7 +16,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from interp_norm import task as T
+from interp_norm.core import task as T
 from interp_norm.circuits._types import device
 from interp_norm.circuits.pairs import PatchingPairs, Positions
 from interp_norm.errors import PatchingError
@@ -173,7 +173,7 @@ def kl_to_clean(pairs: PatchingPairs, clean_logits: Tensor, positions: Positions
     return KLToClean(pairs, clean_logits, positions)
 
 
-from interp_norm.defaults import CIRCUIT_METRICS as METRICS  # noqa: E402
+from interp_norm.core.defaults import CIRCUIT_METRICS as METRICS  # noqa: E402
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
-from interp_norm import task as T
+from interp_norm.core import task as T
 from interp_norm.errors import PatchingError, check_positive_int
 
 Positions = Union[str, int, Tensor]
@@ -31,7 +31,7 @@ class PatchingPairs:
     """Clean and corrupted token batches of equal shape, plus which logit positions are scored.
 
     ``score_mask[b, p]`` is True where the logits at ``p`` are scored; by default the answer
-    positions (:func:`interp_norm.task.answer_mask` of the clean tokens) whose next token differs
+    positions (:func:`interp_norm.core.task.answer_mask` of the clean tokens) whose next token differs
     between clean and corrupted -- elsewhere a logit difference is zero by construction.
     Pass your own ``score_mask`` for token sequences that are not addition problems.
     """
@@ -259,7 +259,7 @@ def make_pairs(
     every row -- what per-position patching tables need to be readable. It draws the first
     problem from the split, then problems of the same shape.
 
-    ``task``: an :class:`~interp_norm.task.AdditionTask`, or a model, whose own task is used
+    ``task``: an :class:`~interp_norm.core.task.AdditionTask`, or a model, whose own task is used
     (``make_pairs(model, 32)``).
     """
     if not isinstance(task, T.AdditionTask) and hasattr(task, "cfg"):

@@ -2,7 +2,7 @@
 
 A subcommand is a :class:`Command`: a name, a help line, ``add_arguments(parser)`` (declares the
 options) and ``run(args) -> exit code`` (imports what it needs, calls the library, writes through
-:mod:`interp_norm.io`). :func:`command` registers one::
+:mod:`interp_norm.training.io`). :func:`command` registers one::
 
     def _noise_args(p): p.add_argument("ckpt"); ...
 
@@ -11,7 +11,7 @@ options) and ``run(args) -> exit code`` (imports what it needs, calls the librar
 
 Subcommands appear in ``--help`` in registration order. Only the parser of the subcommand being
 run is built and heavy modules load inside ``run``, so no ``--help`` imports torch or pandas: the
-defaults it shows (noise levels, circuit metrics) come from :mod:`interp_norm.defaults`, the
+defaults it shows (noise levels, circuit metrics) come from :mod:`interp_norm.core.defaults`, the
 import-free module the analyses read them from too.
 
 Conventions every subcommand follows (the shared flags are declared once, in ``_grammar``):
@@ -151,7 +151,7 @@ def _did_you_mean(message: str, args: argparse.Namespace) -> str:
         if Path(spec).exists() or f"{spec!r}" not in message:
             continue
         try:
-            from interp_norm.checkpoints import list_pretrained
+            from interp_norm.training.checkpoints import list_pretrained
 
             names = list(list_pretrained()["name"])
         except Exception:  # the suggestion is a courtesy; never hide the error behind another

@@ -87,7 +87,7 @@ def add_threads(p: argparse.ArgumentParser) -> None:
 
 
 def add_dtype(p: argparse.ArgumentParser) -> None:
-    """``--dtype`` (checked by ``interp_norm.devices.resolve_dtype``: an unknown name is a ConfigError)."""
+    """``--dtype`` (checked by ``interp_norm.training.devices.resolve_dtype``: an unknown name is a ConfigError)."""
     p.add_argument("--dtype", metavar="DTYPE", help=HELP["dtype"])
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from interp_norm.errors import OutputDirError
 # the analyses ``reproduce`` can run and the opt-in ones (``--controls``); the registry imports only the standard library
-from interp_norm.registry import ANALYSES, CONTROLS  # noqa: F401
+from interp_norm.report.registry import ANALYSES, CONTROLS  # noqa: F401
 
 PROG = "interp-norm"
 #: What Ctrl-C prints unless the subcommand says otherwise (results are written at the end of a run).
@@ -161,7 +161,7 @@ def prepare_out(folder: str | Path, files: Sequence[str], force: bool) -> Path:
 
     Called before any work, so a run never ends by refusing to write.
     """
-    from interp_norm.io import ensure_writable_dir
+    from interp_norm.training.io import ensure_writable_dir
 
     out = ensure_writable_dir(folder)
     existing = sorted({p.name for pattern in files for p in out.glob(pattern) if p.is_file()})
@@ -202,7 +202,7 @@ def threshold_display(thresholds: Any, curves: Any) -> tuple[Any, list[str]]:
             elif g[src].iloc[0] >= row["target"]:
                 show.at[i, col] = f"< {g['level'].min():g}"
                 used.add("<")
-    from interp_norm.defaults import SPARSE_THRESHOLD
+    from interp_norm.core.defaults import SPARSE_THRESHOLD
 
     notes = []
     if "none" in used:
@@ -229,8 +229,9 @@ def load_model_spec(spec: str, device: str = "cpu", dtype: Optional[str] = None,
     that is neither gets a CheckpointError saying what it holds. ``dtype`` (default float32) and
     ``device_map`` apply to Hugging Face models; for ours they are a ConfigError (``check_ours``).
     """
-    from interp_norm.anatomy.loading import check_ours, folder_kind, load_model
-    from interp_norm.checkpoints import load_any
+    from interp_norm.anatomy.loading import check_ours, folder_kind
+    from interp_norm.anatomy.loading import load as load_model
+    from interp_norm.training.checkpoints import load_any
     from interp_norm.errors import CheckpointNotFoundError
 
     dtype = dtype or "float32"
@@ -302,7 +303,7 @@ def looks_hf(spec: str) -> bool:
     """Whether ``spec`` names a Hugging Face model rather than one of ours (a folder's config decides;
     a name that is not one of our pretrained ones is looked up in the Hugging Face cache)."""
     from interp_norm.anatomy.loading import folder_kind
-    from interp_norm.checkpoints import load_any
+    from interp_norm.training.checkpoints import load_any
     from interp_norm.errors import CheckpointNotFoundError
 
     path = Path(spec)

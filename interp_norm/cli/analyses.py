@@ -37,7 +37,7 @@ from interp_norm.cli._support import (
     threshold_display,
 )
 from interp_norm.cli._grammar import HELP
-from interp_norm.defaults import DISTRIBUTIONS, PLACEMENTS
+from interp_norm.core.defaults import DISTRIBUTIONS, PLACEMENTS
 
 LEVELS_HELP = HELP["levels"]
 
@@ -49,8 +49,8 @@ BENCHMARK_FILES = ("benchmark.csv", "mib_curve.csv", "mib_summary.csv", "faithfu
 
 
 def _circuits_args(p: argparse.ArgumentParser) -> None:
-    from interp_norm.defaults import BENCHMARK_METHODS as METHODS
-    from interp_norm.defaults import (
+    from interp_norm.core.defaults import BENCHMARK_METHODS as METHODS
+    from interp_norm.core.defaults import (
         CIRCUIT_METRICS as METRICS,  # the library's choices, without importing it
     )
 
@@ -87,7 +87,7 @@ def _circuits_args(p: argparse.ArgumentParser) -> None:
          flags=dict(n="--pairs", n_pairs="--pairs", attention_problems="--n-examples"))
 def _circuits(args: argparse.Namespace) -> int:
     from interp_norm.errors import ConfigError
-    from interp_norm.devices import resolve_device
+    from interp_norm.training.devices import resolve_device
 
     if args.benchmark:
         if args.ckpt is not None:
@@ -116,9 +116,9 @@ def _circuits(args: argparse.Namespace) -> int:
 
 def _circuits_benchmark(args: argparse.Namespace) -> int:
     """The ground-truth suite: run_benchmark's table, MIB curves/CPR/CMD and the faithfulness figure."""
-    from interp_norm.circuits.benchmark import run_benchmark, run_benchmark_mib
-    from interp_norm.io import write_atomic, write_tables
-    from interp_norm.plots import plot_faithfulness
+    from interp_norm.circuits.benchmark.suite import run_benchmark, run_benchmark_mib
+    from interp_norm.training.io import write_atomic, write_tables
+    from interp_norm.report.plots import plot_faithfulness
 
     out = prepare_out(args.out, BENCHMARK_FILES, args.force)
     mib_methods = [m for m in args.methods if m != "pruning"]  # pruning selects a circuit, it ranks no edges
@@ -141,8 +141,8 @@ def write_circuit_tables(out: Path, tables: dict, n_layers: int, n_heads: int, n
     with the checkpoint ``name``) and ``circuit.json``."""
     import math
 
-    from interp_norm.io import write_atomic, write_json, write_tables
-    from interp_norm.plots import plot_circuit_graph
+    from interp_norm.training.io import write_atomic, write_json, write_tables
+    from interp_norm.report.plots import plot_circuit_graph
 
     write_tables(out, tables)
     edges = tables["circuit"]
@@ -174,7 +174,7 @@ def _noise_common_args(p: argparse.ArgumentParser, default_levels: Sequence[floa
 
 
 def _noise_args(p: argparse.ArgumentParser) -> None:
-    from interp_norm.defaults import (
+    from interp_norm.core.defaults import (
         DEFAULT_NOISE_LEVELS,  # the library's defaults, without importing torch
     )
 
@@ -188,13 +188,13 @@ def _noise_args(p: argparse.ArgumentParser) -> None:
 @command("noise", help="per-token accuracy under multiplicative norm noise (the paper's noise-sensitivity sweep)",
          add_arguments=_noise_args, flags=dict(levels="--levels", distribution="--distribution"))
 def _noise(args: argparse.Namespace) -> int:
-    from interp_norm.io import write_csv
+    from interp_norm.training.io import write_csv
     from interp_norm.noise import run_noise
 
     out = prepare_out(args.out, ["noise_accuracy.csv"], args.force)
     model, info = _load_for_noise(args)
     if is_hf(model):  # a Hugging Face model: agreement with its clean next-token prediction on text
-        from interp_norm.bridges import text_agreement
+        from interp_norm.noise.text_agreement import text_agreement
 
         df = text_agreement(model, hf_tokens(model, args), args.levels, placement=args.placement,
                             distribution=args.distribution, seed=args.seed, batch_size=args.batch_size,
@@ -214,7 +214,7 @@ def _noise(args: argparse.Namespace) -> int:
 
 def _load_for_noise(args: argparse.Namespace):  # noqa: ANN202
     """The model of ``noise``/``collapse`` on ``--device``, refusing a ``--placement`` that means nothing for it."""
-    from interp_norm.devices import resolve_device, return_large_frees
+    from interp_norm.training.devices import resolve_device, return_large_frees
 
     resolve_device(args.device)
     return_large_frees()  # freed activations go back to the system: the peak stays near the weights
@@ -224,7 +224,7 @@ def _load_for_noise(args: argparse.Namespace):  # noqa: ANN202
 
 
 def _collapse_args(p: argparse.ArgumentParser) -> None:
-    from interp_norm.defaults import DEFAULT_COLLAPSE_LEVELS
+    from interp_norm.core.defaults import DEFAULT_COLLAPSE_LEVELS
 
     _noise_common_args(p, DEFAULT_COLLAPSE_LEVELS, 256, "")
     add_window_batch(p)
@@ -237,7 +237,7 @@ COLLAPSE_FILES = ("collapse.csv", "collapse_thresholds.csv")
 @command("collapse", help="circuit-collapse probability vs noise, measured and predicted by the theory",
          add_arguments=_collapse_args, flags=dict(levels="--levels", distribution="--distribution"))
 def _collapse(args: argparse.Namespace) -> int:
-    from interp_norm.io import write_csv
+    from interp_norm.training.io import write_csv
     from interp_norm.noise import collapse_thresholds, run_collapse
 
     out = prepare_out(args.out, COLLAPSE_FILES, args.force)
@@ -293,9 +293,9 @@ def _refuse_window_batch(args: argparse.Namespace, name: str) -> None:
          add_arguments=_geometry_args, flags=dict(n="--n-examples"))
 def _geometry(args: argparse.Namespace) -> int:
     from interp_norm.geometry import geometry_summary, run_geometry
-    from interp_norm.io import write_tables
+    from interp_norm.training.io import write_tables
 
-    from interp_norm.devices import resolve_device, return_large_frees
+    from interp_norm.training.devices import resolve_device, return_large_frees
 
     out = prepare_out(args.out, ["geometry_*.csv"], args.force)
     resolve_device(args.device)

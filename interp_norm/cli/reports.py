@@ -17,7 +17,7 @@ from interp_norm.cli._support import (
     prepare_out,
     real_model_tables,
 )
-from interp_norm.registry import get
+from interp_norm.report.registry import get
 
 
 # ----------------------------------------------------------------------------- reproduce and dashboard
@@ -43,8 +43,8 @@ def _settings_args(p: argparse.ArgumentParser) -> None:
 
 
 def _settings(args: argparse.Namespace) -> Any:
-    from interp_norm.reproduce import Settings
-    from interp_norm.task import parse_problem
+    from interp_norm.report.reproduce import Settings
+    from interp_norm.core.task import parse_problem
 
     kw: dict[str, Any] = dict(seed=args.seed, workers=args.workers)
     if args.problems:
@@ -85,8 +85,8 @@ def _reproduce_args(p: argparse.ArgumentParser) -> None:
          interrupted="interrupted; the report is written only at the end of the run, so run it again "
                      "(--quick takes seconds)")
 def _reproduce(args: argparse.Namespace) -> int:
-    from interp_norm.reproduce import reproduce
-    from interp_norm.devices import resolve_device
+    from interp_norm.report.reproduce import reproduce
+    from interp_norm.training.devices import resolve_device
 
     out = prepare_out(args.out, REPORT_FILES, args.force)  # before any work
     resolve_device(args.device)
@@ -121,9 +121,9 @@ def _dashboard_args(p: argparse.ArgumentParser) -> None:
 def _dashboard(args: argparse.Namespace) -> int:
     import time
 
-    from interp_norm.reproduce import make_dashboard
+    from interp_norm.report.reproduce import make_dashboard
 
-    from interp_norm.devices import resolve_device
+    from interp_norm.training.devices import resolve_device
 
     out = prepare_out(args.out, ["dashboard.html"], args.force)  # before any work
     resolve_device(args.device)
@@ -141,8 +141,8 @@ def _dashboard(args: argparse.Namespace) -> int:
         path = make_dashboard(ours, out / "dashboard.html", settings=_settings(args), analyse=_analyse(args),
                               progress=not args.no_progress, threads=args.threads, device=args.device)
     else:
-        from interp_norm.dashboard import write_dashboard
-        from interp_norm.reproduce import Report, run_analyses
+        from interp_norm.report.dashboard import write_dashboard
+        from interp_norm.report.reproduce import Report, run_analyses
 
         report = (run_analyses(ours, _settings(args), analyse=_analyse(args), progress=not args.no_progress,
                                threads=args.threads, device=args.device, desc="dashboard") if ours else Report())

@@ -60,11 +60,12 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 def _train(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from interp_norm.checkpoints import latest_checkpoint, read_checkpoint_info
-    from interp_norm.io import ensure_writable_dir
-    from interp_norm.model import ModelConfig
-    from interp_norm.task import AdditionTask
-    from interp_norm.train import TrainConfig, resolve_device, train
+    from interp_norm.training.checkpoints import latest_checkpoint, read_checkpoint_info
+    from interp_norm.training.io import ensure_writable_dir
+    from interp_norm.core.model import ModelConfig
+    from interp_norm.core.task import AdditionTask
+    from interp_norm.training.train import resolve_device, train
+    from interp_norm.training.config import TrainConfig
 
     # --resume without options continues with the saved ones; options given here must agree
     # with them (train() says which differ), except those that cannot change the weights.
@@ -125,9 +126,9 @@ def _evaluate_args(p: argparse.ArgumentParser) -> None:
                           "draws the test sets its training evaluated on, the numbers 'interp-norm list' shows)",
          add_arguments=_evaluate_args, flags=dict(size="--n-examples"))
 def _evaluate(args: argparse.Namespace) -> int:
-    from interp_norm.evaluate import evaluate
-    from interp_norm.io import write_csv
-    from interp_norm.devices import resolve_device
+    from interp_norm.core.scoring import evaluate
+    from interp_norm.training.io import write_csv
+    from interp_norm.training.devices import resolve_device
 
     out = prepare_out(args.out, ["evaluation.csv"], args.force)
     resolve_device(args.device)
@@ -145,7 +146,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 @command("list", help="list the pretrained checkpoints shipped in data/checkpoints")
 def _list(args: argparse.Namespace) -> int:
-    from interp_norm.checkpoints import list_pretrained, pretrained_dir
+    from interp_norm.training.checkpoints import list_pretrained, pretrained_dir
 
     df = list_pretrained()
     if df.empty:

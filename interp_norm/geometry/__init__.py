@@ -4,7 +4,7 @@ Menary et al. 2024, arXiv 2406.17837, Theorem 2: under Pre-Norm a head sees ``x/
 subspaces stay independent only if they are **orthogonal spheres** (each component of constant
 norm, components mutually orthogonal); otherwise they interfere through the shared norm. Under
 QKV-Norm linear independence suffices (Theorem 3). This package measures that geometry on a model
-and an input batch and returns pandas DataFrames (figures live in :mod:`interp_norm.plots`).
+and an input batch and returns pandas DataFrames (figures live in :mod:`interp_norm.report.plots`).
 One module per question:
 
 * :mod:`.spread` — :func:`norm_spread`: the paper's attended-embedding norm spread (its
@@ -30,7 +30,7 @@ One module per question:
 ``_common`` holds what they share (model check, token input, the valid-token mask, the one cached
 forward pass). Every analysis that runs the model takes ``cache=``: an ActivationCache of the same
 tokens holding :func:`geometry_hook_names` is reused instead of a new forward pass. Hook names come
-from :mod:`interp_norm.hooks`; weights are read through the model's own steps (``attn.project``,
+from :mod:`interp_norm.core.hook_names`; weights are read through the model's own steps (``attn.project``,
 the update Checkpoints), so models with ``calibration="paper"`` are measured as they compute.
 
 Token conventions: position 0 holds ``[`` and is excluded by default (``exclude_bos``), as the paper

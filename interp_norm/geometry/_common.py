@@ -13,11 +13,11 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
-from interp_norm import task as T
-from interp_norm._checks import require_norm_model
+from interp_norm.core import task as T
+from interp_norm.core.checks import require_norm_model
 from interp_norm.errors import ConfigError, ProblemStringError
-from interp_norm.hooks import act_name
-from interp_norm.model import HookedNormTransformer
+from interp_norm.core.hook_names import act_name
+from interp_norm.core.model import HookedNormTransformer
 
 TokensLike = Union[Int[Tensor, "batch pos"], "T.Batch"]
 #: Floor for divisions by norms and means (zero components must not produce NaN weights).

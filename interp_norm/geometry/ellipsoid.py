@@ -16,8 +16,8 @@ import torch
 from interp_norm.errors import ConfigError
 from interp_norm.geometry._common import TINY, TokensLike, as_tokens, check_model, run_cached, valid_mask
 from interp_norm.geometry.norm_image import NormEllipsoid, norm_ellipsoid
-from interp_norm.hooks import act_name, norm_name
-from interp_norm.model import HookedNormTransformer, Norm
+from interp_norm.core.hook_names import act_name, norm_name
+from interp_norm.core.model import HookedNormTransformer, Norm
 
 __all__ = [
     "NormEllipsoid", "norm_ellipsoid", "norm_modules", "module_ellipsoids", "norm_hook_names",

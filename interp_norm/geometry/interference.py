@@ -21,8 +21,8 @@ from tqdm.auto import tqdm
 from interp_norm.errors import GeometryError
 from interp_norm.geometry._common import TINY, TokensLike, as_tokens, check_model, run_cached, valid_mask
 from interp_norm.geometry.subspaces import effective_read_matrices, positional_subspace, token_subspace
-from interp_norm.hooks import act_name
-from interp_norm.model import HookedNormTransformer
+from interp_norm.core.hook_names import act_name
+from interp_norm.core.model import HookedNormTransformer
 
 __all__ = ["ScaleComponent", "AddOrthogonal", "Intervention", "default_interventions", "direct_interference"]
 

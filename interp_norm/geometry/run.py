@@ -26,9 +26,9 @@ from interp_norm.geometry.sparsity import max_attention, sparsity_histogram, spa
 from interp_norm.geometry.spheres import orthogonal_spheres
 from interp_norm.geometry.spread import norm_spread
 from interp_norm.geometry.subspaces import head_read_fractions, subspace_angles, subspaces
-from interp_norm.hooks import act_name
-from interp_norm.model import HookedNormTransformer
-from interp_norm.task import task_for
+from interp_norm.core.hook_names import act_name
+from interp_norm.core.model import HookedNormTransformer
+from interp_norm.core.task import task_for
 
 __all__ = ["geometry_hook_names", "run_geometry", "bridge_geometry", "compare_geometry", "geometry_summary"]
 
@@ -148,13 +148,13 @@ def bridge_geometry(
     residual decomposition, which a bridge does not expose; they are not run here.
 
     Memory: one early-stopped forward (no logits) per block of ``window_batch`` windows (None:
-    :data:`~interp_norm.defaults.WINDOW_BATCH`, 8; ≥ the windows: one pass), the blocks in lockstep
+    :data:`~interp_norm.core.defaults.WINDOW_BATCH`, 8; ≥ the windows: one pass), the blocks in lockstep
     layer by layer; each block's hooks of a layer are reduced to per-row values before the next block
     runs (:func:`~interp_norm.geometry.bridge_sweep.bridge_sweep`), so the peak is the weights plus one
     block's hooks of one layer plus those per-row values, while every table is the one a single pass gives.
     """
     from interp_norm.anatomy import anatomy
-    from interp_norm.defaults import WINDOW_BATCH
+    from interp_norm.core.defaults import WINDOW_BATCH
     from interp_norm.errors import GeometryError, check_positive_int
     from interp_norm.geometry.bridge_sweep import bridge_sweep
 

@@ -2,7 +2,7 @@
 
 The paper finds Pre-Norm's distributions sharply peaked at 1 and QKV-Norm's weighted towards low
 values; the noise experiments split rows at the same sparse / non-sparse thresholds
-(:data:`~interp_norm.defaults.SPARSE_THRESHOLD`, :data:`~interp_norm.defaults.NONSPARSE_THRESHOLD`).
+(:data:`~interp_norm.core.defaults.SPARSE_THRESHOLD`, :data:`~interp_norm.core.defaults.NONSPARSE_THRESHOLD`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from interp_norm.errors import GeometryError, check_positive_int
 from interp_norm.geometry._common import TokensLike, as_tokens, check_model, run_cached, valid_mask
 from interp_norm.geometry.bridge import bridge_pattern_hooks, position_mask
 from interp_norm.anatomy import kind_of
-from interp_norm.defaults import NONSPARSE_THRESHOLD, SPARSE_THRESHOLD
-from interp_norm.hooks import act_name
-from interp_norm.model import HookedNormTransformer
+from interp_norm.core.defaults import NONSPARSE_THRESHOLD, SPARSE_THRESHOLD
+from interp_norm.core.hook_names import act_name
+from interp_norm.core.model import HookedNormTransformer
 
 __all__ = ["max_attention", "sparsity_histogram", "sparsity_summary", "attention_sparsity", "VERY_SPARSE_THRESHOLD"]
 

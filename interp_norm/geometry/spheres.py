@@ -27,8 +27,8 @@ from interp_norm.geometry._common import (
     valid_mask,
     writer_hooks,
 )
-from interp_norm.hooks import act_name
-from interp_norm.model import HookedNormTransformer
+from interp_norm.core.hook_names import act_name
+from interp_norm.core.model import HookedNormTransformer
 
 __all__ = ["sphere_structure", "orthogonal_spheres"]
 

@@ -17,8 +17,8 @@ from interp_norm.errors import GeometryError
 from interp_norm.geometry._common import TokensLike, as_tokens, check_model, run_cached, use_center, valid_mask
 from interp_norm.geometry.bridge import bridge_pattern_hooks, bridge_resid_hooks, position_mask
 from interp_norm.anatomy import kind_of
-from interp_norm.hooks import act_name
-from interp_norm.model import HookedNormTransformer
+from interp_norm.core.hook_names import act_name
+from interp_norm.core.model import HookedNormTransformer
 
 __all__ = ["weighted_quantile", "attended_norms", "layer_frames", "summarize_norm_spread", "norm_spread"]
 

@@ -28,8 +28,8 @@ from interp_norm.geometry._common import (
     valid_mask,
     writer_hooks,
 )
-from interp_norm.hooks import act_name
-from interp_norm.model import HookedNormTransformer
+from interp_norm.core.hook_names import act_name
+from interp_norm.core.model import HookedNormTransformer
 
 __all__ = [
     "orthonormal_basis", "principal_angles", "residual_components", "component_subspaces",

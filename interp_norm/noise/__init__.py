@@ -6,7 +6,7 @@ implementation for every model (ours and TransformerLens bridges, asked through 
 
 * :mod:`~interp_norm.noise.kernels` — the one seeded generator, the κ streams and the factor a norm
   leaves of noise before it; κ comes from :func:`interp_norm.theory.sample_kappa`, the one sampler.
-* :mod:`~interp_norm.noise.hooks` — :class:`NormNoise`, the hooks (a context manager or a hook
+* :mod:`~interp_norm.noise.norm_noise` — :class:`NormNoise`, the hooks (a context manager or a hook
   list) on any model; its per-head core :class:`HeadNoise` (:mod:`~interp_norm.noise.head_noise`)
   places the noise through the model's anatomy.
 * :mod:`~interp_norm.noise.bridge_collapse` — :func:`bridge_collapse`: the collapse protocol on a
@@ -25,7 +25,7 @@ implementation for every model (ours and TransformerLens bridges, asked through 
 * :mod:`~interp_norm.noise.temperature` — :func:`temperature_sweep`: collapse level and sparse-row
   fraction vs a score multiplier c (temperature 1/c).
 
-* :mod:`~interp_norm.noise.heads` — :func:`run_collapse_with_heads`: the 1% collapse level per
+* :mod:`~interp_norm.noise.head_collapse` — :func:`run_collapse_with_heads`: the 1% collapse level per
   head, each head's share of the sparse rows and the effective number of heads behind a pooled level.
 * :mod:`~interp_norm.noise.decomposition` — :func:`run_noise_decomposition`: the accuracy drop
   under noise on q, k, v alone, all, same-size noise in a random direction, one κ per token.
@@ -38,29 +38,13 @@ there are sparse ones (:func:`matched_row_gates`), so sparse-only vs non-sparse-
 Every function returns tensors or DataFrames; nothing here prints, plots or writes files.
 """
 
-from interp_norm.defaults import NOISED_ROWS, VARIANT_LABELS
-from interp_norm.noise._validate import PLACEMENTS, TARGETS
-from interp_norm.noise.accuracy import (
-    DEFAULT_NOISE_LEVELS,
-    MATCHED,
-    NOISE_GROUPS,
-    accuracy_under_noise,
-    clean_row_gates,
-    matched_row_gates,
-    noised_row_counts,
-    run_noise,
-)
-from interp_norm.noise.collapse import (
-    DEFAULT_COLLAPSE_LEVELS,
-    CollapseSpec,
-    LayerCollapse,
-    collapse_decisions,
-    collapse_from_scores,
-    collapse_noise_draws,
-    collapse_thresholds,
-    measure_collapse,
-    run_collapse,
-)
+from interp_norm.core.defaults import NOISED_ROWS, VARIANT_LABELS
+from interp_norm.noise._validate import TARGETS
+from interp_norm.core.defaults import PLACEMENTS
+from interp_norm.noise.accuracy import MATCHED, NOISE_GROUPS, accuracy_under_noise, clean_row_gates, matched_row_gates, noised_row_counts, run_noise
+from interp_norm.core.defaults import DEFAULT_NOISE_LEVELS
+from interp_norm.noise.collapse import CollapseSpec, LayerCollapse, collapse_decisions, collapse_from_scores, collapse_noise_draws, collapse_thresholds, measure_collapse, run_collapse
+from interp_norm.core.defaults import DEFAULT_COLLAPSE_LEVELS
 from interp_norm.noise.consequence import (
     CONSEQUENCE_LEVELS,
     bootstrap_ratios,
@@ -76,12 +60,12 @@ from interp_norm.noise.decomposition import (
     run_noise_decomposition,
 )
 from interp_norm.noise.forward import forward_collapse_decisions, measure_forward_collapse, run_forward_collapse
-from interp_norm.noise.hooks import NormNoise, norm_noise_hooks
+from interp_norm.noise.norm_noise import NormNoise, norm_noise_hooks
 from interp_norm.noise.kernels import effective_factor, unit_noise
 from interp_norm.noise.head_noise import HeadNoise, seeded_sampler
 from interp_norm.noise.kernels import effective_factors, seeded_generator
 from interp_norm.noise.bridge_collapse import bridge_collapse, collapse_chunks, collapse_kappa
-from interp_norm.noise.heads import (
+from interp_norm.noise.head_collapse import (
     beside_thresholds,
     effective_heads,
     head_collapse_table,

@@ -8,12 +8,12 @@ import numpy as np
 from torch import Tensor
 
 from interp_norm import theory
-from interp_norm._checks import require_norm_model
+from interp_norm.core.checks import require_norm_model
 from interp_norm.errors import ConfigError, NoiseSpecError
-from interp_norm.evaluate import trim_padding
-from interp_norm.defaults import VARIANT_LABELS
-from interp_norm.model import HookedNormTransformer, ModelConfig
-from interp_norm.task import Batch, task_for
+from interp_norm.core.scoring import trim_padding
+from interp_norm.core.defaults import PLACEMENTS, VARIANT_LABELS
+from interp_norm.core.model import HookedNormTransformer, ModelConfig
+from interp_norm.core.task import Batch, task_for
 from interp_norm.theory import NoiseLaw
 
 #: What the noise can act on: q, k, v (= the message m = W_O v) and the Pre-Norm divisor.
@@ -25,7 +25,6 @@ DIRECTION_CODE = 16  # + TARGET_CODE: the unit vectors of NormNoise(direction="r
 #: What ``NormNoise(direction=...)`` can perturb: the norm (x → (1+κ)x) or a random direction.
 DIRECTIONS = ("norm", "random")
 #: Where noise on q/k/v enters a QK-/QKV-Norm model: before the per-head norm or after it.
-from interp_norm.defaults import PLACEMENTS  # noqa: E402  (re-exported)
 
 
 def check_model(model: HookedNormTransformer) -> ModelConfig:
@@ -184,7 +183,7 @@ TEST_SPLIT, TEST_EXAMPLES, TEST_SEED = "id", 256, 1234
 def on_test_set(measure, model, task, *args, split: str, n_examples: int, data_seed: int, who: str, **kwargs):
     """``measure(model, task.test_set(split, n_examples, seed=data_seed), *args, **kwargs)`` with a
     ``split`` column: the one-call ``run_*`` form (named ``who``) of every tokens-level measurement.
-    ``task`` None means the model's own (:func:`interp_norm.task.task_for`)."""
+    ``task`` None means the model's own (:func:`interp_norm.core.task.task_for`)."""
     task = task_for(model, task, who=who, stacklevel=4)  # warns at the caller of run_*
     n_examples = check_positive_int(n_examples, "n_examples")
     df = measure(model, task.test_set(split, n_examples, seed=data_seed), *args, **kwargs)

@@ -23,20 +23,19 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from interp_norm import task as T
+from interp_norm.core import task as T
 from interp_norm import theory
 from interp_norm.errors import NoiseSpecError
-from interp_norm.evaluate import count_correct
-from interp_norm.defaults import NONSPARSE_THRESHOLD, NOISED_ROWS, SPARSE_THRESHOLD
-from interp_norm.hooks import act_name
-from interp_norm.model import HookedNormTransformer
+from interp_norm.core.scoring import count_correct
+from interp_norm.core.defaults import DEFAULT_NOISE_LEVELS, NONSPARSE_THRESHOLD, NOISED_ROWS, SPARSE_THRESHOLD
+from interp_norm.core.hook_names import act_name
+from interp_norm.core.model import HookedNormTransformer
 from interp_norm.noise import _validate as V
-from interp_norm.noise.hooks import NormNoise
+from interp_norm.noise.norm_noise import NormNoise
 from interp_norm.noise.kernels import seeded_generator
-from interp_norm.task import AdditionTask, Batch
+from interp_norm.core.task import AdditionTask, Batch
 
 #: The paper's accuracy sweep (0, 0.1%, 0.3%, 1%, 3%, 10%, 30%).
-from interp_norm.defaults import DEFAULT_NOISE_LEVELS  # noqa: E402  (re-exported)
 #: The matched-count control group (opt-in: ``noised=NOISE_GROUPS``).
 MATCHED = "nonsparse_matched"
 #: Every ``noised`` group :func:`accuracy_under_noise` knows; the default is the paper's ``NOISED_ROWS``.
@@ -273,7 +272,7 @@ def run_noise(
     paper's "standard error over 3 datasets"), ``n_datasets``, ``n_tokens``; with
     ``aggregate=False`` the per-dataset rows of :func:`accuracy_under_noise`. Other keyword
     arguments go to :func:`accuracy_under_noise`. ``task`` defaults to the model's own (``model.task``,
-    :func:`interp_norm.task.task_for`; another task runs with a warning naming both).
+    :func:`interp_norm.core.task.task_for`; another task runs with a warning naming both).
     """
     task = T.task_for(model, task, who="run_noise")
     n_datasets = V.check_positive_int(n_datasets, "n_datasets")
@@ -289,6 +288,6 @@ def run_noise(
 
 
 __all__ = [
-    "DEFAULT_NOISE_LEVELS", "MATCHED", "NOISE_GROUPS", "clean_row_gates", "influential_rows", "matched_row_gates",
+    "MATCHED", "NOISE_GROUPS", "clean_row_gates", "influential_rows", "matched_row_gates",
     "noised_row_counts", "pass_seed", "accuracy_under_noise", "run_noise",
 ]

@@ -1,7 +1,7 @@
 """Circuit collapse on any bridge, from one clean run, with the theory's prediction beside it.
 
 The paper's protocol (Menary et al. 2024; :mod:`interp_norm.noise.collapse` for our models) on a Hugging
-Face model: a clean *sparse* row (max attention ≥ :data:`interp_norm.defaults.SPARSE_THRESHOLD`)
+Face model: a clean *sparse* row (max attention ≥ :data:`interp_norm.core.defaults.SPARSE_THRESHOLD`)
 collapses when multiplicative noise on q and k makes it pick another key ("loose"), and
 "strict"-ly when the new key also gets ≥ the threshold. Each layer is judged on its own clean
 inputs ("noise every layer independently"), so the model runs once.
@@ -44,7 +44,7 @@ from interp_norm import theory
 from interp_norm.anatomy import Anatomy, LayerAnatomy, anatomy, canonical
 from interp_norm.anatomy.rebuild import attention_mask, masked_softmax, rebuilt_query_key, scores_from_qk
 from interp_norm.anatomy.stream import layer_caches, window_blocks
-from interp_norm.defaults import BRIDGE_COLLAPSE_LEVELS, COLLAPSE_MAX_ELEMENTS, SPARSE_THRESHOLD, WINDOW_BATCH
+from interp_norm.core.defaults import BRIDGE_COLLAPSE_LEVELS, COLLAPSE_MAX_ELEMENTS, SPARSE_THRESHOLD, WINDOW_BATCH
 from interp_norm.errors import ArchitectureError, ConfigError, NoiseSpecError
 from interp_norm.noise import _validate as V
 from interp_norm.noise.collapse import rate_table
@@ -295,7 +295,7 @@ def bridge_collapse(
     interference arrives; a per-head q/k norm then removes it) or "after_norm" (what the scores
     use). ``layers`` None = all. ``max_elements`` bounds every score block (clean scores per block of
     heads, noised rows per block of draws); peak memory grows with it, results do not change.
-    ``window_batch`` (None: :data:`~interp_norm.defaults.WINDOW_BATCH`, 8; ≥ the windows: one pass) runs
+    ``window_batch`` (None: :data:`~interp_norm.core.defaults.WINDOW_BATCH`, 8; ≥ the windows: one pass) runs
     the clean forward over that many windows at a time, in lockstep layer by layer, and inside each layer
     rebuilds the scores and the noise factors of one block of windows at a time, keeping only the sparse
     rows' scores and decisions: the peak is bounded by ``window_batch`` (and ``max_elements``), not by

@@ -29,17 +29,15 @@ from tqdm.auto import tqdm
 
 from interp_norm import theory
 from interp_norm.errors import ConfigError, NoiseSpecError
-from interp_norm.defaults import SPARSE_THRESHOLD
-from interp_norm.hooks import act_name, is_normalised
-from interp_norm.model import HookedNormTransformer, ModelConfig
+from interp_norm.core.defaults import DEFAULT_COLLAPSE_LEVELS, SPARSE_THRESHOLD
+from interp_norm.core.hook_names import act_name, is_normalised
+from interp_norm.core.model import HookedNormTransformer, ModelConfig
 from interp_norm.noise import _validate as V
 from interp_norm.noise.decide import row_decisions
 from interp_norm.noise.kernels import OWN_COLLAPSE_STREAM, collapse_draws, effective_factor, seeded_generator
-from interp_norm.task import PAD_ID, AdditionTask, Batch
-from interp_norm.theory import NoiseLaw, predict_rows  # noqa: F401 (predict_rows: also importable from here)
+from interp_norm.core.task import PAD_ID, AdditionTask, Batch
+from interp_norm.theory import NoiseLaw, predict_rows
 
-#: Dense around the paper's 1%-collapse levels (7.5%–17%); uniform needs level < 1/√3 ≈ 0.577.
-from interp_norm.defaults import DEFAULT_COLLAPSE_LEVELS  # noqa: E402  (re-exported)
 _CHUNK = 1 << 22  # elements per vectorised block in the collapse sweep
 
 
@@ -52,7 +50,7 @@ class CollapseSpec:
 
     ``n_draws`` noise draws per level; ``targets`` ``q`` and/or ``k`` (v noise cannot move an
     argmax); ``distribution`` of κ; ``placement`` (before or after a q/k norm, see
-    :mod:`interp_norm.noise.hooks`); ``layers``/``heads`` (None = all); a row is counted when its
+    :mod:`interp_norm.noise.norm_noise`); ``layers``/``heads`` (None = all); a row is counted when its
     clean max attention is ≥ ``sparse_threshold`` and collapses strictly when the new top key gets
     ≥ ``strict_threshold``; ``seed`` of the draws. Validated on construction (NoiseSpecError);
     layer/head ranges are checked against a model by :meth:`resolve`.
@@ -432,7 +430,7 @@ def collapse_thresholds(curves: pd.DataFrame, target: float = 0.01) -> pd.DataFr
 
 
 __all__ = [
-    "DEFAULT_COLLAPSE_LEVELS", "CollapseSpec", "CleanAttention", "clean_attention", "collapse_from_scores",
+    "CollapseSpec", "CleanAttention", "clean_attention", "collapse_from_scores",
     "collapse_noise_draws", "LayerCollapse", "layer_decisions", "collapse_decisions", "measure_collapse",
     "collapse_table", "run_collapse", "collapse_thresholds",
 ]

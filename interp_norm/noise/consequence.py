@@ -30,16 +30,16 @@ from jaxtyping import Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from interp_norm import task as T
+from interp_norm.core import task as T
 from interp_norm import theory
 from interp_norm.errors import NoiseSpecError
-from interp_norm.defaults import SPARSE_THRESHOLD
-from interp_norm.hooks import act_name
-from interp_norm.model import HookedNormTransformer
+from interp_norm.core.defaults import SPARSE_THRESHOLD
+from interp_norm.core.hook_names import act_name
+from interp_norm.core.model import HookedNormTransformer
 from interp_norm.noise import _validate as V
 from interp_norm.noise.accuracy import influential_rows
-from interp_norm.noise.hooks import NormNoise
-from interp_norm.task import AdditionTask, Batch
+from interp_norm.noise.norm_noise import NormNoise
+from interp_norm.core.task import AdditionTask, Batch
 
 #: The noise level of the comparison by default (where sparse rows do collapse in Pre-Norm models).
 CONSEQUENCE_LEVELS = (0.2,)

@@ -35,11 +35,11 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from interp_norm.errors import NoiseSpecError
-from interp_norm.evaluate import count_correct
-from interp_norm.model import HookedNormTransformer
+from interp_norm.core.scoring import count_correct
+from interp_norm.core.model import HookedNormTransformer
 from interp_norm.noise import _validate as V
-from interp_norm.noise.hooks import NormNoise
-from interp_norm.task import AdditionTask, Batch, task_for
+from interp_norm.noise.norm_noise import NormNoise
+from interp_norm.core.task import AdditionTask, Batch, task_for
 
 #: mode -> (targets, NormNoise options): the rows of the decomposition, in this order.
 DECOMPOSITION_MODES: dict[str, tuple[tuple[str, ...], dict]] = {

@@ -24,19 +24,13 @@ from jaxtyping import Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from interp_norm.hooks import act_name
-from interp_norm.model import HookedNormTransformer
+from interp_norm.core.hook_names import act_name
+from interp_norm.core.model import HookedNormTransformer
 from interp_norm.noise import _validate as V
-from interp_norm.noise.collapse import (
-    DEFAULT_COLLAPSE_LEVELS,
-    CollapseSpec,
-    LayerCollapse,
-    check_inputs,
-    clean_attention,
-    measure_collapse,
-)
-from interp_norm.noise.hooks import NormNoise
-from interp_norm.task import AdditionTask, Batch
+from interp_norm.noise.collapse import CollapseSpec, LayerCollapse, check_inputs, clean_attention, measure_collapse
+from interp_norm.core.defaults import DEFAULT_COLLAPSE_LEVELS
+from interp_norm.noise.norm_noise import NormNoise
+from interp_norm.core.task import AdditionTask, Batch
 
 
 @torch.no_grad()

@@ -34,10 +34,11 @@ from tqdm.auto import tqdm
 
 from interp_norm import theory
 from interp_norm.errors import NoiseSpecError
-from interp_norm.model import HookedNormTransformer
+from interp_norm.core.model import HookedNormTransformer
 from interp_norm.noise import _validate as V
-from interp_norm.noise.collapse import DEFAULT_COLLAPSE_LEVELS, CollapseSpec, check_inputs, clean_attention, layer_decisions
-from interp_norm.task import AdditionTask, Batch
+from interp_norm.noise.collapse import CollapseSpec, check_inputs, clean_attention, layer_decisions
+from interp_norm.core.defaults import DEFAULT_COLLAPSE_LEVELS
+from interp_norm.core.task import AdditionTask, Batch
 
 #: Score multipliers c of the default sweep (c > 1: colder, sharper attention).
 DEFAULT_MULTIPLIERS = (0.5, 1.0, 2.0, 4.0)

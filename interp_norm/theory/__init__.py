@@ -23,9 +23,8 @@ does not.
 
 from __future__ import annotations
 
-from interp_norm.theory.law import (  # noqa: F401
-    DISTRIBUTIONS, NoiseLaw, sample_kappa,
-)
+from interp_norm.theory.law import NoiseLaw, sample_kappa
+from interp_norm.core.defaults import DISTRIBUTIONS
 from interp_norm.theory.conditions import (  # noqa: F401
     collapse_condition_exact, collapse_condition_first_order, critical_ratio, small_angle_threshold, collapse_condition_small_angle,
 )

@@ -11,9 +11,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from interp_norm.core.defaults import DISTRIBUTIONS
 from interp_norm.errors import NoiseSpecError
 
-from interp_norm.defaults import DISTRIBUTIONS  # noqa: E402  (re-exported)
 _SQRT3 = math.sqrt(3.0)
 _NORMAL_RANGE = 8.0  # integrate the normal law over ±8σ (tail mass 1.2e-15)
 _MAX_ELEMS = 1 << 22  # memory budget (elements) for one vectorised block

@@ -10,7 +10,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from interp_norm.errors import ConfigError, NoiseSpecError
-from interp_norm.defaults import NONSPARSE_THRESHOLD, SPARSE_THRESHOLD
+from interp_norm.core.defaults import NONSPARSE_THRESHOLD, SPARSE_THRESHOLD
 from interp_norm.theory.law import ArrayLike, NoiseLaw, _MAX_ELEMS, _apply, _as_law
 from interp_norm.theory.conditions import _check_scores
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from interp_norm.errors import NoiseSpecError
-from interp_norm.defaults import SPARSE_THRESHOLD
+from interp_norm.core.defaults import SPARSE_THRESHOLD
 from interp_norm.theory.law import NoiseLaw, _as_law
 from interp_norm.theory.probabilities import predicted_collapse_probability, predicted_collapse_probability_strict
 

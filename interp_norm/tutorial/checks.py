@@ -42,7 +42,7 @@ from interp_norm.tutorial._core import (  # noqa: F401  (CheckResult and the sta
     _per_head,
 )
 from interp_norm.errors import ConfigError
-from interp_norm.hooks import act_name, normalised_targets
+from interp_norm.core.hook_names import act_name, normalised_targets
 
 
 # ============================================================================= 01 quickstart
@@ -103,7 +103,7 @@ def check_most_important_head(learner, ablation) -> str:
 @_exercise("prev_token_scores")
 def check_prev_token_scores(learner, model, tokens) -> str:
     """``prev_token_scores(model, tokens)`` against a loop over examples and query positions."""
-    from interp_norm.task import PAD_ID
+    from interp_norm.core.task import PAD_ID
 
     cfg = model.cfg
     got = _per_head(learner(model, tokens), "prev_token_scores(model, tokens)", "prev_token_score", cfg.n_layers, cfg.n_heads)
@@ -416,7 +416,8 @@ def check_head_layernorm(learner, model, cache) -> str:
 def check_noised_argmax(learner, model, cache, tokens) -> str:
     """``noised_argmax(model, cache, layer, kappa_q, kappa_k)`` against re-running the bridge with the
     noise hooked in after the q/k norms (``HeadNoise``) and reading the argmax of its own pattern."""
-    from interp_norm.bridges import HeadNoise, anatomy
+    from interp_norm.anatomy import anatomy
+    from interp_norm.noise import HeadNoise
 
     anat = anatomy(model)
     g = torch.Generator().manual_seed(5)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 def my_scores(model, cache, layer):
     import torch
-    from interp_norm.hooks import used_name
+    from interp_norm.core.hook_names import used_name
 
     # the q and k the scores use: hook_q / hook_k for Pre-Norm, hook_q_normed / ... for QK/QKV-Norm
     q = cache[used_name(model.cfg.attn_norm, "q", layer)]  # [batch, pos, head, d_head]
@@ -36,8 +36,8 @@ def most_important_head(ablation):
 def prev_token_scores(model, tokens):
     import pandas as pd
     import torch
-    from interp_norm.hooks import act_name
-    from interp_norm.task import PAD_ID
+    from interp_norm.core.hook_names import act_name
+    from interp_norm.core.task import PAD_ID
 
     names = [act_name("pattern", layer) for layer in range(model.cfg.n_layers)]
     with torch.no_grad():
@@ -56,7 +56,7 @@ def prev_token_scores(model, tokens):
 
 def patch_one(model, pairs, metric, layer, pos):
     import torch
-    from interp_norm.hooks import act_name
+    from interp_norm.core.hook_names import act_name
 
     name = act_name("resid_pre", layer)
     with torch.no_grad():
@@ -75,7 +75,7 @@ def patch_one(model, pairs, metric, layer, pos):
 def attribution_scores(model, pairs, metric):
     import pandas as pd
     import torch
-    from interp_norm.hooks import act_name
+    from interp_norm.core.hook_names import act_name
 
     names = [act_name("z", layer) for layer in range(model.cfg.n_layers)]
     with torch.no_grad():
@@ -101,7 +101,7 @@ def attribution_scores(model, pairs, metric):
 
 def head_faithfulness(model, pairs, metric, heads_in_circuit):
     import torch
-    from interp_norm.hooks import act_name
+    from interp_norm.core.hook_names import act_name
 
     names = [act_name("z", layer) for layer in range(model.cfg.n_layers)]
     with torch.no_grad():
@@ -125,7 +125,7 @@ def head_faithfulness(model, pairs, metric, heads_in_circuit):
 
 def query_norm_ratio(model, tokens, level, seed):
     import torch
-    from interp_norm.hooks import act_name
+    from interp_norm.core.hook_names import act_name
     from interp_norm.noise import NormNoise
 
     name = act_name("q", 0)
@@ -161,7 +161,7 @@ def principal_angles_deg(A, B):
 
 
 def ln_coordinates(model, cache, layer):
-    from interp_norm.hooks import act_name
+    from interp_norm.core.hook_names import act_name
 
     ln = model.blocks[layer].ln2
     y = cache[act_name("normalized", layer, "ln2")].double()  # g ⊙ (x − mean)/√(var + ε) + b
@@ -181,7 +181,7 @@ def head_layernorm(q, w, eps):
 
 
 def noised_argmax(model, cache, layer, kappa_q, kappa_k):
-    from interp_norm.bridges import anatomy, attention_mask, attention_scores
+    from interp_norm.anatomy import anatomy, attention_mask, attention_scores
 
     la = anatomy(model)[layer]
     scores = attention_scores(model, cache, layer, softcap=False)  # [batch, head, query, key], after norms and RoPE

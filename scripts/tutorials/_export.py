@@ -153,7 +153,7 @@ def to_offline_html(nb: nbformat.NotebookNode, title: str) -> str:
 def execute_all(names: Sequence[str], html_dir: Optional[Path] = None, timeout: int = 600) -> list[Path]:
     """Execute each notebook and write ``html_dir/<name>.html`` (plus the shared ``plotly.min.js`` and
     ``notebook.css``); without nbconvert, execute only."""
-    from interp_norm.io import ensure_writable_dir, write_text_atomic
+    from interp_norm.training.io import ensure_writable_dir, write_text_atomic
 
     html = has_nbconvert()
     if not html:

@@ -53,10 +53,10 @@ NB01 = [
 
     **The `N` notation.** A negative number is written with a leading `N` (`N7` is −7), so that `-` is always
     the subtraction *operator* and never a sign: `[7-N3=10]` reads 7 − (−3) = 10, `[N2+5=3]` is −2 + 5 = 3,
-    and a negative answer looks like `[2-9=N7]`. The same holds everywhere in the package (`interp_norm.task`).
+    and a negative answer looks like `[2-9=N7]`. The same holds everywhere in the package (`interp_norm.core.task`).
     """),
     code("""
-    from interp_norm.task import VOCAB, encode, decode, parse_problem
+    from interp_norm.core.task import VOCAB, encode, decode, parse_problem
 
     print("vocabulary:", "".join(VOCAB), f"({len(VOCAB)} tokens)")
     for text in ("[7-N3=10]", "[N2+5=3]", "[2-9=N7]"):
@@ -72,7 +72,7 @@ NB01 = [
     ## 3. `run_with_cache`
     **What you will learn:** where every activation lives. The names are TransformerLens's
     (`blocks.{l}.attn.hook_q`, `hook_pattern`, `hook_resid_pre` ...), so TransformerLens tools work unchanged;
-    `interp_norm.hooks.act_name("q", 0)` builds them like TransformerLens's `utils.get_act_name`, plus the
+    `interp_norm.core.hook_names.act_name("q", 0)` builds them like TransformerLens's `utils.get_act_name`, plus the
     QK/QKV-Norm hooks (`act_name("q_normed", 0)`). We run the *full* problem (question and answer): the
     logits at position p predict token p+1, and only answer tokens are scored.
     """),
@@ -112,7 +112,7 @@ NB01 = [
     (its `hook_z`, the per-head output before W_O) and measure how much the answer loss rises.
     """),
     code("""
-    from interp_norm.hooks import act_name
+    from interp_norm.core.hook_names import act_name
 
     batch = info.task.test_set("id", size=256)
     with torch.no_grad():
@@ -157,13 +157,15 @@ NB01 = [
     solution("most_important_head"),
     md("""
     ## 5. Attention patterns
-    **What you will learn:** reading attention with token labels. `plots.attention_patterns` runs the model
+    **What you will learn:** reading attention with token labels. `attention_patterns` runs the model
     on problems and returns a tidy table; `plots.plot_attention_patterns` draws every layer × head for one
     problem (the dropdown picks the problem). Axis labels are `token·position`.
     """),
     code("""
+    from interp_norm.circuits.attention_maps import attention_patterns
+
     problems = [problem.text, info.task.sample_problems(1, "extrap", seed=1)[0].text]
-    patterns = plots.attention_patterns(model, problems, name="Pre-Norm")
+    patterns = attention_patterns(model, problems, name="Pre-Norm")
     plots.plot_attention_patterns(patterns)
     """),
     md(f"""
@@ -177,7 +179,7 @@ NB01 = [
     positions.
 
     {hints("`pattern.diagonal(offset=-1, dim1=-2, dim2=-1)` gives `pattern[..., p, p-1]` with shape `[batch, head, pos-1]`.",
-           "The query positions to keep are where `tokens[:, 1:] != PAD_ID` (`from interp_norm.task import PAD_ID`).")}
+           "The query positions to keep are where `tokens[:, 1:] != PAD_ID` (`from interp_norm.core.task import PAD_ID`).")}
     """),
     exercise("prev_token_scores", """
     def prev_token_scores(model, tokens):

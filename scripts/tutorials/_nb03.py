@@ -27,7 +27,7 @@ NB03 = [
     code(setup("query_norm_ratio", "mc_collapse_probability")),
     code("""
     from interp_norm import theory
-    from interp_norm.hooks import act_name
+    from interp_norm.core.hook_names import act_name
     from interp_norm.noise import NormNoise, collapse_thresholds, run_collapse, run_noise
 
     pre, pre_info = load_pretrained("pre")

@@ -27,10 +27,10 @@ NB05 = [
     from pathlib import Path
 
     from interp_norm import AdditionTask, ModelConfig, TrainConfig
-    from interp_norm.checkpoints import load_checkpoint
-    from interp_norm.evaluate import evaluate
-    from interp_norm.hooks import act_name
-    from interp_norm.train import train
+    from interp_norm.training.checkpoints import load_checkpoint
+    from interp_norm.core.scoring import evaluate
+    from interp_norm.core.hook_names import act_name
+    from interp_norm.training.train import train
     """),
     md("""
     ## 1. Configurations

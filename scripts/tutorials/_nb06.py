@@ -23,14 +23,15 @@ NB06 = [
     commands to run with real weights.
 
     **What you will learn**
-    - how `interp_norm.bridges.anatomy` describes where a production model normalises q, k and v;
+    - how `interp_norm.anatomy.anatomy` describes where a production model normalises q, k and v;
     - why collapse is computed from q and k rather than from a bridge's `hook_attn_scores`;
     - how multiplicative noise on |q| and |k| changes the attention argmax without re-running the model
       (your exercise), and why noise *before* a per-head norm does nothing.
     """),
     code(setup("noised_argmax")),
     code("""
-    from interp_norm.bridges import HeadNoise, anatomy, attention_scores, random_tokens, tiny_bridge, verify_scores
+    from interp_norm.anatomy import anatomy, attention_scores, random_tokens, tiny_bridge, verify_scores
+    from interp_norm.noise import HeadNoise
     from interp_norm.geometry import ellipsoid_membership
 
     qwen = tiny_bridge("qwen3", seed=0)    # 2 layers, 4 query heads sharing 2 k/v heads, RMS q/k norms per head
@@ -90,8 +91,8 @@ NB06 = [
     argmax changes on every row with `HeadNoise` (the library's noise hooks; grouped k/v heads are noised
     once per key/value head). Noise placed *before* a per-head norm is divided out by it: on both models the
     q/k norms remove it, and on Gemma 4 the gainless v-norm removes v noise exactly. Placed *after* the
-    norm it reaches the scores. *(Until `bridge_collapse` — measured and predicted collapse rates, chunked
-    by layer and head — lands in `interp_norm.bridges`, this cell uses `HeadNoise` and the pattern directly.)*
+    norm it reaches the scores. *(`interp_norm.noise.bridge_collapse` gives measured and predicted collapse
+    rates, chunked by layer and head; this cell uses `HeadNoise` and the pattern directly to show the mechanism.)*
     """),
     code("""
     rows = []
@@ -140,7 +141,7 @@ NB06 = [
 
     What changes: trained attention is sparse in places (induction, previous-token and copying heads), so
     the sparse-row collapse rates and their prediction become meaningful; text windows replace random ids
-    (`interp_norm.bridges.text_tokens`, the shipped sample text by default); and the models are large, so
+    (`interp_norm.anatomy.text_tokens`, the shipped sample text by default); and the models are large, so
     collapse is chunked by layer and head. What does not change: the anatomy, the checks against the
     model's own pattern and the ellipsoid formula — they are the same code you ran here.
     """),

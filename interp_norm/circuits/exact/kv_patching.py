@@ -1,0 +1,455 @@
+"""Exact activation patching on TransformerLens 4 bridges, recomputing only what a patch can change.
+
+A patch at (layer ``l``, position ``p``) changes nothing before layer ``l`` and nothing at positions
+before ``p`` (causal attention). :class:`KVCacheEngine` runs the corrupted input once through the
+bridge's own forward, keeping each block's input, the keyword arguments the Hugging Face model loop
+passed it (attention mask, rotary ``position_embeddings``, position ids) and the keys and values its
+attention computed (after RoPE and any q/k norm). A chunk of patch cells sharing ``p`` then runs as
+stacked copies of the corrupted examples through the bridge's own blocks ``l..L-1`` at positions
+``p..`` (up to the last position the metric reads) only: the earlier positions' keys and values come
+from the corrupted run through the attention's key/value-cache interface (``update(k, v, layer)``),
+the mask, rotary embeddings and position ids are the corrupted run's, sliced to those positions, so
+RoPE, grouped k/v heads and masks stay the model's own code. A copy *enters* at its cell's layer and
+is patched by a hook at the same hook name, on the same hook point, that ``transformer_lens.patching``
+uses. The final norm and the unembedding run only at the positions the metric reads.
+
+Nothing here re-derives the model: a block wired otherwise (an attention that ignores the cache, a
+head with extra steps such as Gemma's logit soft-capping, kwargs of unknown meaning) is caught by
+:meth:`KVCacheEngine._check`, which replays the corrupted run from a middle position and compares
+the logits and the hooked activation with the full forward, and is refused with a
+:class:`~interp_norm.errors.EngineRefusal` (``activation_patch(method="auto")`` then falls back to
+full forward passes). Sweeps are batched like :mod:`interp_norm.circuits.exact.patching`'s (Menary et al.
+2024, sec. 5 uses activation patching to locate the circuits whose attention collapses).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from interp_norm.circuits._types import MetricFn, metric_per_copy
+from interp_norm.errors import EngineRefusal, PatchingError
+from interp_norm.core.hook_names import act_name
+
+#: Activations the engine patches: per-position residual-stream tensors and per-head ``z``.
+KV_ACTIVATIONS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "z")
+#: Keyword arguments of a block call: replaced (hidden, caches) or sliced to the recomputed positions.
+_CACHE_KW = ("cache", "past_key_values", "past_key_value", "layer_past")
+_SLICED_KW = ("attention_mask", "position_embeddings", "position_ids", "cache_position")
+#: Bytes of logits handed to the metric at once (stacked copies x examples x positions x vocab).
+METRIC_BYTES = 2**27
+
+
+class _PastKV:
+    """The key/value-cache interface an attention calls (``update(k, v, layer_idx)``): the corrupted
+    run's keys/values of the earlier positions, with this call's ones appended; records the call."""
+
+    def __init__(self, k: Optional[Tensor] = None, v: Optional[Tensor] = None):
+        self.k, self.v, self.calls, self.new = k, v, 0, None
+
+    def update(self, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        self.calls += 1
+        self.new = (k, v)
+        if self.k is None or self.k.shape[-2] == 0:
+            return k, v
+        return torch.cat([self.k, k], dim=-2), torch.cat([self.v, v], dim=-2)
+
+
+def _first(out: Any) -> Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+class KVCacheEngine:
+    """The corrupted run of ``tokens`` on a bridge, and re-runs of patched copies from (layer, position).
+
+    ``read_mask`` [batch, pos]: the logits the metric reads (None: all). ``activation``: the one
+    patched (:data:`KV_ACTIVATIONS`). ``logits`` and ``acts[l]`` are the corrupted run's (the
+    bridge's own forward, as ``run_with_cache`` gives them).
+    """
+
+    def __init__(self, model, tokens: Tensor, read_mask: Optional[Tensor], activation: str):
+        self._setup(model, tokens.shape, tokens.device, read_mask, activation)
+        handles = self._capture_hooks()
+        try:
+            with torch.inference_mode():
+                self.logits, cache = model.run_with_cache(tokens, names_filter=lambda nm: nm in self.names)
+        except TypeError as e:  # a block that takes no key/value cache argument
+            self._no_cache_argument(e)
+        finally:
+            for h in handles:
+                h.remove()
+        self.acts = [cache[nm] for nm in self.names]
+        self._captured()
+        self._check()
+
+    def _setup(self, model, shape: tuple, dev: torch.device, read_mask: Optional[Tensor], activation: str) -> None:
+        """Checks the bridge and prepares the capture of a run over ``shape`` = (batch, pos) tokens."""
+        from interp_norm.anatomy import kind_of
+
+        if kind_of(model) != "bridge":
+            raise EngineRefusal("method='kv-cache' needs a TransformerLens TransformerBridge; use method='incremental' or 'hooks'")
+        if activation not in KV_ACTIVATIONS:
+            raise PatchingError(f"method='kv-cache' patches {list(KV_ACTIVATIONS)}, not {activation!r}; use method='hooks'")
+        blocks = getattr(model, "blocks", None)
+        for name in ("ln_final", "unembed"):
+            if not hasattr(model, name):
+                raise EngineRefusal(f"this bridge has no {name!r} component; use method='hooks'")
+        self.model, self.activation = model, activation
+        self.L = model.cfg.n_layers
+        if blocks is None or len(blocks) != self.L:
+            raise EngineRefusal("method='kv-cache' needs the bridge's standard 'blocks' stack; use method='hooks'")
+        self.blocks = list(blocks)
+        self.b, self.n = shape
+        read = torch.ones(self.b, self.n, dtype=torch.bool, device=dev) if read_mask is None else read_mask
+        read = read.to(dev, torch.bool).expand(self.b, self.n)
+        self.cols = read.any(0).nonzero().flatten()  # positions the metric reads
+        self.n_eff = int(self.cols.max()) + 1 if len(self.cols) else self.n
+        self.names = [act_name(activation, l) for l in range(self.L)]
+        try:
+            self._params = [inspect.signature(blk.original_component.forward) for blk in self.blocks]
+        except (AttributeError, ValueError) as e:  # no wrapped Hugging Face block, or no signature to bind
+            raise EngineRefusal(f"the bridge's blocks have no readable original_component.forward ({e}); use method='hooks'") from None
+        last = self.blocks[-1]
+        attn = getattr(last, "attn", None)
+        #: the last block's parts whose output at a position reaches only that position's logits:
+        #: run at the read positions alone (their inputs sliced, outputs zero elsewhere)
+        self.tail = [m for m in (getattr(attn, "q", None), getattr(attn, "o", None), getattr(last, "mlp", None))
+                     if isinstance(m, torch.nn.Module)]
+        self.slice_tail = True
+
+    def _capture_hooks(self) -> list:
+        """Hooks recording each block's input, call arguments and keys/values, and the last block's
+        output, during the next forward pass (remove them after it)."""
+        self.calls, self.resid, self.kv = [None] * self.L, [None] * self.L, [None] * self.L
+        handles = [blk.register_forward_pre_hook(self._capture(l), with_kwargs=True) for l, blk in enumerate(self.blocks)]
+        handles.append(self.blocks[-1].register_forward_hook(lambda m, a, out: self.resid.append(_first(out))))
+        return handles
+
+    @staticmethod
+    def _no_cache_argument(e: TypeError) -> None:
+        if "layer_past" not in str(e):
+            raise e
+        raise EngineRefusal(f"the bridge's blocks take no key/value cache ({e}); use method='hooks'") from None
+
+    def _captured(self) -> None:
+        """After the captured pass: every attention used the cache it was given; keys and values."""
+        for l, rec in enumerate(self.kv):
+            if rec is None or rec.calls != 1:
+                raise EngineRefusal(
+                    f"block {l}'s attention did not use the key/value cache it was given ({0 if rec is None else rec.calls} "
+                    "calls); method='kv-cache' cannot run this architecture -- use method='hooks'"
+                )
+        if len(self.resid) != self.L + 1:
+            raise EngineRefusal("the bridge's last block did not return its output; use method='hooks'")
+        self.keys = [rec.new[0] for rec in self.kv]  # [b, kv_heads, n, d_head], as the attention used them
+        self.values = [rec.new[1] for rec in self.kv]
+        self.rows_computed = self.b * self.n * self.L
+
+    # -- the corrupted run -------------------------------------------------------------------
+    def _capture(self, l: int):
+        def hook(module, args, kwargs):
+            try:
+                bound = self._params[l].bind_partial(*args, **kwargs).arguments
+            except TypeError as e:  # called with arguments its own signature does not take
+                raise EngineRefusal(f"block {l}'s call does not bind to its forward's signature ({e}); use method='hooks'") from None
+            extra = bound.pop("kwargs", {}) if isinstance(bound.get("kwargs"), dict) else {}
+            bound.update(extra)
+            hidden_name = next(iter(self._params[l].parameters))
+            self.resid[l] = bound.pop(hidden_name)
+            self.calls[l] = bound
+            self.kv[l] = rec = _PastKV()
+            return args, {**kwargs, "layer_past": rec}
+
+        return hook
+
+    def _call_kwargs(self, l: int, examples: Tensor, p: int, q: int, past: _PastKV) -> dict:
+        """Block ``l``'s keyword arguments for rows of ``examples`` at positions ``p..q-1``."""
+        out: dict = {}
+        for key, val in self.calls[l].items():
+            if key in _CACHE_KW:
+                continue
+            if key == "use_cache":
+                out[key] = False
+            elif key in _SLICED_KW:
+                out[key] = self._slice(key, val, examples, p, q)
+            elif torch.is_tensor(val) or (isinstance(val, (tuple, list)) and any(torch.is_tensor(t) for t in val)):
+                raise EngineRefusal(
+                    f"block {l} takes a tensor argument {key!r} whose meaning per position is unknown; "
+                    "method='kv-cache' cannot slice it -- use method='hooks'"
+                )
+            else:
+                out[key] = val
+        out["layer_past"] = past
+        return out
+
+    def _slice(self, key: str, val: Any, examples: Tensor, p: int, ne: int) -> Any:
+        if val is None:
+            return None
+        if key == "position_embeddings":
+            return tuple(self._rows(t[:, p:ne], examples) for t in val)
+        if key == "cache_position":
+            return val[p:ne]
+        if key == "position_ids":
+            return self._rows(val[..., p:ne], examples)
+        if val.ndim != 4 or val.shape[-1] != self.n or val.shape[-2] != self.n:  # attention_mask
+            raise EngineRefusal(
+                f"the attention mask has shape {tuple(val.shape)}, not [batch, 1, pos, pos]; "
+                "method='kv-cache' cannot slice it -- use method='hooks'"
+            )
+        return self._rows(val[..., p:ne, :ne], examples)
+
+    def _rows(self, t: Tensor, examples: Tensor) -> Tensor:
+        return t if t.shape[0] == 1 else t.index_select(0, examples)
+
+    # -- re-runs ------------------------------------------------------------------------------
+    def _block(self, l: int, H: Tensor, examples: Tensor, p: int) -> Tensor:
+        """Block ``l`` on rows ``H`` [rows, positions p.., d] of ``examples``, the positions before ``p``
+        read from the corrupted run's keys and values. In the last block (``slice_tail``) the query
+        projection, the attention's output projection and the MLP run at the read positions only:
+        the other positions' keys and values are still computed, their outputs are never read."""
+        q = p + H.shape[1]
+        past = _PastKV(self.keys[l][..., :p, :].index_select(0, examples), self.values[l][..., :p, :].index_select(0, examples))
+        handles = []
+        if l == self.L - 1 and self.slice_tail and self.tail:
+            keep = self.cols[(self.cols >= p) & (self.cols < q)] - p
+            if len(keep) < q - p:
+                for m in self.tail:
+                    handles.append(m.register_forward_pre_hook(self._slice_in(keep, q - p), with_kwargs=True))
+                    handles.append(m.register_forward_hook(self._scatter_out(keep, q - p)))
+        try:
+            out = _first(self.blocks[l](H, **self._call_kwargs(l, examples, p, q, past)))
+        finally:
+            for h in handles:
+                h.remove()
+        if past.calls != 1:
+            raise EngineRefusal(f"block {l}'s attention did not use the key/value cache; use method='hooks'")
+        return out
+
+    @staticmethod
+    def _slice_in(keep: Tensor, width: int):
+        def hook(module, args, kwargs):
+            x = args[0] if args else None
+            if not torch.is_tensor(x) or x.ndim < 3 or x.shape[1] != width:
+                raise EngineRefusal(
+                    f"{type(module).__name__} of the last block takes {None if x is None else tuple(x.shape)}, not "
+                    f"[rows, {width}, ...]; method='kv-cache' cannot run it at the read positions -- use method='hooks'"
+                )
+            return (x.index_select(1, keep),) + tuple(args[1:]), kwargs
+
+        return hook
+
+    @staticmethod
+    def _scatter_out(keep: Tensor, width: int):
+        def hook(module, args, out):
+            y = _first(out)
+            full = y.new_zeros((y.shape[0], width) + tuple(y.shape[2:]))
+            full[:, keep] = y
+            return (full,) + tuple(out[1:]) if isinstance(out, tuple) else full
+
+        return hook
+
+    def _head(self, H: Tensor, p: int) -> tuple[Tensor, Tensor]:
+        """Logits at the read positions at or after ``p``: (positions, [rows, positions, vocab])."""
+        cols = self.cols[self.cols >= p]
+        x = H.index_select(1, cols - p)
+        return cols, self.model.unembed(self.model.ln_final(x))
+
+    def _check(self) -> None:
+        """Replay the corrupted run from layer 0 at a middle position; logits and the hooked activation
+        must equal the full forward's (else the blocks are not what this engine assumes)."""
+        p = self.n_eff // 2
+        ex = torch.arange(self.b, device=self.logits.device)
+        seen: dict[int, Tensor] = {}
+
+        def record(l: int):
+            def hook(act: Tensor, hook: Any) -> None:
+                seen[l] = act.detach().clone()
+
+            return hook
+
+        with torch.inference_mode(), self.model.hooks(fwd_hooks=[(nm, record(l)) for l, nm in enumerate(self.names)]):
+            H = self.resid[0][:, p : self.n_eff]
+            for l in range(self.L):
+                H = self._block(l, H, ex, p)
+            cols, lg = self._head(H, p)
+        ref = self.logits.index_select(1, cols)
+        err = float((lg - ref).abs().max()) if len(cols) else 0.0
+        if not err <= 1e-4 * (float(ref.abs().max()) + 1.0):
+            raise EngineRefusal(
+                f"replaying the bridge's blocks from a key/value cache disagrees with its forward by {err:.3g}; "
+                "method='kv-cache' cannot run this architecture -- use method='hooks'"
+            )
+        keep = self.cols[self.cols >= p] - p
+        for l in range(self.L):
+            want = self.acts[l][:, p : self.n_eff]
+            got = seen.get(l)
+            if l == self.L - 1 and self.activation != "resid_pre" and self.slice_tail and self.tail:
+                # after the query, the last block is computed at the read positions only
+                want = want.index_select(1, keep)
+                if got is not None and got.shape[1] == self.n_eff - p:
+                    got = got.index_select(1, keep)
+            if got is None or got.shape != want.shape or not torch.allclose(got, want, atol=1e-4, rtol=1e-4):
+                raise EngineRefusal(
+                    f"the hook {self.names[l]!r} holds {None if got is None else tuple(got.shape)} when its block is re-run, "
+                    f"not the corrupted run's {tuple(want.shape)}; use method='hooks'"
+                )
+
+    def _patch_hook(self, rows: Tensor, examples: Tensor, pos: Optional[Tensor], heads: Optional[Tensor],
+                    clean: Tensor, *, p: int, state: dict):
+        """Hook writing the clean activation into ``rows`` of the stacked batch: at position ``pos``
+        (None: every position), head ``heads`` (None: the whole vector). In place, as
+        ``transformer_lens.patching``'s setters write: where the hooked tensor is also the block's
+        residual (a bridge's ``hook_resid_mid`` is the second norm's input), the patch reaches both."""
+        ne = self.n_eff
+
+        def hook(act: Tensor, hook: Any) -> Tensor:
+            if not state["on"]:
+                return act
+            if pos is None:
+                src = clean[:, p:ne].index_select(0, examples).to(act.dtype)
+                if heads is None:
+                    act[rows] = src
+                else:
+                    act[rows, :, heads] = src[torch.arange(len(rows)), :, heads]
+            else:
+                if heads is None:
+                    act[rows, pos - p] = clean[examples, pos].to(act.dtype)
+                else:
+                    act[rows, pos - p, heads] = clean[examples, pos, heads].to(act.dtype)
+            return act
+
+        return hook
+
+    @torch.inference_mode()
+    def run_chunk(self, p: int, layer: Tensor, examples: Tensor, pos: Optional[Tensor], heads: Optional[Tensor],
+                  clean_acts: list) -> tuple[Tensor, Tensor]:
+        """Logits of stacked rows (one per patched copy x example), sorted by ``layer``: row ``r`` is
+        example ``examples[r]`` patched at layer ``layer[r]`` (position ``pos[r]`` = ``p``, head
+        ``heads[r]``; ``pos`` None: every position). Rows recompute positions ``p..n_eff`` from their
+        layer on; a patch after the block's input at one position (``attn_out``, ``z``, ...) changes
+        only that position in its own layer, so entering rows run it there alone and take the later
+        positions from the corrupted run. Returns (read positions >= p, logits [rows, cols, vocab])."""
+        lay = layer.tolist()
+        single = pos is not None and self.activation != "resid_pre"
+        # a whole-sequence patch of z / mlp_out in the last block writes every position of a hook
+        # that the read-position slicing shortens: run that block whole
+        self.slice_tail = not (pos is None and self.activation in ("z", "mlp_out") and lay[-1] == self.L - 1)
+        try:
+            return self._run_chunk(p, lay, examples, pos, heads, clean_acts, single=single)
+        finally:
+            self.slice_tail = True
+
+    def _run_chunk(self, p: int, lay: list, examples: Tensor, pos: Optional[Tensor], heads: Optional[Tensor],
+                   clean_acts: list, *, single: bool) -> tuple[Tensor, Tensor]:
+        bounds = np.searchsorted(np.asarray(lay), np.arange(self.L + 1))  # rows entering at each layer
+        state = {"on": False}
+        hooks = []
+        for l in range(lay[0], self.L):
+            s, e = int(bounds[l]), int(bounds[l + 1])
+            if e > s:
+                r = torch.arange(0 if single else s, e - s if single else e, device=examples.device)
+                hooks.append((self.names[l], self._patch_hook(
+                    r, examples[s:e], None if pos is None else pos[s:e], None if heads is None else heads[s:e], clean_acts[l], p=p,
+                    state=state)))
+        H = None
+        with self.model.hooks(fwd_hooks=hooks):
+            for l in range(lay[0], self.L):
+                s, e = int(bounds[l]), int(bounds[l + 1])
+                if single:
+                    if H is not None:
+                        H = self._block(l, H, examples[: len(H)], p)
+                        self.rows_computed += H.shape[0] * H.shape[1]
+                    if e > s:
+                        ex = examples[s:e]
+                        state["on"] = True
+                        try:
+                            row = self._block(l, self.resid[l].index_select(0, ex)[:, p : p + 1], ex, p)
+                        finally:
+                            state["on"] = False
+                        new = torch.cat([row, self.resid[l + 1].index_select(0, ex)[:, p + 1 : self.n_eff]], 1)
+                        H = new if H is None else torch.cat([H, new])
+                        self.rows_computed += e - s
+                    continue
+                if e > s:
+                    new = self.resid[l].index_select(0, examples[s:e])[:, p : self.n_eff]
+                    H = new if H is None else torch.cat([H, new])
+                state["on"] = e > s
+                try:
+                    H = self._block(l, H, examples[: len(H)], p)
+                finally:
+                    state["on"] = False
+                self.rows_computed += H.shape[0] * H.shape[1]
+            return self._head(H, p)
+
+def kv_patch_cells(engine: KVCacheEngine, kind: str, cells: Tensor, differs: Tensor, clean_acts: list,
+                   metric: MetricFn, *, batch_size: int, row_col: Optional[int], head_col: Optional[int],
+                   progress: bool = False, desc: str = "patching") -> Tensor:
+    """Metric values ``[n_cells, batch]`` (or ``[n_cells]`` for a scalar metric) of ``cells`` (live
+    ones, in any order): copies of the examples that differ in the cell (``differs`` [cells, batch])
+    are recomputed; the rest keep the corrupted logits. Chunks share the cell position (all
+    positions: 0) and hold at most ``batch_size`` rows (copies x examples)."""
+    b, n = engine.b, engine.n
+    dev = engine.logits.device
+    if row_col is not None and engine.activation != "resid_pre":
+        # after the attention of the last block a position reaches only its own logits: a cell there
+        # at a position the metric does not read cannot change it (the corrupted baseline)
+        unread = (cells[:, 0] == engine.L - 1) & ~torch.isin(cells[:, row_col], engine.cols.cpu())
+        if bool(unread.any()):
+            base_val = metric_per_copy(metric, engine.logits, 1, b)[0].to(torch.float64).cpu()
+            out = torch.zeros((len(cells),) + tuple(base_val.shape), dtype=torch.float64)
+            out[unread] = base_val
+            keep = (~unread).nonzero().flatten()
+            if len(keep):
+                out[keep] = kv_patch_cells(engine, kind, cells[keep], differs[keep], clean_acts, metric,
+                                           batch_size=batch_size, row_col=row_col, head_col=head_col,
+                                           progress=progress, desc=desc)
+            return out
+    starts = cells[:, row_col] if row_col is not None else torch.zeros(len(cells), dtype=torch.long)
+    order = np.lexsort((cells[:, 0].numpy(), starts.numpy()))
+    chunks, cur, rows = [], [], 0
+    for i in order:  # consecutive cells of one start position, at most batch_size rows each
+        w = int(differs[i].sum())
+        if cur and (int(starts[i]) != int(starts[cur[0]]) or rows + w > batch_size):
+            chunks.append(cur)
+            cur, rows = [], 0
+        cur.append(int(i))
+        rows += w
+    if cur:
+        chunks.append(cur)
+    base = engine.logits  # [b, n, vocab]
+    V = base.shape[-1]
+    per = max(1, METRIC_BYTES // max(1, b * n * V * base.element_size()))  # copies per metric call
+    buf = base.repeat(min(per, max(len(c) for c in chunks)), 1, 1)
+    cols = engine.cols
+    out = None
+    for chunk in (tqdm(chunks, desc=desc) if progress else chunks):
+        idx = torch.tensor(chunk)
+        cc, live = cells[idx], differs[idx]  # [K, axes], [K, b]
+        k_of, e_of = live.nonzero(as_tuple=True)  # rows: (copy, example), copies in layer order
+        lay = cc[k_of, 0]
+        srt = torch.argsort(lay, stable=True)
+        k_of, e_of, lay = k_of[srt], e_of[srt], lay[srt]
+        p = int(starts[chunk[0]])
+        pos = None if row_col is None else cc[k_of, row_col].to(dev)
+        heads = None if head_col is None else cc[k_of, head_col].to(dev)
+        rc, new = engine.run_chunk(p, lay, e_of.to(dev), pos, heads, clean_acts)
+        K = len(chunk)
+        for s in range(0, K, per):  # the metric on the corrupted logits with the recomputed rows replaced
+            kk = min(per, K - s)
+            view = buf[: kk * b].view(kk, b, n, V)
+            view[:, :, cols] = base[:, cols]
+            m = ((k_of >= s) & (k_of < s + kk)).to(dev)
+            view[(k_of.to(dev)[m] - s).unsqueeze(1), e_of.to(dev)[m].unsqueeze(1), rc.unsqueeze(0)] = new[m]
+            vals = metric_per_copy(metric, buf[: kk * b], kk, b)
+            if out is None:
+                out = torch.zeros((len(cells),) + tuple(vals.shape[1:]), dtype=torch.float64)
+            out[idx[s : s + kk]] = vals.to(torch.float64).cpu()
+    return out
+
+
+__all__ = ["KVCacheEngine", "KV_ACTIVATIONS", "kv_patch_cells"]

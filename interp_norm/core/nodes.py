@@ -1,0 +1,102 @@
+"""The circuit node vocabulary, beside the hook vocabulary (:mod:`interp_norm.core.hook_names`): one place that
+builds and parses the names of a circuit's nodes and edge ends.
+
+Senders write into the residual stream: ``embed``, head ``(l, h)``'s output ``a{l}.h{h}`` and MLP
+``l``'s output ``m{l}``. Receivers read from it: each head's query, key and value input separately
+(``a{l}.h{h}.q`` / ``.k`` / ``.v``), each MLP (``m{l}``) and the unembedding (``logits``). The names
+are EAP-IG/MIB's (``input`` there is our ``embed``), so scores and circuits move between the two.
+No imports: the command line and the plots read it without loading torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+EMBED = "embed"
+LOGITS = "logits"
+#: A head's inputs, each a receiver of its own.
+QKV: tuple[str, ...] = ("q", "k", "v")
+
+_NAME = re.compile(r"^(?:a(?P<l>\d+)\.h(?P<h>\d+)(?:\.(?P<j>[qkv]))?|m(?P<m>\d+)|(?P<end>embed|logits))$")
+
+
+def head(layer: int, h: int) -> str:
+    """Head ``h`` of ``layer`` as a sender (its output): ``a{layer}.h{h}``."""
+    return f"a{int(layer)}.h{int(h)}"
+
+
+def head_input(layer: int, h: int, which: str) -> str:
+    """Head ``h`` of ``layer``'s ``which`` input (q, k or v) as a receiver: ``a{layer}.h{h}.{which}``."""
+    if which not in QKV:
+        raise ValueError(f"a head's input is one of {QKV}, got {which!r}")
+    return f"{head(layer, h)}.{which}"
+
+
+def mlp(layer: int) -> str:
+    """MLP ``layer`` (sender and receiver): ``m{layer}``."""
+    return f"m{int(layer)}"
+
+
+@dataclass(frozen=True)
+class Node:
+    """A parsed name: ``kind`` is embed / head / mlp / logits; ``layer`` and ``head`` where they apply;
+    ``input`` is the q/k/v a head receiver reads (None for senders and whole nodes)."""
+
+    kind: str
+    layer: Optional[int] = None
+    head: Optional[int] = None
+    input: Optional[str] = None
+
+
+@lru_cache(maxsize=None)
+def parse(name: str) -> Node:
+    """The :class:`Node` a sender or receiver name stands for (ValueError naming the forms otherwise)."""
+    m = _NAME.match(str(name))
+    if m is None:
+        raise ValueError(f"{name!r} is not a circuit node name; nodes are 'embed', 'a{{l}}.h{{h}}', 'm{{l}}', "
+                         "'a{l}.h{h}.q|k|v' and 'logits'")
+    if m["end"]:
+        return Node(m["end"])
+    if m["m"] is not None:
+        return Node("mlp", int(m["m"]))
+    return Node("head", int(m["l"]), int(m["h"]), m["j"])
+
+
+def receiver_node(receiver: str) -> str:
+    """The node a receiver belongs to: ``a1.h2.q`` -> ``a1.h2``; MLP and logits receivers are their own node."""
+    n = parse(receiver)
+    return head(n.layer, n.head) if n.kind == "head" else receiver
+
+
+def receiver_input(receiver: str) -> str:
+    """What a receiver reads: ``q`` / ``k`` / ``v`` for a head, ``mlp`` or ``logits``."""
+    n = parse(receiver)
+    return n.input if n.kind == "head" and n.input else "logits" if n.kind == "logits" else "mlp"
+
+
+def senders(n_layers: int, n_heads: int) -> list[str]:
+    """Every sender in the order they write: embed, then per layer its heads and its MLP."""
+    out = [EMBED]
+    for l in range(n_layers):
+        out += [head(l, h) for h in range(n_heads)] + [mlp(l)]
+    return out
+
+
+def receivers(n_layers: int, n_heads: int) -> list[str]:
+    """Every receiver in the order they read: per layer each head's q, k, v and the MLP, then logits."""
+    out = []
+    for l in range(n_layers):
+        out += [head_input(l, h, j) for h in range(n_heads) for j in QKV] + [mlp(l)]
+    return out + [LOGITS]
+
+
+def components(n_layers: int, n_heads: int) -> list[str]:
+    """Every head, then every MLP: the nodes a node-level circuit chooses among."""
+    return [head(l, h) for l in range(n_layers) for h in range(n_heads)] + [mlp(l) for l in range(n_layers)]
+
+
+__all__ = ["EMBED", "LOGITS", "QKV", "Node", "head", "head_input", "mlp", "parse", "receiver_node", "receiver_input",
+           "senders", "receivers", "components"]
