@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 OUT ?= report
 
-.PHONY: setup reproduce reproduce-seeds compare test browser bench notebooks tutorials-html
+.PHONY: setup reproduce reproduce-seeds compare lint test browser bench notebooks tutorials-html
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -38,11 +38,16 @@ browser:
 	  && DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -qq chromium >/dev/null; } \
 	  || { [ "$$CI" != "true" ] && echo "note: could not install chromium; the browser test will be skipped"; }
 
+# Lint (ruff) and the package's type check (mypy), both configured in pyproject.toml; `make test` runs it first.
+lint: setup
+	$(VENV)/bin/ruff check interp_norm tests scripts benchmarks
+	$(VENV)/bin/mypy
+
 # The suite in parallel: one pytest-xdist worker per core (at most TEST_WORKERS), each on one torch
 # thread, slow tests handed out first (tests/conftest.py); an idle worker takes tests queued for a busy
 # one (worksteal). stdin is closed and each test has a time limit (pyproject.toml): CI cannot hang.
 TEST_WORKERS ?= 4
-test: setup browser
+test: setup browser lint
 	$(PY) -m pytest -q -n auto --maxprocesses $(TEST_WORKERS) --dist worksteal < /dev/null
 
 bench: setup

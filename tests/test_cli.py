@@ -221,7 +221,7 @@ def test_lazy_package_names_resolve():
 
     assert A is B
     with pytest.raises(AttributeError):
-        interp_norm.no_such_name
+        interp_norm.no_such_name  # noqa: B018 (the attribute access is what is tested)
 
 
 # ----------------------------------------------------------------------------- daily use (issue 15)

@@ -97,7 +97,7 @@ def test_shared_flags_have_one_name_and_one_meaning():
                 assert (a.help, a.default) == (first.help, first.default), (flag, uses[0][0], name)
     # one name per meaning: no dest is reached by two different visible flags anywhere
     names_of: dict[str, set] = {}
-    for flag, uses in by_flag.items():
+    for uses in by_flag.values():
         for _, a in uses:
             names_of.setdefault(a.dest, set()).add(max(a.option_strings, key=len))
     assert {d: n for d, n in names_of.items() if len(n) > 1} == {}

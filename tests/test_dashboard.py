@@ -299,7 +299,7 @@ def test_figures_with_many_rows_keep_their_panels_apart_and_readable(n):
                 plots.plot_attention_patterns(attention)):
         height, doms = _row_domains(fig)
         assert len(doms) == n
-        for (lo, hi), (lo2, _) in zip(doms, doms[1:]):
+        for (_, hi), (lo2, _) in zip(doms, doms[1:]):
             assert lo2 - hi >= 20 / height, "rows touch"  # a gap for the next panel's title
         assert min(hi - lo for lo, hi in doms) * height >= 150, "panels shrank"
 
@@ -527,7 +527,10 @@ def test_dashboard_without_csvs_or_with_only_hugging_face_models():
 
     card = pd.DataFrame([dict(checkpoint="pre", attn_norm="pre", id_acc=0.9)])
     ours = SimpleNamespace(tables={"model_card": card}, checkpoints=pd.DataFrame(), timings={}, notes=[])
-    caption = lambda csv: " ".join(p.caption for s in figure_sections(ours, csv=csv)[0] for p in s.panels)
+
+    def caption(csv):
+        return " ".join(p.caption for s in figure_sections(ours, csv=csv)[0] for p in s.panels)
+
     assert "model_card.csv" in caption(True) and "model_card.csv" not in caption(False)
     layers = pd.DataFrame(dict(model=["gpt2", "gpt2"], layer=[0, 1], spread=[0.1, 0.2], frac_sparse=[0.0005, 0.001]))
     hf = SimpleNamespace(tables={"real_layers": layers}, checkpoints=pd.DataFrame(), timings={}, notes=[])

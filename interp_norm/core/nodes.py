@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Optional
 
 EMBED = "embed"
@@ -51,7 +51,7 @@ class Node:
     input: Optional[str] = None
 
 
-@lru_cache(maxsize=None)
+@cache
 def parse(name: str) -> Node:
     """The :class:`Node` a sender or receiver name stands for (ValueError naming the forms otherwise)."""
     m = _NAME.match(str(name))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Sequence
@@ -39,7 +39,7 @@ def tracr_dir() -> Path:
     return data_dir() / "ground_truth" / "tracr"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _files(name: str) -> tuple[dict, dict]:
     if name not in TRACR_PROGRAMS:
         raise PatchingError(f"unknown tracr program {name!r}; choose from {TRACR_PROGRAMS}")
