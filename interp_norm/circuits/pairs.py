@@ -247,10 +247,13 @@ def _sample_like(template: T.Problem, rng: random.Random) -> T.Problem:
     return T.Problem(tuple(terms), ops)
 
 
+MAX_TRIES_PER_PAIR = 200  # draws per requested pair before make_pairs gives up on the constraints
+
+
 def make_pairs(
     task: Any, n: int, split: Union[str, T.Split] = "id", seed: int = 0, corrupt: str = "digit",
     *, term: Optional[int] = None, place: Optional[int] = None, op: Optional[int] = None,
-    aligned: bool = False, max_tries: int = 200,
+    aligned: bool = False,
 ) -> PatchingPairs:
     """``n`` seeded clean/corrupted pairs from a split.
 
@@ -274,7 +277,7 @@ def make_pairs(
     tries = 0
     while len(clean) < n:
         tries += 1
-        if tries > max_tries * n:
+        if tries > MAX_TRIES_PER_PAIR * n:
             raise PatchingError(
                 f"could only build {len(clean)} of {n} pairs after {tries - 1} draws; relax term/place/op "
                 "or aligned=True, or use a split with more digits"
