@@ -79,7 +79,7 @@ def _grads(model, tokens: Tensor, metric: Callable, names: list[str], drop: Opti
     def cut(x: Tensor, hook: Any) -> Tensor:
         return x.detach()
 
-    hooks = [(nm, partial(leaf, nm=nm)) for nm in names]
+    hooks: list[tuple[str, Callable]] = [(nm, partial(leaf, nm=nm)) for nm in names]
     if drop is not None:
         hooks += [(act_name("attn_out", drop), cut), (act_name("mlp_out", drop), cut)]
     with torch.enable_grad():
@@ -163,7 +163,7 @@ def atp_star(
     _, xc = _cache(model, corr, set(names) | qk)
     grad_names = [act_name("pattern", l) for l in range(L)] if fix else names
     drops: list[Optional[int]] = list(range(L)) if grad_drop else [None]
-    total = None
+    total: Optional[Tensor] = None
     for drop in drops:
         grads, base = _grads(model, corr, metric, grad_names, drop)
         per_layer = []
@@ -179,6 +179,7 @@ def atp_star(
         est = torch.stack(per_layer, 1)  # [b, L, ...]
         est = est.abs() if grad_drop else est
         total = est if total is None else total + est
+    assert total is not None  # drops holds at least one entry
     est = total / (L - 1) if grad_drop else total
     axes = {("head", "pos"): ("layer", "pos", "head"), ("head", "all"): ("layer", "head"),
             ("resid", "pos"): ("layer", "pos"), ("resid", "all"): ("layer",)}[(kind, by)]

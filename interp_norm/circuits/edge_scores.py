@@ -74,7 +74,7 @@ def edge_attribution(
     work = [(rows, s0) for rows in chunks for s0 in range(0, ig_steps, max(1, per_pass // len(rows)))]
     for rows, s0 in tqdm(work, disable=not progress, desc="edge attribution"):
         br = len(rows)
-        sub = metric if len(chunks) == 1 else metric.select(rows)
+        sub = metric if len(chunks) == 1 else metric.select(rows)  # type: ignore[attr-defined]  # chunked: it has one
         al = alphas[s0 : s0 + max(1, per_pass // br)].to(dev)
         m = len(al)
         idx = torch.tensor(rows, device=dev)

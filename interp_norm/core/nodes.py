@@ -68,7 +68,10 @@ def parse(name: str) -> Node:
 def receiver_node(receiver: str) -> str:
     """The node a receiver belongs to: ``a1.h2.q`` -> ``a1.h2``; MLP and logits receivers are their own node."""
     n = parse(receiver)
-    return head(n.layer, n.head) if n.kind == "head" else receiver
+    if n.kind != "head":
+        return receiver
+    assert n.layer is not None and n.head is not None  # parse gives every head node both
+    return head(n.layer, n.head)
 
 
 def receiver_input(receiver: str) -> str:

@@ -391,8 +391,8 @@ _SPLIT_NAMES = {"id": "in-distribution", "interp": "interpolation", "extrap": "e
 
 def _or(xs: Sequence[int]) -> str:
     """(2, 3, 5) -> '2, 3 or 5'."""
-    xs = [str(x) for x in xs]
-    return xs[0] if len(xs) == 1 else ", ".join(xs[:-1]) + " or " + xs[-1]
+    s = [str(x) for x in xs]
+    return s[0] if len(s) == 1 else ", ".join(s[:-1]) + " or " + s[-1]
 
 
 def _model_name(model: object) -> str:

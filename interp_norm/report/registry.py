@@ -180,7 +180,7 @@ def _collapse(job: Job) -> Tables:
     s = job.settings
     kw = dict(n_examples=s.collapse_examples, n_draws=s.collapse_draws, strict_samples=s.collapse_strict_samples,
               seed=s.seed, progress=job.progress)
-    runs = [(job.label, {})] + ([(job.noise_label, dict(placement="after_norm"))] if job.after_norm else [])
+    runs: list[tuple[str, dict]] = [(job.label, {})] + ([(job.noise_label, dict(placement="after_norm"))] if job.after_norm else [])
     for variant, more in runs:
         curves, heads = run_collapse_with_heads(job.model, job.task, s.collapse_levels, variant=variant, **kw, **more)
         yield "collapse", job.front(curves)

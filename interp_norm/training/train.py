@@ -33,7 +33,7 @@ import signal
 import threading
 import warnings
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import pandas as pd
 import torch
@@ -133,7 +133,7 @@ class _Accumulator:
         self.loss = self.correct = self.total = self.grad_norm = 0.0
         self.n = 0
 
-    def add(self, loss: float, correct: int, total: int, grad_norm: float) -> None:
+    def add(self, loss: float, correct: float, total: float, grad_norm: float) -> None:
         self.loss += loss
         self.correct += correct
         self.total += total
@@ -158,7 +158,7 @@ class _HeldInterrupts:
 
     def __init__(self) -> None:
         self.holding = self.pending = False
-        self._previous = None
+        self._previous: Any = None
 
     def __enter__(self) -> "_HeldInterrupts":
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
@@ -307,6 +307,7 @@ class _Run:
         self.epoch_acc.load_state_dict(state["epoch"])
         self.step = self.saved_step = int(state["step"])
         # before this was recorded, the schedule's length was the saved run's total
+        assert info.train_cfg is not None  # _check_resume_compatible refuses a checkpoint without one
         self.schedule_total = int(state.get("schedule_total_steps", info.train_cfg.total_steps))
         torch.set_rng_state(state["torch_rng"])
         if self.device.type == "cuda" and state.get("cuda_rng") is not None:
@@ -408,7 +409,7 @@ class _Run:
         if self.step % cfg.checkpoint_every == 0 and self.step < self.total:
             self.save(self.last_eval)
 
-    def forward_backward(self, net: torch.nn.Module, max_off: int) -> tuple[float, int, int, Tensor]:
+    def forward_backward(self, net: torch.nn.Module, max_off: int) -> tuple[float, float, float, Tensor]:
         """The step's loss, correct and scored tokens (the global batch's under torchrun) and gradient norm."""
         dist, device = self.dist, self.device
         tokens, offsets = batch_for_step(self.task, self.cfg.seed, self.step, self.cfg.batch_size, max_off)
@@ -417,6 +418,8 @@ class _Run:
         else:
             tokens, offsets = tokens.to(device), offsets.to(device)
             logits, loss = training_loss(self.model, tokens, offsets if max_off else None)
+        correct: float
+        n_tok: float
         with torch.no_grad():
             correct, n_tok = count_correct(logits, tokens)
         loss_value = float(loss.detach())
@@ -443,8 +446,14 @@ class _Run:
                 torch.cuda.set_rng_state_all(self.step_start_rng["cuda_rng"])
         if self.step != self.saved_step:
             self.save(self.last_eval, sync=False)  # the other ranks may be interrupted elsewhere: no barrier
-            interrupt.add_note(f"interp_norm: saved a checkpoint at step {self.step} in {self.out_dir}; "
+            add_note(interrupt, f"interp_norm: saved a checkpoint at step {self.step} in {self.out_dir}; "
                                "resume=True (--resume) continues")
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` where Python has it (3.11+); on 3.10 the note is dropped."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
 
 
 def _shard_loss(net: torch.nn.Module, tokens: Tensor, offsets: Optional[Tensor], dist: distributed.Dist,

@@ -79,7 +79,8 @@ def load_tracr(name: str):
         params=params, model_config=SimpleNamespace(**spec["model_config"]), residual_labels=labels,
         output_encoder=SimpleNamespace(encoding_map=out_map),
     )
-    bridge = TransformerBridge.boot_native(make_tracr_transformer_bridge_config(tracr_like))
+    # boot_native is attached to TransformerBridge by transformer_lens.model_bridge.sources
+    bridge = TransformerBridge.boot_native(make_tracr_transformer_bridge_config(tracr_like))  # type: ignore[attr-defined]
     sd = make_tracr_transformer_bridge_state_dict(tracr_like, out_label)
     # TransformerLens 4.3's converter names the MLP fc_in/fc_out and gives no head bias, while
     # boot_native's model also registers the aliases mlp.in/mlp.out and a head bias: fill both
@@ -172,7 +173,7 @@ class TracrGroundTruth:
         return pairs
 
     def metric(self, pairs: PatchingPairs) -> TracrMetric:
-        co, xo = pairs.tracr_outputs
+        co, xo = pairs.tracr_outputs  # type: ignore[attr-defined]  # attached by pairs() above
         return TracrMetric(co, xo, pairs.score_mask, self.spec["output"] == "numerical")
 
     def reference(self) -> tuple[Tensor, Tensor]:

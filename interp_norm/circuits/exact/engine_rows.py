@@ -37,8 +37,8 @@ def until_last(mask: Tensor) -> Tensor:
 
 def cat_rows(*parts: Optional[Tensor]) -> Optional[Tensor]:
     """Concatenate the parts that exist (rows of earlier copies first); None if none does."""
-    parts = [p for p in parts if p is not None]
-    return None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+    have = [p for p in parts if p is not None]
+    return None if not have else have[0] if len(have) == 1 else torch.cat(have)
 
 
 @dataclass

@@ -50,7 +50,8 @@ class _PastKV:
     run's keys/values of the earlier positions, with this call's ones appended; records the call."""
 
     def __init__(self, k: Optional[Tensor] = None, v: Optional[Tensor] = None):
-        self.k, self.v, self.calls, self.new = k, v, 0, None
+        self.k, self.v, self.calls = k, v, 0
+        self.new: Optional[tuple[Tensor, Tensor]] = None
 
     def update(self, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
         self.calls += 1
@@ -125,7 +126,9 @@ class KVCacheEngine:
     def _capture_hooks(self) -> list:
         """Hooks recording each block's input, call arguments and keys/values, and the last block's
         output, during the next forward pass (remove them after it)."""
-        self.calls, self.resid, self.kv = [None] * self.L, [None] * self.L, [None] * self.L
+        self.calls: list[Any] = [None] * self.L
+        self.resid: list[Any] = [None] * self.L
+        self.kv: list[Any] = [None] * self.L
         handles = [blk.register_forward_pre_hook(self._capture(l), with_kwargs=True) for l, blk in enumerate(self.blocks)]
         handles.append(self.blocks[-1].register_forward_hook(lambda m, a, out: self.resid.append(_first(out))))
         return handles
@@ -411,7 +414,9 @@ def kv_patch_cells(engine: KVCacheEngine, kind: str, cells: Tensor, differs: Ten
             return out
     starts = cells[:, row_col] if row_col is not None else torch.zeros(len(cells), dtype=torch.long)
     order = np.lexsort((cells[:, 0].numpy(), starts.numpy()))
-    chunks, cur, rows = [], [], 0
+    chunks: list[list[int]] = []
+    cur: list[int] = []
+    rows = 0
     for i in order:  # consecutive cells of one start position, at most batch_size rows each
         w = int(differs[i].sum())
         if cur and (int(starts[i]) != int(starts[cur[0]]) or rows + w > batch_size):
