@@ -58,6 +58,7 @@ class _PastKV:
         self.new = (k, v)
         if self.k is None or self.k.shape[-2] == 0:
             return k, v
+        assert self.v is not None  # keys and values are cached together
         return torch.cat([self.k, k], dim=-2), torch.cat([self.v, v], dim=-2)
 
 
@@ -359,7 +360,7 @@ class KVCacheEngine:
                 hooks.append((self.names[l], self._patch_hook(
                     r, examples[s:e], None if pos is None else pos[s:e], None if heads is None else heads[s:e], clean_acts[l], p=p,
                     state=state)))
-        H = None
+        H: Optional[Tensor] = None
         with self.model.hooks(fwd_hooks=hooks):
             for l in range(lay[0], self.L):
                 s, e = int(bounds[l]), int(bounds[l + 1])
@@ -382,11 +383,13 @@ class KVCacheEngine:
                     new = self.resid[l].index_select(0, examples[s:e])[:, p : self.n_eff]
                     H = new if H is None else torch.cat([H, new])
                 state["on"] = e > s
+                assert H is not None  # the first patched layer starts the rows
                 try:
                     H = self._block(l, H, examples[: len(H)], p)
                 finally:
                     state["on"] = False
                 self.rows_computed += H.shape[0] * H.shape[1]
+            assert H is not None
             return self._head(H, p)
 
 def kv_patch_cells(engine: KVCacheEngine, kind: str, cells: Tensor, differs: Tensor, clean_acts: list,
@@ -431,7 +434,7 @@ def kv_patch_cells(engine: KVCacheEngine, kind: str, cells: Tensor, differs: Ten
     per = max(1, METRIC_BYTES // max(1, b * n * V * base.element_size()))  # copies per metric call
     buf = base.repeat(min(per, max(len(c) for c in chunks)), 1, 1)
     cols = engine.cols
-    out = None
+    result: Optional[Tensor] = None
     for chunk in (tqdm(chunks, desc=desc) if progress else chunks):
         idx = torch.tensor(chunk)
         cc, live = cells[idx], differs[idx]  # [K, axes], [K, b]
@@ -451,10 +454,11 @@ def kv_patch_cells(engine: KVCacheEngine, kind: str, cells: Tensor, differs: Ten
             m = ((k_of >= s) & (k_of < s + kk)).to(dev)
             view[(k_of.to(dev)[m] - s).unsqueeze(1), e_of.to(dev)[m].unsqueeze(1), rc.unsqueeze(0)] = new[m]
             vals = metric_per_copy(metric, buf[: kk * b], kk, b)
-            if out is None:
-                out = torch.zeros((len(cells),) + tuple(vals.shape[1:]), dtype=torch.float64)
-            out[idx[s : s + kk]] = vals.to(torch.float64).cpu()
-    return out
+            if result is None:
+                result = torch.zeros((len(cells),) + tuple(vals.shape[1:]), dtype=torch.float64)
+            result[idx[s : s + kk]] = vals.to(torch.float64).cpu()
+    assert result is not None  # callers pass at least one cell
+    return result
 
 
 __all__ = ["KVCacheEngine", "KV_ACTIVATIONS", "kv_patch_cells"]
