@@ -119,3 +119,56 @@ def test_default_is_live_and_bad_modes_are_refused(pairs):
     assert attribution_patch(model, pairs, None, "z", norm="frozen").method == "eap+frozen-norm"
     with pytest.raises(PatchingError, match="norm must be 'live' or 'frozen'"):
         attribution_patch(model, pairs, None, "z", norm="detached")
+
+
+@pytest.mark.parametrize("attn_norm", ["pre", "qkv"])
+def test_frozen_atp_equals_exact_patching_of_the_pinned_model(attn_norm, pairs):
+    """AtP (its own gradient code) with norms and patterns frozen is exact on the pinned linear-MLP
+    model too; AtP*'s key fix with frozen patterns downstream keeps its own exact softmax, so on a
+    one-layer-deep key it differs from the all-frozen estimate (which is 0)."""
+    from interp_norm.circuits.atp_star import atp_star
+
+    model = linear_mlp_model(attn_norm)
+    metric = LogitDiff(pairs)
+    for act in ("z", "resid_mid"):
+        exact = effect64(pinned_exact(model, pairs, metric, act))
+        est = effect64(atp_star(model, pairs, metric, act, qk_fix=False, norm="frozen", pattern="frozen"))
+        assert float((est - exact).abs().max()) <= 1e4 * EPS64 * max(float(exact.abs().max()), 1.0)
+    k_fix = atp_star(model, pairs, metric, "k", norm="frozen", pattern="frozen")
+    assert k_fix.method == "atp*+frozen-norm+frozen-pattern"
+    assert float(effect64(k_fix).abs().max()) > 1e-6
+    k_lin = effect64(atp_star(model, pairs, metric, "k", qk_fix=False, norm="frozen", pattern="frozen"))
+    assert float(k_lin.abs().max()) <= 1e4 * EPS64  # 0, up to adding and removing the baseline
+
+
+@pytest.mark.parametrize("norm,pattern", [("frozen", "live"), ("frozen", "frozen"), ("live", "frozen")])
+def test_frozen_edges_sum_to_frozen_nodes(norm, pattern, pairs):
+    """A sender's out-edges add up to its node score (the residual is a sum of senders), in every
+    mode: the edge pass (split twin) and the node pass (leaves on the model) freeze the same things.
+    Edges into queries and keys score exactly 0 with frozen patterns."""
+    from interp_norm.circuits import edge_attribution
+
+    model = make_model(2, attn_norm="qkv").double()
+    metric = LogitDiff(pairs)
+    edges = edge_attribution(model, pairs, metric, norm=norm, pattern=pattern)
+    live = edge_attribution(model, pairs, metric)
+    out = edges.groupby("sender")["score"].sum()
+    z = effect64(attribution_patch(model, pairs, metric, "z", by="all", norm=norm, pattern=pattern))
+    mlp = effect64(attribution_patch(model, pairs, metric, "mlp_out", by="all", norm=norm, pattern=pattern))
+    scale = float(z.abs().max())
+    for l in range(model.cfg.n_layers):
+        for h in range(model.cfg.n_heads):
+            assert abs(out[f"a{l}.h{h}"] - float(z[l, h])) <= 1e6 * EPS64 * scale
+        assert abs(out[f"m{l}"] - float(mlp[l])) <= 1e6 * EPS64 * scale
+    qk = edges[edges["input"].isin(["q", "k"])]["score"]
+    assert (qk.abs().max() == 0.0) == (pattern == "frozen")
+    j = edges.merge(live, on=["sender", "receiver"])
+    assert (j.score_x - j.score_y).abs().max() > 1e-4 * scale
+
+
+def test_bridges_are_refused_with_a_typed_error(pairs):
+    from interp_norm.anatomy import tiny_bridge
+    from interp_norm.circuits.norm_modes import freeze_hooks
+
+    with pytest.raises(PatchingError, match="not for a TransformerBridge"):
+        freeze_hooks(tiny_bridge("gpt2"), "frozen", "live")
