@@ -74,7 +74,7 @@ def _per_pair(result) -> Tensor:
     return result.per_example.double() - result.baseline.double().unsqueeze(0)
 
 
-def _estimate(model, pairs: PatchingPairs, metric, method: str, activation: str, spec: BudgetSpec, modes: tuple) -> Tensor:
+def _estimate(model, pairs: PatchingPairs, metric, method: str, activation: str, *, spec: BudgetSpec, modes: tuple) -> Tensor:
     from interp_norm.circuits.atp_star import atp_star
 
     norm, pattern = modes
@@ -121,7 +121,7 @@ def attribution_error_budget(model, pairs: PatchingPairs, metric=None, spec: Opt
         if activation not in exact:
             exact[activation] = _per_pair(activation_patch(model, pairs, None, metric, activation, by="all"))
         ex = exact[activation]
-        est = {k: _estimate(model, pairs, metric, method, activation, spec, modes) for k, modes in MODES.items()}
+        est = {k: _estimate(model, pairs, metric, method, activation, spec=spec, modes=modes) for k, modes in MODES.items()}
         err = {k: _error(v, ex, spec.per) for k, v in est.items()}
         names = _node_names(activation, L, H)
         for i, node in enumerate(names):
