@@ -67,3 +67,12 @@ def test_bad_specs_are_refused(pairs):
                       (BudgetSpec(per="median"), "per must be"), (BudgetSpec(ig_steps=1), "ig_steps >= 2")]:
         with pytest.raises(PatchingError, match=msg):
             attribution_error_budget(model, pairs, None, spec)
+
+
+def test_exact_size_is_the_error_of_a_zero_estimate(pairs):
+    model = make_model(4, attn_norm="pre").double()
+    df = attribution_error_budget(model, pairs, None, BudgetSpec(methods=("eap",), activations=("mlp_out",), ig_steps=2))
+    exact = _per_pair(activation_patch(model, pairs, None, LogitDiff(pairs), "mlp_out", by="all"))
+    assert abs(df.exact_size.to_numpy() - exact.abs().mean(-1).numpy()).max() <= 1e3 * EPS64 * float(exact.abs().max())
+    s = budget_summary(df)
+    assert abs(float(s.rel_err_live[0]) - df.err_live.sum() / df.exact_size.sum()) < 1e-12

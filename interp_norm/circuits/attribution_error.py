@@ -105,7 +105,8 @@ def attribution_error_budget(model, pairs: PatchingPairs, metric=None, spec: Opt
     its split (``removed_by_norm + removed_by_pattern + rest = err_live``); see the module docstring.
 
     One row per (method, node) with columns ``method``, ``activation``, ``node``, ``layer``,
-    ``exact`` and ``est_live`` / ``est_norm`` / ``est_both`` (batch means), ``err_live`` /
+    ``exact`` and ``est_live`` / ``est_norm`` / ``est_both`` (batch means), ``exact_size`` (the error of
+    an estimate of 0: mean |exact| over pairs, or |mean exact|, as ``per``), ``err_live`` /
     ``err_norm`` / ``err_both``, ``removed_by_norm``, ``removed_by_pattern``, ``rest``.
     Needs a :class:`~interp_norm.core.model.HookedNormTransformer` (frozen modes: ours only).
     """
@@ -128,7 +129,7 @@ def attribution_error_budget(model, pairs: PatchingPairs, metric=None, spec: Opt
             e = {k: float(v[i]) for k, v in err.items()}
             rows.append(dict(
                 method=method, activation=activation, node=node, layer=nodes.parse(node).layer,
-                exact=float(ex[i].mean()), **{f"est_{k}": float(v[i].mean()) for k, v in est.items()},
+                exact=float(ex[i].mean()), exact_size=float(_error(torch.zeros_like(ex[i]), ex[i], spec.per)), **{f"est_{k}": float(v[i].mean()) for k, v in est.items()},
                 **{f"err_{k}": e[k] for k in MODES}, removed_by_norm=e["live"] - e["norm"],
                 removed_by_pattern=e["norm"] - e["both"], rest=e["both"],
             ))
@@ -136,10 +137,11 @@ def attribution_error_budget(model, pairs: PatchingPairs, metric=None, spec: Opt
 
 
 def budget_summary(budget: pd.DataFrame, by: tuple = ("method", "activation")) -> pd.DataFrame:
-    """Totals over nodes: the live error and the shares of it each part carries (they add to 1)."""
-    g = budget.groupby(list(by), sort=False)[["err_live", "removed_by_norm", "removed_by_pattern", "rest"]].sum()
+    """Totals over nodes: the live error, the shares of it each part carries (they add to 1), and
+    ``rel_err_live`` = live error / the error of estimating every effect as 0 (``exact_size``)."""
+    g = budget.groupby(list(by), sort=False)[["err_live", "removed_by_norm", "removed_by_pattern", "rest", "exact_size"]].sum()
     out = g.assign(**{f"share_{c}": g[c] / g["err_live"] for c in ("removed_by_norm", "removed_by_pattern", "rest")})
-    out["abs_exact"] = budget.assign(a=budget["exact"].abs()).groupby(list(by), sort=False)["a"].sum()
+    out["rel_err_live"] = g["err_live"] / g["exact_size"]
     return out.reset_index()
 
 
