@@ -166,9 +166,9 @@ def test_frozen_edges_sum_to_frozen_nodes(norm, pattern, pairs):
     assert (j.score_x - j.score_y).abs().max() > 1e-4 * scale
 
 
-def test_bridges_are_refused_with_a_typed_error(pairs):
+def test_a_bridge_needs_tokens_to_check_its_norm_hooks():
     from interp_norm.anatomy import tiny_bridge
     from interp_norm.circuits.norm_modes import freeze_hooks
 
-    with pytest.raises(PatchingError, match="not for a TransformerBridge"):
+    with pytest.raises(PatchingError, match="needs tokens"):
         freeze_hooks(tiny_bridge("gpt2"), "frozen", "live")

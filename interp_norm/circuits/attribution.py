@@ -34,7 +34,7 @@ from interp_norm.circuits._types import (
     require_eval,
 )
 from interp_norm.circuits.metrics import LogitDiff
-from interp_norm.circuits.norm_modes import freeze_hooks, mode_label
+from interp_norm.circuits.norm_modes import freeze_hooks, mode_label, quiet
 from interp_norm.circuits.pairs import PatchingPairs, as_pairs
 from interp_norm.circuits.exact.patch_cells import check_hooks, check_pattern_hooks_act, head_count
 from interp_norm.errors import EngineRefusal, PatchingError
@@ -97,11 +97,11 @@ def node_attribution(
     re-run). (TransformerLens 4.3's ``attribution_patch`` runs a clean forward and a corrupted
     forward + backward per pair.) ``norm`` / ``pattern`` = ``"frozen"``: the norms' scales / the
     attention patterns held constant in the backward pass, at their values in the run differentiated
-    (:mod:`~interp_norm.circuits.norm_modes`; our models only).
+    (:mod:`~interp_norm.circuits.norm_modes`; then full passes on a bridge).
     """
     pairs = as_pairs(pairs)
     require_eval(model)
-    frozen = freeze_hooks(model, norm, pattern)
+    frozen = freeze_hooks(model, norm, pattern, tokens=pairs.clean_tokens.to(device(model)))
     activations = list(dict.fromkeys(activations))
     axes_of = {a: check_by(a, by) for a in activations}
     dev = device(model)
@@ -198,7 +198,7 @@ def _full_passes(model, clean: Tensor, corr: Tensor, metric: MetricFn, *, leaves
             return act + d
 
         hooks = [(embed, embed_hook), *frozen] + [(nm, partial(leaf_hook, nm=nm, first=s0 == 0)) for nm in leaves]
-        with torch.enable_grad(), _logits_at(model, cols, n, ne):
+        with torch.enable_grad(), _logits_at(model, cols, n, ne), quiet():
             logits = model.run_with_hooks(corr[:, :ne].repeat(m, 1), fwd_hooks=hooks)
             vals = metric_values(metric, logits, b)
             if s0 == 0:

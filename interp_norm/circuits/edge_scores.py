@@ -21,7 +21,7 @@ from interp_norm.circuits._types import MetricFn, device, ig_alphas, metric_valu
 from interp_norm.core import nodes
 from interp_norm.circuits.edges import EdgeGraph, EdgeRunner
 from interp_norm.circuits.metrics import LogitDiff
-from interp_norm.circuits.norm_modes import freeze_hooks, mode_label
+from interp_norm.circuits.norm_modes import freeze_hooks, mode_label, quiet
 from interp_norm.circuits.pairs import PatchingPairs, as_pairs
 from interp_norm.errors import PatchingError
 from interp_norm.core.hook_names import act_name
@@ -48,17 +48,17 @@ def edge_attribution(
     many as fit a rough ``memory_mb`` budget (each example carries ~3 x n_heads residual copies).
     ``norm`` / ``pattern`` = ``"frozen"``: the norms' scales / the attention patterns held constant in
     the backward pass at their values in the run differentiated (:mod:`~interp_norm.circuits.norm_modes`;
-    our models only); edges into queries and keys then score 0 with frozen patterns.
+    bridges as there); edges into queries and keys then score 0 with frozen patterns.
     """
     pairs = as_pairs(pairs)
     dev = device(model)
     metric = metric if metric is not None else LogitDiff(pairs)
-    frozen = freeze_hooks(model, norm, pattern)  # validates the modes before the runner's set-up
+    clean, corr = pairs.clean_tokens.to(dev), pairs.corrupted_tokens.to(dev)
+    frozen = freeze_hooks(model, norm, pattern, tokens=clean)  # validates the modes before the runner's set-up
     runner = EdgeRunner(model, backend)
     if frozen:  # the runner may run a twin of the model (backend 'split'): the hooks go on the model it runs
-        frozen = freeze_hooks(runner.run_model, norm, pattern)
+        frozen = freeze_hooks(runner.run_model, norm, pattern, tokens=clean)
     alphas = ig_alphas(ig_steps)
-    clean, corr = pairs.clean_tokens.to(dev), pairs.corrupted_tokens.to(dev)
     b, n = clean.shape
     _, s_clean = runner.sender_cache(clean)
     _, s_corr = runner.sender_cache(corr)
@@ -87,7 +87,7 @@ def edge_attribution(
         al = alphas[s0 : s0 + max(1, per_pass // br)].to(dev)
         m = len(al)
         idx = torch.tensor(rows, device=dev)
-        with torch.enable_grad(), runner.run_model.hooks(fwd_hooks=frozen):
+        with torch.enable_grad(), runner.run_model.hooks(fwd_hooks=frozen), quiet():
             logits, leaf = runner.run(corr[idx].repeat(m, 1), leaves=True, embed_mix=(e_corr[idx], e_clean[idx], al))
             total = metric_values(sub, logits, br).sum()
             grads = torch.autograd.grad(total, list(leaf.values()), allow_unused=bool(frozen))
