@@ -76,3 +76,32 @@ def test_exact_size_is_the_error_of_a_zero_estimate(pairs):
     assert abs(df.exact_size.to_numpy() - exact.abs().mean(-1).numpy()).max() <= 1e3 * EPS64 * float(exact.abs().max())
     s = budget_summary(df)
     assert abs(float(s.rel_err_live[0]) - df.err_live.sum() / df.exact_size.sum()) < 1e-12
+
+
+def test_bridges_get_eap_and_eap_ig_and_grouped_kv_is_refused():
+    """On a tiny GPT-2 bridge the default budget has EAP and EAP-IG rows whose parts add to the live
+    error; AtP on a bridge, and k on grouped-query Llama, are refused with typed errors."""
+    from interp_norm.anatomy import random_tokens, tiny_bridge
+    from interp_norm.circuits import PatchingPairs
+
+    def metric(logits):
+        return logits[:, -1, 5] - logits[:, -1, 6]
+
+    out = {}
+    for arch in ("gpt2", "llama"):
+        bridge = tiny_bridge(arch)
+        clean = random_tokens(bridge, 3, 6, seed=6, low=3)
+        corr = clean.clone()
+        corr[:, 2] = (corr[:, 2] + 9) % 120 + 3
+        out[arch] = (bridge, PatchingPairs(clean, corr, score_mask=torch.ones_like(clean, dtype=torch.bool)))
+    bridge, pp = out["gpt2"]
+    df = attribution_error_budget(bridge, pp, metric, BudgetSpec(activations=("z", "mlp_out"), ig_steps=2))
+    assert set(df.method) == {"eap", "eap-ig"} and len(df) == 2 * (2 * bridge.cfg.n_heads + 2)
+    parts = df.removed_by_norm + df.removed_by_pattern + df.rest
+    assert (parts - df.err_live).abs().max() <= 1e3 * torch.finfo(torch.float32).eps * max(df.err_live.abs().max(), 1.0)
+    with pytest.raises(PatchingError, match="on a bridge use methods"):
+        attribution_error_budget(bridge, pp, metric, BudgetSpec(methods=("atp",)))
+    bridge, pp = out["llama"]
+    assert bridge.cfg.n_key_value_heads < bridge.cfg.n_heads  # the tiny Llama groups its k/v heads
+    with pytest.raises(PatchingError, match="grouped-query attention"):
+        attribution_error_budget(bridge, pp, metric, BudgetSpec(activations=("k",), ig_steps=2))

@@ -19,6 +19,11 @@ before the patterns (the order of the split is a choice: the other order splits 
 the two interact). AtP* is scored on queries and keys with its exact softmax (and equals AtP
 elsewhere); GradDrop is left out (an unsigned magnitude, no signed error). AtP and EAP are the
 same estimate computed by different code (an identity the table shows).
+
+On a TransformerBridge the methods are EAP and EAP-IG (AtP / AtP* recompute attention with our
+model's own steps) and the activations those with one node per head (``k``/``v`` of grouped-query
+attention have one per k/v head and are refused); a bridge whose norms cannot be frozen (Gemma 4) is
+refused by :func:`~interp_norm.circuits.norm_modes.freeze_hooks`.
 """
 
 from __future__ import annotations
@@ -108,10 +113,18 @@ def attribution_error_budget(model, pairs: PatchingPairs, metric=None, spec: Opt
     ``exact`` and ``est_live`` / ``est_norm`` / ``est_both`` (batch means), ``exact_size`` (the error of
     an estimate of 0: mean |exact| over pairs, or |mean exact|, as ``per``), ``err_live`` /
     ``err_norm`` / ``err_both``, ``removed_by_norm``, ``removed_by_pattern``, ``rest``.
-    Needs a :class:`~interp_norm.core.model.HookedNormTransformer` (frozen modes: ours only).
+    Our models, or a bridge with EAP / EAP-IG (see the module docstring).
     """
+    from interp_norm.anatomy import kind_of
+
     spec = spec if spec is not None else BudgetSpec()
     spec.check()
+    if kind_of(model) != "interp_norm":
+        if spec.methods == METHODS:  # the default: what a bridge supports
+            spec = BudgetSpec(methods=("eap", "eap-ig"), activations=spec.activations, ig_steps=spec.ig_steps, per=spec.per)
+        bad = [m for m in spec.methods if m in ("atp", "atp*")]
+        if bad:
+            raise PatchingError(f"{bad[0]} recomputes attention with interp_norm's own model; on a bridge use methods=('eap', 'eap-ig')")
     pairs = as_pairs(pairs)
     metric = metric if metric is not None else LogitDiff(pairs)
     L, H = model.cfg.n_layers, model.cfg.n_heads
@@ -125,6 +138,9 @@ def attribution_error_budget(model, pairs: PatchingPairs, metric=None, spec: Opt
         est = {k: _estimate(model, pairs, metric, method, activation, spec=spec, modes=modes) for k, modes in MODES.items()}
         err = {k: _error(v, ex, spec.per) for k, v in est.items()}
         names = _node_names(activation, L, H)
+        if len(names) != ex.shape[0]:
+            raise PatchingError(f"{activation!r} has {ex.shape[0] // L} k/v heads per layer, not one per head "
+                                "(grouped-query attention); leave it out of activations")
         for i, node in enumerate(names):
             e = {k: float(v[i]) for k, v in err.items()}
             rows.append(dict(
