@@ -11,10 +11,13 @@ and QKV-Norm minus Pre-Norm on the relative error (does a norm on q, k, v make a
 less faithful?).
 
     PYTHONPATH=. python scripts/attribution_error_budget.py [--models pre pre-s1 ... qkv ... qk none]
-        [--pairs 32] [--ig-steps 8] [--out attribution_error]
+        [--pairs 32] [--ig-steps 8] [--out attribution_error] [--bridges gpt2 llama qwen3 olmo2 gemma4]
 
 Writes ``budget.csv`` (every node), ``per_checkpoint.csv``, ``over_seeds.csv`` and
-``pre_vs_qkv.csv`` into ``--out`` and prints the last two.
+``pre_vs_qkv.csv`` into ``--out`` and prints the last two. ``--bridges``: also tiny random
+TransformerBridges of those architectures (EAP and EAP-IG; random weights and random token pairs
+differing at one position, so their numbers show the method on the architecture, not a trained
+circuit), written to ``bridges.csv``; an architecture the budget refuses is reported and skipped.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from interp_norm.circuits import LogitDiff, make_pairs
+from interp_norm.circuits import LogitDiff, PatchingPairs, make_pairs
 from interp_norm.circuits.attribution_error import BudgetSpec, attribution_error_budget, budget_summary
+from interp_norm.errors import PatchingError
 from interp_norm.stats.inference import bootstrap_diff_ci, bootstrap_mean_ci
 from interp_norm.training.checkpoints import list_pretrained, load_pretrained
 
@@ -80,6 +84,32 @@ def pre_vs_qkv(pc: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def bridge_budgets(archs: list, n_pairs: int, ig_steps: int, seed: int) -> pd.DataFrame:
+    from interp_norm.anatomy import random_tokens, tiny_bridge
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:  # logit(5) - logit(6) at the last position
+        return logits[:, -1, 5] - logits[:, -1, 6]
+
+    frames = []
+    for arch in archs:
+        bridge = tiny_bridge(arch)
+        clean = random_tokens(bridge, n_pairs, 8, seed=seed, low=3)
+        corr = clean.clone()
+        corr[:, 3] = (corr[:, 3] + 9) % 120 + 3
+        pairs = PatchingPairs(clean, corr, score_mask=torch.ones_like(clean, dtype=torch.bool))
+        grouped = getattr(bridge.cfg, "n_key_value_heads", None) not in (None, bridge.cfg.n_heads)
+        acts = ("z", "q", "mlp_out") if grouped else ("z", "q", "k", "v", "mlp_out")
+        t0 = time.perf_counter()
+        try:
+            df = attribution_error_budget(bridge, pairs, metric, BudgetSpec(activations=acts, ig_steps=ig_steps))
+        except PatchingError as e:
+            print(f"bridge {arch}: skipped ({e})", flush=True)
+            continue
+        print(f"bridge {arch}: {time.perf_counter() - t0:.1f} s", flush=True)
+        frames.append(budget_summary(df).assign(arch=arch))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=SEEDS)
@@ -87,6 +117,7 @@ def main() -> None:
     ap.add_argument("--ig-steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("attribution_error"))
+    ap.add_argument("--bridges", nargs="*", default=[])
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -104,7 +135,14 @@ def main() -> None:
     print(seeds[show].round(3).to_string(index=False))
     print()
     print(diff.round(3).to_string(index=False))
-    print(f"\ntotal {time.perf_counter() - t0:.0f} s for {len(args.models)} checkpoints")
+    if args.bridges:
+        br = bridge_budgets(args.bridges, args.pairs, args.ig_steps, args.seed)
+        br.to_csv(args.out / "bridges.csv", index=False)
+        if len(br):
+            print()
+            print(br[["arch", "method", "activation", "rel_err_live", "share_removed_by_norm", "share_removed_by_pattern",
+                      "share_rest"]].round(3).to_string(index=False))
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s for {len(args.models)} checkpoints and {len(args.bridges)} bridges")
 
 
 if __name__ == "__main__":
