@@ -166,6 +166,42 @@ def test_frozen_edges_sum_to_frozen_nodes(norm, pattern, pairs):
     assert (j.score_x - j.score_y).abs().max() > 1e-4 * scale
 
 
+def _pin_unless_clean(act, hook, ref, clean):
+    """The corrupted run's tensor per stacked copy, except on the clean run itself (recognised by
+    its own activation, bit for bit), whose senders exact edge patching reads, and on the runner's
+    wiring probe (another batch shape)."""
+    if (act.shape == clean.shape and torch.equal(act, clean)) or act.shape[1:] != ref.shape[1:] or act.shape[0] % ref.shape[0]:
+        return act
+    return _pin(act, hook, ref)
+
+
+@pytest.mark.parametrize("attn_norm", ["pre", "qkv"])
+def test_fully_frozen_edge_attribution_equals_exact_edge_patching_of_the_pinned_model(attn_norm, pairs):
+    """Edges: with norms and patterns frozen, EAP of every edge (split twin and copies backends)
+    equals exact edge patching of the pinned linear-MLP model (copies backend, which runs the model
+    itself, so the pins reach it); the same affine argument as for nodes."""
+    from interp_norm.circuits import edge_attribution, exact_edge_patch
+
+    model = linear_mlp_model(attn_norm)
+    metric = LogitDiff(pairs)
+    names = norm_scale_names(model) + [act_name("pattern", l) for l in range(model.cfg.n_layers)]
+    with torch.no_grad():
+        _, cc = model.run_with_cache(pairs.clean_tokens, names_filter=lambda nm: nm in names)
+        _, xc = model.run_with_cache(pairs.corrupted_tokens, names_filter=lambda nm: nm in names)
+    pins = [(nm, partial(_pin_unless_clean, ref=xc[nm], clean=cc[nm])) for nm in names]
+    with model.hooks(fwd_hooks=pins):
+        exact = exact_edge_patch(model, pairs, metric, backend="copies")
+    scale = float(exact.score.abs().max())
+    assert scale > 1e-3
+    live = exact_edge_patch(model, pairs, metric, backend="copies").merge(exact, on=["sender", "receiver"])
+    assert float((live.score_x - live.score_y).abs().max()) > 1e-4 * scale  # the pins took effect
+    for backend in ("split", "copies"):
+        est = edge_attribution(model, pairs, metric, backend=backend, norm="frozen", pattern="frozen")
+        j = est.merge(exact, on=["sender", "receiver"], suffixes=("", "_exact"))
+        assert len(j) == len(exact)
+        assert float((j.score - j.score_exact).abs().max()) <= 1e4 * EPS64 * max(scale, 1.0), backend
+
+
 def test_a_bridge_needs_tokens_to_check_its_norm_hooks():
     from interp_norm.anatomy import tiny_bridge
     from interp_norm.circuits.norm_modes import freeze_hooks
