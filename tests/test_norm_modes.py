@@ -208,3 +208,19 @@ def test_a_bridge_needs_tokens_to_check_its_norm_hooks():
 
     with pytest.raises(PatchingError, match="needs tokens"):
         freeze_hooks(tiny_bridge("gpt2"), "frozen", "live")
+
+
+def test_edge_atp_star_takes_the_modes(pairs):
+    """AtP*'s edges: the edges it does not rescore are the frozen-mode EAP edges; with frozen
+    patterns, the query/key edges keep AtP*'s exact-softmax score (EAP gives them 0)."""
+    from interp_norm.circuits import edge_attribution
+    from interp_norm.circuits.atp_star import edge_atp_star
+
+    model = make_model(2, attn_norm="qkv").double()
+    star = edge_atp_star(model, pairs, None, norm="frozen", pattern="frozen")
+    eap = edge_attribution(model, pairs, None, norm="frozen", pattern="frozen")
+    assert set(star.method) == {"atp*+frozen-norm+frozen-pattern"}
+    j = star.merge(eap, on=["sender", "receiver"])
+    qk = j.input_x.isin(["q", "k"])
+    assert (j[~qk].score_x - j[~qk].score_y).abs().max() == 0.0
+    assert j[qk].score_y.abs().max() == 0.0 and j[qk].score_x.abs().max() > 1e-6
