@@ -11,7 +11,7 @@ and QKV-Norm minus Pre-Norm on the relative error (does a norm on q, k, v make a
 less faithful?).
 
     PYTHONPATH=. python scripts/attribution_error_budget.py [--models pre pre-s1 ... qkv ... qk none]
-        [--pairs 32] [--ig-steps 8] [--out attribution_error] [--bridges gpt2 llama qwen3 olmo2 gemma4]
+        [--pairs 32] [--ig-steps 8] [--per pair|mean] [--out attribution_error] [--bridges gpt2 llama qwen3 olmo2 gemma4]
 
 Writes ``budget.csv`` (every node), ``per_checkpoint.csv``, ``over_seeds.csv`` and
 ``pre_vs_qkv.csv`` into ``--out`` and prints the last two. ``--bridges``: also tiny random
@@ -39,14 +39,14 @@ SEEDS = [f"{v}{s}" for v in ("pre", "qkv") for s in ("", "-s1", "-s2", "-s3", "-
 KEYS = ["method", "activation"]
 
 
-def run(models: list, n_pairs: int, ig_steps: int, seed: int) -> pd.DataFrame:
+def run(models: list, n_pairs: int, ig_steps: int, seed: int, per: str = "pair") -> pd.DataFrame:
     variant = list_pretrained().set_index("name")["attn_norm"]
     frames = []
     for name in models:
         model, info = load_pretrained(name)
         pairs = make_pairs(info.task, n_pairs, "id", seed=seed, aligned=True)
         t0 = time.perf_counter()
-        df = attribution_error_budget(model, pairs, LogitDiff(pairs), BudgetSpec(ig_steps=ig_steps))
+        df = attribution_error_budget(model, pairs, LogitDiff(pairs), BudgetSpec(ig_steps=ig_steps, per=per))
         print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
         frames.append(df.assign(model=name, variant=variant[name]))
     return pd.concat(frames, ignore_index=True)
@@ -118,10 +118,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("attribution_error"))
     ap.add_argument("--bridges", nargs="*", default=[])
+    ap.add_argument("--per", choices=("pair", "mean"), default="pair",
+                    help="a node's error: mean over pairs of |estimate - exact|, or |mean estimate - mean exact|")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    budget = run(args.models, args.pairs, args.ig_steps, args.seed)
+    budget = run(args.models, args.pairs, args.ig_steps, args.seed, args.per)
     pc = per_checkpoint(budget)
     seeds, diff = over_seeds(pc), pre_vs_qkv(pc)
     args.out.mkdir(parents=True, exist_ok=True)
