@@ -128,10 +128,14 @@ def test_censored_seeds_are_lower_bounds_and_can_only_refute(scripts):
     assert low["verdict"].iloc[0] == "not established"
 
 
-def test_family_is_holm_over_every_test_and_identities_leave_it(scripts):
+def test_family_is_holm_over_every_test_and_identities_leave_it(scripts, monkeypatch):
     import pandas as pd
 
     v = scripts["verdicts"]
+    peak = [c for c in v.CLAIMS if c.quantity == _PEAK][0]
+    monkeypatch.setattr(v, "CLAIMS", tuple(c if c is not peak else v.Claim(
+        c.text, c.paper, c.quantity, c.rule, c.sign, identity={"Checkpoint calibration": "QKV-cal: 0 by construction"})
+        for c in v.CLAIMS))
     frame = pd.concat([_seeds(_EXTRAP, [80, 81, 82, 83, 84, 85], [70, 71, 72, 73, 74, 75]),
                        _seeds(_NOISE, [12.1, 11.8, 12.6, 11.5, 12.3, 12.0]),
                        _seeds(_PEAK, [0.5, 0.2, 0.9, 0.1, 0.3, 0.4], [0.0] * 6, cal="paper")])
