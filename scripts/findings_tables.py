@@ -40,10 +40,16 @@ IDENTITY_NOTE = "by construction"
 START, END = "<!-- FINDINGS-TABLES:start -->", "<!-- FINDINGS-TABLES:end -->"
 
 
+def _num(x: float, digits: int = 1) -> str:
+    """``x`` rounded, without the sign of a negative value that rounds to zero ("-0.0")."""
+    s = f"{x:.{digits}f}"
+    return s[1:] if s.startswith("-") and float(s) == 0 else s
+
+
 def _ci(m: float, lo: float, hi: float, digits: int = 1) -> str:
     if pd.isna(m):
         return "—"
-    return f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]" if not pd.isna(lo) else f"{m:.{digits}f}"
+    return f"{_num(m, digits)} [{_num(lo, digits)}, {_num(hi, digits)}]" if not pd.isna(lo) else _num(m, digits)
 
 
 def _p(r: pd.Series) -> str:

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from _docs import RESULTS, replace_block
+from findings_tables import _num  # the seed tables' own number format
 
 from interp_norm.stats.inference import (holm, permutation_test, t_interval, t_test_value, tost_permutation,
                                          tost_value, welch_interval)
@@ -115,7 +116,7 @@ def _arm(values: pd.DataFrame, quantity: str, norm: str, cal: str) -> tuple[np.n
 
 
 def _ci(m: float, lo: float, hi: float) -> str:
-    return f"{m:.1f}" if math.isnan(lo) else f"{m:.1f} [{lo:.1f}, {hi:.1f}]"
+    return _num(m) if math.isnan(lo) else f"{_num(m)} [{_num(lo)}, {_num(hi)}]"
 
 
 def _two_arm_tests(claim: Claim, a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
@@ -198,7 +199,7 @@ def _p(p: float) -> str:
 
 def _evidence(r) -> str:
     if r.rule in ("order", "same"):
-        text = f"{r.arm_a} {r.mean_a:.1f} vs {r.arm_b} {r.mean_b:.1f}, A − B {_ci(r.diff, r.diff_lo, r.diff_hi)}"
+        text = f"{r.arm_a} {_num(r.mean_a)} vs {r.arm_b} {_num(r.mean_b)}, A − B {_ci(r.diff, r.diff_lo, r.diff_hi)}"
     else:
         text = _ci(r.mean_a, r.ci_lo_a, r.ci_hi_a) + (f", {r.n_censored_a} seed(s) never reached: lower bounds"
                                                        if r.n_censored_a else "")
