@@ -8,7 +8,8 @@ calibration): at each layer's input the token component (the span of the token e
 halved, and :func:`interp_norm.geometry.coupling.norm_coupling` measures each head's attention change
 (mean total variation over the query rows of ``--problems`` ID test problems) in total, through the
 direct path (norm scales held) and through the norm path alone (scales swapped), beside equal-norm
-random subspaces of the same dimension. Per checkpoint the value is the mean over heads and layers.
+random subspaces of the same dimension. Per checkpoint the value is the mean over heads and layers, in %
+(100 × total variation: the share of attention that moved).
 Arms are compared with the seed tables' statistics (Student-t intervals, exact permutation p).
 A few seconds of CPU per checkpoint.
 
@@ -47,7 +48,7 @@ def per_checkpoint(checkpoints: pd.DataFrame, problems: int) -> pd.DataFrame:
             subspace = "token component" if kind == "component" else "equal-norm random subspace"
             rows.append(dict(checkpoint=name, attn_norm=model.cfg.attn_norm, calibration=model.cfg.calibration,
                              seed=int(seed), quantity=QUANTITY.format(path=path, subspace=subspace),
-                             unit="TV", value=float(g["tv"].mean())))
+                             unit="% (TV)", value=100 * float(g["tv"].mean())))
     return pd.DataFrame(rows)
 
 
@@ -73,7 +74,7 @@ def main() -> None:
     ck = pd.read_csv(ROOT / "docs" / "data" / "checkpoints.csv")
     values = per_checkpoint(ck[ck["attn_norm"].isin(["pre", "qkv"])], args.problems)
     with pd.option_context("display.width", 220, "display.max_colwidth", 80):
-        print(compare(values).to_string(index=False, float_format=lambda x: f"{x:.4f}"))
+        print(compare(values).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     if args.write:
         values.to_csv(OUT, index=False)
 

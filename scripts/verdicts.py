@@ -24,6 +24,12 @@ Pre-Norm vs QKV-Norm, at 1/√d_head and with the paper's Checkpoint calibration
   Where seeds never reached a collapse level their values are lower bounds: only "above the margin"
   can then be shown (against), never "within" (for).
 
+The thesis (the paper's title claim: Pre-Norm couples residual components through its shared norm,
+QKV-Norm does not) is tested directly as an ``order`` claim on ``scripts/coupling_seeds.py``'s measure
+(``docs/data/coupling_values.csv``): the attention change when the token component of each layer's
+input is halved, Pre-Norm > QKV-Norm, beside the same for equal-norm random subspaces (the control: a
+difference there too says the coupling is not specific to the semantic component).
+
 No verdict rests on an interval's far end. **The family** is every test for and against of every claim
 that is not an identity; Holm's adjustment runs over it and the verdicts are decided on the adjusted
 p < :data:`ALPHA`. A comparison that holds by construction (an arm whose value is fixed by its
@@ -60,6 +66,9 @@ ABOVE_MARGIN = 0.10
 #: ``near``: "≈ v" is shown when the mean is within v ± NEAR_MARGIN·v (20% of the value).
 NEAR_MARGIN = 0.20
 _SPREAD = "norm spread (90% of attended norms within ±), layer {layer}"
+#: ``scripts/coupling_seeds.py``'s measure (docs/data/coupling_values.csv): the thesis, tested directly.
+_COUPLING = "attention moved by halving the token component (total, {subspace})"
+COUPLING = ROOT / "docs" / "data" / "coupling_values.csv"
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,7 @@ class Claim:
     # CLAIMS is one: the q/k-gain bound leaves 1 to 4 heads of every QKV-cal seed able to reach 0.99 on
     # two-key rows, so QKV-cal's 0% of rows at >= 0.99 is a measurement, not a construction.
     identity: dict = field(default_factory=dict)
+    control: str = ""  # a control measure shown beside the claim's (same test, raw p; not in the family)
 
     @property
     def margin(self) -> float:
@@ -100,6 +110,9 @@ CLAIMS = (
             group="QKV-Norm's norm spread is much wider", part=f"layer {layer}") for layer in range(3)),
     Claim("attention peaks at 1 in Pre-Norm, not QKV-Norm (rows at ≥ 0.99)", "peak / none",
           "rows with max attention ≥ 0.99, all layers", "order", +1),
+    Claim("thesis: halving the token component moves Pre-Norm's attention more (% TV)", "title claim",
+          _COUPLING.format(subspace="token component"), "order", +1,
+          control=_COUPLING.format(subspace="equal-norm random subspace")),
 )
 
 
@@ -165,8 +178,20 @@ def tests(values: pd.DataFrame) -> pd.DataFrame:
                     row["p_for"], row["p_against"] = _two_arm_tests(claim, a, b)
             elif len(a) >= MIN_SEEDS:
                 row["p_for"], row["p_against"] = _value_tests(claim, a, bool(ca.any()))
+            row["control"] = _control(values, claim, norm_a, norm_b, cal) if claim.control else ""
             rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _control(values: pd.DataFrame, claim: Claim, norm_a: str, norm_b: str, cal: str) -> str:
+    """The control measure's A vs B in words, with the claim's test in the claim's direction (raw p)."""
+    a, _ = _arm(values, claim.control, norm_a, cal)
+    b, _ = _arm(values, claim.control, norm_b, cal)
+    if min(len(a), len(b)) < MIN_SEEDS:
+        return ""
+    lo, hi = welch_interval(a, b)
+    p = _two_arm_tests(claim, a, b)[0]
+    return f"control (equal-norm random subspace): {_num(a.mean())} vs {_num(b.mean())}, A − B {_ci(a.mean() - b.mean(), lo, hi)}, raw p {_p(p)}"
 
 
 def verdicts(values: pd.DataFrame) -> pd.DataFrame:
@@ -205,7 +230,8 @@ def _evidence(r) -> str:
                                                        if r.n_censored_a else "")
     if r.identity:
         return f"{text}; {r.identity}"
-    return f"{text}, Holm p {_p(r.holm_for)} for / {_p(r.holm_against)} against"
+    control = f"; {r.control}" if r.control else ""
+    return f"{text}, Holm p {_p(r.holm_for)} for / {_p(r.holm_against)} against{control}"
 
 
 def _seeds_line(v: pd.DataFrame) -> str:
@@ -224,7 +250,7 @@ def readme_block(values: pd.DataFrame) -> str:
              "[reasoning and controls](docs/results.md#findings)). Each claim has a one-sided or equivalence test "
              "for it and one against it (rules and margins in `scripts/verdicts.py`); the verdict is decided on "
              f"Holm-adjusted p < {ALPHA} over the family of all {n_family} such tests, recomputed from the unrounded "
-             "per-seed values in `docs/data/seed_values.csv` by `python scripts/verdicts.py`. Intervals: "
+             "per-seed values in `docs/data/seed_values.csv` (the thesis row: `docs/data/coupling_values.csv`, from `scripts/coupling_seeds.py`) by `python scripts/verdicts.py`. Intervals: "
              "Student-t 95% over seeds (Welch for A − B); identities (true by construction) are outside the family:",
              "", "| paper's claim | " + " | ".join(scalings) + " |", "|---" * (len(scalings) + 1) + "|"]
     for group, g in v.groupby("group", sort=False):
@@ -246,12 +272,13 @@ def results_block(values: pd.DataFrame) -> str:
     lines = ["| paper's claim (Menary et al. 2024) | paper | scaling | seeds (A / B) | here (95% t-interval) | rule, margin "
              "| p for / against (raw) | Holm p for / against | verdict |", "|---|---|---|---|---|---|---|---|---|"]
     for r in v.itertuples():
-        here = r.evidence.split(", Holm p")[0]
+        here = r.evidence.split(", Holm p")[0] + (f"; {r.control}" if r.control else "")
         margin = "" if math.isnan(r.margin) else f", ±{r.margin:.2g}"
         lines.append(f"| {r.claim} | {r.paper} | {r.scaling} | {r.n_a} / {r.n_b} | {here} | {r.rule}{margin} | "
                      f"{_p(r.p_for)} / {_p(r.p_against)} | {_p(r.holm_for)} / {_p(r.holm_against)} | {r.verdict} |")
     return "\n".join(lines) + ("\n\nGenerated by `scripts/verdicts.py` from the unrounded per-seed values in "
-                               "`docs/data/seed_values.csv`; its docstring states the rules, the margins and the family.")
+                               "`docs/data/seed_values.csv` (the thesis: `docs/data/coupling_values.csv`); its docstring states the rules, "
+                               "the margins and the family.")
 
 
 def family_table(values: pd.DataFrame) -> pd.DataFrame:
@@ -265,7 +292,9 @@ def family_table(values: pd.DataFrame) -> pd.DataFrame:
 
 
 def load(report: str | None) -> pd.DataFrame:
-    return pd.read_csv(Path(report) / "seed_numbers.csv" if report else DATA)
+    """The per-seed values, with the coupling measure (``scripts/coupling_seeds.py --write``) when it exists."""
+    values = pd.read_csv(Path(report) / "seed_numbers.csv" if report else DATA)
+    return pd.concat([values, pd.read_csv(COUPLING)], ignore_index=True) if COUPLING.exists() else values
 
 
 def main() -> None:

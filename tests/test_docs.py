@@ -52,7 +52,7 @@ def test_verdicts_and_seed_tables_are_current(scripts):
     import pandas as pd
 
     v, ft, docs = scripts["verdicts"], scripts["findings_tables"], scripts["_docs"]
-    comp = pd.read_csv(v.DATA)
+    comp = v.load(None)
     fix = "run scripts/findings_tables.py REPORT --write, then scripts/verdicts.py --write"
     assert docs.block("VERDICTS", ROOT / "README.md") == v.readme_block(comp), fix
     assert docs.block("CLAIMS") == v.results_block(comp), fix
@@ -184,3 +184,18 @@ def test_no_dated_wording():
             for p in paths if p.is_file() and p.name != Path(__file__).name
             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if DATED.search(line)]
     assert not hits, "dated wording (write what holds now, not when it was measured):\n" + "\n".join(hits)
+
+
+def test_a_control_is_shown_beside_its_claim_and_stays_out_of_the_family(scripts):
+    import pandas as pd
+
+    v = scripts["verdicts"]
+    thesis = [c for c in v.CLAIMS if c.control][0]
+    frame = pd.concat([_seeds(thesis.quantity, [10.1, 10.9, 11.4, 10.2, 10.8, 11.0], [8.1, 8.9, 9.0, 8.4, 8.6, 9.2]),
+                       _seeds(thesis.control, [7.0, 7.2, 6.9, 7.4, 7.1, 7.3], [5.8, 5.6, 6.1, 5.9, 5.7, 6.0])])
+    fam = v.family_table(frame)
+    assert len(fam) == 2 and set(fam["test"]) == {"for", "against"}  # the control adds no member
+    r = v.verdicts(frame).iloc[0]
+    # control means 7.15 and 5.85 (both just below .x5 in binary floating point, so shown as 7.1 and 5.8)
+    assert r["verdict"] == "reproduced" and "control (equal-norm random subspace): 7.1 vs 5.8" in r["evidence"]
+    assert "raw p 0.0011" in r["evidence"]  # separated 6 + 6 seeds: 1 of 924 splits, one-sided
