@@ -99,7 +99,7 @@ _ID, _EXTRAP, _NOISE, _COLLAPSE, _PEAK = ("ID accuracy", "extrapolation accuracy
     (_ID, [85.0, 86.0, 85.5, 84.9, 85.2, 86.1], [91.1, 90.9, 91.2, 91.0, 90.8, 91.3], "not reproduced"),
     (_NOISE, [12.1, 11.8, 12.6, 11.5, 12.3, 12.0], (), "reproduced"),  # clearly above 10 − 1
     (_NOISE, [3.1, 4.2, 2.8, 3.9, 3.5, 4.1], (), "not reproduced"),
-    # the old at_least rule said "reproduced" here (the bootstrap interval's upper end reaches 10): mean 8.8
+    # a rule reading the bootstrap interval's upper end would say "reproduced" here (it reaches 10): mean 8.8
     (_NOISE, [8.0, 10.6, 6.4, 11.2, 8.1, 8.5], (), "not established"),
     (_COLLAPSE, [10.9, 11.2, 10.7, 11.4, 11.0, 10.8], (), "reproduced"),  # within 11 ± 2.2
     (_COLLAPSE, [26.0, 28.0, 25.0, 27.5, 26.5, 27.0], (), "not reproduced"),
@@ -110,11 +110,11 @@ def test_verdict_rules_on_constructed_seeds(scripts, quantity, a, b, expected):
     assert list(t["verdict"]) == [expected]
 
 
-def test_the_old_upper_end_rule_and_the_new_test_disagree_on_the_same_seeds(scripts):
+def test_an_upper_end_rule_and_the_one_sided_test_disagree_on_the_same_seeds(scripts):
     from interp_norm.stats.inference import bootstrap_mean_ci
 
     seeds = [8.0, 10.6, 6.4, 11.2, 8.1, 8.5]
-    assert bootstrap_mean_ci(seeds)[1] >= 10.0  # at_least: "reproduced"
+    assert bootstrap_mean_ci(seeds)[1] >= 10.0  # the interval's far end reaches the paper's value
     r = scripts["verdicts"].verdicts(_seeds(_NOISE, seeds)).iloc[0]
     assert r["verdict"] == "not established" and r["p_for"] > 0.5
 

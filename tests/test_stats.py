@@ -205,14 +205,14 @@ def test_t_interval_and_t_test_against_the_formula():
     assert all(math.isnan(v) for v in t_interval([1.0]))
 
 
-def test_value_claim_old_upper_end_rule_said_reproduced_the_one_sided_test_does_not():
+def test_value_claim_an_upper_end_rule_accepts_and_the_one_sided_test_does_not():
     """'costs ≳ 10 points' on seeds whose mean is 8.8: the bootstrap interval's upper end reaches 10
-    (the old at_least rule: reproduced), but the one-sided t-test cannot reject mean <= 10 − 1."""
+    (a rule reading that far end says "reproduced"), but the one-sided t-test cannot reject mean <= 10 − 1."""
     from interp_norm.stats.inference import t_test_value
 
     seeds = [8.0, 10.6, 6.4, 11.2, 8.1, 8.5]  # mean 8.8, SD 1.8, two of six seeds reach 10
     _, hi = bootstrap_mean_ci(seeds)
-    assert hi >= 10.0  # what the old rule read
+    assert hi >= 10.0  # the far end reaches the paper's value
     p = t_test_value(seeds, 9.0, alternative="greater")
     t = (np.mean(seeds) - 9.0) / (np.std(seeds, ddof=1) / math.sqrt(6))
     assert t < 0 and p > 0.5  # the mean is below 9: no evidence of "≳ 10", whatever the interval's far end

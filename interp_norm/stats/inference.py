@@ -102,6 +102,9 @@ def bootstrap_mean_ci(values: ArrayLike, *, level: float = 0.95, n_resamples: in
                       seed: int = 0) -> tuple[float, float]:
     """Percentile bootstrap interval ``(lo, hi)`` of the mean of ``values`` (see the module docstring).
 
+    Descriptive only: over a handful of seeds it undercovers, so no decision should rest on it (least of
+    all on its far end); use :func:`t_interval` and the tests below.
+
     ``(nan, nan)`` for fewer than 2 values (one seed says nothing about the spread over seeds).
     """
     v = _values(values, "values")
