@@ -20,10 +20,12 @@ reproduce: setup
 	$(VENV)/bin/interp-norm reproduce --out $(OUT) --force
 
 # Every shipped seed (issue 23): the seed tables' analyses on the seeds and calibrated models the default run skips,
-# then the tables as markdown in docs/findings-tables.md. Slower than `make reproduce` (its time is in $(OUT)-seeds/run.json).
+# then the tables as markdown in docs/findings-tables.md, the thesis measure on the 24 Pre-/QKV-Norm seeds
+# (scripts/coupling_seeds.py, about a minute) and the verdicts. Slower than `make reproduce` (its time is in $(OUT)-seeds/run.json).
 reproduce-seeds: setup
 	$(VENV)/bin/interp-norm reproduce --all-seeds --controls --out $(OUT)-seeds --force
 	$(PY) scripts/findings_tables.py $(OUT)-seeds --write > /dev/null
+	$(PY) scripts/coupling_seeds.py --write > /dev/null
 	$(PY) scripts/verdicts.py --write > /dev/null
 
 # Compare the CSV tables of two reports (e.g. before and after a change): make compare OLD=report-old NEW=report
