@@ -205,7 +205,7 @@ def score_logits(data: CircuitData, logits: Tensor) -> tuple[np.ndarray, np.ndar
     return acc.cpu().numpy(), ld.cpu().numpy()
 
 
-def evaluate(model, data: CircuitData, ablate: Tensor, sources: list[Tensor], chunk_rows: int = 4096,
+def evaluate(model, data: CircuitData, ablate: Tensor, sources: list[Tensor], *, chunk_rows: int = 4096,
              progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Accuracy and logit difference of K ablated runs, stacked ``chunk_rows`` sequences per pass."""
     per = max(1, chunk_rows // data.tokens.shape[0])
@@ -243,7 +243,7 @@ def _masks(model, data: CircuitData, cells: pd.DataFrame, keep: Sequence[Sequenc
     return m
 
 
-def cell_effects(model, data: CircuitData, sources: list[Tensor], chunk_rows: int = 4096,
+def cell_effects(model, data: CircuitData, sources: list[Tensor], *, chunk_rows: int = 4096,
                  progress: bool = False) -> pd.DataFrame:
     """Each cell's necessity: accuracy and logit difference lost when it alone is ablated."""
     cells = cell_table(model, data)
@@ -251,7 +251,7 @@ def cell_effects(model, data: CircuitData, sources: list[Tensor], chunk_rows: in
     m = torch.zeros(len(cells) + 1, L, H, S, dtype=torch.bool)
     for k, r in enumerate(cells.itertuples()):
         m[k + 1, r.layer, r.head, r.slot] = True
-    acc, ld = evaluate(model, data, m, sources, chunk_rows, progress)
+    acc, ld = evaluate(model, data, m, sources, chunk_rows=chunk_rows, progress=progress)
     out = cells.assign(accuracy_drop=acc[0] - acc[1:], logit_diff_drop=ld[0] - ld[1:])
     out = out.sort_values(["accuracy_drop", "logit_diff_drop"], ascending=False, kind="stable")
     return out.assign(rank=np.arange(1, len(out) + 1)).reset_index(drop=True)
@@ -262,26 +262,27 @@ def _target_size(curve: pd.DataFrame, target: float) -> int:
     return int(curve.loc[ok[0], "size"]) if len(ok) else int(curve["size"].max())
 
 
-def grow_ranked(model, data: CircuitData, effects: pd.DataFrame, sources: list[Tensor], chunk_rows: int = 4096,
+def grow_ranked(model, data: CircuitData, effects: pd.DataFrame, sources: list[Tensor], *, chunk_rows: int = 4096,
                 progress: bool = False) -> pd.DataFrame:
     """Size-vs-accuracy curve: the top-k cells of the necessity ranking kept, every other cell ablated."""
     keep = [range(k) for k in range(len(effects) + 1)]
-    acc, ld = evaluate(model, data, _masks(model, data, effects, keep), sources, chunk_rows, progress)
+    acc, ld = evaluate(model, data, _masks(model, data, effects, keep), sources, chunk_rows=chunk_rows, progress=progress)
     added = [None] + effects["cell"].tolist()
     return pd.DataFrame(dict(size=np.arange(len(keep)), added=added, accuracy=acc, logit_diff=ld))
 
 
-def grow_greedy(model, data: CircuitData, effects: pd.DataFrame, sources: list[Tensor], target: float,
+def grow_greedy(model, data: CircuitData, effects: pd.DataFrame, sources: list[Tensor], target: float, *,
                 chunk_rows: int = 4096, progress: bool = False) -> pd.DataFrame:
     """Size-vs-accuracy curve of greedy growth: each step keeps the cell that raises accuracy most
     (logit difference breaks ties), until ``target`` accuracy is reached or every cell is kept."""
     kept: list[int] = []
-    acc, ld = evaluate(model, data, _masks(model, data, effects, [[]]), sources, chunk_rows)
+    acc, ld = evaluate(model, data, _masks(model, data, effects, [[]]), sources, chunk_rows=chunk_rows)
     rows = [dict(size=0, added=None, accuracy=acc[0], logit_diff=ld[0])]
     left = list(range(len(effects)))
     bar = tqdm(total=len(left), disable=not progress, desc="greedy growth", leave=False)
     while left and rows[-1]["accuracy"] < target:
-        acc, ld = evaluate(model, data, _masks(model, data, effects, [kept + [c] for c in left]), sources, chunk_rows)
+        masks = _masks(model, data, effects, [kept + [c] for c in left])
+        acc, ld = evaluate(model, data, masks, sources, chunk_rows=chunk_rows)
         best = int(np.lexsort((-ld, -acc))[0])
         kept.append(left.pop(best))
         rows.append(dict(size=len(kept), added=effects["cell"].iloc[kept[-1]], accuracy=acc[best], logit_diff=ld[best]))
@@ -332,7 +333,7 @@ class LocatedCircuit:
 
 
 def verify(model, data: CircuitData, cells: pd.DataFrame, all_cells: pd.DataFrame,
-           ablations: Sequence[str] = ABLATIONS, chunk_rows: int = 4096) -> pd.DataFrame:
+           ablations: Sequence[str] = ABLATIONS, *, chunk_rows: int = 4096) -> pd.DataFrame:
     """Per ablation: accuracy and logit difference of the full model, of the circuit (every other cell
     ablated) and of no cell kept; the share of accuracy kept (circuit / full), the share recovered
     (circuit - none) / (full - none), and logit-difference faithfulness, the same ratio of logit differences."""
@@ -343,7 +344,7 @@ def verify(model, data: CircuitData, cells: pd.DataFrame, all_cells: pd.DataFram
     for ab in ablations:
         src = ablation_sources(model, data, ab)
         m = _masks(model, data, all_cells.reset_index(drop=True), [kept, []])
-        acc, ld = evaluate(model, data, torch.cat([torch.zeros_like(m[:1]), m]), src, chunk_rows)
+        acc, ld = evaluate(model, data, torch.cat([torch.zeros_like(m[:1]), m]), src, chunk_rows=chunk_rows)
         rows.append(dict(
             ablation=ab, cells=len(kept), n_cells=len(all_cells), share_of_cells=len(kept) / len(all_cells),
             accuracy_full=acc[0], accuracy_circuit=acc[1], accuracy_none=acc[2], accuracy_kept=acc[1] / acc[0],
@@ -369,14 +370,14 @@ def locate_circuit(model, task=None, *, spec: Optional[CircuitSpec] = None,
         problems = task.sample_problems(spec.n, spec.split, seed=spec.seed)
     data = circuit_data(problems, seed=spec.seed + 1, position_key=spec.position_key)
     src = ablation_sources(model, data, spec.ablation)
-    effects = cell_effects(model, data, src, spec.chunk_rows, spec.progress)
+    effects = cell_effects(model, data, src, chunk_rows=spec.chunk_rows, progress=spec.progress)
     full, _ = evaluate(model, data, torch.zeros(1, model.cfg.n_layers, model.cfg.n_heads, len(data.slots),
                                                 dtype=torch.bool), src)
     target = spec.keep * float(full[0])
     if spec.grow == "ranked":
-        curve = grow_ranked(model, data, effects, src, spec.chunk_rows, spec.progress)
+        curve = grow_ranked(model, data, effects, src, chunk_rows=spec.chunk_rows, progress=spec.progress)
     else:
-        curve = grow_greedy(model, data, effects, src, target, spec.chunk_rows, spec.progress)
+        curve = grow_greedy(model, data, effects, src, target, chunk_rows=spec.chunk_rows, progress=spec.progress)
     curve = curve.assign(share_of_cells=curve["size"] / len(effects), accuracy_kept=curve["accuracy"] / full[0])
     size = _target_size(curve, target)
     cells = effects.set_index("cell").loc[curve["added"].iloc[1 : size + 1]].reset_index()
