@@ -253,3 +253,21 @@ def test_bad_grain_and_rule_are_typed_errors(model, problems):
         assign_roles(attention_by_class(model, data), RoleRule(dominant=0.0))
     with pytest.raises(PatchingError, match="position_key"):
         circuit_data(problems[:2], position_key="row")
+
+
+def test_cli_cells_writes_the_tables_and_the_account(tmp_path, capsys):
+    from interp_norm.training.checkpoints import save_checkpoint
+    from tests._models import run_cli
+
+    ckpt = save_checkpoint(make_model(seed=0), tmp_path / "tiny", task=TASK)
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(capsys, "circuits", ckpt, "--cells", "--out", out, "--n-examples", "6", "--no-progress")
+    assert code == 0, err
+    for k in ("effects", "curve", "verification", "roles", "attention"):
+        assert not pd.read_csv(out / f"addition_{k}.csv").empty
+    assert {"cell", "role", "accuracy_drop"} <= set(pd.read_csv(out / "addition_circuit.csv").columns)
+    assert (out / "addition_account.txt").read_text().startswith("tiny: the circuit is")
+    ver = pd.read_csv(out / "addition_verification.csv")
+    assert list(ver["ablation"]) == ["resample", "mean", "zero"]
+    code, _, err = run_cli(capsys, "circuits", ckpt, "--cells", "--out", out, "--n-examples", "6")
+    assert code != 0 and "--force" in err
