@@ -14,7 +14,8 @@ ablated by replacing its ``z`` rows with
 The circuit is grown from the ranking of single-cell necessity (the accuracy lost when that cell
 alone is ablated; logit difference breaks ties), or greedily (each step adds the cell that raises the
 ablated model's accuracy most), until the model with every other cell ablated keeps ``keep`` (90%)
-of the full model's per-token accuracy (the paper's metric, section 3). The logit difference is
+of the full model's per-token accuracy (Menary et al. 2024, §3: the answer digits and the closing ``]``,
+teacher-forced). The logit difference is
 logit(clean next token) - logit(resample source's next token), at answer rows where they differ;
 it is the same rows for every ablation, so faithfulness is comparable across them.
 Roles and the plain-words account are in :mod:`~interp_norm.circuits.circuit_roles`.
