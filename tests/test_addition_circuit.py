@@ -237,6 +237,11 @@ def test_one_call_tables_and_account(model):
     assert out["account"].startswith("tiny: the circuit is")
     assert all(isinstance(out[k], pd.DataFrame) for k in out if k != "account")
     assert out["circuit"]["role"].notna().all()
+    counts = out["role_counts"]
+    assert counts["cells"].sum() == len(out["circuit"])
+    for r in counts.itertuples():
+        c = out["circuit"]
+        assert ((c["position"] == r.position) & (c["layer"] == r.layer) & (c["role"] == r.role)).sum() == r.cells
 
 
 @pytest.mark.parametrize("bad", [dict(keep=1.5), dict(ablation="noise"), dict(grow="random"), dict(n=0)])
@@ -263,7 +268,7 @@ def test_cli_cells_writes_the_tables_and_the_account(tmp_path, capsys):
     out = tmp_path / "out"
     code, stdout, err = run_cli(capsys, "circuits", ckpt, "--cells", "--out", out, "--n-examples", "6", "--no-progress")
     assert code == 0, err
-    for k in ("effects", "curve", "verification", "roles", "attention"):
+    for k in ("effects", "curve", "verification", "roles", "attention"):  # role_counts may be empty
         assert not pd.read_csv(out / f"addition_{k}.csv").empty
     assert {"cell", "role", "accuracy_drop"} <= set(pd.read_csv(out / "addition_circuit.csv").columns)
     assert (out / "addition_account.txt").read_text().startswith("tiny: the circuit is")

@@ -127,6 +127,15 @@ def circuit_roles(located: LocatedCircuit, roles: pd.DataFrame) -> pd.DataFrame:
     return located.cells.merge(roles, on=["layer", "head", "position"], how="left")
 
 
+def role_counts(circuit: pd.DataFrame) -> pd.DataFrame:
+    """How many circuit cells hold each role, per answer position and layer (what can be compared across
+    seeds and norms, where head indices mean nothing)."""
+    cols = ["position", "layer", "role"]
+    if circuit.empty:
+        return pd.DataFrame(columns=cols + ["cells"])
+    return circuit.groupby(cols, sort=False).size().rename("cells").reset_index()
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
@@ -161,15 +170,15 @@ def addition_circuit(model, task=None, *, spec: Optional[CircuitSpec] = None, ru
                      grain: str = "place", name: Optional[str] = None) -> dict:
     """One call: locate the circuit and explain it. Returns the tables ``circuit`` (cells with roles),
     ``effects``, ``curve``, ``verification``, ``attention`` (mass per token class), ``roles`` (every
-    cell) and the ``account`` (a string)."""
+    cell), ``role_counts`` (circuit cells per answer position, layer and role) and the ``account`` (a string)."""
     located = locate_circuit(model, task, spec=spec)
     masses = attention_by_class(model, located.data, grain)
     roles = assign_roles(masses, rule)
     label = name or getattr(model, "name", None) or "the model"
-    return dict(circuit=circuit_roles(located, roles), effects=located.effects, curve=located.curve,
-                verification=located.verification, attention=masses, roles=roles,
-                account=account(located, roles, label))
+    circuit = circuit_roles(located, roles)
+    return dict(circuit=circuit, effects=located.effects, curve=located.curve, verification=located.verification,
+                attention=masses, roles=roles, role_counts=role_counts(circuit), account=account(located, roles, label))
 
 
 __all__ = ["GRAINS", "RoleRule", "account", "addition_circuit", "assign_roles", "attention_by_class",
-           "circuit_roles", "is_digit_class", "token_class"]
+           "circuit_roles", "is_digit_class", "role_counts", "token_class"]

@@ -297,7 +297,7 @@ def _addition_circuit(job: Job) -> Tables:
     res = addition_circuit(job.model, job.task, spec=CircuitSpec(n=s.addition_circuit_problems, seed=s.seed,
                                                                   progress=job.progress), name=job.name)
     res["account"] = pd.DataFrame([dict(account=res["account"])])
-    for key in ("circuit", "curve", "verification", "roles", "account"):
+    for key in ("circuit", "curve", "verification", "roles", "role_counts", "account"):
         yield f"addition_{key}", job.front(res[key].copy(), variant=job.label, checkpoint=job.name)
 
 
