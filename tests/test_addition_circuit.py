@@ -268,11 +268,59 @@ def test_cli_cells_writes_the_tables_and_the_account(tmp_path, capsys):
     out = tmp_path / "out"
     code, stdout, err = run_cli(capsys, "circuits", ckpt, "--cells", "--out", out, "--n-examples", "6", "--no-progress")
     assert code == 0, err
-    for k in ("effects", "curve", "verification", "roles", "attention"):  # role_counts may be empty
+    for k in ("effects", "curve", "verification", "roles", "attention"):  # the others may be empty
         assert not pd.read_csv(out / f"addition_{k}.csv").empty
     assert {"cell", "role", "accuracy_drop"} <= set(pd.read_csv(out / "addition_circuit.csv").columns)
+    assert (out / "addition_role_tests.csv").exists() and (out / "addition_role_agreement.csv").exists()
     assert (out / "addition_account.txt").read_text().startswith("tiny: the circuit is")
     ver = pd.read_csv(out / "addition_verification.csv")
     assert list(ver["ablation"]) == ["resample", "mean", "zero"]
     code, _, err = run_cli(capsys, "circuits", ckpt, "--cells", "--out", out, "--n-examples", "6")
     assert code != 0 and "--force" in err
+
+
+@pytest.mark.parametrize("attn_norm", ["pre", "qkv"])
+def test_class_patch_equals_explicit_value_swap(problems, attn_norm):
+    """The cell's output recomputed key by key with the class's values taken from the source run."""
+    from interp_norm.circuits.addition_circuit import class_ids
+    from interp_norm.circuits.role_tests import class_patched_logits
+    from interp_norm.core.task import encode
+
+    model = make_model(seed=1, attn_norm=attn_norm)
+    data = circuit_data(problems[:4], seed=1)
+    ids, names = class_ids(data, "place")
+    layer, head, slot = 1, 2, data.slots.index("units")
+    pick = [names.index("units digits"), names.index("earlier answer")]
+    got, shift = class_patched_logits(model, data, layer, head, slot, torch.stack([ids == i for i in pick]))
+    vname = "blocks.1.attn.hook_v" + ("_normed" if attn_norm == "qkv" else "")
+    for c, cls in enumerate(pick):
+        for b, (p, q) in enumerate(zip(data.problems, data.source_problems)):
+            with torch.no_grad():
+                _, clean = model.run_with_cache(encode(p.text)[None])
+                _, src = model.run_with_cache(encode(q.text)[None])
+            rows = [pos for pos, name in answer_rows(p.text) if name == "units"]
+
+            def write(z, hook):
+                for qpos in rows:
+                    new = torch.zeros_like(z[0, qpos, head])
+                    for k in range(qpos + 1):
+                        v = src[vname][0, k, head] if ids[b, k] == cls else clean[vname][0, k, head]
+                        new += clean["blocks.1.attn.hook_pattern"][0, head, qpos, k] * v
+                    z[0, qpos, head] = new
+                return z
+
+            with torch.no_grad():
+                want = model.run_with_hooks(encode(p.text)[None], fwd_hooks=[("blocks.1.attn.hook_z", write)])[0]
+            n = len(p.text)
+            assert torch.allclose(got[c, b, :n], want, atol=ATOL), (attn_norm, names[cls], b)
+    assert (shift > 0).all()
+
+
+def test_role_predictions_name_the_classes():
+    from interp_norm.circuits.role_tests import _predicted
+
+    names = ["[", "tens digits", "units digits", "operators", "operand signs", "=", "earlier answer", "]"]
+    assert _predicted("reads = and earlier answer", names) == ["=", "earlier answer"]
+    assert _predicted("reads tens digits", names) == ["tens digits"]
+    assert _predicted("reads operand digits", names) == ["tens digits", "units digits"]
+    assert _predicted("spread (most on =)", names) == []

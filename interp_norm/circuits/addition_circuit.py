@@ -143,6 +143,42 @@ def circuit_data(problems: Sequence[T.Problem], seed: int = 0, position_key: str
     return CircuitData(tokens, source, slot, slots, problems, sources, roles)
 
 
+# ----------------------------------------------------------------------------- token classes
+
+GRAINS = ("place", "term")
+_FIXED = {"bos": "[", "sign": "operand signs", "operator": "operators", "eq": "=",
+          "answer": "earlier answer", "answer_sign": "earlier answer", "eos": "]"}
+
+
+def token_class(role: dict, grain: str = "place") -> str:
+    """The class of one key (a :func:`~interp_norm.circuits.attention_maps.token_roles` entry)."""
+    if role["role"] != "operand":
+        return _FIXED[role["role"]]
+    if grain == "term":
+        return f"term {role['term']} {place_name(role['place'])}"
+    return f"{place_name(role['place'])} digits"
+
+
+def is_digit_class(name: str) -> bool:
+    return name.endswith(" digits") or name.startswith("term ")
+
+
+def class_ids(data: "CircuitData", grain: str = "place") -> tuple[torch.Tensor, list[str]]:
+    """Per key [batch, pos] the index of its token class in the returned names (-1 for padding)."""
+    if grain not in GRAINS:
+        raise PatchingError(f"grain must be one of {GRAINS}, got {grain!r}")
+    names: list[str] = []
+    ids = torch.full(data.tokens.shape, -1, dtype=torch.long)
+    for b, roles in enumerate(data.key_roles):
+        for k, r in enumerate(roles):
+            c = token_class(r, grain)
+            if c not in names:
+                names.append(c)
+            ids[b, k] = names.index(c)
+    return ids, names
+
+
+
 # ----------------------------------------------------------------------------- ablated runs
 
 
@@ -203,7 +239,7 @@ def score_logits(data: CircuitData, logits: Tensor) -> tuple[np.ndarray, np.ndar
     lg = logits.gather(-1, nxt.expand(logits.shape[0], -1, -1).unsqueeze(-1)).squeeze(-1)
     lw = logits.gather(-1, alt.expand(logits.shape[0], -1, -1).unsqueeze(-1)).squeeze(-1)
     ld = ((lg - lw) * differ).flatten(1).sum(-1).double() / differ.sum().clamp(min=1)
-    return acc.cpu().numpy(), ld.cpu().numpy()
+    return acc.detach().cpu().numpy(), ld.detach().cpu().numpy()
 
 
 def evaluate(model, data: CircuitData, ablate: Tensor, sources: list[Tensor], *, chunk_rows: int = 4096,
@@ -388,7 +424,7 @@ def locate_circuit(model, task=None, *, spec: Optional[CircuitSpec] = None,
 
 
 __all__ = [
-    "ABLATIONS", "CircuitData", "CircuitSpec", "LocatedCircuit", "ablated_logits", "ablation_sources",
+    "ABLATIONS", "GRAINS", "CircuitData", "class_ids", "is_digit_class", "token_class", "CircuitSpec", "LocatedCircuit", "ablated_logits", "ablation_sources",
     "cell_effects", "cell_table", "circuit_data", "evaluate", "grow_greedy", "grow_ranked", "locate_circuit",
     "place_name", "resample_problems", "score_logits", "slot_order", "verify",
 ]

@@ -23,48 +23,25 @@ import pandas as pd
 import torch
 
 from interp_norm.circuits._types import device, require_eval
-from interp_norm.circuits.addition_circuit import CircuitData, CircuitSpec, LocatedCircuit, locate_circuit, place_name
+from interp_norm.circuits.addition_circuit import (
+    GRAINS,
+    CircuitData,
+    CircuitSpec,
+    LocatedCircuit,
+    class_ids,
+    is_digit_class,
+    locate_circuit,
+    token_class,
+)
 from interp_norm.core.hook_names import act_name
 from interp_norm.errors import PatchingError
-
-GRAINS = ("place", "term")
-_FIXED = {"bos": "[", "sign": "operand signs", "operator": "operators", "eq": "=",
-          "answer": "earlier answer", "answer_sign": "earlier answer", "eos": "]"}
-
-
-def token_class(role: dict, grain: str = "place") -> str:
-    """The class of one key (a :func:`~interp_norm.circuits.attention_maps.token_roles` entry)."""
-    if role["role"] != "operand":
-        return _FIXED[role["role"]]
-    if grain == "term":
-        return f"term {role['term']} {place_name(role['place'])}"
-    return f"{place_name(role['place'])} digits"
-
-
-def is_digit_class(name: str) -> bool:
-    return name.endswith(" digits") or name.startswith("term ")
-
-
-def _class_ids(data: CircuitData, grain: str) -> tuple[torch.Tensor, list[str]]:
-    if grain not in GRAINS:
-        raise PatchingError(f"grain must be one of {GRAINS}, got {grain!r}")
-    names: list[str] = []
-    ids = torch.full(data.tokens.shape, -1, dtype=torch.long)
-    for b, roles in enumerate(data.key_roles):
-        for k, r in enumerate(roles):
-            c = token_class(r, grain)
-            if c not in names:
-                names.append(c)
-            ids[b, k] = names.index(c)
-    return ids, names
-
 
 @torch.no_grad()
 def attention_by_class(model, data: CircuitData, grain: str = "place") -> pd.DataFrame:
     """Mean attention mass per (layer, head, answer position, token class) over that position's rows."""
     require_eval(model)
     dev = device(model)
-    ids, names = _class_ids(data, grain)
+    ids, names = class_ids(data, grain)
     keys = torch.nn.functional.one_hot(ids.clamp(min=0), len(names)).float() * (ids >= 0).unsqueeze(-1)
     slot = data.slot
     rows = torch.nn.functional.one_hot(slot.clamp(min=0), len(data.slots)).float() * (slot >= 0).unsqueeze(-1)
@@ -167,17 +144,25 @@ def account(located: LocatedCircuit, roles: pd.DataFrame, name: str = "the model
 
 
 def addition_circuit(model, task=None, *, spec: Optional[CircuitSpec] = None, rule: Optional[RoleRule] = None,
-                     grain: str = "place", name: Optional[str] = None) -> dict:
+                     grain: str = "place", name: Optional[str] = None, test_roles: bool = False) -> dict:
     """One call: locate the circuit and explain it. Returns the tables ``circuit`` (cells with roles),
     ``effects``, ``curve``, ``verification``, ``attention`` (mass per token class), ``roles`` (every
-    cell), ``role_counts`` (circuit cells per answer position, layer and role) and the ``account`` (a string)."""
+    cell), ``role_counts`` (circuit cells per answer position, layer and role) and the ``account`` (a string);
+    ``test_roles=True`` adds ``role_tests`` and ``role_agreement``
+    (:mod:`~interp_norm.circuits.role_tests`: about as long again as locating the circuit)."""
     located = locate_circuit(model, task, spec=spec)
     masses = attention_by_class(model, located.data, grain)
     roles = assign_roles(masses, rule)
     label = name or getattr(model, "name", None) or "the model"
     circuit = circuit_roles(located, roles)
-    return dict(circuit=circuit, effects=located.effects, curve=located.curve, verification=located.verification,
-                attention=masses, roles=roles, role_counts=role_counts(circuit), account=account(located, roles, label))
+    out = dict(circuit=circuit, effects=located.effects, curve=located.curve, verification=located.verification,
+               attention=masses, roles=roles, role_counts=role_counts(circuit), account=account(located, roles, label))
+    if test_roles:
+        from interp_norm.circuits.role_tests import role_agreement, role_tests
+
+        out["role_tests"] = role_tests(model, located, circuit, grain)
+        out["role_agreement"] = role_agreement(out["role_tests"])
+    return out
 
 
 __all__ = ["GRAINS", "RoleRule", "account", "addition_circuit", "assign_roles", "attention_by_class",

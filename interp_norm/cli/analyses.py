@@ -82,9 +82,10 @@ def _circuits_args(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("the addition circuit by cells (--cells)")
     c.add_argument("--cells", action="store_true",
                    help="instead of the patching tables: locate the addition circuit at (layer, head, answer "
-                        "position) by ablating every other cell, give each cell a role from its attention, and write "
-                        "addition_{circuit,effects,curve,verification,roles,attention}.csv and addition_account.txt "
-                        "(--n-examples problems)")
+                        "position) by ablating every other cell, give each cell a role from its attention, test the roles "
+                        "by resampling what each cell reads from one token class, and write addition_{circuit,effects,"
+                        "curve,verification,roles,role_counts,attention,role_tests,role_agreement}.csv and "
+                        "addition_account.txt (--n-examples problems)")
     c.add_argument("--keep", type=nonnegative_float, default=0.9,
                    help="share of the full model's per-token accuracy the circuit must keep (default: 0.9)")
     c.add_argument("--grow", choices=["ranked", "greedy"], default="ranked",
@@ -140,7 +141,7 @@ def _circuits_cells(args: argparse.Namespace) -> int:
     spec = CircuitSpec(n=args.n_examples, split=args.split, seed=args.seed, keep=args.keep, grow=args.grow,
                        progress=not args.no_progress)
     name = Path(str(args.ckpt).rstrip("/")).name
-    tables = addition_circuit(model, info.task, spec=spec, name=name)
+    tables = addition_circuit(model, info.task, spec=spec, name=name, test_roles=True)
     account = tables.pop("account")
     write_tables(out, {f"addition_{k}": v for k, v in tables.items()})
     write_text_atomic(out / "addition_account.txt", account + "\n")
