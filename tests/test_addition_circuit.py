@@ -324,3 +324,20 @@ def test_role_predictions_name_the_classes():
     assert _predicted("reads tens digits", names) == ["tens digits"]
     assert _predicted("reads operand digits", names) == ["tens digits", "units digits"]
     assert _predicted("spread (most on =)", names) == []
+
+
+def test_role_agreement_reads_the_test_table():
+    from interp_norm.circuits.role_tests import TEST_COLUMNS, role_agreement
+
+    rows = [  # cell a: role right; b: role wrong; c: spread; d: reads a constant
+        ("a", "reads =", "=", True, 1.0, 0.5), ("a", "reads =", "]", False, 1.0, 0.1),
+        ("b", "reads ]", "=", False, 1.0, 0.3), ("b", "reads ]", "]", True, 1.0, 0.1),
+        ("c", "spread (most on =)", "=", False, 1.0, 0.2), ("c", "spread (most on =)", "]", False, 1.0, -0.2),
+        ("d", "reads =", "=", True, 0.0, 0.0), ("d", "reads =", "]", False, 1.0, 0.4),
+    ]
+    t = pd.DataFrame([dict(zip(TEST_COLUMNS, (c, 0, 0, "units", r, k, p, s, 0.0, d))) for c, r, k, p, s, d in rows])
+    got = role_agreement(t).set_index("cell")
+    assert got.loc["a", "agrees"] is True and got.loc["a", "causal_share"] == pytest.approx(0.5 / 0.6)
+    assert got.loc["b", "agrees"] is False and got.loc["b", "most_causal_class"] == "="
+    assert got.loc["c", "agrees"] is None and got.loc["c", "causal_share"] == pytest.approx(1.0)
+    assert got.loc["d", "agrees"] is None and not got.loc["d", "testable"]

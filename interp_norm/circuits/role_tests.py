@@ -86,19 +86,21 @@ def role_tests(model, located: LocatedCircuit, circuit: pd.DataFrame, grain: str
 
 
 def role_agreement(tests: pd.DataFrame) -> pd.DataFrame:
-    """Per cell whose role predicts classes: the class whose resampling costs the most logit difference,
-    and whether the role predicted it. ``testable`` is False where the predicted classes' values are the
-    same in both runs (``=`` and ``[`` in layer 0: a role read from a constant), so resampling cannot move them."""
+    """Per cell: the class whose resampling costs the most logit difference, its share of the positive
+    costs (``causal_share``), and whether the role predicted it (``agrees``; None for a *spread* role, or
+    where the predicted classes' values are the same in both runs -- ``=`` and ``[`` in layer 0, a role
+    read from a constant -- so resampling cannot move them: ``testable`` False)."""
+    cols = ["cell", "role", "most_causal_class", "logit_diff_drop", "causal_share", "testable", "agrees"]
     out = []
     for cell, g in tests.groupby("cell", sort=False):
-        if not g["predicted"].any():
-            continue
         top = g.loc[g["logit_diff_drop"].idxmax()]
+        positive = g["logit_diff_drop"].clip(lower=0).sum()
         testable = bool((g.loc[g["predicted"], "value_shift"] > 0).any())
         out.append(dict(cell=cell, role=top["role"], most_causal_class=top["token_class"],
-                        logit_diff_drop=top["logit_diff_drop"], testable=testable,
-                        agrees=bool(top["predicted"]) if testable else None))
-    return pd.DataFrame(out, columns=["cell", "role", "most_causal_class", "logit_diff_drop", "testable", "agrees"])
+                        logit_diff_drop=top["logit_diff_drop"],
+                        causal_share=float(max(top["logit_diff_drop"], 0) / positive) if positive > 0 else float("nan"),
+                        testable=testable, agrees=bool(top["predicted"]) if testable else None))
+    return pd.DataFrame(out, columns=cols)
 
 
 __all__ = ["class_patched_logits", "role_agreement", "role_tests"]
