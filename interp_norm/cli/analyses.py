@@ -46,6 +46,7 @@ LEVELS_HELP = HELP["levels"]
 
 CIRCUIT_FILES = ("*.csv", "circuit.html", "circuit.json")
 BENCHMARK_FILES = ("benchmark.csv", "mib_curve.csv", "mib_summary.csv", "faithfulness.html")
+CELL_FILES = ("addition_*.csv", "addition_account.txt")
 
 
 def _circuits_args(p: argparse.ArgumentParser) -> None:
@@ -78,6 +79,17 @@ def _circuits_args(p: argparse.ArgumentParser) -> None:
                    help="discovery methods to score")
     b.add_argument("--threshold", type=nonnegative_float, default=0.05,
                    help="selection threshold, as a fraction of the clean-corrupted metric gap")
+    c = p.add_argument_group("the addition circuit by cells (--cells)")
+    c.add_argument("--cells", action="store_true",
+                   help="instead of the patching tables: locate the addition circuit at (layer, head, answer "
+                        "position) by ablating every other cell, give each cell a role from its attention, test the roles "
+                        "by resampling what each cell reads from one token class, and write addition_{circuit,effects,"
+                        "curve,verification,roles,role_counts,attention,role_tests,role_agreement}.csv and "
+                        "addition_account.txt (--n-examples problems)")
+    c.add_argument("--keep", type=nonnegative_float, default=0.9,
+                   help="share of the full model's per-token accuracy the circuit must keep (default: 0.9)")
+    c.add_argument("--grow", choices=["ranked", "greedy"], default="ranked",
+                   help="grow the circuit in the order of single-cell necessity, or greedily (slower)")
     add_heavy(p)
 
 
@@ -94,6 +106,8 @@ def _circuits(args: argparse.Namespace) -> int:
             raise ConfigError(f"--benchmark runs the ground-truth suite, not a checkpoint; drop {args.ckpt!r} "
                               "or drop --benchmark")
         return _circuits_benchmark(args)
+    if args.ckpt is not None and args.cells:
+        return _circuits_cells(args)
     if args.ckpt is None:
         raise ConfigError("give a checkpoint (see 'interp-norm list'), or --benchmark for the ground-truth suite")
     from interp_norm.circuits import run_circuits
@@ -111,6 +125,28 @@ def _circuits(args: argparse.Namespace) -> int:
     print(f"wrote {len(tables)} tables, circuit.html and circuit.json to {out}")
     print(f"circuit: {len(tables['circuit'])} edges; share of {args.metric} it recovers: "
           + ", ".join(f"{a} {as_percent(v)}" for a, v in zip(f["ablation"], f["faithfulness"])))
+    return 0
+
+
+def _circuits_cells(args: argparse.Namespace) -> int:
+    """The addition circuit by cells: its tables and the plain-words account."""
+    from interp_norm.circuits.addition_circuit import CircuitSpec
+    from interp_norm.circuits.circuit_roles import addition_circuit
+    from interp_norm.training.devices import resolve_device
+    from interp_norm.training.io import write_tables, write_text_atomic
+
+    out = prepare_out(args.out, CELL_FILES, args.force)
+    resolve_device(args.device)
+    model, info = load_ours(args.ckpt, "circuits", device=args.device)
+    spec = CircuitSpec(n=args.n_examples, split=args.split, seed=args.seed, keep=args.keep, grow=args.grow,
+                       progress=not args.no_progress)
+    name = Path(str(args.ckpt).rstrip("/")).name
+    tables = addition_circuit(model, info.task, spec=spec, name=name, test_roles=True)
+    account = tables.pop("account")
+    write_tables(out, {f"addition_{k}": v for k, v in tables.items()})
+    write_text_atomic(out / "addition_account.txt", account + "\n")
+    print(f"wrote {len(tables)} addition_*.csv tables and addition_account.txt to {out}")
+    print(account)
     return 0
 
 
