@@ -30,6 +30,14 @@ QKV-Norm does not) is tested directly as an ``order`` claim on ``scripts/couplin
 input is halved, Pre-Norm > QKV-Norm, beside the same for equal-norm random subspaces (the control: a
 difference there too says the coupling is not specific to the semantic component).
 
+A claim may carry a **robustness check**: another measure of the same claim under a different model
+choice, tested by the claim's own rule and shown beside it with its raw p, **outside the family** (it
+decides nothing). The noise cost carries the shared-κ variant: one κ per (example, position, layer) for
+every head and for q, k and v (``NormNoise(shared=True)``, the paper's picture of interference through
+the one shared norm) instead of an independent κ per head and vector, beside the per-head cost on the
+same problems and κ streams (the noise decomposition, ``reproduce --controls``;
+``scripts/noise_model_seeds.py`` recomputes both).
+
 No verdict rests on an interval's far end. **The family** is every test for and against of every claim
 that is not an identity; Holm's adjustment runs over it and the verdicts are decided on the adjusted
 p < :data:`ALPHA`. A comparison that holds by construction (an arm whose value is fixed by its
@@ -67,6 +75,9 @@ ABOVE_MARGIN = 0.10
 NEAR_MARGIN = 0.20
 _SPREAD = "norm spread (90% of attended norms within ±), layer {layer}"
 #: ``scripts/coupling_seeds.py``'s measure (docs/data/coupling_values.csv): the thesis, tested directly.
+_DECOMPOSITION = "accuracy lost to 1% noise on q, k and v{how} (decomposition)"
+_SHARED = _DECOMPOSITION.format(how=" with one κ per token shared across heads")
+_PER_HEAD = _DECOMPOSITION.format(how="")
 _COUPLING = "attention moved by halving the token component (total, {subspace})"
 COUPLING = ROOT / "docs" / "data" / "coupling_values.csv"
 
@@ -88,6 +99,8 @@ class Claim:
     # two-key rows, so QKV-cal's 0% of rows at >= 0.99 is a measurement, not a construction.
     identity: dict = field(default_factory=dict)
     control: str = ""  # a control measure shown beside the claim's (same test, raw p; not in the family)
+    robustness: tuple[str, str, str] = ()  # (label, measure, the per-head measure on the same draws): a
+    # robustness check, tested by the claim's own rule and shown with raw p, outside the family
 
     @property
     def margin(self) -> float:
@@ -100,7 +113,8 @@ CLAIMS = (
     Claim("QKV-Norm interpolates worse", "87.5 vs 82.5%", "interpolation accuracy", "order", +1),
     Claim("QKV-Norm extrapolates worse", "66.7 vs 46.8%", "extrapolation accuracy", "order", +1),
     Claim("1% norm noise costs Pre-Norm ≳ 10 points", "≳ 10",
-          "accuracy lost to 1% noise (all rows, before any norm)", "above", value=10.0),
+          "accuracy lost to 1% noise (all rows, before any norm)", "above", value=10.0,
+          robustness=("one κ per token shared across heads", _SHARED, _PER_HEAD)),
     Claim("1% of Pre-Norm's sparse rows collapse at 11% noise (loose)", "11%",
           "1% loose collapse level, per-layer protocol", "near", value=11.0),
     *(Claim(f"Pre-Norm: 90% of attended norms within ±20%, layer {layer}", "±20%", _SPREAD.format(layer=layer),
@@ -179,6 +193,7 @@ def tests(values: pd.DataFrame) -> pd.DataFrame:
             elif len(a) >= MIN_SEEDS:
                 row["p_for"], row["p_against"] = _value_tests(claim, a, bool(ca.any()))
             row["control"] = _control(values, claim, norm_a, norm_b, cal) if claim.control else ""
+            row["robustness"] = _robustness(values, claim, norm_a, norm_b, cal) if claim.robustness else ""
             rows.append(row)
     return pd.DataFrame(rows)
 
@@ -192,6 +207,28 @@ def _control(values: pd.DataFrame, claim: Claim, norm_a: str, norm_b: str, cal: 
     lo, hi = welch_interval(a, b)
     p = _two_arm_tests(claim, a, b)[0]
     return f"control (equal-norm random subspace): {_num(a.mean())} vs {_num(b.mean())}, A − B {_ci(a.mean() - b.mean(), lo, hi)}, raw p {_p(p)}"
+
+
+def _robustness(values: pd.DataFrame, claim: Claim, norm_a: str, norm_b: str, cal: str) -> str:
+    """The robustness measure in words, tested by the claim's rule (raw p, outside the family), beside the
+    per-head measure on the same problems and κ streams."""
+    label, quantity, per_head = claim.robustness
+    a, _ = _arm(values, quantity, norm_a, cal)
+    ref, _ = _arm(values, per_head, norm_a, cal)
+    if len(a) < MIN_SEEDS:
+        return ""
+    if claim.rule in ("order", "same"):
+        b, _ = _arm(values, quantity, norm_b, cal)
+        if len(b) < MIN_SEEDS:
+            return ""
+        p_for, p_against = _two_arm_tests(claim, a, b)
+        text = f"{_num(a.mean())} vs {_num(b.mean())}, A − B {_ci(a.mean() - b.mean(), *welch_interval(a, b))}"
+    else:
+        p_for, p_against = _value_tests(claim, a, False)
+        text = _ci(a.mean(), *t_interval(a))
+    beside = f" (κ per head on the same draws: {_num(ref.mean())})" if len(ref) else ""
+    return (f"robustness check, outside the family ({label}): {text}{beside}, "
+            f"raw p {_p(p_for)} for / {_p(p_against)} against")
 
 
 def verdicts(values: pd.DataFrame) -> pd.DataFrame:
@@ -230,7 +267,7 @@ def _evidence(r) -> str:
                                                        if r.n_censored_a else "")
     if r.identity:
         return f"{text}; {r.identity}"
-    control = f"; {r.control}" if r.control else ""
+    control = "".join(f"; {x}" for x in (r.control, r.robustness) if x)
     return f"{text}, Holm p {_p(r.holm_for)} for / {_p(r.holm_against)} against{control}"
 
 
@@ -272,7 +309,7 @@ def results_block(values: pd.DataFrame) -> str:
     lines = ["| paper's claim (Menary et al. 2024) | paper | scaling | seeds (A / B) | here (95% t-interval) | rule, margin "
              "| p for / against (raw) | Holm p for / against | verdict |", "|---|---|---|---|---|---|---|---|---|"]
     for r in v.itertuples():
-        here = r.evidence.split(", Holm p")[0] + (f"; {r.control}" if r.control else "")
+        here = r.evidence.split(", Holm p")[0] + "".join(f"; {x}" for x in (r.control, r.robustness) if x)
         margin = "" if math.isnan(r.margin) else f", ±{r.margin:.2g}"
         lines.append(f"| {r.claim} | {r.paper} | {r.scaling} | {r.n_a} / {r.n_b} | {here} | {r.rule}{margin} | "
                      f"{_p(r.p_for)} / {_p(r.p_against)} | {_p(r.holm_for)} / {_p(r.holm_against)} | {r.verdict} |")
