@@ -109,3 +109,30 @@ def test_beside_levels_counts_heads_above_each_level():
 def test_bad_options_raise_a_typed_error(kw):
     with pytest.raises(NoiseSpecError):
         norm_variation(make_model(attn_norm="pre"), _tokens(4), **kw)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_a_bridge_is_measured_through_its_anatomy(arch):
+    """On a TransformerBridge the q/k/v hooks and layouts come from the anatomy; the norms, medians and κ
+    are checked by an explicit loop over the cached tensors, and k has the key/value heads."""
+    from interp_norm.anatomy import anatomy, canonical, tiny_bridge
+
+    bridge = tiny_bridge(arch)
+    tokens = torch.randint(0, bridge.cfg.d_vocab, (3, 10), generator=torch.Generator().manual_seed(0))
+    df = norm_variation(bridge, tokens)
+    an = anatomy(bridge)
+    la = an.layers[0]
+    assert set(df["site"]) == ({"before_norm", "after_norm"} if la.norms.get("q") is not None else {"before_norm"})
+    assert (df[(df["vector"] == "k") & (df["layer"] == 0)]["head"].nunique()) == la.n_kv_heads
+    with pytest.raises(NoiseSpecError):
+        norm_variation(bridge, tokens, positions="answer")
+    _, cache = bridge.run_with_cache(tokens)
+    for r in df.sample(6, random_state=1).itertuples():
+        lay = an.layers[r.layer]
+        key = r.vector if r.site == "before_norm" else f"{r.vector}_normed"
+        heads = lay.n_heads if r.vector == "q" else lay.n_kv_heads
+        x = canonical(cache[lay.hooks[key]], lay.layouts[key], heads, lay.d_head)[:, :, r.head].double()
+        norms = np.array([math.sqrt(float((x[b, p] ** 2).sum())) for b in range(3) for p in range(10)])
+        median = float(np.sort(norms)[14] + np.sort(norms)[15]) / 2
+        assert r.n_tokens == 30 and r.typical_norm == pytest.approx(median, rel=1e-12)
+        assert r.kappa_rms == pytest.approx(math.sqrt(float(np.mean((norms / median - 1) ** 2))), rel=1e-9, abs=1e-12)

@@ -8,7 +8,9 @@ i.e. the (1+κ) that would turn the head's typical norm into this token's norm. 
 per-head norm (QK-/QKV-Norm) it is measured twice: ``site="before_norm"`` on the projection's output
 (``hook_q``; the place the noise experiments put κ by default) and ``site="after_norm"`` on what the
 scores and values use (:func:`~interp_norm.core.hook_names.used_name`). Pre-Norm and No-Norm heads
-have one site, ``before_norm`` (nothing sits between W_Q and the scores).
+have one site, ``before_norm`` (nothing sits between W_Q and the scores). Where the hooks sit comes from
+the model's :func:`~interp_norm.anatomy.anatomy`, so a TransformerLens bridge (Qwen3's QK-Norm, Gemma 4's
+QKV-Norm, ...) is measured the same way, over every position of its text.
 
 Choices (parameters): the typical norm is the **median** over tokens (robust to the few BOS-like
 outliers; ``centre="mean"`` for the mean); the tokens are every non-padding position of the problems
@@ -26,7 +28,7 @@ per (token, head, vector) is not.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -34,12 +36,12 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from interp_norm.anatomy import anatomy, canonical, kind_of
 from interp_norm.core import task as T
-from interp_norm.core.defaults import DEFAULT_NOISE_LEVELS
-from interp_norm.core.hook_names import act_name, is_normalised, used_name
+from interp_norm.core.defaults import DEFAULT_NOISE_LEVELS, VARIANT_LABELS
 from interp_norm.core.model import HookedNormTransformer
 from interp_norm.core.task import AdditionTask, Batch
-from interp_norm.errors import NoiseSpecError
+from interp_norm.errors import ConfigError, NoiseSpecError
 from interp_norm.noise import _validate as V
 
 #: Quantiles of κ̂ reported per head.
@@ -63,19 +65,32 @@ def _choice(value: str, choices: tuple[str, ...], name: str) -> str:
     return value
 
 
-def _sites(attn_norm: str, target: str, layer: int) -> list[tuple[str, str]]:
-    """(site label, hook name) of ``target`` in ``layer``: before the norm, and after it where there is one."""
-    out = [("before_norm", act_name(target, layer))]
-    if is_normalised(attn_norm, target):
-        out.append(("after_norm", used_name(attn_norm, target, layer)))
+def _sites(la) -> list[tuple[str, str, str, str]]:
+    """(vector, site label, hook name, layout) of one layer's q, k, v, from its anatomy: the projection's
+    output, and the per-head norm's output where the layer has one."""
+    out = []
+    for t in ("q", "k", "v"):
+        out.append((t, "before_norm", la.hooks[t], la.layouts[t]))
+        if la.norms.get(t) is not None and la.hooks.get(f"{t}_normed"):
+            out.append((t, "after_norm", la.hooks[f"{t}_normed"], la.layouts[f"{t}_normed"]))
     return out
 
 
-def _token_mask(tokens: Tensor, positions: str) -> Tensor:
-    """Bool [batch, pos]: the positions whose norms are counted."""
+def _tokens_and_mask(model, tokens, positions: str) -> tuple[Tensor, Tensor]:
+    """The tokens to run and Bool [batch, pos], the positions whose norms are counted: ours, the
+    addition problems without padding (or their answer positions); a bridge, every position of the text."""
+    if kind_of(model) != "bridge":
+        V.check_model(model)
+        tokens = V.trimmed_tokens(tokens, model)
+        mask = T.answer_mask(tokens.cpu()) if positions == "answer" else tokens.cpu() != T.PAD_ID
+        return tokens, mask
     if positions == "answer":
-        return T.answer_mask(tokens.cpu())
-    return tokens.cpu() != T.PAD_ID
+        raise NoiseSpecError("positions='answer' needs the addition task's problems; use positions='all' on text")
+    if isinstance(tokens, Batch):
+        tokens = tokens.tokens
+    if not isinstance(tokens, Tensor) or tokens.ndim != 2:
+        raise ConfigError("tokens must be a Batch or a [batch, pos] token tensor")
+    return tokens, torch.ones(tokens.shape, dtype=torch.bool)
 
 
 def _head_row(norms: np.ndarray, centre: str, quantiles: tuple[float, ...]) -> dict:
@@ -89,9 +104,8 @@ def _head_row(norms: np.ndarray, centre: str, quantiles: tuple[float, ...]) -> d
     return row
 
 
-@torch.no_grad()
 def norm_variation(
-    model: HookedNormTransformer,
+    model: Any,
     tokens: Int[Tensor, "batch pos"] | Batch,
     *,
     quantiles: Sequence[float] = QUANTILES,
@@ -104,27 +118,31 @@ def norm_variation(
     Columns: ``variant``, ``attn_norm``, ``layer``, ``head``, ``vector`` (q/k/v), ``site``
     (before_norm / after_norm), ``n_tokens``, ``typical_norm``, ``kappa_rms``, ``kappa_qNN`` per
     quantile, ``matching_level`` (= ``kappa_rms``: the uniform noise level with the same RMS) and
-    ``level_p90`` (the uniform level with the same central 90% width). Module docstring: the choices.
+    ``level_p90`` (the uniform level with the same central 90% width). Any model the anatomy knows (ours or
+    a TransformerLens bridge; on a bridge k and v have the key/value heads, and every position counts).
+    Module docstring: the choices.
     """
-    cfg = V.check_model(model)
     qs = _check_quantiles(quantiles)
     _choice(positions, POSITIONS, "positions")
     _choice(centre, CENTRES, "centre")
-    tokens = V.trimmed_tokens(tokens, model)
-    mask = _token_mask(tokens, positions)
+    tokens, mask = _tokens_and_mask(model, tokens, positions)
     if not mask.any():
         raise NoiseSpecError("no token positions to measure; pass problems with answers or positions='all'")
-    sites = {(l, t): _sites(cfg.attn_norm, t, l) for l in range(cfg.n_layers) for t in ("q", "k", "v")}
-    names = {name for s in sites.values() for _, name in s}
-    _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
+    an = anatomy(model)
+    sites = [(la, *site) for la in an.layers for site in _sites(la)]
+    names = {name for _, _, _, name, _ in sites}
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
+    attn_norm = an.layers[0].placement if an.layers else ""
+    label = variant if variant is not None else VARIANT_LABELS.get(attn_norm, attn_norm)
     rows = []
-    for (layer, target), pairs in sites.items():
-        for site, name in pairs:
-            norms = cache[name].double().norm(dim=-1).cpu()[mask]  # [tokens, head]
-            for head in range(cfg.n_heads):
-                rows.append(dict(variant=V.variant_label(cfg, variant), attn_norm=cfg.attn_norm, layer=layer,
-                                 head=head, vector=target, site=site,
-                                 **_head_row(norms[:, head].numpy(), centre, qs)))
+    for la, target, site, name, layout in sites:
+        heads = la.n_heads if target == "q" else la.n_kv_heads
+        x = canonical(cache[name], layout, heads, la.d_head)  # [b, p, head, d_head]
+        norms = x.double().norm(dim=-1).cpu()[mask]  # [tokens, head]
+        for head in range(heads):
+            rows.append(dict(variant=label, attn_norm=attn_norm, layer=la.layer, head=head, vector=target, site=site,
+                             **_head_row(norms[:, head].numpy(), centre, qs)))
     return pd.DataFrame(rows)
 
 
