@@ -21,7 +21,7 @@ propagates; a Ctrl-C that arrives while a step updates the weights is held back 
 is complete, so the checkpoint is always a step boundary.
 
 Run folder layout: ``out_dir/step-XXXXXXXX/`` checkpoints and ``out_dir/LATEST`` (see
-:mod:`interp_norm.training.checkpoints`); ``load_checkpoint(out_dir)`` loads the newest.
+:mod:`interp_norm.training.checkpoints`); ``interp_norm.load(out_dir)`` loads the newest.
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ def _train(
     schedule_total = total  # the cosine schedule's length, fixed when the run starts
 
     if resume and saved_path is not None:
-        saved_model, info = C.load_checkpoint(saved_path)
+        saved_model, info = C._load_checkpoint(saved_path)
         _check_resume_compatible(info, model_cfg, task, train_cfg)
         state = C.load_train_state(saved_path)
         if state.get("version") != TRAIN_STATE_VERSION:
