@@ -184,12 +184,10 @@ def test_kind_refuses_the_other_kind_before_loading(tmp_path):
 
 def test_capabilities_follow_the_kind():
     """What the engines may assume: the full hook vocabulary only for ours, a Hugging Face original
-    only for a bridge, neither for a plain HookedTransformer (hooks only)."""
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
-
+    only for a bridge, neither for any other module (hooks only)."""
     from interp_norm.anatomy import capabilities, tiny_bridge
 
-    plain = HookedTransformer(HookedTransformerConfig(n_layers=1, d_model=8, n_ctx=4, d_head=4, d_vocab=5, act_fn="relu"))
+    plain = torch.nn.Linear(2, 2)
     got = {name: (c.full_vocabulary, c.hf_original) for name, c in
            (("ours", capabilities(make_model())), ("bridge", capabilities(tiny_bridge("gpt2"))), ("plain", capabilities(plain)))}
     assert got == {"ours": (True, False), "bridge": (False, True), "plain": (False, False)}

@@ -228,9 +228,8 @@ def load_with_info(spec: str | os.PathLike, *, device: str = "cpu", dtype: torch
     if kind is not None and found != kind:
         raise CheckpointError(_wrong_kind(text, where, found))
     if found == "interp_norm":
-        loaded = C._load_ours(where, device=device)
-        check_ours(text, dtype, device_map)
-        return loaded
+        check_ours(text, dtype, device_map)  # before reading any weights
+        return C._load_ours(where, device=device)
     model = _load_hf_model(where, dtype=dtype, device=device, device_map=device_map,
                           name=None if Path(text).exists() else text)
     hf = getattr(model, "original_model", None)
