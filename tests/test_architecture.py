@@ -11,8 +11,9 @@ The layers are the package's folders, lowest first (CONTRIBUTING.md explains the
 The package root holds only ``__init__`` (the public entry points) and ``errors`` (the typed errors
 every layer raises). A module may import its own layer and the layers below it, never a layer
 above; the module graph has no cycles; no analysis or face spells a hook name by hand (they ask
-``interp_norm.core.hook_names``). The imports are read from the source (``ast``), function-local
-imports included.
+``interp_norm.core.hook_names``); a model's kind is asked only in ``anatomy/`` and the per-analysis
+dispatch points listed here (everything else asks ``anatomy.capabilities``). The imports and calls are
+read from the source (``ast``), function-local imports included.
 """
 
 from __future__ import annotations
