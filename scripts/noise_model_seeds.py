@@ -36,11 +36,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from interp_norm import load
 from interp_norm.noise.decomposition import run_noise_decomposition
 from interp_norm.noise.norm_variation import norm_variation
 from interp_norm.stats.inference import permutation_test, t_interval, welch_interval
 from interp_norm.stats.seed_compare import PAIRS
-from interp_norm.training.checkpoints import load_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "data" / "noise_model_values.csv"
@@ -53,7 +53,7 @@ SITES = {"before_norm": "before any per-head norm", "after_norm": "after the per
 
 def measure(name: str, problems: int, examples: int) -> list[dict]:
     """The per-checkpoint values (quantity, unit, value) of one checkpoint."""
-    model, _ = load_checkpoint(ROOT / "data" / "checkpoints" / name)
+    model = load(ROOT / "data" / "checkpoints" / name)
     rows = []
     tokens = model.task.test_set("id", size=problems, seed=0).tokens
     for positions, label in POSITIONS.items():

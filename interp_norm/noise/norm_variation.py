@@ -36,7 +36,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from interp_norm.anatomy import anatomy, canonical, kind_of
+from interp_norm.anatomy import anatomy, canonical, capabilities
 from interp_norm.core import task as T
 from interp_norm.core.defaults import DEFAULT_NOISE_LEVELS, VARIANT_LABELS
 from interp_norm.core.model import HookedNormTransformer
@@ -78,8 +78,9 @@ def _sites(la) -> list[tuple[str, str, str, str]]:
 
 def _tokens_and_mask(model, tokens, positions: str) -> tuple[Tensor, Tensor]:
     """The tokens to run and Bool [batch, pos], the positions whose norms are counted: ours, the
-    addition problems without padding (or their answer positions); a bridge, every position of the text."""
-    if kind_of(model) != "bridge":
+    addition problems without padding (or their answer positions); any other model (a bridge), every
+    position of the text."""
+    if capabilities(model).full_vocabulary:  # ours: the model knows the addition task's padding
         V.check_model(model)
         tokens = V.trimmed_tokens(tokens, model)
         mask = T.answer_mask(tokens.cpu()) if positions == "answer" else tokens.cpu() != T.PAD_ID
