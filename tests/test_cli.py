@@ -147,6 +147,18 @@ def test_train_maps_options_and_resumes(tmp_path, capsys):
     assert_one_line_error(code, err, "interp-norm train: error:", "cannot resume", "--attn-norm")
 
 
+def test_resume_without_a_run_is_an_error_that_creates_nothing(tmp_path, capsys):
+    """A mistyped --out with --resume must not start a fresh default run."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("not a run")
+    for out in (tmp_path / "missing", empty):
+        before = sorted(tmp_path.rglob("*"))
+        code, _, err = run(capsys, "train", "--out", str(out), "--resume", "--model-preset", "tiny", "--no-progress")
+        assert_one_line_error(code, err, "interp-norm train: error:", str(out), "LATEST", "drop --resume")
+        assert sorted(tmp_path.rglob("*")) == before  # nothing created
+
+
 def test_commands_can_be_registered_and_library_errors_are_caught(capsys):
     def hello_args(p):
         p.add_argument("--name", default="world")

@@ -60,7 +60,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 def _train(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from interp_norm.training.checkpoints import latest_checkpoint, read_checkpoint_info
+    from interp_norm.errors import CheckpointNotFoundError
+    from interp_norm.training.checkpoints import LATEST, latest_checkpoint, read_checkpoint_info
     from interp_norm.training.io import ensure_writable_dir
     from interp_norm.core.model import ModelConfig
     from interp_norm.core.task import AdditionTask
@@ -70,7 +71,11 @@ def _train(args: argparse.Namespace) -> int:
     # --resume without options continues with the saved ones; options given here must agree
     # with them (train() says which differ), except those that cannot change the weights.
     saved = None
-    if args.resume and Path(args.out).is_dir() and latest_checkpoint(args.out) is not None:
+    if args.resume:
+        if not Path(args.out).is_dir() or latest_checkpoint(args.out) is None:
+            raise CheckpointNotFoundError(
+                f"--resume: no training run in {args.out} (looked for {Path(args.out) / LATEST}, the pointer to "
+                f"its last checkpoint); check the path, or drop --resume to start a fresh run")
         saved = read_checkpoint_info(args.out, verify=False)
     reuse = saved is not None and args.preset is None
     preset = args.preset or "cpu"
