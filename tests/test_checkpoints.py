@@ -330,7 +330,7 @@ def test_pretrained_lookup_and_listing(tmp_path, monkeypatch):
 
 def test_default_data_dir_is_the_repository_data_folder(monkeypatch):
     monkeypatch.delenv("INTERP_NORM_DATA", raising=False)
-    assert C.data_dir() == C.Path(C.__file__).resolve().parent.parent / "data"
+    assert C.data_dir() == C.Path(C.__file__).resolve().parents[2] / "data"  # interp_norm/training/checkpoints.py
 
 
 def test_reproduce_defaults_to_the_reference_set(tmp_path, monkeypatch):

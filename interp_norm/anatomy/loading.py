@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from interp_norm.training.checkpoint_format import folder_kind
-from interp_norm.errors import ArchitectureError, CheckpointError, CheckpointNotFoundError, ConfigError
+from interp_norm.errors import ArchitectureError, CheckpointError, CheckpointNotFoundError, ConfigError, NoTokenizerWarning
 
 
 def _hub_cache_dir() -> Optional[str]:
@@ -86,7 +87,16 @@ def load_hf_model(folder: str | os.PathLike, *, dtype: torch.dtype | str = torch
             tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
         except Exception as e:
             raise CheckpointError(f"{str(folder)!r} holds tokenizer files that transformers cannot read: {e}") from None
-    return bridge_from_hf(model, tokenizer=tokenizer, name=name or str(folder))
+    bridge = bridge_from_hf(model, tokenizer=tokenizer, name=name or str(folder))
+    if tokenizer is None:  # runs on token ids only: say so once, and make text methods say the fix
+        from interp_norm.anatomy.text import refuse_text_without_tokenizer
+
+        warnings.warn(NoTokenizerWarning(
+            f"{name or str(folder)!r} has no tokenizer (no tokenizer files beside the weights): it runs on token ids "
+            "only, to_tokens raises and text analyses use random token ids; copy tokenizer.json / "
+            "tokenizer_config.json into the folder to work with text"), stacklevel=3)
+        refuse_text_without_tokenizer(bridge)
+    return bridge
 
 
 def _hf_snapshot(name: str, cache_dir: Optional[str]) -> Optional[Path]:

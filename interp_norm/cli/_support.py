@@ -13,6 +13,7 @@ import argparse
 import difflib
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
@@ -232,7 +233,7 @@ def load_model_spec(spec: str, device: str = "cpu", dtype: Optional[str] = None,
     from interp_norm.anatomy.loading import check_ours, folder_kind
     from interp_norm.anatomy.loading import load as load_model
     from interp_norm.training.checkpoints import load_any
-    from interp_norm.errors import CheckpointNotFoundError
+    from interp_norm.errors import CheckpointNotFoundError, NoTokenizerWarning
 
     dtype = dtype or "float32"
 
@@ -249,7 +250,9 @@ def load_model_spec(spec: str, device: str = "cpu", dtype: Optional[str] = None,
             return ours()
         except CheckpointNotFoundError:
             pass  # load_model tries the Hugging Face cache and names both failures
-    model = load_model(spec, device=device, dtype=dtype, device_map=device_map)
+    with warnings.catch_warnings():  # each analysis says what it does without a tokenizer, for its own flags
+        warnings.simplefilter("ignore", NoTokenizerWarning)
+        model = load_model(spec, device=device, dtype=dtype, device_map=device_map)
     return (model, None) if is_hf(model) else ours()
 
 
@@ -317,7 +320,8 @@ def looks_hf(spec: str) -> bool:
 
 
 def real_model_tables(models: dict, args: argparse.Namespace) -> dict:
-    """``real_layers`` (per layer of each HF model: norm spread, sparse fraction ...) and
+    """``real_layers`` (per layer of each HF model: norm spread, sparse fraction ..., ``input``: "text" or
+    "random token ids" for a model without a tokenizer) and
     ``real_anatomy`` (its attention anatomy), for the dashboard's real-model section."""
     import pandas as pd
 
@@ -326,7 +330,9 @@ def real_model_tables(models: dict, args: argparse.Namespace) -> dict:
     layers, anat = [], []
     for name, model in models.items():
         res = run_geometry(model, tokens=hf_tokens(model, args), progress=not args.no_progress)
-        layers.append(geometry_summary(res).assign(model=name))
+        # what the windows were: the dashboard must not call random ids text
+        source = "text" if getattr(model, "tokenizer", None) is not None else "random token ids"
+        layers.append(geometry_summary(res).assign(model=name, input=source))
         anat.append(res["anatomy"].assign(model=name))
     return {"real_layers": pd.concat(layers, ignore_index=True), "real_anatomy": pd.concat(anat, ignore_index=True)}
 
