@@ -93,6 +93,7 @@ def test_cache_before_unembed_equals_run_with_cache_without_unembedding(arch):
         assert torch.equal(got[n], ref[n]), n
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("arch", EXACT)
 def test_collapse_in_blocks_of_windows_is_the_one_pass_table(arch):
     from interp_norm.noise import bridge_collapse
@@ -109,6 +110,7 @@ def test_collapse_in_blocks_of_windows_is_the_one_pass_table(arch):
                                   bridge_collapse(model, tokens, (0.1, 0.3), layers=[1, 0], **kw))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("arch", EXACT)
 def test_geometry_in_blocks_of_windows_is_the_one_pass_result(arch):
     from interp_norm.geometry import run_geometry
@@ -263,6 +265,7 @@ def _block_cache(model, tokens, names, wb):
     return {n: torch.cat([p[n] for p in parts]) for n in wanted}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("arch", ALL)
 def test_blocked_geometry_equals_the_whole_batch_analyses(arch, monkeypatch):
     """Geometry a block of windows at a time == the public analyses (norm_spread, max_attention,
@@ -306,6 +309,7 @@ def test_blocked_geometry_equals_the_whole_batch_analyses(arch, monkeypatch):
             pd.testing.assert_frame_equal(got["ellipsoid_membership"], ref, check_exact=False, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("arch", ALL)
 @pytest.mark.parametrize("placement", ["before_norm", "after_norm"])
 def test_blocked_collapse_equals_one_pass_over_the_same_hooks(arch, placement, monkeypatch):
