@@ -206,7 +206,7 @@ def test_ctrl_c_says_what_the_subcommand_leaves(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("interp_norm.training.train.train", interrupt)
     code, _, err = run_cli(capsys, "reproduce", "pre", "--out", tmp_path / "a" / "b")
     assert code == 130 and err.startswith("interp-norm reproduce: interrupted") and "--resume" not in err
-    assert "run it again" in err
+    assert "run the same command again, without --force" in err  # finished checkpoints are kept
     assert not (tmp_path / "a").exists()  # the folders made for --out are gone again
     code, _, err = run_cli(capsys, "train", "--out", tmp_path / "run", "--model-preset", "tiny", "--no-progress")
     assert code == 130 and err.startswith("interp-norm train: interrupted") and "--resume" in err
