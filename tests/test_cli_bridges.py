@@ -43,6 +43,10 @@ def test_geometry_on_a_save_pretrained_folder(hf_folder, tmp_path, capsys):
     code, out, err = run_cli(capsys, "geometry", hf_folder, "--out", tmp_path / "g", "--windows", "2", "--n-ctx", "9",
                          "--no-progress")
     assert code == 0, err
+    assert "Loading weights" not in err  # --no-progress hides transformers' bar too ...
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()  # ... for that command only
     mem = pd.read_csv(tmp_path / "g" / "geometry_ellipsoid_membership.csv")
     assert {"q_norm", "k_norm", "residual"} <= set(mem["role"])
     assert mem["max_abs_err"].max() < 1e-5

@@ -164,6 +164,24 @@ def _did_you_mean(message: str, args: argparse.Namespace) -> str:
 
 
 @contextlib.contextmanager
+def _quiet_loading(args: argparse.Namespace) -> Iterator[None]:
+    """--no-progress also hides transformers' "Loading weights" bar (Hugging Face models), for this
+    run only. (Every heavy command imports transformers anyway: TransformerLens builds on it.)"""
+    if not getattr(args, "no_progress", False):
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
 def _threads(args: argparse.Namespace) -> Iterator[None]:
     """--threads for the whole run (restored after it); ``train`` records and sets its own."""
     n = getattr(args, "threads", None)
@@ -196,7 +214,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning(prog, flags, warnings.showwarning)
         try:
-            with _threads(args):
+            with _threads(args), _quiet_loading(args):
                 code = int(args._run(args) or 0)
             return code
         except InterpNormError as e:
