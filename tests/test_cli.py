@@ -346,6 +346,10 @@ def test_out_is_a_folder_and_results_are_not_overwritten_without_force(ckpt, tmp
     assert code == 0, err
     df = pd.read_csv(out / "noise_accuracy.csv")
     assert sorted(set(df["level"])) == [0.0, 0.1]
+    header, *rows = stdout.splitlines()[:-1]
+    at = header.split().index("level")
+    assert header.split()[0] == "model" and rows[0].split()[0] == ckpt.name  # whose numbers, as percentages
+    assert {r.split()[at] for r in rows} == {"0.00%", "10.00%"}
 
 
 def test_collapse_writes_the_reports_table_names_and_explains_missing_levels(ckpt, tmp_path, capsys):
@@ -371,8 +375,8 @@ def test_threshold_display_says_why_a_level_is_missing():
     th = pd.DataFrame([dict(variant="Pre-Norm", layer=l, definition="loose", target=0.01, level_measured=v,
                             level_predicted=v) for l, v in ((0, np.nan), (1, np.nan), (2, 0.075), (3, np.nan))])
     shown, notes = S.threshold_display(th, curves)
-    assert list(shown["level_measured"]) == ["> 0.5", "< 0.05", 0.075, "no rows"]
-    assert list(shown["level_predicted"]) == ["> 0.5", "< 0.05", 0.075, "no rows"]
+    assert list(shown["level_measured"]) == ["> 50.00%", "< 5.00%", "7.50%", "no rows"]  # levels as percentages
+    assert list(shown["level_predicted"]) == ["> 50.00%", "< 5.00%", "7.50%", "no rows"]
     assert len(notes) == 3 and "no attention row" in notes[0] and "never reached" in notes[1]
     assert "already above" in notes[2]
     assert th["level_measured"].isna().sum() == 3  # the table itself is unchanged

@@ -198,11 +198,14 @@ def threshold_display(thresholds: Any, curves: Any) -> tuple[Any, list[str]]:
                 show.at[i, col] = "no rows"
                 used.add("none")
             elif (g[src] < row["target"]).all():
-                show.at[i, col] = f"> {g['level'].max():g}"
+                show.at[i, col] = f"> {as_percent(g['level'].max())}"
                 used.add(">")
             elif g[src].iloc[0] >= row["target"]:
-                show.at[i, col] = f"< {g['level'].min():g}"
+                show.at[i, col] = f"< {as_percent(g['level'].min())}"
                 used.add("<")
+    for col in ("level_measured", "level_predicted"):  # levels are fractions: percentages, like the target
+        if col in cols:
+            show[col] = show[col].map(as_percent)
     from interp_norm.core.defaults import SPARSE_THRESHOLD
 
     notes = []
@@ -348,7 +351,8 @@ MODEL_HELP = (CKPT_HELP[:-1] + "), or a Hugging Face model: a local save_pretrai
 
 #: Printed columns that hold fractions (shown as percentages; the CSVs keep fractions).
 PERCENT_COLUMNS = re.compile(r"^(.*_acc|per_token_acc.*|accuracy|exact_match|agreement|within_tol|frac_.*|"
-                             r"faithfulness|target|se|agreement_se)$")
+                             r"faithfulness|target|se|agreement_se|level|level_measured|level_predicted|"
+                             r"mean_spread|max_spread)$")
 
 
 def as_percent(value: Any) -> Any:
@@ -360,6 +364,19 @@ def as_percent(value: Any) -> Any:
     if math.isnan(v):
         return value
     return f"{v:.2f}%" if v == 0 or abs(v) >= 0.01 else f"{v:.2g}%"
+
+
+def with_model(df: Any, spec: Any) -> Any:
+    """``df`` with a first ``model`` column naming the model (a folder by its name, a step folder by its
+    run's), unless it already names it: every one-line table says whose numbers it shows."""
+    if "model" in df.columns or "checkpoint" in df.columns:
+        return df
+    path = Path(str(spec))
+    name = str(spec)
+    if path.exists():
+        path = path.resolve()
+        name = path.parent.name if path.name.startswith("step-") else path.name
+    return df.assign(model=name)[["model", *df.columns]]
 
 
 def percent_table(df: Any) -> str:

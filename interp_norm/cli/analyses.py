@@ -35,6 +35,7 @@ from interp_norm.cli._support import (
     positive_int,
     prepare_out,
     threshold_display,
+    with_model,
 )
 from interp_norm.cli._grammar import HELP
 from interp_norm.core.defaults import DISTRIBUTIONS, PLACEMENTS
@@ -109,7 +110,7 @@ def _circuits(args: argparse.Namespace) -> int:
     write_circuit_tables(out, tables, model.cfg.n_layers, model.cfg.n_heads, name=Path(str(args.ckpt).rstrip("/")).name)
     f = tables["faithfulness"]
     print(f"wrote {len(tables)} tables, circuit.html and circuit.json to {out}")
-    print(f"circuit: {len(tables['circuit'])} edges; share of {args.metric} it recovers: "
+    print(f"circuit of {Path(str(args.ckpt).rstrip('/')).name}: {len(tables['circuit'])} edges; share of {args.metric} it recovers: "
           + ", ".join(f"{a} {as_percent(v)}" for a, v in zip(f["ablation"], f["faithfulness"])))
     return 0
 
@@ -200,14 +201,14 @@ def _noise(args: argparse.Namespace) -> int:
                             distribution=args.distribution, seed=args.seed, batch_size=args.batch_size,
                             progress=not args.no_progress)
         write_csv(out / "noise_accuracy.csv", df)
-        print(percent_table(df))
+        print(percent_table(with_model(df, args.ckpt)))
         print(f"wrote {out / 'noise_accuracy.csv'}")
         return 0
     df = run_noise(model, info.task, args.levels, split=args.split, n_datasets=args.n_datasets,
                    n_examples=args.n_examples, placement=args.placement, distribution=args.distribution,
                    seed=args.seed, progress=not args.no_progress)
     write_csv(out / "noise_accuracy.csv", df)
-    print(percent_table(df))
+    print(percent_table(with_model(df, args.ckpt)))
     print(f"wrote {out / 'noise_accuracy.csv'}")
     return 0
 
@@ -258,7 +259,7 @@ def _collapse(args: argparse.Namespace) -> int:
     write_csv(out / COLLAPSE_FILES[1], thresholds)
     shown, notes = threshold_display(thresholds, curves)
     print("noise level at which 1% of sparse attention rows collapse:")
-    print(percent_table(shown))
+    print(percent_table(with_model(shown, args.ckpt)))
     for note in notes:
         print(note)
     print(f"wrote {out / COLLAPSE_FILES[0]} and {out / COLLAPSE_FILES[1]}")
@@ -309,6 +310,6 @@ def _geometry(args: argparse.Namespace) -> int:
         results = run_geometry(model, info.task, n=args.n_examples, split=args.split, seed=args.seed,
                                progress=not args.no_progress)
     write_tables(out, {f"geometry_{name}": df for name, df in results.items()})
-    print(percent_table(geometry_summary(results, per_layer=False)))
+    print(percent_table(with_model(geometry_summary(results, per_layer=False), args.ckpt)))
     print(f"wrote {len(results)} tables geometry_*.csv to {out}")
     return 0
