@@ -37,7 +37,8 @@ def _files(path: Any) -> list:
 def fingerprint(info: Any, settings: Any, todo: Any, analysed: bool) -> str:
     """What decides a checkpoint's tables, as a canonical string."""
     facts = dict(path=str(getattr(info, "path", "")), step=getattr(info, "step", None), files=_files(getattr(info, "path", None)),
-                 settings=settings.as_dict() if hasattr(settings, "as_dict") else repr(settings),
+                 settings=({k: v for k, v in settings.as_dict().items() if k != "workers"}  # changes no table
+                           if hasattr(settings, "as_dict") else repr(settings)),
                  analyses=sorted(todo), analysed=bool(analysed))
     return json.dumps(facts, sort_keys=True, default=repr)
 
