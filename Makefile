@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 OUT ?= report
 
-.PHONY: setup reproduce reproduce-seeds compare test test-numerics browser bench notebooks tutorials-html
+.PHONY: setup reproduce reproduce-seeds compare lint test test-numerics browser bench notebooks tutorials-html
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -20,10 +20,12 @@ reproduce: setup
 	$(VENV)/bin/interp-norm reproduce --out $(OUT) --force
 
 # Every shipped seed (issue 23): the seed tables' analyses on the seeds and calibrated models the default run skips,
-# then the tables as markdown in docs/findings-tables.md. Slower than `make reproduce` (its time is in $(OUT)-seeds/run.json).
+# then the tables as markdown in docs/findings-tables.md, the thesis measure on the 24 Pre-/QKV-Norm seeds
+# (scripts/coupling_seeds.py, about a minute) and the verdicts. Slower than `make reproduce` (its time is in $(OUT)-seeds/run.json).
 reproduce-seeds: setup
 	$(VENV)/bin/interp-norm reproduce --all-seeds --controls --out $(OUT)-seeds --force
 	$(PY) scripts/findings_tables.py $(OUT)-seeds --write > /dev/null
+	$(PY) scripts/coupling_seeds.py --write > /dev/null
 	$(PY) scripts/verdicts.py --write > /dev/null
 
 # Compare the CSV tables of two reports (e.g. before and after a change): make compare OLD=report-old NEW=report
@@ -38,6 +40,11 @@ browser:
 	  && DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -qq chromium >/dev/null; } \
 	  || { [ "$$CI" != "true" ] && echo "note: could not install chromium; the browser test will be skipped"; }
 
+# Lint (ruff) and the package's type check (mypy), both configured in pyproject.toml; `make test` runs it first.
+lint: setup
+	$(VENV)/bin/ruff check interp_norm tests scripts benchmarks
+	$(VENV)/bin/mypy
+
 # The suite in parallel: one pytest-xdist worker per core (at most TEST_WORKERS), each on one torch
 # thread, slow tests handed out first (tests/conftest.py); an idle worker takes tests queued for a busy
 # one (worksteal). stdin is closed and each test has a time limit (pyproject.toml): CI cannot hang.
@@ -47,7 +54,7 @@ browser:
 TEST_WORKERS ?= 4
 NUMERICS_CAPS ?= $(shell sh scripts/cpu_capabilities.sh)
 NUMERICS_FILES = $(shell grep -l 'mark.numerics' tests/test_*.py)
-test: setup browser
+test: setup browser lint
 	$(PY) -m pytest -q -n auto --maxprocesses $(TEST_WORKERS) --dist worksteal < /dev/null
 	$(MAKE) --no-print-directory test-numerics
 

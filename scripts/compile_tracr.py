@@ -179,7 +179,7 @@ def compile_one(name: str, out: Path, n_inputs: int = 300, n_pairs: int = 64, se
     inputs = [sample_input(rng, vocab, max_len, unique) for _ in range(n_inputs)]
     ref = [target(s) for s in inputs]
     compiled_ok = 0
-    for s, y in zip(inputs, ref):
+    for s, _y in zip(inputs, ref):
         dec = model.apply([BOS] + s).decoded[1:]
         want = rasp.evaluate(program, s)
         compiled_ok += all(abs(a - b) < 1e-3 for a, b in zip(dec, want)) if numerical else dec == want

@@ -1,15 +1,19 @@
-"""The seed tables of a report as markdown, for docs/findings-tables.md (issue 23).
+"""The seed tables of a report as markdown, for docs/findings-tables.md.
 
     .venv/bin/python scripts/findings_tables.py report-seeds            # print the markdown
     .venv/bin/python scripts/findings_tables.py report-seeds --write     # rewrite docs/findings-tables.md
                                                                          # between its markers (prose kept) and
                                                                          # copy the tables it reads to docs/data/
+                                                                         # (seed_numbers.csv as seed_values.csv)
     .venv/bin/python scripts/findings_tables.py docs/data                # the same from that copy (what the test checks)
 
 The report comes from ``interp-norm reproduce --all-seeds --out report-seeds`` (every seed) or
 ``make reproduce`` (seeds 0 and 1). Every number is read from its ``seed_comparisons.csv`` and
-``seed_matched_id.csv`` (nothing typed by hand): per seed, the mean and the percentile-bootstrap 95%
-interval per arm, the difference A − B with its interval, and the two-sided permutation p-value.
+``seed_matched_id.csv`` (nothing typed by hand): per seed, the mean and the Student-t 95% interval
+per arm, the difference A − B with its Welch-t interval, the two-sided exact permutation p-value, and
+that p Holm-adjusted over every p on the page (the page's family; rows whose note says an arm is 0 by
+construction are identities and stay out of it). The unrounded per-seed values behind every row are
+``docs/data/seed_values.csv`` (the report's ``seed_numbers.csv``; ``scripts/verdicts.py`` reads it).
 """
 
 from __future__ import annotations
@@ -22,24 +26,54 @@ from pathlib import Path
 import pandas as pd
 from _docs import replace_block
 
+from interp_norm.stats.inference import holm
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "findings-tables.md"
 DATA = ROOT / "docs" / "data"
 #: The report files the page is built from, kept in docs/data/ so that a test can rebuild the page.
-SOURCES = ("seed_comparisons.csv", "seed_matched_id.csv", "run.json", "checkpoints.csv")
+SOURCES = ("seed_comparisons.csv", "seed_matched_id.csv", "seed_matched_id_values.csv", "run.json", "checkpoints.csv")
+#: The report's unrounded per-seed values (one row per checkpoint and measure), shipped under this name.
+VALUES = ("seed_numbers.csv", "seed_values.csv")
+#: A seed-table note that marks a comparison against an arm fixed by construction (an identity).
+IDENTITY_NOTE = "by construction"
 START, END = "<!-- FINDINGS-TABLES:start -->", "<!-- FINDINGS-TABLES:end -->"
+
+
+def _num(x: float, digits: int = 1) -> str:
+    """``x`` rounded, without the sign of a negative value that rounds to zero ("-0.0")."""
+    s = f"{x:.{digits}f}"
+    return s[1:] if s.startswith("-") and float(s) == 0 else s
 
 
 def _ci(m: float, lo: float, hi: float, digits: int = 1) -> str:
     if pd.isna(m):
         return "—"
-    return f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]" if not pd.isna(lo) else f"{m:.{digits}f}"
+    return f"{_num(m, digits)} [{_num(lo, digits)}, {_num(hi, digits)}]" if not pd.isna(lo) else _num(m, digits)
 
 
 def _p(r: pd.Series) -> str:
     if pd.isna(r["p_value"]):
         return "—"
-    return f"{r['p_value']:.2g}" + ("" if r["p_method"] == "exact" else f" (MC {int(r['n_splits'])})")
+    method = str(r["p_method"])
+    return f"{r['p_value']:.2g}" + ("" if method.startswith("exact") else f" (MC {int(r['n_splits'])})")
+
+
+def _holm(r: pd.Series) -> str:
+    return "identity" if pd.isna(r["p_holm"]) and pd.notna(r["p_value"]) else "—" if pd.isna(r["p_holm"]) else f"{r['p_holm']:.2g}"
+
+
+def with_holm(comp: pd.DataFrame, matched: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """Both tables with ``p_holm``: Holm over every p-value on the page, identities left out."""
+    comp = comp.copy()
+    ident = comp["note"].fillna("").str.contains(IDENTITY_NOTE)
+    p = [comp["p_value"].where(~ident)] + ([matched["p_value"]] if matched is not None and len(matched) else [])
+    adjusted = holm(pd.concat(p, ignore_index=True).to_numpy(float))
+    comp["p_holm"] = adjusted[:len(comp)]
+    if matched is not None and len(matched):
+        matched = matched.copy()
+        matched["p_holm"] = adjusted[len(comp):]
+    return comp, matched
 
 
 def _seeds(text: object) -> str:
@@ -50,13 +84,13 @@ def comparison_table(comp: pd.DataFrame, scaling: str) -> str:
     s = comp[comp["scaling"] == scaling]
     a, b = s["arm_a"].iloc[0], s["arm_b"].iloc[0]
     lines = [f"| comparison | unit | {a}: per seed | {a}: mean [95% CI] | {b}: per seed | {b}: mean [95% CI] | "
-             "A − B [95% CI] | p | note |", "|---|---|---|---|---|---|---|---|---|"]
+             "A − B [95% CI] | p | Holm p | note |", "|---|---|---|---|---|---|---|---|---|---|"]
     for _, r in s.iterrows():
         note = r["note"] if isinstance(r.get("note"), str) else ""
         lines.append(f"| {r['comparison']} | {r['unit']} | {_seeds(r['values_a'])} | "
                      f"{_ci(r['mean_a'], r['ci_lo_a'], r['ci_hi_a'])} | {_seeds(r['values_b'])} | "
                      f"{_ci(r['mean_b'], r['ci_lo_b'], r['ci_hi_b'])} | {_ci(r['diff'], r['diff_lo'], r['diff_hi'])} | "
-                     f"{_p(r)} | {note} |")
+                     f"{_p(r)} | {_holm(r)} | {note} |")
     return "\n".join(lines)
 
 
@@ -64,13 +98,13 @@ def matched_table(m: pd.DataFrame, scaling: str) -> str:
     s = m[m["scaling"] == scaling]
     a, b = s["arm_a"].iloc[0], s["arm_b"].iloc[0]
     lines = [f"| at | ID accuracy (%) | split | {a}: per seed | {a}: mean [95% CI] | {b}: per seed | "
-             f"{b}: mean [95% CI] | A − B [95% CI] | p |", "|---|---|---|---|---|---|---|---|---|"]
+             f"{b}: mean [95% CI] | A − B [95% CI] | p | Holm p |", "|---|---|---|---|---|---|---|---|---|---|"]
     for _, r in s.iterrows():
         at = "—" if pd.isna(r["id_target"]) else f"{r['id_target']:.1f}"
         lines.append(f"| {r['at']} | {at} | {r['split']} | {_seeds(r['values_a'])} | "
                      f"{_ci(r['mean_a'], r['ci_lo_a'], r['ci_hi_a'])} | {_seeds(r['values_b'])} | "
                      f"{_ci(r['mean_b'], r['ci_lo_b'], r['ci_hi_b'])} | {_ci(r['diff'], r['diff_lo'], r['diff_hi'])} | "
-                     f"{_p(r)} |")
+                     f"{_p(r)} | {_holm(r)} |")
     return "\n".join(lines)
 
 
@@ -79,12 +113,18 @@ def markdown(report: Path) -> str:
     matched = pd.read_csv(report / "seed_matched_id.csv") if (report / "seed_matched_id.csv").exists() else None
     run = json.loads((report / "run.json").read_text()) if (report / "run.json").exists() else {}
     ck = pd.read_csv(report / "checkpoints.csv") if (report / "checkpoints.csv").exists() else None
+    comp, matched = with_holm(comp, matched)
+    n_family = int(comp["p_holm"].notna().sum() + (matched["p_holm"].notna().sum() if matched is not None else 0))
+    n_ident = int((comp["p_holm"].isna() & comp["p_value"].notna()).sum())
     parts = ["Generated by `scripts/findings_tables.py` from a report's `seed_comparisons.csv` and "
              f"`seed_matched_id.csv`, copied to `docs/data/` (run: {run.get('seconds', '?')} s, "
-             f"{'every seed (--all-seeds)' if run.get('all_seeds') else 'seeds 0 and 1'}). Per seed (s0, s1, ...), "
-             "mean with its percentile-bootstrap 95% interval over seeds (10 000 resamples; with few seeds it is too "
-             "narrow), the difference A − B with its interval, and the two-sided permutation p-value of the "
-             "difference of means (exact: every split of the seeds; uncorrected for the number of comparisons). "
+             f"{'every seed (--all-seeds)' if run.get('all_seeds') else 'seeds 0 and 1'}); the unrounded per-seed "
+             "values are `docs/data/seed_values.csv`. Per seed (s0, s1, ...) rounded to one decimal, the mean with its "
+             "Student-t 95% interval over seeds, the difference A − B with its Welch-t interval, the two-sided exact "
+             f"permutation p-value of the difference of means (every split of the seeds), and that p Holm-adjusted over "
+             f"the {n_family} p-values on this page ({len(comp)} comparisons in tables S, {len(matched) if matched is not None else 0} "
+             f"in tables M; {n_ident} comparisons against an arm that is 0 by construction are identities, outside the "
+             "family). These tables describe; the verdicts, with their own tests and family, are in the README. "
              "'> 50' for a seed: a collapse level not reached within the tested noise levels (right-censored: kept "
              "at the largest level tested, the mean is then a lower bound and p comes from ranks; see the note); "
              "'—': no value."]
@@ -117,14 +157,14 @@ def main() -> None:
     print(md)
     if args.write:
         if not PAGE.exists():
-            PAGE.write_text("# Findings: the tables\n\nVariant A vs variant B over seeds (issue 23).\n\n"
+            PAGE.write_text("# Findings: the tables\n\nVariant A vs variant B over seeds.\n\n"
                             f"{START}\n{END}\n")
         replace_block("FINDINGS-TABLES", md, page=PAGE)
         DATA.mkdir(exist_ok=True)
-        for name in SOURCES:
-            if (Path(args.report) / name).exists() and (Path(args.report) / name).resolve() != (DATA / name).resolve():
-                shutil.copyfile(Path(args.report) / name, DATA / name)
-        print(f"copied {', '.join(SOURCES)} to {DATA}; now run scripts/verdicts.py --write")
+        for name, target in [(n, n) for n in SOURCES] + [VALUES]:
+            if (Path(args.report) / name).exists() and (Path(args.report) / name).resolve() != (DATA / target).resolve():
+                shutil.copyfile(Path(args.report) / name, DATA / target)
+        print(f"copied {', '.join(SOURCES)} and {VALUES[0]} (as {VALUES[1]}) to {DATA}; now run scripts/verdicts.py --write")
 
 
 if __name__ == "__main__":

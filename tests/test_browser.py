@@ -26,7 +26,7 @@ from interp_norm import cli
 from interp_norm.report import dashboard as D
 from interp_norm.report import reproduce as R
 from interp_norm.core.model import ModelConfig
-from interp_norm.report.plots._style import REAL_MODEL_COLOURS, VARIANT_COLOURS, base_variant
+from interp_norm.report.plots._style import VARIANT_COLOURS, base_variant
 from interp_norm.core.task import AdditionTask
 from interp_norm.training.train import train
 from interp_norm.training.config import TrainConfig

@@ -61,9 +61,9 @@ def test_cli_writes_every_table_the_graph_and_the_edge_list(ckpt, tmp_path, caps
     out = tmp_path / "out"
     assert cli.main(["circuits", str(ckpt), "--out", str(out), *ARGS]) == 0
     assert f"wrote {len(EXPECTED)} tables" in capsys.readouterr().out
-    from interp_norm.training.checkpoints import load_checkpoint
+    from interp_norm import load_with_info
 
-    model, _ = load_checkpoint(ckpt)
+    model, _ = load_with_info(ckpt)
     tables = run_circuits(model, TASK, n_pairs=6, ig_steps=2, top_n=6, attention_problems=16)
     for name in EXPECTED:  # the files hold exactly what the library returned
         back = pd.read_csv(out / f"{name}.csv")
@@ -155,3 +155,17 @@ def test_benchmark_and_checkpoint_are_exclusive(argv, message, tmp_path, capsys)
     assert cli.main([*argv, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "error:" in err and message in err and "Traceback" not in err
+
+
+def test_run_circuits_settings_come_from_a_spec_and_keywords_override_it():
+    from interp_norm.circuits import CircuitsSpec
+    from interp_norm.errors import ConfigError, PatchingError
+
+    model = HookedNormTransformer(ModelConfig.preset("tiny")).eval()
+    # an unknown metric stops the run before any patching: which one it names shows which setting won
+    with pytest.raises(PatchingError, match="from-the-spec"):
+        run_circuits(model, TASK, CircuitsSpec(n_pairs=2, metric="from-the-spec"))
+    with pytest.raises(PatchingError, match="from-a-keyword"):
+        run_circuits(model, TASK, CircuitsSpec(n_pairs=2, metric="from-the-spec"), metric="from-a-keyword")
+    with pytest.raises(ConfigError, match="'n_pair'"):
+        run_circuits(model, TASK, n_pair=2)

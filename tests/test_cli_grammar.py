@@ -103,7 +103,7 @@ def test_shared_flags_have_one_name_and_one_meaning():
         assert all(("train" in a.help or "resume" in a.help) == (name == "train") for name, a in by_flag[flag]), flag
     # one name per meaning: no dest is reached by two different visible flags anywhere
     names_of: dict[str, set] = {}
-    for flag, uses in by_flag.items():
+    for uses in by_flag.values():
         for _, a in uses:
             names_of.setdefault(a.dest, set()).add(max(a.option_strings, key=len))
     assert {d: n for d, n in names_of.items() if len(n) > 1} == {}

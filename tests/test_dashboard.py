@@ -93,10 +93,10 @@ def test_model_card_matches_configs_and_evaluation(run, ckpts):
     report, _ = run
     card = report.tables["model_card"].set_index("checkpoint")
     ev = report.tables["evaluation"]
-    from interp_norm.training.checkpoints import load_checkpoint
+    from interp_norm import load_with_info
 
     for name, path in ckpts.items():
-        model, info = load_checkpoint(path)
+        model, info = load_with_info(path)
         row = card.loc[name]
         assert row["attn_norm"] == info.model_cfg.attn_norm and row["n_layers"] == info.model_cfg.n_layers
         assert row["n_params"] == sum(p.numel() for p in model.parameters())
@@ -109,9 +109,9 @@ def test_model_card_matches_configs_and_evaluation(run, ckpts):
 
 
 def test_attention_table_equals_the_models_own_cache(ckpts):
-    from interp_norm.training.checkpoints import load_checkpoint
+    from interp_norm import load_with_info
 
-    model, _ = load_checkpoint(ckpts["pre"])
+    model, _ = load_with_info(ckpts["pre"])
     problems = ["[3+N4=", "[7-2=5]"]
     df = attention_patterns(model, problems, name="pre")
     for i, text in enumerate(["[3+N4=N1]", "[7-2=5]"]):
@@ -130,9 +130,9 @@ def test_attention_table_equals_the_models_own_cache(ckpts):
 
 
 def test_attention_explorer_shows_one_heatmap_per_choice(ckpts):
-    from interp_norm.training.checkpoints import load_checkpoint
+    from interp_norm import load_with_info
 
-    model, _ = load_checkpoint(ckpts["pre"])
+    model, _ = load_with_info(ckpts["pre"])
     df = attention_patterns(model, ["[3+N4=", "[1+1="], name="pre")
     fig = plots.plot_attention_explorer(df)
     ex = fig.layout.meta["explorer"]
@@ -151,10 +151,10 @@ def test_attention_explorer_shows_one_heatmap_per_choice(ckpts):
 
 
 def test_bad_problem_string_is_a_typed_error(ckpts):
-    from interp_norm.training.checkpoints import load_checkpoint
+    from interp_norm import load_with_info
     from interp_norm.errors import ProblemStringError
 
-    model, _ = load_checkpoint(ckpts["pre"])
+    model, _ = load_with_info(ckpts["pre"])
     with pytest.raises(ProblemStringError):
         attention_patterns(model, ["<script>"])
 
@@ -299,7 +299,7 @@ def test_figures_with_many_rows_keep_their_panels_apart_and_readable(n):
                 plots.plot_attention_patterns(attention)):
         height, doms = _row_domains(fig)
         assert len(doms) == n
-        for (lo, hi), (lo2, _) in zip(doms, doms[1:]):
+        for (_, hi), (lo2, _) in zip(doms, doms[1:]):
             assert lo2 - hi >= 20 / height, "rows touch"  # a gap for the next panel's title
         assert min(hi - lo for lo, hi in doms) * height >= 150, "panels shrank"
 
@@ -527,7 +527,10 @@ def test_dashboard_without_csvs_or_with_only_hugging_face_models():
 
     card = pd.DataFrame([dict(checkpoint="pre", attn_norm="pre", id_acc=0.9)])
     ours = SimpleNamespace(tables={"model_card": card}, checkpoints=pd.DataFrame(), timings={}, notes=[])
-    caption = lambda csv: " ".join(p.caption for s in figure_sections(ours, csv=csv)[0] for p in s.panels)
+
+    def caption(csv):
+        return " ".join(p.caption for s in figure_sections(ours, csv=csv)[0] for p in s.panels)
+
     assert "model_card.csv" in caption(True) and "model_card.csv" not in caption(False)
     layers = pd.DataFrame(dict(model=["gpt2", "gpt2"], layer=[0, 1], spread=[0.1, 0.2], frac_sparse=[0.0005, 0.001]))
     hf = SimpleNamespace(tables={"real_layers": layers}, checkpoints=pd.DataFrame(), timings={}, notes=[])

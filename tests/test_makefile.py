@@ -123,3 +123,11 @@ def test_make_notebooks_starts_jupyterlab_as_a_regular_user():
         assert "--allow-root" not in log and "Running as root is not recommended" not in log, log[-2000:]
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_make_test_runs_the_lint_and_the_type_check_before_the_suite():
+    out = subprocess.run(["make", "-s", "-n", "-C", str(ROOT), "test", f"VENV={VENV}", *KEEP],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    lint = [i for i, line in enumerate(out) if "bin/ruff check " in line or line.rstrip().endswith("bin/mypy")]
+    suite = [i for i, line in enumerate(out) if "-m pytest" in line]
+    assert len(lint) == 2 and len(suite) == 1 and max(lint) < suite[0], out

@@ -82,7 +82,7 @@ def test_head_table_against_a_per_row_loop(tokens):
     levels, D, seed = (0.05, 0.1, 0.2, 0.3, 0.45), 6, 3
     heads = N.measure_head_collapse(model, tokens, levels, n_draws=D, seed=seed)
     assert heads["share"].sum() == pytest.approx(1.0)
-    for l, g in heads.groupby("layer"):
+    for _, g in heads.groupby("layer"):
         assert g["share_in_layer"].sum() == pytest.approx(1.0)
     b, n, h = len(tokens), tokens.shape[1], model.cfg.n_heads
     counts, pooled_curve, n_all = {}, np.zeros(len(levels)), 0

@@ -35,14 +35,16 @@ def test_compare_seeds_per_seed_rows_means_and_exact_p():
         + _rows("qkv", "none", AFTER, [18.0, 17.0, float("nan")], "points")
         + _rows("pre", "paper", "extrapolation accuracy", [60.0, 61.0]) + _rows("qkv", "paper", "extrapolation accuracy", [65.0])
     )
-    summary, values = compare_seeds(per, n_resamples=2000)
+    summary, values = compare_seeds(per)
     s = summary.set_index(["scaling", "comparison"])
     ex = s.loc[("1/√d_head", "extrapolation accuracy")]
     assert ex["mean_a"] == pytest.approx(71.0) and ex["mean_b"] == pytest.approx(81.0)
     assert ex["diff"] == pytest.approx(-10.0)
     assert ex["p_value"] == pytest.approx(2 / 20) and ex["p_method"] == "exact" and ex["n_splits"] == 20  # C(6, 3)
     assert ex["values_a"] == "s0: 70.0, s1: 72.0, s2: 71.0"
-    assert 70.0 <= ex["ci_lo_a"] <= 71.0 <= ex["ci_hi_a"] <= 72.0
+    # Student t over 3 seeds: 71 ± t_{.975, 2}·s/√3 with s = 1 (t_{.975, 2} = 4.302653 from printed tables)
+    assert (ex["ci_lo_a"], ex["ci_hi_a"]) == pytest.approx((71.0 - 4.302653 / math.sqrt(3), 71.0 + 4.302653 / math.sqrt(3)),
+                                                           abs=1e-5)
     assert ex["diff_lo"] <= -10.0 <= ex["diff_hi"] and ex["diff_hi"] < 0
     # the cross comparison: Pre-Norm before its norm vs QKV-Norm after, with the missing seed left out
     cross = s.loc[("1/√d_head", NOISE_CROSS[0])]
@@ -69,7 +71,7 @@ def test_matched_id_reads_ood_accuracy_where_id_first_reaches_the_target():
                           + curve("qkv", [0.5, 0.6, 0.85], [0.5, 0.7, 0.9]) + curve("qkv-s1", [0.55, 0.9, 0.95], [0.6, 0.6, 0.7]))
     ck = pd.DataFrame([dict(checkpoint=n, attn_norm=n.split("-")[0], calibration="none", seed=int(n.endswith("s1")))
                        for n in ("pre", "pre-s1", "qkv", "qkv-s1")])
-    summary, values = matched_id_comparison(curves, ck, n_points=3, n_resamples=500)
+    summary, values = matched_id_comparison(curves, ck, n_points=3)
     # grid: from the highest first ID (0.6, pre-s1) to the lowest best ID (0.8, pre-s1): 60, 70, 80%
     targets = sorted(summary["id_target"].dropna().unique())
     assert targets == pytest.approx([60.0, 70.0, 80.0])
@@ -147,7 +149,7 @@ def test_dot_and_range_figure_draws_every_seed_and_the_interval_of_the_table():
 
     per = pd.DataFrame(_rows("pre", "none", "extrapolation accuracy", [70.0, 72.0, 71.0])
                        + _rows("qkv", "none", "extrapolation accuracy", [80.0, 84.0, 79.0]))
-    summary, values = compare_seeds(per, n_resamples=1000)
+    summary, values = compare_seeds(per)
     fig = plots.plot_seed_comparisons(summary, values)
     dots = [t for t in fig.data if t.marker.symbol != "line-ew-open"]
     assert sorted(y for t in dots for y in t.y) == sorted([70.0, 72.0, 71.0, 80.0, 84.0, 79.0])  # one dot per seed
@@ -168,7 +170,7 @@ def test_a_censored_seed_is_drawn_open_at_the_largest_level_tested():
     per = pd.DataFrame(_rows("pre", "none", q, [20.0, 30.0, 25.0], "% noise")
                        + _rows("qkv", "none", q, [40.0, float("nan"), float("nan")], "% noise"))
     per["censored_above"] = [float("nan")] * 4 + [50.0, 50.0]
-    summary, values = compare_seeds(per, n_resamples=200)
+    summary, values = compare_seeds(per)
     fig = plots.plot_seed_comparisons(summary, values)
     open_dots = [t for t in fig.data if str(t.marker.symbol).endswith("-open") and t.marker.symbol != "line-ew-open"]
     assert [t.y[0] for t in open_dots] == [50.0, 50.0] and all("never reached" in t.hovertemplate for t in open_dots)
@@ -196,7 +198,7 @@ def test_findings_tables_script_renders_every_seed_and_the_statistics(tmp_path):
         sys.path.remove(str(scripts))
     per = pd.DataFrame(_rows("pre", "none", "extrapolation accuracy", [70.0, 72.0, 71.0])
                        + _rows("qkv", "none", "extrapolation accuracy", [80.0, 84.0, 79.0]))
-    summary, _ = compare_seeds(per, n_resamples=1000)
+    summary, _ = compare_seeds(per)
     summary.to_csv(tmp_path / "seed_comparisons.csv", index=False)
     md = F.markdown(tmp_path)
     row = next(line for line in md.splitlines() if line.startswith("| extrapolation accuracy"))
@@ -250,14 +252,14 @@ def test_never_reached_collapse_levels_are_censored_not_dropped():
     nan = float("nan")
     a = [10.0, 20.0, 30.0, 25.0]
     b = [40.0, nan, nan, 45.0]
-    st = compare_arms(a, b, n_resamples=500, censored_a=[nan] * 4, censored_b=[nan, 50.0, 50.0, nan])
+    st = compare_arms(a, b, censored_a=[nan] * 4, censored_b=[nan, 50.0, 50.0, nan])
     assert (st["n_a"], st["n_b"], st["n_censored_b"], st["n_missing_b"]) == (4, 4, 2, 0)
     assert st["mean_b"] == pytest.approx((40 + 50 + 50 + 45) / 4)  # a lower bound: censored seeds at the bound
     assert math.isnan(st["diff_lo"]) and "ranks" in st["p_method"]
     assert st["p_value"] == pytest.approx(_rank_p_by_hand(a, [40.0, None, None, 45.0]))
     assert st["p_value"] == pytest.approx(2 / 70)  # every A below every B: the two extreme splits of C(8, 4)
     # dropping the two censored seeds would have tested 4 vs 2 seeds instead
-    dropped = compare_arms(a, b, n_resamples=500)
+    dropped = compare_arms(a, b)
     assert (dropped["n_b"], dropped["n_missing_b"]) == (2, 2)
 
 
@@ -267,7 +269,7 @@ def test_censored_ties_and_a_reached_value_above_some_censored_bound_rank_correc
     nan = float("nan")
     a = [12.0, 48.0, nan]  # one A seed censored too
     b = [nan, 30.0, nan]
-    st = compare_arms(a, b, n_resamples=200, censored_a=[nan, nan, 50.0], censored_b=[50.0, nan, 50.0])
+    st = compare_arms(a, b, censored_a=[nan, nan, 50.0], censored_b=[50.0, nan, 50.0])
     assert st["p_value"] == pytest.approx(_rank_p_by_hand([12.0, 48.0, None], [None, 30.0, None]))
     assert (st["n_censored_a"], st["n_censored_b"]) == (1, 2)
 
@@ -312,5 +314,5 @@ def test_qkv_decomposition_noise_before_its_norms_is_noted_as_zero_by_constructi
                        + _rows("qkv", "none", CONTROLS[0][0], [0.0, 0.0, 0.0], "points")
                        + _rows("pre", "none", CONTROLS[4][0], [1.0, 2.0, 3.0], "points")
                        + _rows("qkv", "none", CONTROLS[4][0], [3.0, 3.0, 4.0], "points"))
-    s = compare_seeds(per, n_resamples=200)[0].set_index("comparison")["note"]
+    s = compare_seeds(per)[0].set_index("comparison")["note"]
     assert "by construction" in s[CONTROLS[0][0]] and "by construction" not in s[CONTROLS[4][0]]

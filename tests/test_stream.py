@@ -37,7 +37,7 @@ def test_layer_caches_equal_run_with_cache_and_stop_before_the_logits(arch):
 def test_leaving_early_stops_the_forward_and_a_missing_hook_is_an_error():
     model = tiny_bridge("llama", seed=0)
     tokens = random_tokens(model, 1, 6, seed=1)
-    for layer, _ in layer_caches(model, tokens, _names(model)):
+    for layer, _ in layer_caches(model, tokens, _names(model)):  # noqa: B007 (read after the loop)
         break  # the worker thread is stopped and joined on close
     assert layer == 0
     with pytest.raises(KeyError, match="not.a.hook"):  # TransformerLens's own error, raised in the caller
@@ -53,7 +53,7 @@ def test_streamed_cache_reads_like_a_whole_cache():
         _, ref = model.run_with_cache(tokens, names_filter=lambda n: n in wanted)
     with StreamedCache(model, tokens, names) as cache:
         assert set(cache) == wanted and all(n in cache for n in wanted)
-        for sweep in range(2):  # two sweeps over the layers: two forwards
+        for _sweep in range(2):  # two sweeps over the layers: two forwards
             for l in range(len(model.blocks)):
                 for n in sorted(names[l]):
                     assert torch.equal(cache[n], ref[n])
@@ -68,7 +68,7 @@ def test_another_forward_while_a_stream_waits_is_left_alone():
     with torch.no_grad():
         ref = model(tokens)
     names = _names(model)
-    for layer, cache in layer_caches(model, tokens, names):
+    for layer, _cache in layer_caches(model, tokens, names):
         if layer == 0:
             with torch.no_grad():
                 assert torch.equal(model(tokens), ref)  # the waiting stream's hooks neither block nor change it

@@ -282,7 +282,10 @@ def test_two_keys_closed_forms(w_star, w, level):
         C = A + B  # one-dimensional: P(U(−C, C) > g)
         expected = min(max((C - g) / (2 * C), 0.0), 1.0) if C > 0 else float(g < 0)
     else:
-        r2 = lambda z: max(z, 0.0) ** 2
+
+        def r2(z):
+            return max(z, 0.0) ** 2
+
         area = 0.5 * (r2(A + B - g) - r2(-A + B - g) - r2(A - B - g) + r2(-A - B - g))
         expected = area / (4 * A * B)
     assert predicted_collapse_probability(row, NoiseLaw(level)).item() == pytest.approx(expected, abs=1e-12)
@@ -376,7 +379,10 @@ def test_noise_law_samples_and_distribution_functions():
             assert x.abs().max().item() <= math.sqrt(3) * law.level
         # cdf vs empirical cdf (Kolmogorov distance), pdf vs histogram
         xs = x.sort().values
-        ecdf = lambda t: torch.searchsorted(xs, t, right=True).double() / n
+
+        def ecdf(t, xs=xs):
+            return torch.searchsorted(xs, t, right=True).double() / n
+
         grid = torch.linspace(-2.5 * law.level, 2.5 * law.level, 41, dtype=F64)
         assert (law.cdf(grid) - ecdf(grid)).abs().max() < 3e-3
         h = 0.25 * law.level

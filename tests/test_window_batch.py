@@ -70,7 +70,7 @@ def test_blocks_stop_early_remove_their_hooks_and_leave_the_logits_alone():
     with torch.no_grad():
         ref = model(tokens)
     with StreamedCache(model, tokens, _names(model), window_batch=3) as cache:
-        for sweep in range(2):
+        for _sweep in range(2):
             for l in range(len(model.blocks)):
                 cache[f"blocks.{l}.hook_resid_pre"]
         assert cache.passes == 2

@@ -7,7 +7,7 @@ has to import another only for a layout conversion (the import graph stays acycl
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Any, Optional, overload
 
 from torch import Tensor, nn
 
@@ -51,6 +51,12 @@ def wrapped(component: Any) -> Optional[nn.Module]:
     return getattr(component, "_modules", {}).get("_original_component")
 
 
+@overload
+def original(component: None) -> None: ...
+@overload
+def original(component: nn.Module) -> nn.Module: ...
+@overload
+def original(component: Any) -> Optional[nn.Module]: ...
 def original(component: Any) -> Optional[nn.Module]:
     """The HF module a bridge component wraps (or the module itself if it is not a bridge)."""
     if component is None:

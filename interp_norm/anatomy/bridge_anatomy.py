@@ -68,6 +68,41 @@ def _norm_child(attn: Any, hf: nn.Module, t: str) -> Any:
     return comp if comp is not None else getattr(hf, f"{t}_norm", None)
 
 
+def _qkv_norms(model: Any, attn: Any, hf: nn.Module, l: int, hooks: dict[str, Optional[str]], *, n_heads: int,
+               n_kv: int, d_head: int) -> tuple[dict[str, Optional[NormSpec]], dict[str, nn.Module]]:
+    """Layer ``l``'s q/k/v norms (spec and HF module, by target); records each one's output hook in ``hooks``."""
+    norm_mods: dict[str, nn.Module] = {}
+    norms: dict[str, Optional[NormSpec]] = {t: None for t in TARGETS}
+    known = set()
+    for t in TARGETS:
+        comp = _norm_child(attn, hf, t)
+        hooks[f"{t}_normed"] = None
+        if comp is None:
+            continue
+        mod = original(comp)
+        known |= {id(comp), id(mod)}
+        norm_mods[t] = mod
+        weight = next((p for p in mod.parameters() if p.ndim == 1), None)
+        n_t = n_heads if t == "q" else n_kv
+        if weight is None or weight.numel() == d_head:
+            axis, dim = "per_head", d_head  # a gainless norm's axis is confirmed by the probe's shapes
+        elif weight.numel() == n_t * d_head:
+            axis, dim = "all_heads", n_t * d_head
+        else:
+            raise ArchitectureError(f"layer {l}: {t}_norm has a gain of {weight.numel()} entries, neither d_head={d_head} nor {n_t}·d_head")
+        norms[t] = identify_norm(mod, dim, f"{_module_path(model, attn)}.{t}_norm", axis)
+        hooks[f"{t}_normed"] = _hook(attn, f"hook_{t}_normed") or _hook(comp, "hook_out")
+        if hooks[f"{t}_normed"] is None:
+            raise ArchitectureError(f"layer {l}: {t}_norm found in the module tree but no hook holds its output")
+    for name, child in hf.named_children():  # a norm we cannot attribute to q, k or v
+        if id(child) not in known and _computes_a_norm(original(child)):
+            raise ArchitectureError(
+                f"layer {l}: attention child {name!r} ({type(original(child)).__name__}) computes a norm but is "
+                "none of q_norm/k_norm/v_norm; interp_norm cannot tell whether it normalises q, k or v"
+            )
+    return norms, norm_mods
+
+
 def _static_layer(model: Any, l: int, block: Any) -> tuple[LayerAnatomy, dict[str, nn.Module]]:
     """A layer's anatomy before the probe, and its norm modules (HF originals) by target."""
     cfg = model.cfg
@@ -102,35 +137,7 @@ def _static_layer(model: Any, l: int, block: Any) -> tuple[LayerAnatomy, dict[st
             raise ArchitectureError(f"layer {l}: the bridge attention has no hook on the v projection (hook_v)")
         hooks["v"], v_from_k = hooks["k"], True  # checked on the probe: v_normed == v_norm(raw k)
 
-    norm_mods: dict[str, nn.Module] = {}
-    norms: dict[str, Optional[NormSpec]] = {t: None for t in TARGETS}
-    known = set()
-    for t in TARGETS:
-        comp = _norm_child(attn, hf, t)
-        hooks[f"{t}_normed"] = None
-        if comp is None:
-            continue
-        mod = original(comp)
-        known |= {id(comp), id(mod)}
-        norm_mods[t] = mod
-        weight = next((p for p in mod.parameters() if p.ndim == 1), None)
-        n_t = n_heads if t == "q" else n_kv
-        if weight is None or weight.numel() == d_head:
-            axis, dim = "per_head", d_head  # a gainless norm's axis is confirmed by the probe's shapes
-        elif weight.numel() == n_t * d_head:
-            axis, dim = "all_heads", n_t * d_head
-        else:
-            raise ArchitectureError(f"layer {l}: {t}_norm has a gain of {weight.numel()} entries, neither d_head={d_head} nor {n_t}·d_head")
-        norms[t] = identify_norm(mod, dim, f"{_module_path(model, attn)}.{t}_norm", axis)
-        hooks[f"{t}_normed"] = _hook(attn, f"hook_{t}_normed") or _hook(comp, "hook_out")
-        if hooks[f"{t}_normed"] is None:
-            raise ArchitectureError(f"layer {l}: {t}_norm found in the module tree but no hook holds its output")
-    for name, child in hf.named_children():  # a norm we cannot attribute to q, k or v
-        if id(child) not in known and _computes_a_norm(original(child)):
-            raise ArchitectureError(
-                f"layer {l}: attention child {name!r} ({type(original(child)).__name__}) computes a norm but is "
-                "none of q_norm/k_norm/v_norm; interp_norm cannot tell whether it normalises q, k or v"
-            )
+    norms, norm_mods = _qkv_norms(model, attn, hf, l, hooks, n_heads=n_heads, n_kv=n_kv, d_head=d_head)
     pre = post = None
     for key in ("ln1", "ln1_post"):
         comp = block._modules.get(key)
@@ -155,7 +162,7 @@ def _static_layer(model: Any, l: int, block: Any) -> tuple[LayerAnatomy, dict[st
 
 def _resolve_kv_sharing(model: Any, static: list[tuple[LayerAnatomy, dict]]) -> list[tuple[LayerAnatomy, dict]]:
     """Point each KV-consuming layer at the last earlier layer of the same type with own k/v."""
-    out = []
+    out: list[tuple[LayerAnatomy, dict]] = []
     for la, mods in static:
         if la.kv_layer is None:
             kind = getattr(original(model.blocks[la.layer]._modules["attn"]), "layer_type", None)
@@ -226,7 +233,9 @@ def _check_norm_hooks(la: LayerAnatomy, mods: dict[str, nn.Module], cache: Any) 
         raw = canonical(cache[la.hooks[t]], la.layouts[t], heads, la.d_head)
         normed = canonical(cache[la.hooks[f"{t}_normed"]], la.layouts[f"{t}_normed"], heads, la.d_head)
         with torch.no_grad():
-            ref = mod(raw) if la.norms[t].axis == "per_head" else mod(raw.flatten(-2)).view_as(raw)
+            spec = la.norms[t]
+            assert spec is not None  # mods holds the targets that have a norm
+            ref = mod(raw) if spec.axis == "per_head" else mod(raw.flatten(-2)).view_as(raw)
         err = float((ref - normed).abs().max() / (normed.abs().max() + 1e-12))
         if err > 1e-4:
             raw_what = "k (k = v layer)" if t == "v" and la.v_from_k else t

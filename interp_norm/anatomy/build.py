@@ -42,8 +42,8 @@ def tiny_config(arch: str, *, n_layers: Optional[int] = None, d_model: int = 64,
 
     if n_layers is None:
         n_layers = 4 if arch == "gemma4-shared" else 2
-    special = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)  # inside the tiny vocabulary
-    common = dict(vocab_size=vocab, hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
+    special: dict[str, Any] = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)  # inside the tiny vocabulary
+    common: dict[str, Any] = dict(vocab_size=vocab, hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
                   num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, max_position_embeddings=n_ctx, **special)
     if arch == "gpt2":
         return tf.GPT2Config(vocab_size=vocab, n_embd=d_model, n_layer=n_layers, n_head=n_heads, n_positions=n_ctx,
@@ -110,7 +110,7 @@ def sharpen(hf_model: nn.Module, factor: float) -> nn.Module:
                 c_attn.weight[:, :d] *= factor
                 c_attn.bias[:d] *= factor
         else:
-            module.scaling = float(module.scaling) * factor
+            module.scaling = float(module.scaling) * factor  # type: ignore[assignment, arg-type]  # checked above
     if not found:
         raise ArchitectureError(f"{type(hf_model).__name__} has no attention module with a numeric 'scaling'")
     return hf_model
@@ -125,6 +125,7 @@ def tiny_hf_model(arch: str, *, seed: int = 0, reinit: bool = True, sharpness: f
     cls = {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
            "olmo2": tf.Olmo2ForCausalLM, "gemma4": getattr(tf, "Gemma4ForCausalLM", None),
            "gemma4-shared": getattr(tf, "Gemma4ForCausalLM", None)}[arch]
+    assert cls is not None  # tiny_config refuses an architecture this transformers lacks
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = cls(cfg)
@@ -143,7 +144,7 @@ def tiny_gemma4_conditional(*, seed: int = 0, **config_kw: Any) -> nn.Module:
     text = tiny_config("gemma4-shared", **config_kw)
     vision = tf.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                    num_key_value_heads=2, head_dim=16, position_embedding_size=64)
-    media = dict(image_token_id=120, boi_token_id=121, eoi_token_id=122, video_token_id=123, boa_token_id=124,
+    media: dict[str, Any] = dict(image_token_id=120, boi_token_id=121, eoi_token_id=122, video_token_id=123, boa_token_id=124,
                  eoa_token_index=125, audio_token_id=126)
     cfg = tf.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None, **media)
     cfg._attn_implementation = "eager"

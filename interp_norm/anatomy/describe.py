@@ -241,7 +241,7 @@ def own_anatomy(model: Any) -> Anatomy:
         pre = None
         if cfg.attn_norm == "pre":
             pre = NormSpec(cfg.norm_kind, "residual", True, False, cfg.eps, _module_path(model, block.ln1))
-        hooks = {t: H.act_name(t, l) for t in TARGETS}
+        hooks: dict[str, Optional[str]] = {t: H.act_name(t, l) for t in TARGETS}
         hooks.update({f"{t}_normed": (H.used_name(cfg.attn_norm, t, l) if norms[t] else None) for t in TARGETS})
         hooks.update(q_rot=None, k_rot=None, attn_scores=H.act_name("attn_scores", l),
                      pattern=H.act_name("pattern", l), z=H.act_name("z", l))

@@ -46,6 +46,8 @@ def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
 def rotate(model: Any, la: LayerAnatomy, x: Tensor) -> Tensor:
     """RoPE on canonical q or k [b, p, h, d] from the model's own rotary module (HF's rotate-half)."""
     rotary = original(getattr(model, "rotary_emb", None))
+    if rotary is None:
+        raise ArchitectureError("the model has rotary q/k but no rotary_emb module to rotate them with")
     hf_attn = original(model.blocks[la.layer]._modules["attn"])
     n = x.shape[1]
     positions = torch.arange(n, device=x.device)[None, :]

@@ -24,7 +24,7 @@ import functools
 import queue
 import threading
 from collections.abc import Mapping
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Generator, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -112,7 +112,7 @@ def window_blocks(model: Any, tokens: Tensor, names: Mapping[int, set[str]],
             it.close()
 
 
-def _one_pass(model: Any, tokens: Tensor, names: Mapping[int, set[str]]) -> Iterator[tuple[int, dict[str, Tensor]]]:
+def _one_pass(model: Any, tokens: Tensor, names: Mapping[int, set[str]]) -> Generator[tuple[int, dict[str, Tensor]], None, None]:
     """:func:`layer_caches` of one forward pass over every row of ``tokens``."""
     order = sorted(names)
     wanted = {n for l in order for n in names[l]}
@@ -212,7 +212,7 @@ def cache_before_unembed(model: Any, tokens: Tensor, names: set[str]) -> dict[st
         raise _Stop
 
     stop = unembed_input(model)
-    hooks = [(n, functools.partial(keep, name=n)) for n in sorted(names)]
+    hooks: list[tuple[str, Callable]] = [(n, functools.partial(keep, name=n)) for n in sorted(names)]
     hooks += [(stop, halt)] if stop is not None else []
     try:
         with torch.no_grad(), model.hooks(fwd_hooks=hooks):

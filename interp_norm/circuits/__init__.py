@@ -22,7 +22,9 @@ standard set for a model and returns the tables; it writes nothing (``interp-nor
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import pandas as pd
 
@@ -46,6 +48,7 @@ from interp_norm.circuits.metrics import (
 )
 from interp_norm.circuits.pairs import PatchingPairs, corrupt_problem, make_pairs, problem_format
 from interp_norm.circuits.exact.patching import activation_patch, patch_sweep
+from interp_norm.errors import ConfigError
 
 
 def _head_scores(est: PatchResult, exact_all: PatchResult) -> pd.DataFrame:
@@ -59,62 +62,61 @@ def _head_scores(est: PatchResult, exact_all: PatchResult) -> pd.DataFrame:
                               exact=float(exact[l, h])) for l in range(n_layers) for h in range(n_heads)])
 
 
-def run_circuits(
-    model,
-    task=None,
-    *,
-    n_pairs: int = 32,
-    split: str = "id",
-    seed: int = 0,
-    corrupt: str = "digit",
-    aligned: bool = True,
-    metric: str = "logit_diff",
-    activations: Sequence = ("resid_pre", "attn_out", "mlp_out", ("z", "pos"), ("z", "all")),
-    ig_steps: int = 5,
-    top_n: int = 20,
-    ablations: Sequence[str] = ABLATIONS,
-    attention_problems: int = 256,
-    batch_size: int = 1024,
-    progress: bool = False,
-) -> dict[str, pd.DataFrame]:
-    """The standard circuit analysis of one model: a dict of tables (writes nothing).
+@dataclass(frozen=True)
+class CircuitsSpec:
+    """The settings of :func:`run_circuits` (pairs, metric, patched activations, attribution, circuit size)."""
 
-    Tables: ``pairs``, ``answer_metrics``, ``patch_<activation>`` (exact patching), ``eap_vs_exact``
-    (node-level EAP and EAP-IG against exact ``z`` patching: correlations over every head and position),
-    ``eap_vs_exact_heads`` (per head: the EAP / EAP-IG estimate of patching the whole head beside exact
-    whole-head patching, when ``("z", "all")`` is among ``activations``), ``edges`` (EAP-IG edge scores),
-    ``circuit`` (top ``top_n`` edges, pruned; ``Circuit.from_dataframe(tables["circuit"], n_layers,
-    n_heads)`` rebuilds the :class:`Circuit`, for :func:`interp_norm.report.plots.draw_circuit` and ``Circuit.to_json()``),
-    ``faithfulness`` (all ablations), ``attention_map``. ``task`` defaults to the model's own
-    (``model.task``); another one runs with a warning naming both.
-    """
+    n_pairs: int = 32
+    split: str = "id"
+    seed: int = 0
+    corrupt: str = "digit"
+    aligned: bool = True
+    metric: str = "logit_diff"
+    activations: Sequence = ("resid_pre", "attn_out", "mlp_out", ("z", "pos"), ("z", "all"))
+    ig_steps: int = 5
+    top_n: int = 20
+    ablations: Sequence[str] = ABLATIONS
+    attention_problems: int = 256
+    batch_size: int = 1024
+
+    def replace(self, **fields: Any) -> "CircuitsSpec":
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ConfigError(f"run_circuits has no setting {', '.join(map(repr, unknown))}; "
+                              f"the settings are CircuitsSpec's fields: {[f.name for f in dataclasses.fields(self)]}")
+        return dataclasses.replace(self, **fields)
+
+
+def run_circuits(model, task=None, spec: Optional[CircuitsSpec] = None, *, progress: bool = False,
+                 **settings: Any) -> dict[str, pd.DataFrame]:
     from interp_norm.core.task import task_for
 
     task = task_for(model, task, who="run_circuits")
+    sp = (spec or CircuitsSpec()).replace(**settings)
     cfg = model.cfg
-    pairs = make_pairs(task, n_pairs, split, seed, corrupt, aligned=aligned)
-    met = make_metric(metric, pairs, model)
+    pairs = make_pairs(task, sp.n_pairs, sp.split, sp.seed, sp.corrupt, aligned=sp.aligned)
+    met = make_metric(sp.metric, pairs, model)
     tables: dict[str, pd.DataFrame] = {"pairs": pairs.to_dataframe(), "answer_metrics": answer_metrics(model, pairs)}
-    sweeps = patch_sweep(model, pairs, met, activations, batch_size=batch_size, progress=progress)
+    sweeps = patch_sweep(model, pairs, met, sp.activations, batch_size=sp.batch_size, progress=progress)
     for key, res in sweeps.items():
         tables[f"patch_{key}"] = res.to_dataframe()
     if "z" in sweeps:
         rows, heads = [], []
-        for steps in sorted({1, ig_steps}):
-            est = attribution_patch(model, pairs, met, "z", ig_steps=steps, batch_size=batch_size)
+        for steps in sorted({1, sp.ig_steps}):
+            est = attribution_patch(model, pairs, met, "z", ig_steps=steps, batch_size=sp.batch_size)
             rows.append(compare_scores(est, sweeps["z"]).assign(method=est.method, activation="z"))
             if "z_all" in sweeps:
                 heads.append(_head_scores(est, sweeps["z_all"]))
         tables["eap_vs_exact"] = pd.concat(rows, ignore_index=True)
         if heads:
             tables["eap_vs_exact_heads"] = pd.concat(heads, ignore_index=True)
-    edges = edge_attribution(model, pairs, met, ig_steps=ig_steps, progress=progress)
+    edges = edge_attribution(model, pairs, met, ig_steps=sp.ig_steps, progress=progress)
     tables["edges"] = edges
-    circuit = Circuit.from_edge_scores(edges, cfg.n_layers, cfg.n_heads, top_n=top_n)
+    circuit = Circuit.from_edge_scores(edges, cfg.n_layers, cfg.n_heads, top_n=sp.top_n)
     tables["circuit"] = circuit.to_dataframe()
-    tables["faithfulness"] = faithfulness(model, pairs, circuit, met, ablations=ablations)
+    tables["faithfulness"] = faithfulness(model, pairs, circuit, met, ablations=sp.ablations)
     tables["attention_map"] = attention_map_split(
-        model, task, split, n=attention_problems, seed=seed, progress=progress
+        model, task, sp.split, n=sp.attention_problems, seed=sp.seed, progress=progress
     )
     return tables
 
@@ -132,5 +134,5 @@ __all__ = [
     # attention maps
     "token_roles", "sparse_attention_events", "attention_map", "attention_map_split",
     # orchestration
-    "run_circuits",
+    "run_circuits", "CircuitsSpec",
 ]

@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import itertools
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import pandas as pd
 import torch
 from torch import Tensor
 
 from interp_norm.circuits import EdgeGraph, LogitDiff, PatchingPairs, PatchResult, edge_attribution
+from interp_norm.circuits.norm_modes import freeze_hooks, mode_label
 from interp_norm.errors import PatchingError
 from interp_norm.core.hook_names import PATCHABLE, act_name, used_name
 from interp_norm.core.nodes import head_input
@@ -65,10 +66,12 @@ def _values(metric: Callable, logits: Tensor, b: int) -> Tensor:
     return v
 
 
-def _grads(model, tokens: Tensor, metric: Callable, names: list[str], drop: Optional[int] = None) -> tuple[dict, Tensor]:
+def _grads(model, tokens: Tensor, metric: Callable, names: list[str], drop: Optional[int] = None,
+           frozen: Sequence = ()) -> tuple[dict, Tensor]:
     """Per-example metric gradients at hooks ``names`` on ``tokens``; with ``drop = l`` the
-    gradient through layer l's attention and MLP outputs is cut (GradDrop). Rows are independent,
-    so the gradient of the summed metric holds each example's own gradient."""
+    gradient through layer l's attention and MLP outputs is cut (GradDrop); ``frozen``: the
+    norm-mode hooks (:func:`~interp_norm.circuits.norm_modes.freeze_hooks`), run before the leaves.
+    Rows are independent, so the gradient of the summed metric holds each example's own gradient."""
     leaves: dict[str, Tensor] = {}
 
     def leaf(x: Tensor, hook: Any, nm: str) -> Tensor:
@@ -79,7 +82,7 @@ def _grads(model, tokens: Tensor, metric: Callable, names: list[str], drop: Opti
     def cut(x: Tensor, hook: Any) -> Tensor:
         return x.detach()
 
-    hooks = [(nm, partial(leaf, nm=nm)) for nm in names]
+    hooks: list[tuple[str, Callable]] = [*frozen] + [(nm, partial(leaf, nm=nm)) for nm in names]
     if drop is not None:
         hooks += [(act_name("attn_out", drop), cut), (act_name("mlp_out", drop), cut)]
     with torch.enable_grad():
@@ -133,7 +136,7 @@ def _cache(model, tokens: Tensor, names: set[str]):
 
 def atp_star(
     model, pairs: PatchingPairs, metric: Optional[Callable] = None, activation: str = "k", *,
-    by: str = "pos", qk_fix: bool = True, grad_drop: bool = False,
+    by: str = "pos", qk_fix: bool = True, grad_drop: bool = False, norm: str = "live", pattern: str = "live",
 ) -> PatchResult:
     """AtP* estimate of :func:`~interp_norm.circuits.activation_patch` for every cell of ``activation``.
 
@@ -141,8 +144,12 @@ def atp_star(
     ``resid_pre``/``resid_mid``/``resid_post``, ``attn_out``, ``mlp_out`` (plain AtP). ``by``:
     ``"pos"`` or ``"all"``. With ``grad_drop`` the result's ``effect()`` is the GradDrop magnitude
     (>= 0); otherwise it is the signed estimate (``qk_fix=False, grad_drop=False`` is plain AtP).
+    ``norm`` / ``pattern`` = ``"frozen"`` hold the norms' scales / the attention patterns constant in
+    the backward pass (:mod:`~interp_norm.circuits.norm_modes`); the softmax fix still recomputes the
+    patched head's own pattern exactly, and linearises from that pattern on with the modes chosen.
     """
     _check(model, pairs)
+    frozen = freeze_hooks(model, norm, pattern)
     kind = PATCHABLE.get(activation)
     if kind not in ("resid", "head"):
         raise PatchingError(f"atp_star covers q, k, v, z and the residual activations, not {activation!r}")
@@ -163,9 +170,9 @@ def atp_star(
     _, xc = _cache(model, corr, set(names) | qk)
     grad_names = [act_name("pattern", l) for l in range(L)] if fix else names
     drops: list[Optional[int]] = list(range(L)) if grad_drop else [None]
-    total = None
+    total: Optional[Tensor] = None
     for drop in drops:
-        grads, base = _grads(model, corr, metric, grad_names, drop)
+        grads, base = _grads(model, corr, metric, grad_names, drop, frozen)
         per_layer = []
         for l in range(L):
             if fix:
@@ -179,6 +186,7 @@ def atp_star(
         est = torch.stack(per_layer, 1)  # [b, L, ...]
         est = est.abs() if grad_drop else est
         total = est if total is None else total + est
+    assert total is not None  # drops holds at least one entry
     est = total / (L - 1) if grad_drop else total
     axes = {("head", "pos"): ("layer", "pos", "head"), ("head", "all"): ("layer", "head"),
             ("resid", "pos"): ("layer", "pos"), ("resid", "all"): ("layer",)}[(kind, by)]
@@ -187,7 +195,7 @@ def atp_star(
     per_example = est.reshape(b, -1).T.cpu() + base.cpu().unsqueeze(0)
     with torch.no_grad():
         clean_val = _values(metric, clean_logits, b).double().cpu()
-    method = "atp" if not (fix or grad_drop) else ("atp*" if fix else "atp") + ("-gd" if grad_drop else "")
+    method = ("atp" if not (fix or grad_drop) else ("atp*" if fix else "atp") + ("-gd" if grad_drop else "")) + mode_label(norm, pattern)
     return PatchResult(
         activation=activation, by=by, axis_names=list(axes), values=per_example.mean(-1).view(*[sizes[a] for a in axes]).float(),
         index_df=pd.DataFrame(cells, columns=list(axes)), per_example=per_example, baseline=base.cpu(),
@@ -218,16 +226,20 @@ def _senders(model, cache) -> Tensor:
     return torch.stack(outs)
 
 
-def edge_atp_star(model, pairs: PatchingPairs, metric: Optional[Callable] = None) -> pd.DataFrame:
+def edge_atp_star(model, pairs: PatchingPairs, metric: Optional[Callable] = None, *, norm: str = "live",
+                  pattern: str = "live") -> pd.DataFrame:
     """EAP edge scores with every edge into a query or key rescored by AtP*'s exact softmax.
 
     Same columns as :func:`~interp_norm.circuits.edge_attribution` (``method="atp*"``). An edge
     ``u -> a{l}.h{h}.q`` moves head h's query input by ``u_clean - u_corr`` at every position;
-    its score is ``sum (A' - A) * dM/dA`` over head h's pattern, batch mean.
+    its score is ``sum (A' - A) * dM/dA`` over head h's pattern, batch mean. ``norm`` / ``pattern``
+    as in :func:`atp_star` (the gradients ``dM/dA`` and the EAP scores of the other edges take them;
+    the rescored pattern ``A'`` is recomputed through the live norms).
     """
     _check(model, pairs)
+    frozen = freeze_hooks(model, norm, pattern)
     metric = metric if metric is not None else LogitDiff(pairs)
-    df = edge_attribution(model, pairs, metric, ig_steps=1)
+    df = edge_attribution(model, pairs, metric, ig_steps=1, norm=norm, pattern=pattern)
     cfg = model.cfg
     L, H = cfg.n_layers, cfg.n_heads
     dev = _device(model)
@@ -236,7 +248,7 @@ def edge_atp_star(model, pairs: PatchingPairs, metric: Optional[Callable] = None
     names |= {used_name(cfg.attn_norm, t, l) for l in range(L) for t in "qk"}
     _, cc = _cache(model, clean, names)
     _, xc = _cache(model, corr, names)
-    grads, _ = _grads(model, corr, metric, [act_name("pattern", l) for l in range(L)])
+    grads, _ = _grads(model, corr, metric, [act_name("pattern", l) for l in range(L)], frozen=frozen)
     with torch.no_grad():
         delta = _senders(model, cc) - _senders(model, xc)  # [U, b, n, d]
         graph = EdgeGraph(L, H)
@@ -257,7 +269,7 @@ def edge_atp_star(model, pairs: PatchingPairs, metric: Optional[Callable] = None
     keys = list(zip(df["sender"], df["receiver"]))
     df = df.assign(score=[new.get(k, s) for k, s in zip(keys, df["score"])])
     df["abs_score"] = df["score"].abs()
-    df["method"] = "atp*"
+    df["method"] = "atp*" + mode_label(norm, pattern)
     return df.sort_values("abs_score", ascending=False, kind="stable").reset_index(drop=True)
 
 

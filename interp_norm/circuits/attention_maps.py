@@ -15,7 +15,7 @@ over problems gives how often (``frequency`` = events / problems with that query
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import pandas as pd
 import torch
@@ -32,7 +32,7 @@ ROLE_ORDER = ("bos", "operand", "sign", "operator", "eq", "answer", "answer_sign
 
 def token_roles(problem: T.Problem) -> list[dict]:
     """One dict per token of ``problem.text``: ``label``, ``role``, ``term``, ``place``."""
-    out = [dict(label="bos", role="bos", term=None, place=None)]
+    out: list[dict[str, Any]] = [dict(label="bos", role="bos", term=None, place=None)]
     for i, t in enumerate(problem.terms):
         if t < 0:
             out.append(dict(label=f"t{i}.sign", role="sign", term=i, place=None))
@@ -159,7 +159,8 @@ def attention_map_split(
     check_positive_int(n, "n", PatchingError)
     check_positive_int(batch_size, "batch_size", PatchingError)
     probs = task.sample_problems(n, split, seed)
-    events, counts = [], {}
+    events: list = []
+    counts: dict = {}
     for s in tqdm(range(0, n, batch_size), disable=not progress, desc="attention map"):
         ev = sparse_attention_events(model, probs[s : s + batch_size], threshold, query)
         ev["problem"] += s

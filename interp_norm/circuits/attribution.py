@@ -34,6 +34,7 @@ from interp_norm.circuits._types import (
     require_eval,
 )
 from interp_norm.circuits.metrics import LogitDiff
+from interp_norm.circuits.norm_modes import freeze_hooks, mode_label, quiet
 from interp_norm.circuits.pairs import PatchingPairs, as_pairs
 from interp_norm.circuits.exact.patch_cells import check_hooks, check_pattern_hooks_act, head_count
 from interp_norm.errors import EngineRefusal, PatchingError
@@ -55,14 +56,19 @@ def attribution_patch(
     by: str = "pos",
     ig_steps: int = 1,
     batch_size: int = 1024,
+    norm: str = "live",
+    pattern: str = "live",
 ) -> PatchResult:
     """EAP (``ig_steps=1``) or EAP-IG estimate of :func:`activation_patch` for every cell.
 
     Returns a :class:`PatchResult` on the same grid as exact patching, whose ``effect()`` is the
     estimated change of the metric (and ``values`` = corrupted baseline + that estimate).
     ``batch_size`` bounds the rows (integration steps x examples) per forward/backward pass.
+    ``norm`` / ``pattern``: ``"frozen"`` holds the norms' scales / the attention patterns constant
+    in the backward pass (:mod:`~interp_norm.circuits.norm_modes`).
     """
-    return node_attribution(model, pairs, metric, (activation,), by=by, ig_steps=ig_steps, batch_size=batch_size)[activation]
+    return node_attribution(model, pairs, metric, (activation,), by=by, ig_steps=ig_steps, batch_size=batch_size,
+                            norm=norm, pattern=pattern)[activation]
 
 
 def node_attribution(
@@ -74,6 +80,8 @@ def node_attribution(
     by: str = "pos",
     ig_steps: int = 1,
     batch_size: int = 1024,
+    norm: str = "live",
+    pattern: str = "live",
 ) -> dict[str, PatchResult]:
     """EAP / EAP-IG of several activations from the same passes: ``{activation: PatchResult}``.
 
@@ -87,10 +95,13 @@ def node_attribution(
     where some pair's tokens differ, with the last block at the read positions
     (:mod:`~interp_norm.circuits.attribution_replay`; full passes where the bridge's blocks cannot be
     re-run). (TransformerLens 4.3's ``attribution_patch`` runs a clean forward and a corrupted
-    forward + backward per pair.)
+    forward + backward per pair.) ``norm`` / ``pattern`` = ``"frozen"``: the norms' scales / the
+    attention patterns held constant in the backward pass, at their values in the run differentiated
+    (:mod:`~interp_norm.circuits.norm_modes`; then full passes on a bridge).
     """
     pairs = as_pairs(pairs)
     require_eval(model)
+    frozen = freeze_hooks(model, norm, pattern, tokens=pairs.clean_tokens.to(device(model)))
     activations = list(dict.fromkeys(activations))
     axes_of = {a: check_by(a, by) for a in activations}
     dev = device(model)
@@ -111,7 +122,7 @@ def node_attribution(
     steps_per_pass = max(1, batch_size // b)
     leaves = sorted(want - {embed})
     found = None
-    if replay.applies(model, activations):
+    if not frozen and replay.applies(model, activations):
         try:
             found = replay.prefix_attribution(
                 model, clean, corr, metric, names=leaves, embed=embed,
@@ -120,7 +131,7 @@ def node_attribution(
             found = None  # a bridge whose blocks cannot be re-run: full passes
     if found is None:
         found = _full_passes(model, clean, corr, metric, leaves=leaves, embed=embed, cols=cols, ne=ne, alphas=alphas,
-                             steps_per_pass=steps_per_pass)
+                             steps_per_pass=steps_per_pass, frozen=frozen)
     prods, clean_val, baseline = found
     out = {}
     for a in activations:
@@ -137,13 +148,13 @@ def node_attribution(
             activation=a, by=by, axis_names=list(axes), values=values.float(),
             index_df=pd.DataFrame(grid_cells(axes, sizes).numpy(), columns=list(axes)), per_example=per_example,
             baseline=baseline, clean=clean_val, metric_name=getattr(metric, "name", "metric"),
-            method="eap" if ig_steps == 1 else f"eap-ig{ig_steps}",
+            method=("eap" if ig_steps == 1 else f"eap-ig{ig_steps}") + mode_label(norm, pattern),
         )
     return out
 
 
 def _full_passes(model, clean: Tensor, corr: Tensor, metric: MetricFn, *, leaves: list, embed: str, cols: Optional[Tensor],
-                 ne: int, alphas: Tensor, steps_per_pass: int) -> tuple[dict, Tensor, Tensor]:
+                 ne: int, alphas: Tensor, steps_per_pass: int, frozen: Sequence = ()) -> tuple[dict, Tensor, Tensor]:
     """One clean forward, then forward + backward passes from the corrupted input with zero leaves
     added at every hooked activation: ``{name: (clean - corrupted) x gradient summed over the
     integration points}``, the clean metric values and the corrupted baseline.
@@ -155,7 +166,8 @@ def _full_passes(model, clean: Tensor, corr: Tensor, metric: MetricFn, *, leaves
     output to -- a leaf added out of place reaches the MLP only, not the residual carried on
     (``tests/test_bridge_attribution_resid.py`` checks against the gradient of a hand-written forward).
     Elsewhere out of place (a tensor there may be saved for the backward pass, e.g. ``hook_pattern``:
-    the softmax's output)."""
+    the softmax's output). ``frozen``: hooks (:func:`~interp_norm.circuits.norm_modes.freeze_hooks`)
+    that run before the leaves on the differentiated passes."""
     b, n = clean.shape
     in_place = {nm for nm in leaves if any(nm == act_name(a, int(nm.split(".")[1])) for a in _RESIDUAL)}
     dev = clean.device
@@ -185,8 +197,8 @@ def _full_passes(model, clean: Tensor, corr: Tensor, metric: MetricFn, *, leaves
                 return act.add_(d)
             return act + d
 
-        hooks = [(embed, embed_hook)] + [(nm, partial(leaf_hook, nm=nm, first=s0 == 0)) for nm in leaves]
-        with torch.enable_grad(), _logits_at(model, cols, n, ne):
+        hooks = [(embed, embed_hook), *frozen] + [(nm, partial(leaf_hook, nm=nm, first=s0 == 0)) for nm in leaves]
+        with torch.enable_grad(), _logits_at(model, cols, n, ne), quiet():
             logits = model.run_with_hooks(corr[:, :ne].repeat(m, 1), fwd_hooks=hooks)
             vals = metric_values(metric, logits, b)
             if s0 == 0:
@@ -213,10 +225,10 @@ def _cell_scores(kind: str, by: str, prod: Tensor, n: int) -> Tensor:
 def _read_columns(model, metric: MetricFn, b: int, n: int, full: bool) -> tuple[Optional[Tensor], int]:
     """The positions the metric reads (None: all) and how many input positions reach them; only on
     a TransformerBridge (whose unembedding is a module :func:`_logits_at` can wrap)."""
-    from interp_norm.anatomy import kind_of
+    from interp_norm.anatomy import capabilities
 
     read = getattr(metric, "read_mask", None)
-    if read is None or kind_of(model) != "bridge" or not isinstance(getattr(model, "unembed", None), torch.nn.Module):
+    if read is None or not capabilities(model).hf_original or not isinstance(getattr(model, "unembed", None), torch.nn.Module):
         return None, n
     cols = torch.as_tensor(read).to(torch.bool).expand(b, n).any(0).nonzero().flatten()
     if len(cols) == 0:

@@ -21,9 +21,14 @@ from interp_norm.circuits._types import MetricFn, device, ig_alphas, metric_valu
 from interp_norm.core import nodes
 from interp_norm.circuits.edges import EdgeGraph, EdgeRunner
 from interp_norm.circuits.metrics import LogitDiff
+from interp_norm.circuits.norm_modes import freeze_hooks, mode_label, quiet
 from interp_norm.circuits.pairs import PatchingPairs, as_pairs
 from interp_norm.errors import PatchingError
 from interp_norm.core.hook_names import act_name
+
+
+#: Rough memory for one forward/backward pass of edge attribution when ``batch_size`` is not given.
+PASS_MEMORY_MB = 1024
 
 
 def edge_attribution(
@@ -34,22 +39,29 @@ def edge_attribution(
     ig_steps: int = 1,
     backend: str = "auto",
     batch_size: Optional[int] = None,
-    memory_mb: int = 1024,
     progress: bool = False,
+    norm: str = "live",
+    pattern: str = "live",
 ) -> pd.DataFrame:
     """EAP / EAP-IG score of every edge: ``(u_clean - u_corr) . mean dM/d(input of r)``, batch mean.
 
     One row per edge with ``sender``, ``receiver``, ``receiver_node``, ``input`` (q/k/v/mlp/
     logits), layers and heads, ``score`` and ``abs_score``, sorted by ``abs_score``.
     Examples x integration steps per forward/backward pass: ``batch_size``, or by default as
-    many as fit a rough ``memory_mb`` budget (each example carries ~3 x n_heads residual copies).
+    many as fit a rough :data:`PASS_MEMORY_MB` budget (each example carries ~3 x n_heads residual copies).
+    ``norm`` / ``pattern`` = ``"frozen"``: the norms' scales / the attention patterns held constant in
+    the backward pass at their values in the run differentiated (:mod:`~interp_norm.circuits.norm_modes`;
+    bridges as there); edges into queries and keys then score 0 with frozen patterns.
     """
     pairs = as_pairs(pairs)
     dev = device(model)
     metric = metric if metric is not None else LogitDiff(pairs)
-    runner = EdgeRunner(model, backend)
-    alphas = ig_alphas(ig_steps)
     clean, corr = pairs.clean_tokens.to(dev), pairs.corrupted_tokens.to(dev)
+    frozen = freeze_hooks(model, norm, pattern, tokens=clean)  # validates the modes before the runner's set-up
+    runner = EdgeRunner(model, backend)
+    if frozen:  # the runner may run a twin of the model (backend 'split'): the hooks go on the model it runs
+        frozen = freeze_hooks(runner.run_model, norm, pattern, tokens=clean)
+    alphas = ig_alphas(ig_steps)
     b, n = clean.shape
     _, s_clean = runner.sender_cache(clean)
     _, s_corr = runner.sender_cache(corr)
@@ -62,7 +74,7 @@ def edge_attribution(
     cost = 3 * runner.H if runner.backend == "split" else 1 + 3 * runner.H
     if batch_size is None:  # ~16 saved tensors of [n, d_model] per layer and residual copy
         per_example = cost * n * model.cfg.d_model * model.cfg.n_layers * 16 * 4
-        per_pass = max(1, int(memory_mb * 2**20 // per_example))
+        per_pass = max(1, int(PASS_MEMORY_MB * 2**20 // per_example))
     else:
         per_pass = max(1, batch_size // cost)
     if per_pass < b and hasattr(metric, "select"):
@@ -74,19 +86,22 @@ def edge_attribution(
     work = [(rows, s0) for rows in chunks for s0 in range(0, ig_steps, max(1, per_pass // len(rows)))]
     for rows, s0 in tqdm(work, disable=not progress, desc="edge attribution"):
         br = len(rows)
-        sub = metric if len(chunks) == 1 else metric.select(rows)
+        sub = metric if len(chunks) == 1 else metric.select(rows)  # type: ignore[attr-defined]  # chunked: it has one
         al = alphas[s0 : s0 + max(1, per_pass // br)].to(dev)
         m = len(al)
         idx = torch.tensor(rows, device=dev)
-        with torch.enable_grad():
+        with torch.enable_grad(), runner.run_model.hooks(fwd_hooks=frozen), quiet():
             logits, leaf = runner.run(corr[idx].repeat(m, 1), leaves=True, embed_mix=(e_corr[idx], e_clean[idx], al))
             total = metric_values(sub, logits, br).sum()
-            grads = torch.autograd.grad(total, list(leaf.values()))
-        g = runner.receiver_grads(leaf, grads).double()  # [R, m*br, n, d]
+            grads = torch.autograd.grad(total, list(leaf.values()), allow_unused=bool(frozen))
+        # with frozen patterns nothing reaches the query and key inputs: their gradient is 0
+        filled = [torch.zeros_like(x) if g is None else g for x, g in zip(leaf.values(), grads)]
+        g = runner.receiver_grads(leaf, filled).double()  # [R, m*br, n, d]
         g = g.view(g.shape[0], m, br, n, -1).sum(1)
         scores += torch.einsum("ubnd,rbnd->ur", delta[:, idx.cpu()].to(g.device), g).cpu()
     scores = scores / (b * ig_steps) * runner.valid
-    return edge_frame(runner.graph, scores, runner.valid, method="eap" if ig_steps == 1 else f"eap-ig{ig_steps}")
+    method = ("eap" if ig_steps == 1 else f"eap-ig{ig_steps}") + mode_label(norm, pattern)
+    return edge_frame(runner.graph, scores, runner.valid, method=method)
 
 
 def _parse_node(name: str) -> tuple[Optional[int], Optional[int]]:

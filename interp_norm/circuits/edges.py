@@ -25,6 +25,7 @@ sum to ``hook_attn_out`` minus the scaled bias.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -32,7 +33,7 @@ import torch
 from torch import Tensor
 
 from interp_norm.core import nodes
-from interp_norm.anatomy import kind_of
+from interp_norm.anatomy import capabilities
 from interp_norm.circuits._types import device, require_eval
 from interp_norm.errors import PatchingError
 from interp_norm.core.hook_names import act_name
@@ -157,7 +158,7 @@ def _check_hf_bridge(model) -> None:
     is not its ``z W_O``; grouped k/v heads share one key/value input between several query heads,
     so the per-head k/v receivers are not separate edges.
     """
-    if getattr(model, "original_model", None) is None or kind_of(model) == "interp_norm":
+    if getattr(model, "original_model", None) is None or capabilities(model).full_vocabulary:
         return
     from interp_norm.anatomy import ArchitectureError, anatomy
 
@@ -194,7 +195,7 @@ class EdgeRunner:
         self.valid = self.graph.valid()
         if backend not in ("auto", "split", "copies"):
             raise PatchingError(f"backend must be 'auto', 'split' or 'copies', got {backend!r}")
-        ours = kind_of(model) == "interp_norm"
+        ours = capabilities(model).full_vocabulary  # our config rebuilds a twin with per-head q/k/v inputs
         if backend == "auto":
             backend = "split" if ours or getattr(cfg, "use_split_qkv_input", False) else "copies"
         if backend == "split" and not ours and not getattr(cfg, "use_split_qkv_input", False):
@@ -214,7 +215,7 @@ class EdgeRunner:
         _check_hf_bridge(model)
         self.mid_feeds_mlp_only = _resid_mid_feeds_mlp_only(self.run_model)
         # rotary models (a Llama/Qwen3 bridge) never fire hook_pos_embed: the embed sender is the token embedding
-        self.has_pos = kind_of(model) == "interp_norm" or _fires(self.run_model, act_name("pos_embed"))
+        self.has_pos = ours or _fires(self.run_model, act_name("pos_embed"))
 
     # -- sender outputs --------------------------------------------------------------------
     def senders_from_cache(self, cache) -> Tensor:
@@ -259,169 +260,12 @@ class EdgeRunner:
         ``embed_mix`` = (e_corr, e_clean, alphas [m]): the token embedding of the m blocks of
         rows is ``e_corr + alpha (e_clean - e_corr)`` (integrated gradients).
         """
-        L, H, g = self.L, self.H, self.graph
-        B, n = tokens.shape
-        copies = self.backend == "copies"
-        C = 1 + 3 * H if copies else 1
-        G = 1 if weights is None else weights.shape[0]
-        if B % G:
-            raise PatchingError("rows must split evenly into the weight groups")
-        Bg = B // G
-        U = len(g.senders)
-        # (u_now - ablated_u) for each sender, filled in as the pass computes the senders
-        diffs: Optional[Tensor] = None
-        embed_now: list[Tensor] = []
-        leaf: dict[str, Tensor] = {}
-
-        def corr_for(r_slice: slice, u_avail: int) -> Optional[Tensor]:
-            """[len(r), B, n, d] corrections for receivers r_slice from the first u_avail senders."""
-            if weights is None:
-                return None
-            w = weights[:, :u_avail, r_slice]
-            if not w.any():
-                return None
-            d = diffs[:u_avail]
-            return torch.einsum("gur,ugbnd->rgbnd", w.to(d.dtype), d).reshape(w.shape[-1], B, n, -1)
-
-        def put(u: int, now: Tensor) -> None:
-            """Record sender u's output in this pass (only needed when there are corrections)."""
-            nonlocal diffs
-            if weights is None:
-                return
-            if diffs is None:
-                diffs = now.new_empty(U, G, Bg, n, now.shape[-1])
-            diffs[u] = now.view(G, Bg, n, -1) - ablated[u].to(now.dtype)
-
-        def new_leaf(key: str, like: Tensor) -> Tensor:
-            t = torch.zeros_like(like, requires_grad=True)
-            leaf[key] = t
-            return t
-
-        def main(x: Tensor) -> Tensor:
-            return x.view(C, B, *x.shape[1:])[0] if copies else x
-
-        def hook_embed(x: Tensor, hook: Any) -> Tensor:
-            if embed_mix is not None:
-                e_corr, e_clean, al = embed_mix
-                m = len(al)
-                mix = e_corr.unsqueeze(0) + al.view(m, 1, 1, 1).to(e_corr.dtype) * (e_clean - e_corr).unsqueeze(0)
-                x = mix.reshape(1, B, n, -1).expand(C, B, n, mix.shape[-1]).reshape(x.shape)
-            embed_now[:] = [main(x)]
-            if not self.has_pos:
-                put(0, embed_now[0])
-            return x
-
-        def hook_pos(x: Tensor, hook: Any) -> Tensor:
-            put(0, embed_now[0] + main(x))
-            return x
-
-        hooks: list[tuple[str, Callable]] = [(act_name("embed"), hook_embed)]
-        if self.has_pos:
-            hooks.append((act_name("pos_embed"), hook_pos))
-        for l in range(L):
-            r_attn = slice(g.receiver_index(l, "head"), g.receiver_index(l, "head") + 3 * H)
-            r_mlp = g.receiver_index(l, "mlp")
-            u_attn, u_mlp = g.n_senders_before(l, "attn"), g.n_senders_before(l, "mlp")
-            state: dict[str, Any] = {}
-
-            if copies:
-
-                def h_resid_pre(x: Tensor, hook: Any, l=l, r_attn=r_attn, u_attn=u_attn) -> Tensor:
-                    xv = x.view(C, B, n, -1)
-                    m0 = xv[0]
-                    corr = corr_for(r_attn, u_attn)
-                    rest = m0.unsqueeze(0).expand(3 * H, B, n, m0.shape[-1])
-                    if corr is not None:
-                        rest = rest - corr
-                    if leaves:
-                        rest = rest + new_leaf(f"attn{l}", rest)
-                    return torch.cat([m0.unsqueeze(0), rest]).reshape(x.shape)
-
-                hooks.append((act_name("resid_pre", l), h_resid_pre))
-                for j, nm in enumerate(QKV):
-
-                    def h_qkv(x: Tensor, hook: Any, j=j) -> Tensor:
-                        xv = x.view(C, B, *x.shape[1:])  # [C, B, n, H, dh]
-                        heads = torch.arange(H, device=x.device)
-                        picked = xv[1 + 3 * heads + j, :, :, heads]  # [H, B, n, dh]
-                        return torch.cat([picked.permute(1, 2, 0, 3).unsqueeze(0), xv[1:]]).reshape(x.shape)
-
-                    hooks.append((act_name(nm, l), h_qkv))
-            else:
-                for j, nm in enumerate(QKV):
-
-                    def h_input(x: Tensor, hook: Any, *, l=l, j=j, r_attn=r_attn, u_attn=u_attn, state=state) -> Tensor:
-                        # x [B, n, H, d]; corrections for receivers (h, j) over h
-                        if "attn" not in state:
-                            c = corr_for(r_attn, u_attn)
-                            state["attn"] = None if c is None else c.view(H, 3, B, n, -1)
-                        c = state["attn"]
-                        if c is not None:
-                            x = x - c[:, j].permute(1, 2, 0, 3)
-                        if leaves:
-                            x = x + new_leaf(f"attn{l}.{j}", x)
-                        return x
-
-                    hooks.append((act_name(f"{nm}_input", l), h_input))
-
-            def h_z(x: Tensor, hook: Any, l=l) -> Tensor:
-                if weights is not None:
-                    z = main(x)
-                    res = self.head_outputs(l, z)
-                    base = g.sender_index(l, "head")
-                    for h in range(H):
-                        put(base + h, res[h])
-                return x
-
-            def h_resid_mid(x: Tensor, hook: Any, l=l, r_mlp=r_mlp, u_mlp=u_mlp, state=state) -> Tensor:
-                c = corr_for(slice(r_mlp, r_mlp + 1), u_mlp)
-                shift = None if c is None else -c[0]
-                if leaves:
-                    d = new_leaf(f"mlp{l}", main(x))
-                    shift = d if shift is None else shift + d
-                state["mlp_shift"] = shift
-                if shift is None:
-                    return x
-                if copies:
-                    xv = x.view(C, B, n, -1)
-                    return torch.cat([(xv[0] + shift).unsqueeze(0), xv[1:]]).reshape(x.shape)
-                return x + shift
-
-            def h_mlp_out(x: Tensor, hook: Any, l=l) -> Tensor:
-                put(g.sender_index(l, "mlp"), main(x))
-                return x
-
-            def h_resid_post(x: Tensor, hook: Any, l=l, state=state) -> Tensor:
-                shift = state.get("mlp_shift")
-                # the residual path must not see the MLP receiver's shift: undo it, unless the model's
-                # hook_resid_mid only feeds the MLP (a TransformerBridge aliases it to ln2.hook_in)
-                out_shift = None if shift is None or self.mid_feeds_mlp_only else -shift
-                if l == L - 1:
-                    c = corr_for(slice(-1, None), U)
-                    s2 = None if c is None else -c[0]
-                    if leaves:
-                        d = new_leaf("logits", main(x))
-                        s2 = d if s2 is None else s2 + d
-                    if s2 is not None:
-                        out_shift = s2 if out_shift is None else out_shift + s2
-                if out_shift is None:
-                    return x
-                if copies:
-                    xv = x.view(C, B, n, -1)
-                    return torch.cat([(xv[0] + out_shift).unsqueeze(0), xv[1:]]).reshape(x.shape)
-                return x + out_shift
-
-            hooks += [
-                (act_name("z", l), h_z),
-                (act_name("resid_mid", l), h_resid_mid),
-                (act_name("mlp_out", l), h_mlp_out),
-                (act_name("resid_post", l), h_resid_post),
-            ]
-        toks = tokens.repeat(C, 1) if copies else tokens
-        logits = self.run_model.run_with_hooks(toks, fwd_hooks=hooks)
-        if copies:
-            logits = logits.view(C, B, *logits.shape[1:])[0]
-        return logits, leaf
+        edge_pass = _EdgePass(self, tokens.shape, weights, ablated, leaves=leaves, embed_mix=embed_mix)
+        toks = tokens.repeat(edge_pass.C, 1) if edge_pass.copies else tokens
+        logits = self.run_model.run_with_hooks(toks, fwd_hooks=edge_pass.hooks())
+        if edge_pass.copies:
+            logits = logits.view(edge_pass.C, edge_pass.B, *logits.shape[1:])[0]
+        return logits, edge_pass.leaf
 
     def receiver_grads(self, leaf: dict[str, Tensor], grads: Sequence[Tensor]) -> Tensor:
         """Stack leaf gradients into [R, B, n, d] in receiver order."""
@@ -438,6 +282,178 @@ class EdgeRunner:
             out.append(gd[f"mlp{l}"])
         out.append(gd["logits"])
         return torch.stack(out)
+
+
+
+class _EdgePass:
+    """The state of one :meth:`EdgeRunner.run` pass and its hooks (bound methods, per layer via
+    ``functools.partial``): sender differences filled in as the pass computes them, the leaves."""
+
+    def __init__(self, runner: EdgeRunner, shape: torch.Size, weights: Optional[Tensor], ablated: Optional[Tensor],
+                 *, leaves: bool, embed_mix: Optional[tuple[Tensor, Tensor, Tensor]]):
+        self.runner, self.graph = runner, runner.graph
+        self.L, self.H = runner.L, runner.H
+        self.B, self.n = shape
+        self.copies = runner.backend == "copies"
+        self.C = 1 + 3 * self.H if self.copies else 1
+        self.G = 1 if weights is None else weights.shape[0]
+        if self.B % self.G:
+            raise PatchingError("rows must split evenly into the weight groups")
+        self.Bg = self.B // self.G
+        self.U = len(self.graph.senders)
+        self.weights, self.ablated, self.leaves, self.embed_mix = weights, ablated, leaves, embed_mix
+        # (u_now - ablated_u) for each sender, filled in as the pass computes the senders
+        self.diffs: Optional[Tensor] = None
+        self.embed_now: Optional[Tensor] = None
+        self.leaf: dict[str, Tensor] = {}
+        self.attn_corr: dict[int, Optional[Tensor]] = {}  # split backend: layer -> [H, 3, B, n, d], once per layer
+        self.mlp_shift: dict[int, Optional[Tensor]] = {}  # layer -> the MLP receiver's shift, undone at resid_post
+
+    def hooks(self) -> list[tuple[str, Callable]]:
+        g, H = self.graph, self.H
+        hooks: list[tuple[str, Callable]] = [(act_name("embed"), self.hook_embed)]
+        if self.runner.has_pos:
+            hooks.append((act_name("pos_embed"), self.hook_pos))
+        for l in range(self.L):
+            r_attn = slice(g.receiver_index(l, "head"), g.receiver_index(l, "head") + 3 * H)
+            u_attn = g.n_senders_before(l, "attn")
+            if self.copies:
+                hooks.append((act_name("resid_pre", l), partial(self.h_resid_pre, l=l, r_attn=r_attn, u_attn=u_attn)))
+                hooks += [(act_name(nm, l), partial(self.h_qkv, j=j)) for j, nm in enumerate(QKV)]
+            else:
+                hooks += [(act_name(f"{nm}_input", l), partial(self.h_input, l=l, j=j, r_attn=r_attn, u_attn=u_attn))
+                          for j, nm in enumerate(QKV)]
+            hooks += [
+                (act_name("z", l), partial(self.h_z, l=l)),
+                (act_name("resid_mid", l), partial(self.h_resid_mid, l=l)),
+                (act_name("mlp_out", l), partial(self.h_mlp_out, l=l)),
+                (act_name("resid_post", l), partial(self.h_resid_post, l=l)),
+            ]
+        return hooks
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def corr_for(self, r_slice: slice, u_avail: int) -> Optional[Tensor]:
+        """[len(r), B, n, d] corrections for receivers r_slice from the first u_avail senders."""
+        if self.weights is None:
+            return None
+        w = self.weights[:, :u_avail, r_slice]
+        if not w.any():
+            return None
+        assert self.diffs is not None  # every sender before a receiver ran earlier in the pass
+        d = self.diffs[:u_avail]
+        return torch.einsum("gur,ugbnd->rgbnd", w.to(d.dtype), d).reshape(w.shape[-1], self.B, self.n, -1)
+
+    def put(self, u: int, now: Tensor) -> None:
+        """Record sender u's output in this pass (only needed when there are corrections)."""
+        if self.weights is None:
+            return
+        assert self.ablated is not None
+        if self.diffs is None:
+            self.diffs = now.new_empty(self.U, self.G, self.Bg, self.n, now.shape[-1])
+        self.diffs[u] = now.view(self.G, self.Bg, self.n, -1) - self.ablated[u].to(now.dtype)
+
+    def new_leaf(self, key: str, like: Tensor) -> Tensor:
+        t = torch.zeros_like(like, requires_grad=True)
+        self.leaf[key] = t
+        return t
+
+    def main(self, x: Tensor) -> Tensor:
+        return x.view(self.C, self.B, *x.shape[1:])[0] if self.copies else x
+
+    def shift_main(self, x: Tensor, shift: Optional[Tensor]) -> Tensor:
+        """``x`` with ``shift`` added to the main copy (all of ``x`` on the split backend)."""
+        if shift is None:
+            return x
+        if self.copies:
+            xv = x.view(self.C, self.B, self.n, -1)
+            return torch.cat([(xv[0] + shift).unsqueeze(0), xv[1:]]).reshape(x.shape)
+        return x + shift
+
+    # -- hooks -----------------------------------------------------------------------------
+    def hook_embed(self, x: Tensor, hook: Any) -> Tensor:
+        B, n, C = self.B, self.n, self.C
+        if self.embed_mix is not None:
+            e_corr, e_clean, al = self.embed_mix
+            m = len(al)
+            mix = e_corr.unsqueeze(0) + al.view(m, 1, 1, 1).to(e_corr.dtype) * (e_clean - e_corr).unsqueeze(0)
+            x = mix.reshape(1, B, n, -1).expand(C, B, n, mix.shape[-1]).reshape(x.shape)
+        self.embed_now = self.main(x)
+        if not self.runner.has_pos:
+            self.put(0, self.embed_now)
+        return x
+
+    def hook_pos(self, x: Tensor, hook: Any) -> Tensor:
+        assert self.embed_now is not None  # hook_embed fires first
+        self.put(0, self.embed_now + self.main(x))
+        return x
+
+    def h_resid_pre(self, x: Tensor, hook: Any, *, l: int, r_attn: slice, u_attn: int) -> Tensor:
+        """Copies backend: copy ``1 + 3h + j`` carries head h's q/k/v input j, corrected."""
+        H, B, n = self.H, self.B, self.n
+        m0 = x.view(self.C, B, n, -1)[0]
+        corr = self.corr_for(r_attn, u_attn)
+        rest = m0.unsqueeze(0).expand(3 * H, B, n, m0.shape[-1])
+        if corr is not None:
+            rest = rest - corr
+        if self.leaves:
+            rest = rest + self.new_leaf(f"attn{l}", rest)
+        return torch.cat([m0.unsqueeze(0), rest]).reshape(x.shape)
+
+    def h_qkv(self, x: Tensor, hook: Any, *, j: int) -> Tensor:
+        """Copies backend: the main copy's q/k/v of head h come from copy ``1 + 3h + j``."""
+        xv = x.view(self.C, self.B, *x.shape[1:])  # [C, B, n, H, dh]
+        heads = torch.arange(self.H, device=x.device)
+        picked = xv[1 + 3 * heads + j, :, :, heads]  # [H, B, n, dh]
+        return torch.cat([picked.permute(1, 2, 0, 3).unsqueeze(0), xv[1:]]).reshape(x.shape)
+
+    def h_input(self, x: Tensor, hook: Any, *, l: int, j: int, r_attn: slice, u_attn: int) -> Tensor:
+        """Split backend: x [B, n, H, d]; corrections for receivers (h, j) over h."""
+        if l not in self.attn_corr:
+            c = self.corr_for(r_attn, u_attn)
+            self.attn_corr[l] = None if c is None else c.view(self.H, 3, self.B, self.n, -1)
+        c = self.attn_corr[l]
+        if c is not None:
+            x = x - c[:, j].permute(1, 2, 0, 3)
+        if self.leaves:
+            x = x + self.new_leaf(f"attn{l}.{j}", x)
+        return x
+
+    def h_z(self, x: Tensor, hook: Any, *, l: int) -> Tensor:
+        if self.weights is not None:
+            res = self.runner.head_outputs(l, self.main(x))
+            base = self.graph.sender_index(l, "head")
+            for h in range(self.H):
+                self.put(base + h, res[h])
+        return x
+
+    def h_resid_mid(self, x: Tensor, hook: Any, *, l: int) -> Tensor:
+        r_mlp = self.graph.receiver_index(l, "mlp")
+        c = self.corr_for(slice(r_mlp, r_mlp + 1), self.graph.n_senders_before(l, "mlp"))
+        shift = None if c is None else -c[0]
+        if self.leaves:
+            d = self.new_leaf(f"mlp{l}", self.main(x))
+            shift = d if shift is None else shift + d
+        self.mlp_shift[l] = shift
+        return self.shift_main(x, shift)
+
+    def h_mlp_out(self, x: Tensor, hook: Any, *, l: int) -> Tensor:
+        self.put(self.graph.sender_index(l, "mlp"), self.main(x))
+        return x
+
+    def h_resid_post(self, x: Tensor, hook: Any, *, l: int) -> Tensor:
+        shift = self.mlp_shift.get(l)
+        # the residual path must not see the MLP receiver's shift: undo it, unless the model's
+        # hook_resid_mid only feeds the MLP (a TransformerBridge aliases it to ln2.hook_in)
+        out_shift = None if shift is None or self.runner.mid_feeds_mlp_only else -shift
+        if l == self.L - 1:
+            c = self.corr_for(slice(-1, None), self.U)
+            s2 = None if c is None else -c[0]
+            if self.leaves:
+                d = self.new_leaf("logits", self.main(x))
+                s2 = d if s2 is None else s2 + d
+            if s2 is not None:
+                out_shift = s2 if out_shift is None else out_shift + s2
+        return self.shift_main(x, out_shift)
 
 
 __all__ = ["EdgeGraph", "EdgeRunner", "receiver_node", "QKV"]

@@ -38,7 +38,8 @@ class PatchingPairs:
 
     clean_tokens: Int[Tensor, "batch pos"]
     corrupted_tokens: Int[Tensor, "batch pos"]
-    score_mask: Optional[Bool[Tensor, "batch pos"]] = None
+    # None at construction means "the default"; __post_init__ always sets it
+    score_mask: Bool[Tensor, "batch pos"] = None  # type: ignore[assignment]
     clean_problems: Optional[list] = None
     corrupted_problems: Optional[list] = None
     corruptions: Optional[pd.DataFrame] = field(default=None, repr=False)
@@ -120,8 +121,8 @@ class PatchingPairs:
         """One row per pair: the two problems and what was corrupted."""
         rows = []
         for i in range(len(self)):
-            row = {"pair": i}
-            if self.clean_problems is not None:
+            row: dict[str, Any] = {"pair": i}
+            if self.clean_problems is not None and self.corrupted_problems is not None:
                 row["clean"] = self.clean_problems[i].text
                 row["corrupted"] = self.corrupted_problems[i].text
             else:
@@ -153,7 +154,7 @@ class PatchingPairs:
         n = max(len(p.text) for p in cp)
         clean_t = T.pad_batch([T.encode(p.text) for p in cp], n)
         corr_t = T.pad_batch([T.encode(p.text) for p in xp], n)
-        return cls(clean_t, corr_t, score_mask, cp, xp, None)
+        return cls(clean_t, corr_t, score_mask, cp, xp, None)  # type: ignore[arg-type]  # None: the default mask
 
 
 # ----------------------------------------------------------------------------- making pairs
@@ -174,7 +175,7 @@ def corrupt_problem(
     operator ``op`` (0 = between term 0 and 1). Unset choices are drawn at random.
     """
     terms, ops = list(problem.terms), list(problem.ops)
-    options = []
+    options: list[tuple[str, int, Optional[int]]] = []
     if corrupt in ("digit", "any"):
         ts = [term] if term is not None else list(range(len(terms)))
         for t in ts:
@@ -195,6 +196,7 @@ def corrupt_problem(
             new_ops[idx] = "-" if ops[idx] == "+" else "+"
             cands = [(tuple(terms), tuple(new_ops), ops[idx], new_ops[idx])]
         else:
+            assert p is not None  # digit options carry their place
             s = _digits_of(terms[idx])
             k = len(s) - 1 - p  # index in the string, most significant first
             old = s[k]
@@ -204,9 +206,9 @@ def corrupt_problem(
             for d in digits:
                 new_s = s[:k] + d + s[k + 1 :]
                 new_t = int(new_s) * (-1 if terms[idx] < 0 else 1)
-                nt = list(terms)
-                nt[idx] = new_t
-                cands.append((tuple(nt), tuple(ops), old, d))
+                changed = list(terms)
+                changed[idx] = new_t
+                cands.append((tuple(changed), tuple(ops), old, d))
         for nt, nops, old, new in cands:
             q = T.Problem(nt, nops)
             if len(q.text) == len(problem.text) and q.result != problem.result and len(q.answer) == len(problem.answer):
@@ -222,6 +224,7 @@ def _corrupted_position(problem: T.Problem, kind: str, idx: int, place: Optional
     for i, t in enumerate(problem.terms):
         s = T.format_int(t)
         if kind == "digit" and i == idx:
+            assert place is not None  # a digit corruption has a place
             return pos + len(s) - 1 - place
         pos += len(s)
         if i < len(problem.ops):
@@ -247,10 +250,13 @@ def _sample_like(template: T.Problem, rng: random.Random) -> T.Problem:
     return T.Problem(tuple(terms), ops)
 
 
+MAX_TRIES_PER_PAIR = 200  # draws per requested pair before make_pairs gives up on the constraints
+
+
 def make_pairs(
     task: Any, n: int, split: Union[str, T.Split] = "id", seed: int = 0, corrupt: str = "digit",
     *, term: Optional[int] = None, place: Optional[int] = None, op: Optional[int] = None,
-    aligned: bool = False, max_tries: int = 200,
+    aligned: bool = False,
 ) -> PatchingPairs:
     """``n`` seeded clean/corrupted pairs from a split.
 
@@ -268,13 +274,15 @@ def make_pairs(
         raise PatchingError(f"make_pairs needs an AdditionTask or a model that knows its task, got {type(task).__name__}")
     check_positive_int(n, "n", PatchingError)
     rng = random.Random(seed)
-    clean, corr, recs = [], [], []
+    clean: list[T.Problem] = []
+    corr: list[T.Problem] = []
+    recs: list[dict] = []
     template: Optional[T.Problem] = None
     fixed: dict = dict(term=term, place=place, op=op)
     tries = 0
     while len(clean) < n:
         tries += 1
-        if tries > max_tries * n:
+        if tries > MAX_TRIES_PER_PAIR * n:
             raise PatchingError(
                 f"could only build {len(clean)} of {n} pairs after {tries - 1} draws; relax term/place/op "
                 "or aligned=True, or use a split with more digits"

@@ -51,7 +51,7 @@ from interp_norm.cli._support import (
     flag_map,
     with_flag_names,
 )
-from interp_norm.errors import CheckpointNotFoundError, InterpNormError
+from interp_norm.errors import CheckpointNotFoundError, InterpNormError, NoTokenizerWarning
 
 __all__ = ["COMMANDS", "ANALYSES", "Command", "command", "build_parser", "main"]
 
@@ -213,6 +213,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     code = 1
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning(prog, flags, warnings.showwarning)
+        # loading without a tokenizer: each analysis says what it then runs on, once, in its own words
+        warnings.simplefilter("ignore", NoTokenizerWarning)
         try:
             with _threads(args), _quiet_loading(args):
                 code = int(args._run(args) or 0)

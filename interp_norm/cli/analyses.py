@@ -25,8 +25,6 @@ from interp_norm.cli._support import (
     command,
     hf_args,
     hf_tokens,
-    is_hf,
-    load_model_spec,
     check_placement,
     load_ours,
     nonnegative_float,
@@ -47,6 +45,7 @@ LEVELS_HELP = HELP["levels"]
 
 CIRCUIT_FILES = ("*.csv", "circuit.html", "circuit.json")
 BENCHMARK_FILES = ("benchmark.csv", "mib_curve.csv", "mib_summary.csv", "faithfulness.html")
+CELL_FILES = ("addition_*.csv", "addition_account.txt")
 
 
 def _circuits_args(p: argparse.ArgumentParser) -> None:
@@ -79,6 +78,17 @@ def _circuits_args(p: argparse.ArgumentParser) -> None:
                    help="discovery methods to score")
     b.add_argument("--threshold", type=nonnegative_float, default=0.05,
                    help="selection threshold, as a fraction of the clean-corrupted metric gap")
+    c = p.add_argument_group("the addition circuit by cells (--cells)")
+    c.add_argument("--cells", action="store_true",
+                   help="instead of the patching tables: locate the addition circuit at (layer, head, answer "
+                        "position) by ablating every other cell, give each cell a role from its attention, test the roles "
+                        "by resampling what each cell reads from one token class, and write addition_{circuit,effects,"
+                        "curve,verification,roles,role_counts,attention,role_tests,role_agreement}.csv and "
+                        "addition_account.txt (--n-examples problems)")
+    c.add_argument("--keep", type=nonnegative_float, default=0.9,
+                   help="share of the full model's per-token accuracy the circuit must keep (default: 0.9)")
+    c.add_argument("--grow", choices=["ranked", "greedy"], default="ranked",
+                   help="grow the circuit in the order of single-cell necessity, or greedily (slower)")
     add_heavy(p)
 
 
@@ -95,6 +105,8 @@ def _circuits(args: argparse.Namespace) -> int:
             raise ConfigError(f"--benchmark runs the ground-truth suite, not a checkpoint; drop {args.ckpt!r} "
                               "or drop --benchmark")
         return _circuits_benchmark(args)
+    if args.ckpt is not None and args.cells:
+        return _circuits_cells(args)
     if args.ckpt is None:
         raise ConfigError("give a checkpoint (see 'interp-norm list'), or --benchmark for the ground-truth suite")
     from interp_norm.circuits import run_circuits
@@ -112,6 +124,28 @@ def _circuits(args: argparse.Namespace) -> int:
     print(f"wrote {len(tables)} tables, circuit.html and circuit.json to {out}")
     print(f"circuit of {Path(str(args.ckpt).rstrip('/')).name}: {len(tables['circuit'])} edges; share of {args.metric} it recovers: "
           + ", ".join(f"{a} {as_percent(v)}" for a, v in zip(f["ablation"], f["faithfulness"])))
+    return 0
+
+
+def _circuits_cells(args: argparse.Namespace) -> int:
+    """The addition circuit by cells: its tables and the plain-words account."""
+    from interp_norm.circuits.addition_circuit import CircuitSpec
+    from interp_norm.circuits.circuit_roles import addition_circuit
+    from interp_norm.training.devices import resolve_device
+    from interp_norm.training.io import write_tables, write_text_atomic
+
+    out = prepare_out(args.out, CELL_FILES, args.force)
+    resolve_device(args.device)
+    model, info = load_ours(args.ckpt, "circuits", device=args.device)
+    spec = CircuitSpec(n=args.n_examples, split=args.split, seed=args.seed, keep=args.keep, grow=args.grow,
+                       progress=not args.no_progress)
+    name = Path(str(args.ckpt).rstrip("/")).name
+    tables = addition_circuit(model, info.task, spec=spec, name=name, test_roles=True)
+    account = tables.pop("account")
+    write_tables(out, {f"addition_{k}": v for k, v in tables.items()})
+    write_text_atomic(out / "addition_account.txt", account + "\n")
+    print(f"wrote {len(tables)} addition_*.csv tables and addition_account.txt to {out}")
+    print(account)
     return 0
 
 
@@ -193,24 +227,33 @@ def _noise(args: argparse.Namespace) -> int:
     from interp_norm.noise import run_noise
 
     out = prepare_out(args.out, ["noise_accuracy.csv"], args.force)
-    model, info = _load_for_noise(args)
-    if is_hf(model):  # a Hugging Face model: agreement with its clean next-token prediction on text
-        from interp_norm.noise.text_agreement import text_agreement
-
-        df = text_agreement(model, hf_tokens(model, args), args.levels, placement=args.placement,
-                            distribution=args.distribution, seed=args.seed, batch_size=args.batch_size,
-                            progress=not args.no_progress)
-        write_csv(out / "noise_accuracy.csv", df)
-        print(percent_table(with_model(df, args.ckpt)))
-        print(f"wrote {out / 'noise_accuracy.csv'}")
-        return 0
-    df = run_noise(model, info.task, args.levels, split=args.split, n_datasets=args.n_datasets,
-                   n_examples=args.n_examples, placement=args.placement, distribution=args.distribution,
-                   seed=args.seed, progress=not args.no_progress)
+    model = _load_for_noise(args)
+    # ours: accuracy on the task's test sets; a Hugging Face model: agreement with its clean prediction on text
+    df = run_noise(model, levels=args.levels, split=args.split, n_datasets=args.n_datasets, n_examples=args.n_examples,
+                   placement=args.placement, distribution=args.distribution, seed=args.seed,
+                   progress=not args.no_progress, **_text_inputs(model, args, batch_size=args.batch_size))
     write_csv(out / "noise_accuracy.csv", df)
     print(percent_table(with_model(df, args.ckpt)))
     print(f"wrote {out / 'noise_accuracy.csv'}")
     return 0
+
+
+def _load_any_kind(args: argparse.Namespace):  # noqa: ANN202
+    """The model ``args.ckpt`` names, ours or a Hugging Face model (``--dtype`` / ``--device-map`` apply to the latter)."""
+    from interp_norm.anatomy.loading import load
+
+    return load(args.ckpt, device=args.device, dtype=args.dtype or "float32", device_map=args.device_map)
+
+
+def _text_inputs(model, args: argparse.Namespace, command_name: str = "", **text_only) -> dict:  # noqa: ANN001
+    """What a model without an addition task (a Hugging Face model) runs on: text windows
+    (``--text``, ``--n-ctx``, ``--windows``) and the options that only apply to text (``text_only``);
+    nothing for ours, which run on their own task (a text-only option given for them is refused)."""
+    if getattr(model, "task", None) is None:
+        return {"tokens": hf_tokens(model, args), **text_only}
+    if command_name:
+        _refuse_window_batch(args, command_name)
+    return {}
 
 
 def _load_for_noise(args: argparse.Namespace):  # noqa: ANN202
@@ -219,9 +262,9 @@ def _load_for_noise(args: argparse.Namespace):  # noqa: ANN202
 
     resolve_device(args.device)
     return_large_frees()  # freed activations go back to the system: the peak stays near the weights
-    model, info = load_model_spec(args.ckpt, device=args.device, dtype=args.dtype, device_map=args.device_map)
+    model = _load_any_kind(args)
     check_placement(model, args.placement)
-    return model, info
+    return model
 
 
 def _collapse_args(p: argparse.ArgumentParser) -> None:
@@ -242,18 +285,12 @@ def _collapse(args: argparse.Namespace) -> int:
     from interp_norm.noise import collapse_thresholds, run_collapse
 
     out = prepare_out(args.out, COLLAPSE_FILES, args.force)
-    model, info = _load_for_noise(args)
-    if is_hf(model):  # a Hugging Face model: collapse from its clean scores on text
-        from interp_norm.noise import bridge_collapse
-
-        curves = bridge_collapse(model, hf_tokens(model, args), args.levels, placement=args.placement,
-                                 distribution=args.distribution, seed=args.seed, progress=not args.no_progress,
-                                 window_batch=args.window_batch)
-    else:
-        _refuse_window_batch(args, "collapse")
-        curves = run_collapse(model, info.task, args.levels, split=args.split, n_examples=args.n_examples,
-                              placement=args.placement, distribution=args.distribution, seed=args.seed,
-                              progress=not args.no_progress)
+    model = _load_for_noise(args)
+    # ours: from one clean cache of the task's test set; a Hugging Face model: from its clean scores on text
+    curves = run_collapse(model, levels=args.levels, split=args.split, n_examples=args.n_examples,
+                          placement=args.placement, distribution=args.distribution, seed=args.seed,
+                          progress=not args.no_progress,
+                          **_text_inputs(model, args, "collapse", window_batch=args.window_batch))
     thresholds = collapse_thresholds(curves)
     write_csv(out / COLLAPSE_FILES[0], curves)
     write_csv(out / COLLAPSE_FILES[1], thresholds)
@@ -301,14 +338,10 @@ def _geometry(args: argparse.Namespace) -> int:
     out = prepare_out(args.out, ["geometry_*.csv"], args.force)
     resolve_device(args.device)
     return_large_frees()  # freed activations go back to the system: the peak stays near the weights
-    model, info = load_model_spec(args.ckpt, device=args.device, dtype=args.dtype, device_map=args.device_map)
-    if is_hf(model):  # a Hugging Face model: every norm's ellipsoid, sparsity and norm spread on text
-        results = run_geometry(model, tokens=hf_tokens(model, args), progress=not args.no_progress,
-                               window_batch=args.window_batch)
-    else:
-        _refuse_window_batch(args, "geometry")
-        results = run_geometry(model, info.task, n=args.n_examples, split=args.split, seed=args.seed,
-                               progress=not args.no_progress)
+    model = _load_any_kind(args)
+    # ours: every analysis on the task's problems; a Hugging Face model: every norm's ellipsoid, sparsity and spread on text
+    results = run_geometry(model, n=args.n_examples, split=args.split, seed=args.seed, progress=not args.no_progress,
+                           **_text_inputs(model, args, "geometry", window_batch=args.window_batch))
     write_tables(out, {f"geometry_{name}": df for name, df in results.items()})
     print(percent_table(with_model(geometry_summary(results, per_layer=False), args.ckpt)))
     print(f"wrote {len(results)} tables geometry_*.csv to {out}")

@@ -23,6 +23,7 @@ from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
 from interp_norm.core.config import ModelConfig
+from interp_norm.errors import ConfigError
 
 
 # ----------------------------------------------------------------------------- norms
@@ -143,6 +144,8 @@ class Calibration(nn.Module):
     causal, non-padding query/key pairs.
     """
 
+    factor: Tensor  # a buffer
+
     def __init__(self, std: float, kind: str = "vector"):
         super().__init__()
         self.std, self.kind = float(std), kind
@@ -191,6 +194,8 @@ class SinusoidalPosEmbed(nn.Module):
 
 class Attention(nn.Module):
     """Multi-head causal self-attention with the normalisation placement of ``cfg.attn_norm``."""
+
+    mask: Tensor  # a buffer
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -242,6 +247,7 @@ class Attention(nn.Module):
 
     def scale_scores(self, qk: Tensor) -> Tensor:
         """``q · k`` to the scores: divided by ``attn_scale``, then the score calibration (if any)."""
+        assert self.cfg.attn_scale is not None  # ModelConfig sets it (√d_head by default)
         scores = qk / self.cfg.attn_scale
         if self.cfg.calibration == "paper":
             scores = self.calib_scores(scores)
@@ -283,6 +289,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        if cfg.d_mlp is None:
+            raise ConfigError("the model's blocks have an MLP: set d_mlp")
         self.W_in = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
         self.b_in = nn.Parameter(torch.zeros(cfg.d_mlp))
         self.W_out = nn.Parameter(torch.empty(cfg.d_mlp, cfg.d_model))
@@ -297,6 +305,16 @@ class MLP(nn.Module):
 
 class TransformerBlock(nn.Module):
     """Attention (normalised as configured), then x → x + MLP(LayerNorm(x)) as in the paper."""
+
+    # set in __init__ by name (setattr)
+    hook_resid_pre: HookPoint
+    hook_q_input: HookPoint
+    hook_k_input: HookPoint
+    hook_v_input: HookPoint
+    hook_attn_out: HookPoint
+    hook_resid_mid: HookPoint
+    hook_mlp_out: HookPoint
+    hook_resid_post: HookPoint
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -327,7 +345,7 @@ class TransformerBlock(nn.Module):
             return y, y, y
         if cfg.use_split_qkv_input:
             outs = [self.ln1(x) for x in xs]
-            return tuple(o[i] if isinstance(o, tuple) else o for i, o in enumerate(outs))  # type: ignore[return-value]
+            return tuple(o[i] if isinstance(o, tuple) else o for i, o in enumerate(outs))
         return self.ln1(resid)
 
     def forward(self, resid: Float[Tensor, "b p d"]) -> Float[Tensor, "b p d"]:
@@ -352,6 +370,8 @@ class TransformerBlock(nn.Module):
 class OutputHead(nn.Module):
     """The paper's y = MLP(LayerNorm(x)) with ReLU hidden layers, or a plain unembedding ``W_U``."""
 
+    layers: list[nn.Linear]  # an nn.ModuleList, typed by what it holds
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.kind = cfg.head
@@ -360,7 +380,7 @@ class OutputHead(nn.Module):
             self.b_U = nn.Parameter(torch.zeros(cfg.d_vocab))
             return
         sizes = (cfg.d_model, *cfg.head_hidden, cfg.d_vocab)
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))  # type: ignore[assignment]
         self.hooks = nn.ModuleList(HookPoint() for _ in cfg.head_hidden)  # head.hooks.{i}: post-ReLU
 
     def forward(self, x: Float[Tensor, "b p d"]) -> Float[Tensor, "b p vocab"]:

@@ -187,7 +187,7 @@ class ModelConfig(TransformerLensConfig):
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":  # type: ignore[override]
+    def from_dict(cls, d: dict) -> "ModelConfig":
         unknown = sorted(set(d) - set(cls._OWN_FIELDS))
         if unknown:
             raise ConfigError(f"unknown model config fields {unknown}; known fields: {list(cls._OWN_FIELDS)}")

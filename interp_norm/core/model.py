@@ -64,6 +64,10 @@ class HookedNormTransformer(HookedRootModule):
     model (the pretrained name or checkpoint folder it was loaded from).
     """
 
+    # an nn.ModuleList, typed by what it holds (ModuleList is not generic); a buffer
+    blocks: list[TransformerBlock]
+    calibrated: Tensor
+
     def __init__(self, cfg: ModelConfig, task: Optional[T.AdditionTask] = None, name: Optional[str] = None):
         super().__init__()
         if not isinstance(cfg, ModelConfig):
@@ -79,7 +83,7 @@ class HookedNormTransformer(HookedRootModule):
         else:
             self.pos_embed = SinusoidalPosEmbed(cfg)
         self.hook_embed, self.hook_pos_embed = HookPoint(), HookPoint()
-        self.blocks = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))  # type: ignore[assignment]
         self.ln_final = Norm(cfg.d_model, "ln", cfg.eps, bias=True)
         self.head = OutputHead(cfg)
         if cfg.calibration == "paper":
@@ -114,7 +118,7 @@ class HookedNormTransformer(HookedRootModule):
                 normal_(W, 1 / math.sqrt(cfg.d_model))
             normal_(a.W_O, depth / math.sqrt(cfg.n_heads * cfg.d_head))
             normal_(block.mlp.W_in, 1 / math.sqrt(cfg.d_model))
-            normal_(block.mlp.W_out, depth / math.sqrt(cfg.d_mlp))
+            normal_(block.mlp.W_out, depth / math.sqrt(block.mlp.W_out.shape[0]))  # d_mlp
         if cfg.head == "unembed":
             normal_(self.head.W_U, 1 / math.sqrt(cfg.d_model))
         else:
@@ -224,10 +228,10 @@ class HookedNormTransformer(HookedRootModule):
             raise ConfigError(f"from_pretrained loads weights as trained; TransformerLens options {sorted(tl_options)} are not supported")
         # Users look for the loader on the class, as in TL. Checkpoints are read one layer up (that
         # module builds models from this one), so this calls the package's public, lazily loaded
-        # ``interp_norm.load_any`` at call time instead of importing the persistence layer here.
+        # ``interp_norm.load`` at call time instead of importing the layers above here.
         import interp_norm
 
-        return interp_norm.load_any(name, device=device)[0]
+        return interp_norm.load(name, device=device, kind="interp_norm")
 
     # -- hooks: TransformerLens's API, refusing names that do not exist or never fire ---------------
     def run_with_cache(self, *args: Any, **kwargs: Any) -> tuple[Any, NormActivationCache]:

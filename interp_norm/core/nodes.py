@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Optional
 
 EMBED = "embed"
@@ -51,7 +51,7 @@ class Node:
     input: Optional[str] = None
 
 
-@lru_cache(maxsize=None)
+@cache
 def parse(name: str) -> Node:
     """The :class:`Node` a sender or receiver name stands for (ValueError naming the forms otherwise)."""
     m = _NAME.match(str(name))
@@ -68,7 +68,10 @@ def parse(name: str) -> Node:
 def receiver_node(receiver: str) -> str:
     """The node a receiver belongs to: ``a1.h2.q`` -> ``a1.h2``; MLP and logits receivers are their own node."""
     n = parse(receiver)
-    return head(n.layer, n.head) if n.kind == "head" else receiver
+    if n.kind != "head":
+        return receiver
+    assert n.layer is not None and n.head is not None  # parse gives every head node both
+    return head(n.layer, n.head)
 
 
 def receiver_input(receiver: str) -> str:

@@ -391,8 +391,8 @@ _SPLIT_NAMES = {"id": "in-distribution", "interp": "interpolation", "extrap": "e
 
 def _or(xs: Sequence[int]) -> str:
     """(2, 3, 5) -> '2, 3 or 5'."""
-    xs = [str(x) for x in xs]
-    return xs[0] if len(xs) == 1 else ", ".join(xs[:-1]) + " or " + xs[-1]
+    s = [str(x) for x in xs]
+    return s[0] if len(s) == 1 else ", ".join(s[:-1]) + " or " + s[-1]
 
 
 def _model_name(model: object) -> str:
@@ -404,7 +404,7 @@ def task_for(model: object, task: "AdditionTask | None" = None, *, who: str = "t
              stacklevel: int = 3) -> AdditionTask:
     """The task an analysis of ``model`` runs on: ``task`` if given, else the model's own.
 
-    A model loaded from a checkpoint (``interp_norm.load``, ``from_pretrained``, ``load_checkpoint``)
+    A model loaded from a checkpoint (``interp_norm.load``, ``from_pretrained``)
     or returned by ``train`` carries the task it was trained on as ``model.task``. A ``task`` other
     than that one still runs, with a :class:`~interp_norm.errors.TaskMismatchWarning` naming both
     (the numbers then describe problems the model never learnt: ``AdditionTask()``, the paper's task,

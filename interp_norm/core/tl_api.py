@@ -200,7 +200,8 @@ class NormActivationCache(ActivationCache):
 
     def logit_attrs(self, residual_stack: torch.Tensor, tokens: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """TL's, for ``head='unembed'`` models; a :class:`ConfigError` for the MLP head (see ``DLA_REFUSAL``)."""
-        if self.model.cfg.head != "unembed":
+        cfg: Any = self.model.cfg  # our ModelConfig (TransformerLens types it as its own config)
+        if cfg.head != "unembed":
             raise ConfigError(DLA_REFUSAL)
         return super().logit_attrs(residual_stack, tokens, *args, **kwargs)
 
@@ -215,7 +216,7 @@ class NormActivationCache(ActivationCache):
         *,
         recompute_ln: bool = False,
     ) -> torch.Tensor:
-        cfg = self.model.cfg
+        cfg: Any = self.model.cfg  # our ModelConfig (TransformerLens types it as its own config)
         pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
         batch_slice = batch_slice if isinstance(batch_slice, Slice) else Slice(batch_slice)
         if layer is None or layer == -1:

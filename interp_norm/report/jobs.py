@@ -42,7 +42,11 @@ def run_serially(plan: Plan, names: Sequence[str], collect: Callable, on_stage: 
         model, info = plan.models[name]
         settings, todo, analysed = plan.of(name)
         job = job_for(name, model, info, settings, plan.labels[name])
-        collect(name, *run_checkpoint(job, todo, analysed, lambda s, f, n=name: on_stage(n, s, f)))
+
+        def stage(step: str, finished: bool, name: str = name) -> None:
+            on_stage(name, step, finished)
+
+        collect(name, *run_checkpoint(job, todo, analysed, stage))
 
 
 def run_in_workers(plan: Plan, names: Sequence[str], n_workers: int, collect: Callable, on_stage: Callable) -> None:

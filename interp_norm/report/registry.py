@@ -180,7 +180,7 @@ def _collapse(job: Job) -> Tables:
     s = job.settings
     kw = dict(n_examples=s.collapse_examples, n_draws=s.collapse_draws, strict_samples=s.collapse_strict_samples,
               seed=s.seed, progress=job.progress)
-    runs = [(job.label, {})] + ([(job.noise_label, dict(placement="after_norm"))] if job.after_norm else [])
+    runs: list[tuple[str, dict]] = [(job.label, {})] + ([(job.noise_label, dict(placement="after_norm"))] if job.after_norm else [])
     for variant, more in runs:
         curves, heads = run_collapse_with_heads(job.model, job.task, s.collapse_levels, variant=variant, **kw, **more)
         yield "collapse", job.front(curves)
@@ -286,6 +286,21 @@ def _collapse_consequence(job: Job) -> Tables:
         progress=job.progress))
 
 
+def _addition_circuit(job: Job) -> Tables:
+    """The circuit at (layer, head, answer position), its roles and the generated account."""
+    import pandas as pd
+
+    from interp_norm.circuits.addition_circuit import CircuitSpec
+    from interp_norm.circuits.circuit_roles import addition_circuit
+
+    s = job.settings
+    res = addition_circuit(job.model, job.task, spec=CircuitSpec(n=s.addition_circuit_problems, seed=s.seed,
+                                                                  progress=job.progress), name=job.name)
+    res["account"] = pd.DataFrame([dict(account=res["account"])])
+    for key in ("circuit", "curve", "verification", "roles", "role_counts", "account"):
+        yield f"addition_{key}", job.front(res[key].copy(), variant=job.label, checkpoint=job.name)
+
+
 # ----------------------------------------------------------------------------- the registry
 
 _PANELS = "interp_norm.report.dashboard.panels"
@@ -335,6 +350,10 @@ REGISTRY: tuple[Analysis, ...] = (
              sizes=dict(consequence_levels=Lazy("interp_norm.noise:CONSEQUENCE_LEVELS"), consequence_examples=512,
                         consequence_draws=4, consequence_boot=2000),
              quick=dict(consequence_examples=24, consequence_draws=2, consequence_boot=200)),
+    Analysis("addition_circuit", _addition_circuit, ("addition_*",),
+             "interp_norm.report.dashboard.addition_circuit:addition_circuit", default=False,
+             help="the addition circuit by (layer, head, answer position): size at 90% accuracy, roles, account",
+             sizes=dict(addition_circuit_problems=256), quick=dict(addition_circuit_problems=8)),
 )
 
 #: Names, in the order they run.

@@ -27,7 +27,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import pandas as pd
 
@@ -36,7 +36,6 @@ from interp_norm.errors import CheckpointNotFoundError, ConfigError, OutputDirEr
 __all__ = [
     "Settings",
     "Report",
-    "load_models",
     "default_analysed",
     "run_analyses",
     "write_report",
@@ -147,9 +146,10 @@ class Report:
 
 def _load(spec: str, device: str = "cpu") -> tuple[str, Any, Any]:
     """(display name, model, info) for a checkpoint folder or a pretrained name."""
-    from interp_norm.training.checkpoints import load_any, looks_like_path
+    from interp_norm.anatomy.loading import load_with_info
+    from interp_norm.training.checkpoints import looks_like_path
 
-    model, info = load_any(spec, device=device)
+    model, info = load_with_info(spec, device=device, kind="interp_norm")
     if not looks_like_path(spec):
         return spec, model, info
     name = Path(spec).resolve().name
@@ -158,7 +158,7 @@ def _load(spec: str, device: str = "cpu") -> tuple[str, Any, Any]:
     return name, model, info
 
 
-def load_models(checkpoints: Optional[Sequence[str]] = None, device: str = "cpu") -> dict[str, tuple[Any, Any]]:
+def _load_models(checkpoints: Optional[Sequence[str]] = None, device: str = "cpu") -> dict[str, tuple[Any, Any]]:
     """``{name: (model, info)}`` for checkpoint folders / pretrained names; None: the shipped
     reference set (``list_pretrained()["set"] == "reference"``: every architecture trained alike,
     so its tables compare like with like; other sets are named explicitly)."""
@@ -270,9 +270,9 @@ def _plan(report: Report, checkpoints: Any, analyse: Any, device: str, all_seeds
     """Load the models and decide the scopes; fills ``report.checkpoints`` (and a note on left-out seeds)."""
     from interp_norm.report.plots import variant_label
 
-    settings = report.settings
+    settings = report.settings or Settings.full()
     explicit = checkpoints is not None
-    models = dict(checkpoints) if isinstance(checkpoints, Mapping) else load_models(checkpoints, device=device)
+    models = dict(checkpoints) if isinstance(checkpoints, Mapping) else _load_models(checkpoints, device=device)
     if not explicit:  # the shipped set: Pre-Norm first, then QKV-Norm, QK-Norm, No-Norm (seeds in order)
         models = dict(sorted(models.items(), key=lambda kv: _arch_key(kv[0], kv[1][1])))
         later = [n for n, (_, info) in models.items() if info.model_cfg.seed >= DEFAULT_SEEDS and not all_seeds]
@@ -319,7 +319,7 @@ def _assemble(report: Report, plan: Plan, evals: dict, tables: dict) -> None:
         T["seed_numbers"] = per_checkpoint(T, report.checkpoints[report.checkpoints["checkpoint"].isin(plan.jobs)])
         T["seed_spread"] = seed_spread(T["seed_numbers"])
         t = time.perf_counter()
-        T.update(seed_tables(T, report.checkpoints, report.settings.seed))
+        T.update(seed_tables(T, report.checkpoints, plan.settings.seed))
         report.timings["seed_tables"] = time.perf_counter() - t
     report.tables = {k: v for k, v in T.items() if v is not None and len(v)}
 
@@ -338,7 +338,7 @@ def run_analyses(
 ) -> Report:
     """Run every analysis and return the :class:`Report` (no files written, unless ``store``).
 
-    ``checkpoints``: names/folders, or already loaded ``{name: (model, info)}``; None = the shipped reference set (:func:`load_models`).
+    ``checkpoints``: names/folders, or already loaded ``{name: (model, info)}``; None = the shipped reference set (``_load_models``).
     ``analyse``: checkpoint names for the heavy analyses, ``"all"``, or None (see
     :func:`default_analysed`; every checkpoint when they were given explicitly). ``threads``: torch
     threads for the run (restored afterwards). ``workers``: forked processes that analyse
@@ -355,11 +355,12 @@ def run_analyses(
     from tqdm.auto import tqdm
 
     with _torch_threads(threads):
-        report = Report(settings=settings or Settings.full(), threads=torch.get_num_threads())
+        settings = settings or Settings.full()
+        report = Report(settings=settings, threads=torch.get_num_threads())
         t0 = time.perf_counter()
         plan = _plan(report, checkpoints, analyse, device, all_seeds)
         report.timings["load"] = time.perf_counter() - t0
-        n_workers = _workers(workers if workers is not None else report.settings.workers, len(plan.jobs))
+        n_workers = _workers(workers if workers is not None else settings.workers, len(plan.jobs))
         if str(device) != "cpu":  # forked workers cannot share a CUDA context
             n_workers = 1
         evals: dict[str, pd.DataFrame] = {}

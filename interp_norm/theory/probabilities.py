@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -61,9 +62,9 @@ def predicted_collapse_probability(
     if R == 0 or T < 2 or law.level == 0:
         return result.to(out_dtype).reshape(batch)
     q_neg = law.prob_negative_factor if include_query_noise else 0.0
-    x, wq = np.polynomial.legendre.leggauss(nodes_per_panel)
-    x = torch.as_tensor(x, dtype=torch.float64, device=w.device)
-    wq = torch.as_tensor(wq, dtype=torch.float64, device=w.device)
+    x_np, wq_np = np.polynomial.legendre.leggauss(nodes_per_panel)
+    x = torch.as_tensor(x_np, dtype=torch.float64, device=w.device)
+    wq = torch.as_tensor(wq_np, dtype=torch.float64, device=w.device)
     n_bp = T * len(law._kink_offsets()) + 6
     rows_per_block = max(1, _MAX_ELEMS // ((n_bp + 1) * nodes_per_panel))
     for r0 in range(0, R, rows_per_block):  # memory blocks, each fully vectorised
@@ -84,7 +85,7 @@ def _survival_factors(law: NoiseLaw, wt: Tensor, c: Tensor) -> tuple[Tensor, Ten
 def _collapse_block(w: Tensor, law: NoiseLaw, q_neg: float, x: Tensor, wq: Tensor) -> Tensor:
     R, T = w.shape
     dev = w.device
-    f64 = dict(dtype=torch.float64, device=dev)
+    f64: dict[str, Any] = dict(dtype=torch.float64, device=dev)
     masked = torch.isneginf(w)
     tstar = w.argmax(-1)
     wstar = w.gather(-1, tstar[:, None])  # [R, 1]
@@ -143,6 +144,16 @@ def _collapse_block(w: Tensor, law: NoiseLaw, q_neg: float, x: Tensor, wq: Tenso
     return torch.where(live, 1.0 - p_survive, torch.zeros_like(p_survive))
 
 
+@overload
+def predicted_collapse_probability_strict(
+    scores: Tensor, law: NoiseLaw, threshold: float = ..., n_samples: int = ..., generator: torch.Generator | None = ...,
+    *, include_query_noise: bool = ..., return_stderr: Literal[False] = ...,
+) -> Tensor: ...
+@overload
+def predicted_collapse_probability_strict(
+    scores: Tensor, law: NoiseLaw, threshold: float = ..., n_samples: int = ..., generator: torch.Generator | None = ...,
+    *, include_query_noise: bool = ..., return_stderr: Literal[True],
+) -> tuple[Tensor, Tensor]: ...
 def predicted_collapse_probability_strict(
     scores: Float[Tensor, "... key"],
     law: NoiseLaw,

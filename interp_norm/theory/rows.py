@@ -57,8 +57,8 @@ def predict_rows(
         p = zeros if law.prob_negative_factor < 1e-12 else zeros + math.nan
         return p, p, math.inf
     if "k" not in targets:  # query noise alone rescales the row; it reorders it only if 1+κ_q < 0
-        p = law.prob_negative_factor
-        return zeros + p, (zeros if p == 0 else zeros + math.nan), math.inf
+        flip = law.prob_negative_factor
+        return zeros + flip, (zeros if flip == 0 else zeros + math.nan), math.inf
     query = "q" in targets
     loose = predicted_collapse_probability(w, law, include_query_noise=query).to(torch.float64)
     if strict_samples <= 0 or softcap:

@@ -60,7 +60,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str | os.PathLike, write: Callable[[Path], None], *, durable: bool = False) -> Path:
+def write_atomic(path: str | os.PathLike, write: Callable[[Path], object], *, durable: bool = False) -> Path:
     """Call ``write(tmp)`` on a hidden temporary file next to ``path``, then move it into place.
 
     Readers see the old content or the new, never a mix; an error removes the temporary file and

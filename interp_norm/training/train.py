@@ -21,7 +21,7 @@ propagates; a Ctrl-C that arrives while a step updates the weights is held back 
 is complete, so the checkpoint is always a step boundary.
 
 Run folder layout: ``out_dir/step-XXXXXXXX/`` checkpoints and ``out_dir/LATEST`` (see
-:mod:`interp_norm.training.checkpoints`); ``load_checkpoint(out_dir)`` loads the newest.
+:mod:`interp_norm.training.checkpoints`); ``interp_norm.load(out_dir)`` loads the newest.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import signal
 import threading
 import warnings
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import pandas as pd
 import torch
@@ -133,7 +133,7 @@ class _Accumulator:
         self.loss = self.correct = self.total = self.grad_norm = 0.0
         self.n = 0
 
-    def add(self, loss: float, correct: int, total: int, grad_norm: float) -> None:
+    def add(self, loss: float, correct: float, total: float, grad_norm: float) -> None:
         self.loss += loss
         self.correct += correct
         self.total += total
@@ -158,7 +158,7 @@ class _HeldInterrupts:
 
     def __init__(self) -> None:
         self.holding = self.pending = False
-        self._previous = None
+        self._previous: Any = None
 
     def __enter__(self) -> "_HeldInterrupts":
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
@@ -250,168 +250,210 @@ def _train(
         C.clean_temporary(out_dir)  # what a killed writer left behind
     dist.barrier()
 
-    threads = torch.get_num_threads()
-    model = HookedNormTransformer(model_cfg, task=task, name=str(out_dir)).to(device)
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=train_cfg.lr, betas=train_cfg.betas, eps=train_cfg.adam_eps, weight_decay=train_cfg.weight_decay
-    )
-    sched = PlateauHalving(opt, train_cfg.lr_factor, train_cfg.lr_patience, train_cfg.lr_min_delta, train_cfg.min_lr)
-    window, epoch_acc = _Accumulator(), _Accumulator()
-    rows: list[dict] = []
-    step = saved_step = 0
-    last_eval: dict = {}
-    total = train_cfg.total_steps
-    schedule_total = total  # the cosine schedule's length, fixed when the run starts
+    run = _Run(model_cfg, task, train_cfg, out_dir, dist=dist, device=device)
+    if resume and saved_path is not None and run.resume_from(saved_path):
+        return run.model.eval(), run.curve()  # a finished run: nothing to do
+    if run.total > run.schedule_total:  # extending the run: say what that means for the learning rate
+        warnings.warn(extension_message(train_cfg, run.schedule_total, run.total), stacklevel=3)
+    max_off = model_cfg.max_pos_offset if (train_cfg.pos_offsets and model_cfg.pos_embed == "sinusoidal") else 0
+    run.params = [p for p in run.model.parameters() if p.requires_grad]
+    eval_sets = {s: task.test_set(s, size=train_cfg.eval_size, seed=train_cfg.eval_seed).tokens for s in train_cfg.eval_splits}
+    if not run.model.is_calibrated:  # the paper's Checkpoint layers: fitted once, on the first training batch
+        tokens, offsets = batch_for_step(task, train_cfg.seed, 0, train_cfg.batch_size, max_off)
+        run.model.calibrate(tokens.to(device), offsets.to(device) if max_off else None)
+    return run.loop(max_off, eval_sets if dist.main else {}, progress)
 
-    if resume and saved_path is not None:
-        saved_model, info = C.load_checkpoint(saved_path)
-        _check_resume_compatible(info, model_cfg, task, train_cfg)
+
+class _Run:
+    """One training run: the state a checkpoint saves (model, AdamW, schedule, accumulators, curve,
+    step) and the steps that change it.
+
+    A step first computes (forward, backward: only the RNG may move, and it is restored on an
+    interrupt), then updates under ``guard.hold()`` (weights, moments, schedule, counters, curve).
+    """
+
+    def __init__(self, model_cfg: ModelConfig, task: AdditionTask, train_cfg: TrainConfig, out_dir: Path,
+                 *, dist: distributed.Dist, device: torch.device):
+        self.model_cfg, self.task, self.cfg, self.out_dir = model_cfg, task, train_cfg, out_dir
+        self.dist, self.device = dist, device
+        self.threads = torch.get_num_threads()
+        self.model = HookedNormTransformer(model_cfg, task=task, name=str(out_dir)).to(device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=train_cfg.lr, betas=train_cfg.betas,
+                                     eps=train_cfg.adam_eps, weight_decay=train_cfg.weight_decay)
+        self.sched = PlateauHalving(self.opt, train_cfg.lr_factor, train_cfg.lr_patience, train_cfg.lr_min_delta,
+                                    train_cfg.min_lr)
+        self.window, self.epoch_acc = _Accumulator(), _Accumulator()
+        self.rows: list[dict] = []
+        self.step = self.saved_step = 0
+        self.last_eval: dict = {}
+        self.total = train_cfg.total_steps
+        self.schedule_total = self.total  # the cosine schedule's length, fixed when the run starts
+        self.params: list = []
+        self.step_start_rng: Optional[dict] = None
+        self.updating = False  # True only if an interrupt could not be held back (guard inactive): state half-updated
+
+    def resume_from(self, saved_path: Path) -> bool:
+        """Load the state saved at ``saved_path``; True if that run had already finished."""
+        saved_model, info = C._load_checkpoint(saved_path)
+        _check_resume_compatible(info, self.model_cfg, self.task, self.cfg)
         state = C.load_train_state(saved_path)
         if state.get("version") != TRAIN_STATE_VERSION:
             raise CheckpointError(f"{saved_path}/train_state.pt has version {state.get('version')!r}; expected {TRAIN_STATE_VERSION}")
-        _check_threads(state, threads, saved_path)
-        model.load_state_dict(saved_model.state_dict())
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        window.load_state_dict(state["window"])
-        epoch_acc.load_state_dict(state["epoch"])
-        step = saved_step = int(state["step"])
+        _check_threads(state, self.threads, saved_path)
+        self.model.load_state_dict(saved_model.state_dict())
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        self.window.load_state_dict(state["window"])
+        self.epoch_acc.load_state_dict(state["epoch"])
+        self.step = self.saved_step = int(state["step"])
         # before this was recorded, the schedule's length was the saved run's total
-        schedule_total = int(state.get("schedule_total_steps", info.train_cfg.total_steps))
+        assert info.train_cfg is not None  # _check_resume_compatible refuses a checkpoint without one
+        self.schedule_total = int(state.get("schedule_total_steps", info.train_cfg.total_steps))
         torch.set_rng_state(state["torch_rng"])
-        if device.type == "cuda" and state.get("cuda_rng") is not None:
+        if self.device.type == "cuda" and state.get("cuda_rng") is not None:
             torch.cuda.set_rng_state_all(list(state["cuda_rng"]))
-        rows = info.curve.to_dict("records")
-        last_eval = info.metrics
+        self.rows = info.curve.to_dict("records")
+        self.last_eval = info.metrics
         del saved_model
-        if step >= total and info.step == step and info.metrics.get("final"):
-            return model.eval(), curve_from(rows)  # a finished run: nothing to do
+        return bool(self.step >= self.total and info.step == self.step and info.metrics.get("final"))
 
-    if total > schedule_total:  # extending the run: say what that means for the learning rate
-        warnings.warn(extension_message(train_cfg, schedule_total, total), stacklevel=3)
-    max_off = model_cfg.max_pos_offset if (train_cfg.pos_offsets and model_cfg.pos_embed == "sinusoidal") else 0
-    params = [p for p in model.parameters() if p.requires_grad]
-    eval_sets = {s: task.test_set(s, size=train_cfg.eval_size, seed=train_cfg.eval_seed).tokens for s in train_cfg.eval_splits}
-
-    def rng_state() -> dict:
+    def rng_state(self) -> dict:
         return {"torch_rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if device.type == "cuda" else None}
+                "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None}
 
-    def train_state() -> dict:
+    def train_state(self) -> dict:
         return {
             "version": TRAIN_STATE_VERSION,
-            "step": step,
-            "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict(),
-            "window": window.state_dict(),
-            "epoch": epoch_acc.state_dict(),
-            **rng_state(),
-            "threads": threads,
-            "schedule_total_steps": schedule_total,
-            "data_stream": f"random.Random('interp_norm-train:{{seed}}:{{step}}'), seed={train_cfg.seed}",
+            "step": self.step,
+            "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "window": self.window.state_dict(),
+            "epoch": self.epoch_acc.state_dict(),
+            **self.rng_state(),
+            "threads": self.threads,
+            "schedule_total_steps": self.schedule_total,
+            "data_stream": f"random.Random('interp_norm-train:{{seed}}:{{step}}'), seed={self.cfg.seed}",
         }
 
-    def curve() -> pd.DataFrame:
-        return curve_from(rows)
+    def curve(self) -> pd.DataFrame:
+        return curve_from(self.rows)
 
-    def save(metrics: dict, sync: bool = True) -> None:
-        nonlocal saved_step
-        bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+    def save(self, metrics: dict, sync: bool = True) -> None:
+        bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
         if bad:  # never let a non-finite model overwrite the last good checkpoint
             raise TrainingDivergedError(
-                f"weights became non-finite by step {step} ({', '.join(bad[:3])}); the last good checkpoint in "
-                f"{out_dir} is kept. Lower the learning rate (now {opt.param_groups[0]['lr']:.3g}) or set grad_clip"
+                f"weights became non-finite by step {self.step} ({', '.join(bad[:3])}); the last good checkpoint in "
+                f"{self.out_dir} is kept. Lower the learning rate (now {self.opt.param_groups[0]['lr']:.3g}) or set grad_clip"
             )
-        if dist.main:  # under torchrun rank 0 writes, the others wait for it
+        if self.dist.main:  # under torchrun rank 0 writes, the others wait for it
             C.commit_run_checkpoint(
-                out_dir, step, keep_last=train_cfg.keep_checkpoints, model=model, task=task, train_cfg=train_cfg,
-                train_state=train_state(), metrics=metrics, curve=curve(),
+                self.out_dir, self.step, keep_last=self.cfg.keep_checkpoints, model=self.model, task=self.task,
+                train_cfg=self.cfg, train_state=self.train_state(), metrics=metrics, curve=self.curve(),
             )
         if sync:
-            dist.barrier()
-        saved_step = step
+            self.dist.barrier()
+        self.saved_step = self.step
 
-    def diverged(what: str, value: float) -> TrainingDivergedError:
-        kept = C.latest_checkpoint(out_dir)
+    def diverged(self, what: str, value: float) -> TrainingDivergedError:
+        kept = C.latest_checkpoint(self.out_dir)
         where = f"the last good checkpoint {kept} is kept" if kept else "no checkpoint had been written yet"
         return TrainingDivergedError(
-            f"training {what} became {value} at step {step + 1} (lr {opt.param_groups[0]['lr']:.3g}); {where}. "
+            f"training {what} became {value} at step {self.step + 1} (lr {self.opt.param_groups[0]['lr']:.3g}); {where}. "
             "Lower the learning rate or set grad_clip and train into a new folder"
         )
 
-    if not model.is_calibrated:  # the paper's Checkpoint layers: fitted once, on the first training batch
-        tokens, offsets = batch_for_step(task, train_cfg.seed, 0, train_cfg.batch_size, max_off)
-        model.calibrate(tokens.to(device), offsets.to(device) if max_off else None)
-
-    # A step first computes (forward, backward: only the RNG may move, and it is restored on an
-    # interrupt), then updates under `guard.hold()` (weights, moments, schedule, counters, curve).
-    net = dist.wrap(model, device)  # DistributedDataParallel under torchrun, else the model itself
-    step_start_rng: Optional[dict] = None
-    updating = False  # True only if an interrupt could not be held back (guard inactive): state half-updated
-    bar = tqdm(total=total, initial=step, disable=not progress, desc=f"train {model_cfg.attn_norm}", dynamic_ncols=True)
-    model.train()
-    try:
-        with _HeldInterrupts() as guard:
-            while step < total:
-                step_start_rng = rng_state()
-                tokens, offsets = batch_for_step(task, train_cfg.seed, step, train_cfg.batch_size, max_off)
-                if dist.active:
-                    logits, loss, tokens = _shard_loss(net, tokens, offsets if max_off else None, dist, device)
-                else:
-                    tokens, offsets = tokens.to(device), offsets.to(device)
-                    logits, loss = training_loss(model, tokens, offsets if max_off else None)
-                with torch.no_grad():
-                    correct, n_tok = count_correct(logits, tokens)
-                loss_value = float(loss.detach())
-                if dist.active:  # the logged numbers are the global batch's
-                    loss_value, correct, n_tok = dist.all_sum([loss_value, correct, n_tok], device)
-                    loss_value /= dist.world
-                if not math.isfinite(loss_value):
-                    raise diverged("loss", loss_value)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                grads = [p.grad for p in params if p.grad is not None]
-                grad_norm = torch.nn.utils.get_total_norm(grads)
-                gn = float(grad_norm)
-                if not math.isfinite(gn):
-                    raise diverged("gradient norm", gn)
-                with guard.hold():  # from here the step completes before an interrupt is raised
-                    updating, step_start_rng = True, None
-                    _update(step, schedule_total, opt, params, grad_norm, train_cfg)
-                    window.add(loss_value, correct, n_tok, gn)
-                    epoch_acc.add(loss_value, correct, n_tok, gn)
-                    step += 1
-                    bar.update(1)
-                    if step % train_cfg.steps_per_epoch == 0 and train_cfg.schedule == "plateau":
-                        sched.step(epoch_acc.loss / epoch_acc.n)
-                        epoch_acc = _Accumulator()
-                    if step % train_cfg.log_every == 0 or step % train_cfg.eval_every == 0 or step == total:
-                        row, last_eval = _log_row(step, total, opt, window, model, eval_sets if dist.main else {},
-                                                  train_cfg=train_cfg, last_eval=last_eval)
-                        window = _Accumulator()
-                        rows.append(row)
-                        bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}", lr=f"{row['lr']:.2g}")
-                    updating = False
-                if step % train_cfg.checkpoint_every == 0 and step < total:
-                    save(last_eval)
-            model.eval()
-            final = evaluate(model, task, splits=train_cfg.eval_splits, size=train_cfg.final_eval_size,
-                             seed=train_cfg.eval_seed) if dist.main else pd.DataFrame()
-            save({"step": step, "final": True, "evaluation": final.to_dict("records")})
-    except KeyboardInterrupt as interrupt:
-        if updating:  # not a step boundary: keep the last periodic checkpoint
+    def loop(self, max_off: int, eval_sets: dict, progress: bool) -> tuple[HookedNormTransformer, pd.DataFrame]:
+        """Train up to ``total`` steps, evaluate, save the final checkpoint; a Ctrl-C saves the last completed step."""
+        cfg, model = self.cfg, self.model
+        net = self.dist.wrap(model, self.device)  # DistributedDataParallel under torchrun, else the model itself
+        bar = tqdm(total=self.total, initial=self.step, disable=not progress, desc=f"train {self.model_cfg.attn_norm}",
+                   dynamic_ncols=True)
+        model.train()
+        try:
+            with _HeldInterrupts() as guard:
+                while self.step < self.total:
+                    self.one_step(net, guard, max_off, eval_sets, bar)
+                model.eval()
+                final = evaluate(model, self.task, splits=cfg.eval_splits, size=cfg.final_eval_size,
+                                 seed=cfg.eval_seed) if self.dist.main else pd.DataFrame()
+                self.save({"step": self.step, "final": True, "evaluation": final.to_dict("records")})
+        except KeyboardInterrupt as interrupt:
+            self.on_interrupt(interrupt)
             raise
-        if step_start_rng is not None:  # interrupted mid-computation: back to the step's start
-            torch.set_rng_state(step_start_rng["torch_rng"])
-            if step_start_rng["cuda_rng"] is not None:
-                torch.cuda.set_rng_state_all(step_start_rng["cuda_rng"])
-        if step != saved_step:
-            save(last_eval, sync=False)  # the other ranks may be interrupted elsewhere: no barrier
-            interrupt.add_note(f"interp_norm: saved a checkpoint at step {step} in {out_dir}; resume=True (--resume) continues")
-        raise
-    finally:
-        bar.close()
-    return model, curve()
+        finally:
+            bar.close()
+        return model, self.curve()
+
+    def one_step(self, net: torch.nn.Module, guard: _HeldInterrupts, max_off: int, eval_sets: dict, bar: tqdm) -> None:
+        cfg = self.cfg
+        self.step_start_rng = self.rng_state()
+        loss_value, correct, n_tok, grad_norm = self.forward_backward(net, max_off)
+        gn = float(grad_norm)
+        with guard.hold():  # from here the step completes before an interrupt is raised
+            self.updating, self.step_start_rng = True, None
+            _update(self.step, self.schedule_total, self.opt, self.params, grad_norm, cfg)
+            self.window.add(loss_value, correct, n_tok, gn)
+            self.epoch_acc.add(loss_value, correct, n_tok, gn)
+            self.step += 1
+            bar.update(1)
+            if self.step % cfg.steps_per_epoch == 0 and cfg.schedule == "plateau":
+                self.sched.step(self.epoch_acc.loss / self.epoch_acc.n)
+                self.epoch_acc = _Accumulator()
+            if self.step % cfg.log_every == 0 or self.step % cfg.eval_every == 0 or self.step == self.total:
+                row, self.last_eval = _log_row(self.step, self.total, self.opt, self.window, self.model, eval_sets,
+                                               train_cfg=cfg, last_eval=self.last_eval)
+                self.window = _Accumulator()
+                self.rows.append(row)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}", lr=f"{row['lr']:.2g}")
+            self.updating = False
+        if self.step % cfg.checkpoint_every == 0 and self.step < self.total:
+            self.save(self.last_eval)
+
+    def forward_backward(self, net: torch.nn.Module, max_off: int) -> tuple[float, float, float, Tensor]:
+        """The step's loss, correct and scored tokens (the global batch's under torchrun) and gradient norm."""
+        dist, device = self.dist, self.device
+        tokens, offsets = batch_for_step(self.task, self.cfg.seed, self.step, self.cfg.batch_size, max_off)
+        if dist.active:
+            logits, loss, tokens = _shard_loss(net, tokens, offsets if max_off else None, dist, device)
+        else:
+            tokens, offsets = tokens.to(device), offsets.to(device)
+            logits, loss = training_loss(self.model, tokens, offsets if max_off else None)
+        correct: float
+        n_tok: float
+        with torch.no_grad():
+            correct, n_tok = count_correct(logits, tokens)
+        loss_value = float(loss.detach())
+        if dist.active:  # the logged numbers are the global batch's
+            loss_value, correct, n_tok = dist.all_sum([loss_value, correct, n_tok], device)
+            loss_value /= dist.world
+        if not math.isfinite(loss_value):
+            raise self.diverged("loss", loss_value)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        if not math.isfinite(float(grad_norm)):
+            raise self.diverged("gradient norm", float(grad_norm))
+        return loss_value, correct, n_tok, grad_norm
+
+    def on_interrupt(self, interrupt: KeyboardInterrupt) -> None:
+        """At a step boundary: back to the step's RNG state and save the last completed step (not at a
+        boundary -- the guard was inactive -- the last periodic checkpoint is kept)."""
+        if self.updating:
+            return
+        if self.step_start_rng is not None:  # interrupted mid-computation: back to the step's start
+            torch.set_rng_state(self.step_start_rng["torch_rng"])
+            if self.step_start_rng["cuda_rng"] is not None:
+                torch.cuda.set_rng_state_all(self.step_start_rng["cuda_rng"])
+        if self.step != self.saved_step:
+            self.save(self.last_eval, sync=False)  # the other ranks may be interrupted elsewhere: no barrier
+            add_note(interrupt, f"interp_norm: saved a checkpoint at step {self.step} in {self.out_dir}; "
+                               "resume=True (--resume) continues")
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` where Python has it (3.11+); on 3.10 the note is dropped."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
 
 
 def _shard_loss(net: torch.nn.Module, tokens: Tensor, offsets: Optional[Tensor], dist: distributed.Dist,

@@ -130,7 +130,7 @@ def _split_head_css(html: str) -> tuple[str, str, int]:
     return css, _HEAD_STYLE.sub("", head) + sep + body, blocks[0].start()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def shared_css() -> str:
     """nbconvert's lab CSS as this exporter puts it in every page's head (from an empty notebook)."""
     css, _, _ = _split_head_css(_export_html(new_notebook(), "empty"))

@@ -261,6 +261,7 @@ def from_mib_json(d: dict) -> pd.DataFrame:
         if child.endswith(">"):
             node, qkv = child[:-1].split("<")
             n = parse_node(node)
+            assert n.layer is not None and n.head is not None  # parse gives every head node both
             receiver = head_input(n.layer, n.head, qkv)
         else:
             receiver = child

@@ -104,11 +104,12 @@ def edge_scores(model, pairs, metric: Callable, method: str, *, ig_steps: int = 
     raise PatchingError(f"no edge-level scores for method {method!r}; choose from exact, eap, eap-ig, atp*")
 
 
-def _rows(truth: GroundTruth, method: str, nodes: dict[str, float], edges: dict, *, threshold: float, L: int, H: int) -> list[dict]:
+def _rows(truth: GroundTruth, method: str, nodes: Optional[dict[str, float]], edges: Optional[dict], *, threshold: float,
+          L: int, H: int) -> list[dict]:
     rows = []
-    candidates = {"node": [n for n in _heads_mlps(L, H) if n not in truth.fixed_nodes],
+    candidates: dict[str, list] = {"node": [n for n in _heads_mlps(L, H) if n not in truth.fixed_nodes],
                   "edge": [e for e in EdgeGraph(L, H).edges() if e not in truth.fixed_edges]}
-    positives = {"node": set(truth.nodes), "edge": truth.token_edges}
+    positives: dict[str, set] = {"node": set(truth.nodes), "edge": truth.token_edges}
     for level, scores in (("node", nodes), ("edge", edges)):
         items = candidates[level]
         s = [scores.get(x, 0.0) for x in items] if scores is not None else []

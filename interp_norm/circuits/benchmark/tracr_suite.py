@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Sequence
@@ -39,7 +39,7 @@ def tracr_dir() -> Path:
     return data_dir() / "ground_truth" / "tracr"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _files(name: str) -> tuple[dict, dict]:
     if name not in TRACR_PROGRAMS:
         raise PatchingError(f"unknown tracr program {name!r}; choose from {TRACR_PROGRAMS}")
@@ -79,7 +79,8 @@ def load_tracr(name: str):
         params=params, model_config=SimpleNamespace(**spec["model_config"]), residual_labels=labels,
         output_encoder=SimpleNamespace(encoding_map=out_map),
     )
-    bridge = TransformerBridge.boot_native(make_tracr_transformer_bridge_config(tracr_like))
+    # boot_native is attached to TransformerBridge by transformer_lens.model_bridge.sources
+    bridge = TransformerBridge.boot_native(make_tracr_transformer_bridge_config(tracr_like))  # type: ignore[attr-defined]
     sd = make_tracr_transformer_bridge_state_dict(tracr_like, out_label)
     # TransformerLens 4.3's converter names the MLP fc_in/fc_out and gives no head bias, while
     # boot_native's model also registers the aliases mlp.in/mlp.out and a head bias: fill both
@@ -172,7 +173,7 @@ class TracrGroundTruth:
         return pairs
 
     def metric(self, pairs: PatchingPairs) -> TracrMetric:
-        co, xo = pairs.tracr_outputs
+        co, xo = pairs.tracr_outputs  # type: ignore[attr-defined]  # attached by pairs() above
         return TracrMetric(co, xo, pairs.score_mask, self.spec["output"] == "numerical")
 
     def reference(self) -> tuple[Tensor, Tensor]:

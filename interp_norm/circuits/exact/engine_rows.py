@@ -37,8 +37,8 @@ def until_last(mask: Tensor) -> Tensor:
 
 def cat_rows(*parts: Optional[Tensor]) -> Optional[Tensor]:
     """Concatenate the parts that exist (rows of earlier copies first); None if none does."""
-    parts = [p for p in parts if p is not None]
-    return None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+    have = [p for p in parts if p is not None]
+    return None if not have else have[0] if len(have) == 1 else torch.cat(have)
 
 
 @dataclass
@@ -162,9 +162,15 @@ class KVChanges:
         computed once)."""
         values = self.k if which == "k" else self.v
         if self.patched_stage != which:
-            return None if self.rows is None else Replaced(self.rows, values)
+            if self.rows is None:
+                return None
+            assert values is not None  # changed rows come with their new k and v
+            return Replaced(self.rows, values)
+        assert self.patched is not None and self.patched_values is not None  # set with patched_stage
         both = self.patched if self.rows is None else self.rows | self.patched
-        return Replaced(both, cat_rows(values, self.patched_values))
+        joined = cat_rows(values, self.patched_values)
+        assert joined is not None
+        return Replaced(both, joined)
 
     def only_changed(self) -> "KVChanges":
         """Without the entering copies' patched rows (for the changed copies' queries, which never

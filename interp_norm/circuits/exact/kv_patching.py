@@ -50,13 +50,15 @@ class _PastKV:
     run's keys/values of the earlier positions, with this call's ones appended; records the call."""
 
     def __init__(self, k: Optional[Tensor] = None, v: Optional[Tensor] = None):
-        self.k, self.v, self.calls, self.new = k, v, 0, None
+        self.k, self.v, self.calls = k, v, 0
+        self.new: Optional[tuple[Tensor, Tensor]] = None
 
     def update(self, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
         self.calls += 1
         self.new = (k, v)
         if self.k is None or self.k.shape[-2] == 0:
             return k, v
+        assert self.v is not None  # keys and values are cached together
         return torch.cat([self.k, k], dim=-2), torch.cat([self.v, v], dim=-2)
 
 
@@ -89,9 +91,9 @@ class KVCacheEngine:
 
     def _setup(self, model, shape: tuple, dev: torch.device, read_mask: Optional[Tensor], activation: str) -> None:
         """Checks the bridge and prepares the capture of a run over ``shape`` = (batch, pos) tokens."""
-        from interp_norm.anatomy import kind_of
+        from interp_norm.anatomy import capabilities
 
-        if kind_of(model) != "bridge":
+        if not capabilities(model).hf_original:
             raise EngineRefusal("method='kv-cache' needs a TransformerLens TransformerBridge; use method='incremental' or 'hooks'")
         if activation not in KV_ACTIVATIONS:
             raise PatchingError(f"method='kv-cache' patches {list(KV_ACTIVATIONS)}, not {activation!r}; use method='hooks'")
@@ -125,7 +127,9 @@ class KVCacheEngine:
     def _capture_hooks(self) -> list:
         """Hooks recording each block's input, call arguments and keys/values, and the last block's
         output, during the next forward pass (remove them after it)."""
-        self.calls, self.resid, self.kv = [None] * self.L, [None] * self.L, [None] * self.L
+        self.calls: list[Any] = [None] * self.L
+        self.resid: list[Any] = [None] * self.L
+        self.kv: list[Any] = [None] * self.L
         handles = [blk.register_forward_pre_hook(self._capture(l), with_kwargs=True) for l, blk in enumerate(self.blocks)]
         handles.append(self.blocks[-1].register_forward_hook(lambda m, a, out: self.resid.append(_first(out))))
         return handles
@@ -356,7 +360,7 @@ class KVCacheEngine:
                 hooks.append((self.names[l], self._patch_hook(
                     r, examples[s:e], None if pos is None else pos[s:e], None if heads is None else heads[s:e], clean_acts[l], p=p,
                     state=state)))
-        H = None
+        H: Optional[Tensor] = None
         with self.model.hooks(fwd_hooks=hooks):
             for l in range(lay[0], self.L):
                 s, e = int(bounds[l]), int(bounds[l + 1])
@@ -379,11 +383,13 @@ class KVCacheEngine:
                     new = self.resid[l].index_select(0, examples[s:e])[:, p : self.n_eff]
                     H = new if H is None else torch.cat([H, new])
                 state["on"] = e > s
+                assert H is not None  # the first patched layer starts the rows
                 try:
                     H = self._block(l, H, examples[: len(H)], p)
                 finally:
                     state["on"] = False
                 self.rows_computed += H.shape[0] * H.shape[1]
+            assert H is not None
             return self._head(H, p)
 
 def kv_patch_cells(engine: KVCacheEngine, kind: str, cells: Tensor, differs: Tensor, clean_acts: list,
@@ -411,7 +417,9 @@ def kv_patch_cells(engine: KVCacheEngine, kind: str, cells: Tensor, differs: Ten
             return out
     starts = cells[:, row_col] if row_col is not None else torch.zeros(len(cells), dtype=torch.long)
     order = np.lexsort((cells[:, 0].numpy(), starts.numpy()))
-    chunks, cur, rows = [], [], 0
+    chunks: list[list[int]] = []
+    cur: list[int] = []
+    rows = 0
     for i in order:  # consecutive cells of one start position, at most batch_size rows each
         w = int(differs[i].sum())
         if cur and (int(starts[i]) != int(starts[cur[0]]) or rows + w > batch_size):
@@ -426,7 +434,7 @@ def kv_patch_cells(engine: KVCacheEngine, kind: str, cells: Tensor, differs: Ten
     per = max(1, METRIC_BYTES // max(1, b * n * V * base.element_size()))  # copies per metric call
     buf = base.repeat(min(per, max(len(c) for c in chunks)), 1, 1)
     cols = engine.cols
-    out = None
+    result: Optional[Tensor] = None
     for chunk in (tqdm(chunks, desc=desc) if progress else chunks):
         idx = torch.tensor(chunk)
         cc, live = cells[idx], differs[idx]  # [K, axes], [K, b]
@@ -446,10 +454,11 @@ def kv_patch_cells(engine: KVCacheEngine, kind: str, cells: Tensor, differs: Ten
             m = ((k_of >= s) & (k_of < s + kk)).to(dev)
             view[(k_of.to(dev)[m] - s).unsqueeze(1), e_of.to(dev)[m].unsqueeze(1), rc.unsqueeze(0)] = new[m]
             vals = metric_per_copy(metric, buf[: kk * b], kk, b)
-            if out is None:
-                out = torch.zeros((len(cells),) + tuple(vals.shape[1:]), dtype=torch.float64)
-            out[idx[s : s + kk]] = vals.to(torch.float64).cpu()
-    return out
+            if result is None:
+                result = torch.zeros((len(cells),) + tuple(vals.shape[1:]), dtype=torch.float64)
+            result[idx[s : s + kk]] = vals.to(torch.float64).cpu()
+    assert result is not None  # callers pass at least one cell
+    return result
 
 
 __all__ = ["KVCacheEngine", "KV_ACTIVATIONS", "kv_patch_cells"]

@@ -107,8 +107,8 @@ def input_differs(corrupted: Tensor, clean_tokens: Optional[Tensor], clean_cache
     b, n = corrupted.shape
     if clean_tokens is not None and tuple(clean_tokens.shape) == (b, n):
         return clean_tokens.to(corrupted.device) != corrupted
-    if corrupted_resid0 is not None and resid0(clean_cache, b, n) is not None:
-        clean0 = resid0(clean_cache, b, n)
+    clean0 = resid0(clean_cache, b, n) if corrupted_resid0 is not None else None
+    if corrupted_resid0 is not None and clean0 is not None:
         return (clean0.to(corrupted_resid0.device, corrupted_resid0.dtype) != corrupted_resid0).any(-1)
     return None
 

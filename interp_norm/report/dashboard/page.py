@@ -97,9 +97,9 @@ window.addEventListener('error', function (e) { __markError((e && e.message) || 
   console.error = function () { __markError('console.error: ' + Array.prototype.join.call(arguments, ' ')); return orig.apply(console, arguments); };
 })();
 window.addEventListener('unhandledrejection', function (e) { __markError('unhandled rejection: ' + (e && e.reason)); });
-""" % {"marker": ERROR_MARKER}
+""" % {"marker": ERROR_MARKER}  # noqa: UP031 (the JavaScript is full of braces)
 
-_DRAW_JS = """
+_DRAW_JS = r"""
 (function () {
   var figs = document.querySelectorAll('div.figure[data-fig]');
   var st = document.getElementById('render-status');

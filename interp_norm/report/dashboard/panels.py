@@ -49,8 +49,8 @@ SECTIONS: dict[str, tuple[str, str]] = {
 def section(anchor: str, panels: list[Optional[Panel]]) -> list[Section]:
     """``[Section]`` with the shared title and introduction of ``anchor`` (none if no panel was built)."""
     title, intro = SECTIONS[anchor]
-    panels = [p for p in panels if p is not None]
-    return [Section(title, intro, panels, anchor=anchor)] if panels else []
+    built = [p for p in panels if p is not None]
+    return [Section(title, intro, built, anchor=anchor)] if built else []
 
 
 Build = Callable[..., Optional[Panel]]
@@ -67,12 +67,12 @@ def models(T: dict, panel: Build, csv: bool = True) -> list[Section]:
         panels.append(panel("Accuracy per split", lambda: plots.plot_accuracy_by_split(T["model_card"])))
     if "training_curves" in T:
         panels.append(panel("Training loss", lambda: plots.plot_training_curves(T["training_curves"], "loss")))
-    panels = [p for p in panels if p is not None]
-    if not panels:  # a dashboard of Hugging Face models only has no models of ours to describe
+    built = [p for p in panels if p is not None]
+    if not built:  # a dashboard of Hugging Face models only has no models of ours to describe
         return []
     return [Section("Models", "What was trained and how well it does, next to the paper's numbers (Menary et al. "
                     "2024 train a 10-layer d=512 model for 2 GPU-days; these are CPU-sized). "
-                    + models_finding(T.get("model_card")), panels, anchor="models")]
+                    + models_finding(T.get("model_card")), built, anchor="models")]
 
 
 def attention(T: dict, panel: Build, csv: bool = True) -> list[Section]:

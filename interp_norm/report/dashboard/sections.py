@@ -90,10 +90,9 @@ def _seed_sections(T: dict, panel: Callable) -> list[Section]:
         return []
     s = Section("Variants compared over seeds",
                 "Every comparison the findings make, per score scaling: a dot per seed (its shape is the seed), the "
-                "mean with its percentile-bootstrap 95% interval over seeds beside it, and in each panel's title the "
-                "two-sided permutation p-value of the difference of means (exact: every split of the seeds; with 2 "
-                "seeds per arm it cannot go below 1/3). With few seeds the bootstrap interval is too narrow; the "
-                "p-value decides. Tables: seed_comparisons.csv (per-seed values in seed_comparison_values.csv), "
+                "mean with its Student-t 95% interval over seeds beside it (Welch's for the difference), and in each "
+                "panel's title the two-sided exact permutation p-value of the difference of means (every split of the "
+                "seeds). The verdicts rest on one-sided and equivalence tests with Holm's adjustment (docs/findings-tables.md). Tables: seed_comparisons.csv (per-seed values in seed_comparison_values.csv), "
                 "seed_matched_id.csv.", anchor="seed-comparisons")
     for scaling in dict.fromkeys(comp["scaling"]):
         s.panels.append(panel(f"Over seeds: {scaling}", lambda scaling=scaling: plots.plot_seed_comparisons(
@@ -115,6 +114,6 @@ def _seed_sections(T: dict, panel: Callable) -> list[Section]:
     s.panels.append(Panel("Comparisons over seeds", kind="table", table=view[
         ["scaling", "comparison", "unit", "arm_a", "values_a", "A: mean [95% CI]", "arm_b", "values_b",
          "B: mean [95% CI]", "A − B [95% CI]", "p"]],
-        caption="Per seed (s0, s1, ...), mean and bootstrap 95% interval per arm, the difference with its interval, "
+        caption="Per seed (s0, s1, ...), mean and Student-t 95% interval per arm, the difference with its interval, "
                 "and the permutation p-value (uncorrected for the number of comparisons)."))
     return [s]

@@ -17,8 +17,6 @@ reach plotly, which would otherwise interpret tags like ``<b>`` inside them.
 
 from __future__ import annotations
 
-from typing import Any
-
 from interp_norm.report.card import PAPER_PER_TOKEN_ACCURACY
 from interp_norm.report.plots._style import SPLITS, VARIANT_LABELS, escape, member_style, variant_colour, variant_label
 from interp_norm.report.plots.attention import plot_attention_explorer, plot_attention_pattern, plot_attention_patterns

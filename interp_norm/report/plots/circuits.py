@@ -74,7 +74,7 @@ def plot_patching_heatmap(
         mat = pd.DataFrame({"r": rows_key, "c": x_key, "v": g[value]}).pivot_table(index="r", columns="c", values="v", aggfunc="mean", sort=False)
         cols = list(mat.columns)
         if has_pos and pos_labels is not None:
-            xt = [f"{escape(pos_labels[c])}·{c}" if isinstance(c, (int, np.integer)) and c < len(pos_labels) else str(c) for c in cols]
+            xt = [f"{escape(pos_labels[int(c)])}·{c}" if isinstance(c, (int, np.integer)) and c < len(pos_labels) else str(c) for c in cols]
         else:
             xt = [str(c) for c in cols]
         fig.add_trace(
@@ -226,7 +226,9 @@ def draw_circuit(circuit: Any, title: Optional[str] = None) -> go.Figure:
             return (H - 1) / 2, 0.0
         if n.kind == "logits":
             return (H - 1) / 2, 2 * L + 1.0
+        assert n.layer is not None  # heads and MLPs sit in a layer
         if n.kind == "head":
+            assert n.head is not None
             return float(n.head), 2 * n.layer + 1.0
         return float(H), 2 * n.layer + 1.6  # MLPs to the right of their layer's heads
 

@@ -15,7 +15,7 @@ import plotly.express as px
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from interp_norm.report.plots._style import base_variant, colour_map, dodge, escape, line_style, log_axis, row_gap, variant_colour
+from interp_norm.report.plots._style import base_variant, colour_map, dodge, escape, line_style, log_axis, row_gap
 
 __all__ = [
     "plot_norm_spread",

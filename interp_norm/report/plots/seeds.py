@@ -1,4 +1,4 @@
-"""Variant A vs B over seeds as dot-and-range: a dot per seed, the mean with its bootstrap 95% interval.
+"""Variant A vs B over seeds as dot-and-range: a dot per seed, the mean with its Student-t 95% interval.
 
 Draws the tables of :mod:`interp_norm.stats.seed_compare` (never bars of means: with a handful of seeds
 every seed is shown). The permutation p-value of each comparison is in its panel title and in the
@@ -79,7 +79,7 @@ def _arm_traces(fig: go.Figure, vals: pd.DataFrame, r: pd.Series, x0: float, arm
                color=colour, thickness=2, width=10) if not pd.isna(lo) else None
     label = escape(r[f"arm_{arm}"])
     fig.add_trace(go.Scatter(
-        x=[x0 + 0.3], y=[mean], mode="markers", name="mean, bootstrap 95% interval", legendgroup="mean",
+        x=[x0 + 0.3], y=[mean], mode="markers", name="mean, t 95% interval", legendgroup="mean",
         showlegend="mean" not in seen, error_y=err,
         marker=dict(symbol="line-ew-open", size=16, color=colour, line=dict(width=3, color=colour)),
         hovertemplate=(f"{label}: mean %{{y:.2f}}, 95% interval {_ci(lo, hi)} (n = {int(r[f'n_{arm}'])})<br>"
@@ -99,7 +99,7 @@ def plot_seed_comparisons(summary: pd.DataFrame, values: pd.DataFrame, scaling: 
                           cols: int = 3, title: Optional[str] = None) -> go.Figure:
     """One panel per comparison of ``summary`` (:func:`~interp_norm.stats.seed_compare.compare_seeds`) for
     ``scaling`` (default: the first): arm A left, arm B right; a dot per seed (shape = seed; open at the
-    largest level tested for a collapse level never reached), the mean with its bootstrap 95% interval
+    largest level tested for a collapse level never reached), the mean with its Student-t 95% interval
     beside them; the permutation p-value in the panel title."""
     need = {"scaling", "comparison", "arm_a", "arm_b", "mean_a", "p_value"}
     if not isinstance(summary, pd.DataFrame) or not need <= set(summary.columns):
@@ -121,7 +121,7 @@ def plot_seed_comparisons(summary: pd.DataFrame, values: pd.DataFrame, scaling: 
         fig.update_yaxes(title=dict(text=escape(r["unit"]), font=dict(size=10)), row=row, col=col)
     fig.update_annotations(font=dict(size=11))
     fig.update_layout(title=title or f"{escape(s['arm_a'].iloc[0])} vs {escape(s['arm_b'].iloc[0])} ({escape(scaling)}): "
-                      "a dot per seed, mean with bootstrap 95% interval", legend=dict(title="marker"))
+                      "a dot per seed, mean with t 95% interval", legend=dict(title="marker"))
     return fig
 
 
@@ -129,7 +129,7 @@ def plot_matched_id(summary: pd.DataFrame, values: pd.DataFrame, scaling: Option
                     title: Optional[str] = None) -> go.Figure:
     """OOD accuracy at matched ID accuracy (:func:`~interp_norm.stats.seed_compare.matched_id_comparison`):
     one panel per OOD split, x = the ID accuracy every run reached; a dot per seed, each arm's mean
-    with its bootstrap 95% interval, p-values in the hover text."""
+    with its Student-t 95% interval, p-values in the hover text."""
     if not isinstance(summary, pd.DataFrame) or not {"at", "id_target", "split"} <= set(summary.columns):
         raise ConfigError("plot_matched_id expects the summary from seed_compare.matched_id_comparison(...)")
     scaling = scaling or str(summary["scaling"].iloc[0])
