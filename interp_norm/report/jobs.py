@@ -77,8 +77,13 @@ def run_in_workers(plan: Plan, names: Sequence[str], n_workers: int, collect: Ca
                 collect(*f.result())
         drain()
     except BaseException:
-        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        for proc in procs:
             proc.terminate()
+        for proc in procs:  # SIGTERM, then SIGKILL for a worker that does not stop within a second
+            proc.join(timeout=1)
+            if proc.is_alive():
+                proc.kill()
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
