@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 OUT ?= report
 
-.PHONY: setup reproduce reproduce-seeds compare lint test browser bench notebooks tutorials-html
+.PHONY: setup reproduce reproduce-seeds compare lint test test-numerics browser bench notebooks tutorials-html
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -48,9 +48,19 @@ lint: setup
 # The suite in parallel: one pytest-xdist worker per core (at most TEST_WORKERS), each on one torch
 # thread, slow tests handed out first (tests/conftest.py); an idle worker takes tests queued for a busy
 # one (worksteal). stdin is closed and each test has a time limit (pyproject.toml): CI cannot hang.
+# Then the `numerics` tests (two computations of one quantity compared up to float rounding) again
+# under each other instruction set this CPU's kernels can use (ATEN_CPU_CAPABILITY; the plain run used
+# the best one): the tolerances must hold on any CPU, not only on the one CI runs on.
 TEST_WORKERS ?= 4
+NUMERICS_CAPS ?= $(shell sh scripts/cpu_capabilities.sh)
+NUMERICS_FILES = $(shell grep -l 'mark.numerics' tests/test_*.py)
 test: setup browser lint
 	$(PY) -m pytest -q -n auto --maxprocesses $(TEST_WORKERS) --dist worksteal < /dev/null
+	$(MAKE) --no-print-directory test-numerics
+
+test-numerics: setup
+	@for cap in $(NUMERICS_CAPS); do echo "numerics tests with ATEN_CPU_CAPABILITY=$$cap"; \
+	  ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -m numerics $(NUMERICS_FILES) -n auto --maxprocesses $(TEST_WORKERS) < /dev/null || exit 1; done
 
 bench: setup
 	for f in benchmarks/bench_*.py; do OMP_NUM_THREADS=1 $(PY) $$f || exit 1; done

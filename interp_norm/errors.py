@@ -81,6 +81,11 @@ class OutOfDistributionWarning(UserWarning):
     number of terms): the answer is extrapolation, not what the model learnt."""
 
 
+class NoTokenizerWarning(UserWarning):
+    """A Hugging Face model was loaded without a tokenizer (none saved beside the weights): it runs on
+    token ids, but ``to_tokens`` cannot work and text analyses fall back to random token ids."""
+
+
 class StatisticsError(InterpNormError, ValueError):
     """A statistic over seeds got unusable input (NaN values, an empty arm, a level outside (0, 1))."""
 

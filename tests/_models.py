@@ -194,3 +194,26 @@ def word_tokenizer(vocab_size: int):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+
+
+# ----------------------------------------------------------------------------- rounding tolerances
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def forward_rtol(cfg) -> float:
+    """Relative rounding bound between two float32 forwards of one model that differ only in the order
+    of their sums (a batched and a whole forward, another CPU kernel: ``ATEN_CPU_CAPABILITY``).
+
+    A sum of n products is exact up to n * eps relative to the sum of the |products| (Higham, *Accuracy
+    and Stability of Numerical Algorithms*, 2002, eq. 3.5); each layer sums over d_model (q, k, v, MLP in,
+    unembed), d_mlp (MLP out) and the n_ctx positions a pattern mixes; the layers' errors add up.
+    A worst-case bound (observed differences are 10-100x smaller), yet far below any real disagreement.
+    """
+    return cfg.n_layers * (2 * cfg.d_model + (cfg.d_mlp or 0) + cfg.n_ctx) * EPS32
+
+
+def assert_equal_up_to_rounding(actual: torch.Tensor, expected: torch.Tensor, rtol: float, msg=None) -> None:
+    """``actual`` equals ``expected`` up to ``rtol`` relative to the tensor's scale (its largest |entry|):
+    the bound of `forward_rtol` is on errors relative to the sizes summed, not to each entry."""
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * max(scale, 1e-30), msg=msg)

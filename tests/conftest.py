@@ -34,6 +34,13 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def pytest_report_header(config):
+    """Which vector kernels torch runs on (``ATEN_CPU_CAPABILITY``): the ``numerics`` tests run under each."""
+    import torch
+
+    return f"torch CPU capability: {torch.backends.cpu.get_cpu_capability()}"
+
+
 def pytest_collection_modifyitems(config, items):
     if IN_WORKER:  # every worker collects the same order, as xdist requires
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)

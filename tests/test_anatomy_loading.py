@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -22,7 +23,7 @@ from interp_norm.anatomy import (
     verify_scores,
 )
 from interp_norm.training.checkpoints import save_checkpoint
-from interp_norm.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from interp_norm.errors import CheckpointError, CheckpointNotFoundError, ConfigError, NoTokenizerWarning
 
 from _models import make_model, word_tokenizer
 
@@ -39,6 +40,34 @@ def test_load_a_save_pretrained_folder(tmp_path, arch):
     assert torch.allclose(bridge(tokens), ref, atol=1e-5)
     assert verify_scores(bridge, tokens)["ok"].all()
     assert bridge.tokenizer is None
+
+
+def test_a_folder_without_tokenizer_warns_once_and_its_text_methods_name_the_fix(tmp_path):
+    import copy
+
+    tiny_hf_model("qwen3", seed=2).save_pretrained(tmp_path / "m")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        bridge = load(tmp_path / "m")
+    ours = [w for w in seen if issubclass(w.category, NoTokenizerWarning)]
+    assert len(ours) == 1 and "tokenizer.json" in str(ours[0].message)
+    assert ours[0].filename == __file__  # points at the caller's load(...)
+    for method, arg in (("to_tokens", "some text"), ("to_str_tokens", "some text"), ("to_string", torch.tensor([1, 2]))):
+        with pytest.raises(ConfigError, match="has no tokenizer.*tokenizer.json") as e:
+            getattr(bridge, method)(arg)
+        assert method in str(e.value)
+    with pytest.raises(ConfigError, match="has no tokenizer"):
+        bridge("a string goes through to_tokens")
+    with torch.no_grad():  # token ids still run
+        assert bridge(random_tokens(bridge, 1, 5)).shape == (1, 5, bridge.cfg.d_vocab)
+    # with a tokenizer the methods are TransformerLens's own again, on each copy separately
+    twin = copy.deepcopy(bridge)
+    twin.tokenizer = word_tokenizer(128)
+    twin.tokenizer.pad_token = "[UNK]"  # TransformerLens pads
+    ids = twin.to_tokens("the cat", prepend_bos=False)
+    assert ids[0].tolist() == twin.tokenizer("the cat")["input_ids"]
+    with pytest.raises(ConfigError, match="has no tokenizer"):
+        bridge.to_tokens("the cat")
 
 
 @torch.no_grad()
@@ -81,7 +110,9 @@ def test_load_a_cached_name_with_the_hub_offline(tmp_path, monkeypatch):
     _populate_hub_cache(hub, "tiny-org/tiny-olmo2", hf, tokenizer=word_tokenizer(128))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
-    bridge = load("tiny-org/tiny-olmo2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoTokenizerWarning)  # a tokenizer was saved: no warning
+        bridge = load("tiny-org/tiny-olmo2")
     assert torch.allclose(bridge(tokens), ref, atol=1e-5)
     assert anatomy(bridge)[0].norms["q"].axis == "all_heads"
     # the tokenizer came along: the sample text becomes windows of real token ids

@@ -11,6 +11,8 @@ from interp_norm.errors import PatchingError
 from interp_norm.core.hook_names import act_name
 from interp_norm.core.task import parse_problem
 
+from _models import forward_rtol
+
 TASK = AdditionTask.preset("cpu")
 
 
@@ -23,6 +25,7 @@ def test_token_roles_by_hand():
     assert neg[-4:] == ["ans.sign", "ans.p1", "ans.p0", "eos"]
 
 
+@pytest.mark.numerics
 @torch.no_grad()
 def test_events_match_a_brute_force_loop():
     model = HookedNormTransformer(ModelConfig.preset("tiny", attn_norm="none", seed=2)).eval()
@@ -48,8 +51,8 @@ def test_events_match_a_brute_force_loop():
                         expected[(i, roles[q + 1]["label"], l, h, roles[int(row[h].argmax())]["label"])] = float(row[h].max())
     got = {(r.problem, r.query, r.layer, r.head, r.key): r.strength for r in ev.itertuples()}
     assert got.keys() == expected.keys()
-    # one problem at a time vs a padded batch: the same arithmetic up to float32 rounding
-    assert max(abs(got[k] - expected[k]) for k in got) < 1e-5
+    # one problem at a time vs a padded batch: the same arithmetic up to float32 rounding (patterns <= 1)
+    assert max(abs(got[k] - expected[k]) for k in got) <= forward_rtol(model.cfg)
 
 
 @torch.no_grad()

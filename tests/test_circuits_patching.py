@@ -89,6 +89,7 @@ def test_every_activation_by_position_equals_transformer_lens(variant, pairs):
             assert (ours.values - ref).abs().max() <= TOL, (act, method)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("variant", VARIANTS + [dict(attn_norm="pre", norm_kind="ln")], ids=lambda v: "-".join(v.values()))
 def test_fused_kernels_compute_the_models_activations(variant, pairs):
     """The engine's two arithmetics against ``model.run_with_cache``, stage by stage: the model's own

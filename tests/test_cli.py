@@ -148,6 +148,18 @@ def test_train_maps_options_and_resumes(tmp_path, capsys):
     assert_one_line_error(code, err, "interp-norm train: error:", "cannot resume", "--attn-norm")
 
 
+def test_resume_without_a_run_is_an_error_that_creates_nothing(tmp_path, capsys):
+    """A mistyped --out with --resume must not start a fresh default run."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("not a run")
+    for out in (tmp_path / "missing", empty):
+        before = sorted(tmp_path.rglob("*"))
+        code, _, err = run(capsys, "train", "--out", str(out), "--resume", "--model-preset", "tiny", "--no-progress")
+        assert_one_line_error(code, err, "interp-norm train: error:", str(out), "LATEST", "drop --resume")
+        assert sorted(tmp_path.rglob("*")) == before  # nothing created
+
+
 def test_commands_can_be_registered_and_library_errors_are_caught(capsys):
     def hello_args(p):
         p.add_argument("--name", default="world")
@@ -335,6 +347,10 @@ def test_out_is_a_folder_and_results_are_not_overwritten_without_force(ckpt, tmp
     assert code == 0, err
     df = pd.read_csv(out / "noise_accuracy.csv")
     assert sorted(set(df["level"])) == [0.0, 0.1]
+    header, *rows = stdout.splitlines()[:-1]
+    at = header.split().index("level")
+    assert header.split()[0] == "model" and rows[0].split()[0] == ckpt.name  # whose numbers, as percentages
+    assert {r.split()[at] for r in rows} == {"0.00%", "10.00%"}
 
 
 def test_collapse_writes_the_reports_table_names_and_explains_missing_levels(ckpt, tmp_path, capsys):
@@ -360,8 +376,8 @@ def test_threshold_display_says_why_a_level_is_missing():
     th = pd.DataFrame([dict(variant="Pre-Norm", layer=l, definition="loose", target=0.01, level_measured=v,
                             level_predicted=v) for l, v in ((0, np.nan), (1, np.nan), (2, 0.075), (3, np.nan))])
     shown, notes = S.threshold_display(th, curves)
-    assert list(shown["level_measured"]) == ["> 0.5", "< 0.05", 0.075, "no rows"]
-    assert list(shown["level_predicted"]) == ["> 0.5", "< 0.05", 0.075, "no rows"]
+    assert list(shown["level_measured"]) == ["> 50.00%", "< 5.00%", "7.50%", "no rows"]  # levels as percentages
+    assert list(shown["level_predicted"]) == ["> 50.00%", "< 5.00%", "7.50%", "no rows"]
     assert len(notes) == 3 and "no attention row" in notes[0] and "never reached" in notes[1]
     assert "already above" in notes[2]
     assert th["level_measured"].isna().sum() == 3  # the table itself is unchanged

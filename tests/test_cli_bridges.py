@@ -43,6 +43,10 @@ def test_geometry_on_a_save_pretrained_folder(hf_folder, tmp_path, capsys):
     code, out, err = run_cli(capsys, "geometry", hf_folder, "--out", tmp_path / "g", "--windows", "2", "--n-ctx", "9",
                          "--no-progress")
     assert code == 0, err
+    assert "Loading weights" not in err  # --no-progress hides transformers' bar too ...
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()  # ... for that command only
     mem = pd.read_csv(tmp_path / "g" / "geometry_ellipsoid_membership.csv")
     assert {"q_norm", "k_norm", "residual"} <= set(mem["role"])
     assert mem["max_abs_err"].max() < 1e-5
@@ -96,6 +100,10 @@ def test_dashboard_with_a_hf_model_has_the_real_model_section(hf_folder, tmp_pat
     assert code == 0, err
     page = (tmp_path / "d" / "dashboard.html").read_text()
     assert "<h2>Hugging Face models</h2>" in page and "Attention anatomy" in page  # no models of ours: no "beside ours"
+    # saved without a tokenizer: the page says what was measured, and the warning names no flag of another command
+    assert "on random token ids (tiny-qwen3: no tokenizer" in page and "text windows instead" not in page
+    warned = [ln for ln in err.splitlines() if "warning" in ln and "tokenizer" in ln]
+    assert len(warned) == 1 and "--" not in warned[0].split("warning:", 1)[1], err
     assert "<h2>Models</h2>" not in page
     assert "figure skipped" not in page
 

@@ -33,6 +33,10 @@ HEAVY = ["train", "evaluate", "circuits", "noise", "collapse", "geometry", "repr
 #: Flags whose meaning is shared but whose default depends on the analysis: type and dest are shared, and
 #: the help starts with the one sentence that says what the flag means (it may add a unit: "per split").
 PER_COMMAND_DEFAULT = {
+    "--out": "output folder; ",
+    "--seed": "seed of every random draw: problems, noise, model init (default: ",
+    "--device": "cpu, cuda, cuda:1 ... (default: ",
+    "--threads": "torch CPU threads (default: ",
     "--n-examples": "problems drawn from the addition task",
     "--levels": "noise levels: the RMS of κ in the factor (1+κ) on the q/k/v norms",
     "--batch-size": "problems per forward pass",
@@ -95,6 +99,8 @@ def test_shared_flags_have_one_name_and_one_meaning():
                 assert a.help.startswith(PER_COMMAND_DEFAULT[flag]) and first.help.startswith(PER_COMMAND_DEFAULT[flag])
             else:
                 assert (a.help, a.default) == (first.help, first.default), (flag, uses[0][0], name)
+    for flag in ("--out", "--seed", "--device", "--threads"):  # train's notes stay in train's help
+        assert all(("train" in a.help or "resume" in a.help) == (name == "train") for name, a in by_flag[flag]), flag
     # one name per meaning: no dest is reached by two different visible flags anywhere
     names_of: dict[str, set] = {}
     for uses in by_flag.values():
@@ -206,7 +212,7 @@ def test_ctrl_c_says_what_the_subcommand_leaves(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("interp_norm.training.train.train", interrupt)
     code, _, err = run_cli(capsys, "reproduce", "pre", "--out", tmp_path / "a" / "b")
     assert code == 130 and err.startswith("interp-norm reproduce: interrupted") and "--resume" not in err
-    assert "run it again" in err
+    assert "run the same command again, without --force" in err  # finished checkpoints are kept
     assert not (tmp_path / "a").exists()  # the folders made for --out are gone again
     code, _, err = run_cli(capsys, "train", "--out", tmp_path / "run", "--model-preset", "tiny", "--no-progress")
     assert code == 130 and err.startswith("interp-norm train: interrupted") and "--resume" in err
@@ -254,8 +260,10 @@ def test_list_prints_percentages(tiny_ckpts, tmp_path, monkeypatch, capsys):
     data = tmp_path / "data"
     shutil.copytree(tiny_ckpts["pre"], data / "checkpoints" / "pre")
     monkeypatch.setenv("INTERP_NORM_DATA", str(data))
-    code, out, _ = run_cli(capsys, "list")
+    code, out, _ = run_cli(capsys, "list", "--no-progress")  # accepted like on every other command
     assert code == 0 and "pre" in out
+    header = out.splitlines()[0].split()
+    assert {"calibration", "seed"} <= set(header)  # pre and pre-cal tell apart
     from interp_norm.training.checkpoints import list_pretrained
 
     row = list_pretrained().iloc[0]

@@ -539,6 +539,10 @@ def test_dashboard_without_csvs_or_with_only_hugging_face_models():
     assert D.page_title(hf) == "gpt2: interp_norm dashboard"
     html = D.dashboard_html(hf, csv_links=False)
     assert "Hugging Face models: gpt2" in html and 'id="models"' not in html
+    assert "on text windows instead" in html  # tables without an input column were measured on text
+    mixed = pd.concat([layers.assign(input="text"), layers.assign(model="tiny", input="random token ids")])
+    assert "on text windows (tiny: random token ids" in D.dashboard_html(
+        SimpleNamespace(tables={"real_layers": mixed}, checkpoints=pd.DataFrame(), timings={}, notes=[]), csv_links=False)
     fig = sections[0].panels[0].figure
     assert fig.layout.yaxis.tickformat.endswith("%")  # fractions as percentages, not "500µ"
 

@@ -137,3 +137,77 @@ def test_evaluated_only_checkpoints_report_accuracy_and_nothing_else():
     rows = per_checkpoint(dict(evaluation=ev), ck)
     assert list(rows["quantity"]) == ["ID accuracy", "interpolation accuracy", "extrapolation accuracy"]
     assert (rows["value"] == 50.0).all()
+
+
+def test_an_interrupted_reproduce_keeps_finished_checkpoints_and_a_rerun_does_only_the_rest(
+        tiny_checkpoints, tmp_path, monkeypatch):
+    """Ctrl-C after the first checkpoint: its tables are on disk; the same run again analyses only the
+    second, and the report equals one run without interruption."""
+    from interp_norm.report.partial import PartialStore
+
+    specs = [str(tiny_checkpoints["pre"]), str(tiny_checkpoints["qkv"])]
+    settings = R.Settings.quick(analyses=("evaluate", "collapse"), workers=1)
+    real = worker.run_checkpoint
+    calls = []
+
+    def interrupted_after_one(job, *a, **kw):
+        calls.append(job.name)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return real(job, *a, **kw)
+
+    out = tmp_path / "rep"
+    monkeypatch.setattr(worker, "run_checkpoint", interrupted_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        R.reproduce(out, specs, settings=settings, progress=False)
+    first = calls[0]
+    kept = PartialStore(out).path(first)
+    assert {"evaluation.csv", "collapse.csv", "fingerprint.json"} <= {p.name for p in kept.iterdir()}
+    assert not (out / "evaluation.csv").exists()  # the report itself is written only when whole
+    assert set(pd.read_csv(kept / "evaluation.csv")["checkpoint"]) == {first}
+
+    calls.clear()
+    monkeypatch.setattr(worker, "run_checkpoint", lambda job, *a, **kw: (calls.append(job.name), real(job, *a, **kw))[1])
+    R.reproduce(out, specs, settings=settings, progress=False)
+    assert len(calls) == 1 and calls[0] != first  # only the rest
+    assert not PartialStore(out).folder.exists()  # the report is whole: nothing left to resume
+    whole = tmp_path / "whole"
+    R.reproduce(whole, specs, settings=settings, progress=False)
+    for key in ("evaluation", "collapse", "model_card", "collapse_thresholds"):
+        pd.testing.assert_frame_equal(pd.read_csv(out / f"{key}.csv"), pd.read_csv(whole / f"{key}.csv"), obj=key)
+
+
+def test_ctrl_c_terminates_the_worker_processes_at_once(tiny_checkpoints, monkeypatch):
+    """Ctrl-C in the parent while workers analyse: the workers are terminated, not waited for."""
+    import concurrent.futures as cf
+    import time
+
+    pools, procs = [], []
+
+    class Recorded(cf.ProcessPoolExecutor):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            pools.append(self)
+
+    def busy(*a, **kw):  # a checkpoint that would take ten minutes (runs in the forked workers)
+        time.sleep(600)
+
+    real_wait = cf.wait
+
+    def wait_then_interrupt(pending, **kw):
+        real_wait(pending, timeout=0.5)
+        procs[:] = list((pools[-1]._processes or {}).values())
+        if len(procs) == 2 and all(p.is_alive() for p in procs):
+            raise KeyboardInterrupt  # both workers are busy: Ctrl-C
+        return set(), pending
+
+    monkeypatch.setattr(worker, "run_checkpoint", busy)
+    monkeypatch.setattr(cf, "ProcessPoolExecutor", Recorded)
+    monkeypatch.setattr(cf, "wait", wait_then_interrupt)
+    specs = [str(tiny_checkpoints["pre"]), str(tiny_checkpoints["qkv"])]
+    with pytest.raises(KeyboardInterrupt):
+        R.run_analyses(specs, R.Settings.quick(analyses=("evaluate",)), progress=False, workers=2)
+    assert len(pools) == 1 and len(procs) == 2
+    for p in procs:
+        p.join(timeout=30)  # terminated: gone at once (a busy worker would live ten minutes)
+    assert not any(p.is_alive() for p in procs)

@@ -52,7 +52,6 @@ KNOWN_LONG: set = {
     "noise/decide.py:row_decisions",
     "geometry/spheres.py:orthogonal_spheres",
     "noise/text_agreement.py:text_agreement",
-    "report/reproduce.py:run_analyses",
 }
 KNOWN_WIDE: set = {
     "circuits/attribution.py:_full_passes",

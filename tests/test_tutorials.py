@@ -16,6 +16,7 @@ import ast
 import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -551,7 +552,10 @@ def _execute(path: Path):
 def test_notebook_executes(path):
     pytest.importorskip("nbclient")
     t = time.perf_counter()
+    temporary = lambda: set(Path(tempfile.gettempdir()).glob("interp-norm-tutorial-*"))  # noqa: E731
+    before = temporary()
     nb = _execute(path)
+    assert temporary() <= before, "the notebook left temporary folders behind"
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
     for c in nb.cells:

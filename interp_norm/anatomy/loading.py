@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -26,7 +27,7 @@ from typing import Any, Optional
 import torch
 
 from interp_norm.training.checkpoint_format import folder_kind
-from interp_norm.errors import ArchitectureError, CheckpointError, CheckpointNotFoundError, ConfigError
+from interp_norm.errors import ArchitectureError, CheckpointError, CheckpointNotFoundError, ConfigError, NoTokenizerWarning
 
 
 def _hub_cache_dir() -> Optional[str]:
@@ -87,7 +88,30 @@ def _load_hf_model(folder: str | os.PathLike, *, dtype: torch.dtype | str = torc
             tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
         except Exception as e:
             raise CheckpointError(f"{str(folder)!r} holds tokenizer files that transformers cannot read: {e}") from None
-    return bridge_from_hf(model, tokenizer=tokenizer, name=name or str(folder))
+    bridge = bridge_from_hf(model, tokenizer=tokenizer, name=name or str(folder))
+    if tokenizer is None:  # runs on token ids only: say so once, and make text methods say the fix
+        from interp_norm.anatomy.text import refuse_text_without_tokenizer
+
+        warnings.warn(NoTokenizerWarning(
+            f"{name or str(folder)!r} has no tokenizer (no tokenizer files beside the weights): it runs on token ids "
+            "only, to_tokens raises and text analyses use random token ids; copy tokenizer.json / "
+            "tokenizer_config.json into the folder to work with text"), stacklevel=_outside_stacklevel())
+        refuse_text_without_tokenizer(bridge)
+    return bridge
+
+
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` (for a warning raised by the caller) of the first frame outside this package:
+    the user's ``interp_norm.load(...)`` line, however many loaders lie between."""
+    import sys
+    from types import FrameType
+
+    package = str(Path(__file__).resolve().parents[1])
+    level = 1
+    frame_or_none: Optional[FrameType] = sys._getframe(1)  # the function that warns
+    while frame_or_none is not None and str(Path(frame_or_none.f_code.co_filename).resolve()).startswith(package):
+        level, frame_or_none = level + 1, frame_or_none.f_back
+    return level
 
 
 def _hf_snapshot(name: str, cache_dir: Optional[str]) -> Optional[Path]:

@@ -70,4 +70,32 @@ def text_tokens(model: Any, text: Optional[str] = None, n_ctx: int = 64, max_win
     return windows if max_windows is None else windows[:max_windows]
 
 
-__all__ = ["sample_text", "random_tokens", "text_tokens", "SAMPLE_FILE"]
+#: TransformerBridge's methods between text and token ids: each asserts it has a tokenizer.
+_TEXT_METHODS = ("to_tokens", "to_string", "to_str_tokens", "to_single_token")
+
+
+def _needs_tokenizer(method: str, bridge: Any, *args: Any, **kwargs: Any) -> Any:
+    if getattr(bridge, "tokenizer", None) is None:
+        name = getattr(bridge.cfg, "model_name", None) or "this model"
+        raise ConfigError(
+            f"{name!r} has no tokenizer (none was saved beside the weights), so {method} cannot convert between "
+            "text and token ids; copy tokenizer.json / tokenizer_config.json into the model folder and load it "
+            "again, or give the model token ids (interp_norm.anatomy.random_tokens(model, batch, pos))")
+    return getattr(type(bridge), method)(bridge, *args, **kwargs)
+
+
+def refuse_text_without_tokenizer(bridge: Any) -> Any:
+    """Give ``bridge`` instance methods ``to_tokens``, ``to_string``, ... that raise a ConfigError naming
+    the fix while it has no tokenizer, instead of TransformerLens's bare ``AssertionError``; with a
+    tokenizer (``bridge.tokenizer = ...`` later) they are TransformerLens's own. Bound methods, so a
+    deep copy of the bridge checks its own tokenizer. Returns ``bridge``."""
+    import functools
+    import types
+
+    for method in _TEXT_METHODS:
+        if hasattr(type(bridge), method):
+            object.__setattr__(bridge, method, types.MethodType(functools.partial(_needs_tokenizer, method), bridge))
+    return bridge
+
+
+__all__ = ["sample_text", "random_tokens", "text_tokens", "refuse_text_without_tokenizer", "SAMPLE_FILE"]

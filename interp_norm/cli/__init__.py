@@ -51,7 +51,7 @@ from interp_norm.cli._support import (
     flag_map,
     with_flag_names,
 )
-from interp_norm.errors import CheckpointNotFoundError, InterpNormError
+from interp_norm.errors import CheckpointNotFoundError, InterpNormError, NoTokenizerWarning
 
 __all__ = ["COMMANDS", "ANALYSES", "Command", "command", "build_parser", "main"]
 
@@ -164,6 +164,24 @@ def _did_you_mean(message: str, args: argparse.Namespace) -> str:
 
 
 @contextlib.contextmanager
+def _quiet_loading(args: argparse.Namespace) -> Iterator[None]:
+    """--no-progress also hides transformers' "Loading weights" bar (Hugging Face models), for this
+    run only. (Every heavy command imports transformers anyway: TransformerLens builds on it.)"""
+    if not getattr(args, "no_progress", False):
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
 def _threads(args: argparse.Namespace) -> Iterator[None]:
     """--threads for the whole run (restored after it); ``train`` records and sets its own."""
     n = getattr(args, "threads", None)
@@ -195,8 +213,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     code = 1
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning(prog, flags, warnings.showwarning)
+        # loading without a tokenizer: each analysis says what it then runs on, once, in its own words
+        warnings.simplefilter("ignore", NoTokenizerWarning)
         try:
-            with _threads(args):
+            with _threads(args), _quiet_loading(args):
                 code = int(args._run(args) or 0)
             return code
         except InterpNormError as e:

@@ -36,15 +36,12 @@ NO_MODEL_PART = ("train", "reproduce", "dashboard")
 
 #: Help of each shared flag: one text for every subcommand.
 HELP = {
-    "out": ("output folder; result files already in it are kept unless --force (train continues the run in it "
-            "with --resume) (default: report/SUBCOMMAND/MODEL, e.g. report/noise/qkv; report/SUBCOMMAND for train, "
-            "reproduce and dashboard)"),
+    "out": ("output folder; result files already in it are kept unless --force (default: report/SUBCOMMAND/MODEL, "
+            "e.g. report/noise/qkv; report/SUBCOMMAND for reproduce and dashboard)"),
     "force": "replace result files already in --out",
-    "seed": "seed of every random draw: problems, noise, model init (default: 0; train: the preset's, or the "
-            "saved run's on --resume)",
-    "device": "cpu, cuda, cuda:1 ... (default: cpu; train: the preset's, or the saved run's on --resume)",
-    "threads": "torch CPU threads (default: 1, whatever OMP_NUM_THREADS says: these small models run fastest on "
-               "one; train: the saved run's on --resume)",
+    "seed": "seed of every random draw: problems, noise, model init (default: 0)",
+    "device": "cpu, cuda, cuda:1 ... (default: cpu)",
+    "threads": "torch CPU threads (default: 1, whatever OMP_NUM_THREADS says: these small models run fastest on one)",
     "no_progress": "hide the progress bars",
     "n_examples": "problems drawn from the addition task",
     "split": "split the problems are drawn from",
@@ -60,6 +57,14 @@ HELP = {
                    "(passed to transformers' from_pretrained; needs the accelerate package; replaces --device; "
                    "default: the whole model on --device)"),
 }
+#: ``train``'s help of the shared flags: the same meaning, its own defaults (the preset's, or the saved run's).
+TRAIN_HELP = {
+    "out": "output folder; the run's checkpoints go there and --resume continues the run in it (default: report/train)",
+    "seed": "seed of every random draw: problems, noise, model init (default: the preset's, or the saved run's on "
+            "--resume)",
+    "device": "cpu, cuda, cuda:1 ... (default: the preset's, or the saved run's on --resume)",
+    "threads": "torch CPU threads (default: the saved run's on --resume, else 1, whatever OMP_NUM_THREADS says)",
+}
 #: What an unset --seed / --device / --threads means outside ``train``.
 DEFAULTS = dict(seed=0, device="cpu", threads=1)
 
@@ -67,23 +72,27 @@ DEFAULTS = dict(seed=0, device="cpu", threads=1)
 # ----------------------------------------------------------------------------- the shared flags
 
 
+def _help(flag: str, train: bool) -> str:
+    return TRAIN_HELP[flag] if train else HELP[flag]
+
+
 def add_out(p: argparse.ArgumentParser, force: bool = True) -> None:
-    """``--out`` (and ``--force``; ``train`` has ``--resume`` instead)."""
-    p.add_argument("--out", metavar="DIR", help=HELP["out"])
+    """``--out`` (and ``--force``; ``train`` has ``--resume`` instead, and its own help)."""
+    p.add_argument("--out", metavar="DIR", help=_help("out", train=not force))
     if force:
         p.add_argument("--force", action="store_true", help=HELP["force"])
 
 
-def add_seed(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, help=HELP["seed"])
+def add_seed(p: argparse.ArgumentParser, train: bool = False) -> None:
+    p.add_argument("--seed", type=int, help=_help("seed", train))
 
 
-def add_device(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", help=HELP["device"])
+def add_device(p: argparse.ArgumentParser, train: bool = False) -> None:
+    p.add_argument("--device", help=_help("device", train))
 
 
-def add_threads(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=positive_int, help=HELP["threads"])
+def add_threads(p: argparse.ArgumentParser, train: bool = False) -> None:
+    p.add_argument("--threads", type=positive_int, help=_help("threads", train))
 
 
 def add_dtype(p: argparse.ArgumentParser) -> None:
@@ -104,11 +113,12 @@ def add_progress(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help=HELP["no_progress"])
 
 
-def add_heavy(p: argparse.ArgumentParser) -> None:
-    """``--seed``, ``--device``, ``--threads`` and ``--no-progress``: every subcommand that does heavy work."""
-    add_seed(p)
-    add_device(p)
-    add_threads(p)
+def add_heavy(p: argparse.ArgumentParser, train: bool = False) -> None:
+    """``--seed``, ``--device``, ``--threads`` and ``--no-progress``: every subcommand that does heavy work
+    (``train=True``: with train's defaults in their help)."""
+    add_seed(p, train)
+    add_device(p, train)
+    add_threads(p, train)
     add_progress(p)
 
 

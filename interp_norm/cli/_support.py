@@ -197,11 +197,14 @@ def threshold_display(thresholds: Any, curves: Any) -> tuple[Any, list[str]]:
                 show.at[i, col] = "no rows"
                 used.add("none")
             elif (g[src] < row["target"]).all():
-                show.at[i, col] = f"> {g['level'].max():g}"
+                show.at[i, col] = f"> {as_percent(g['level'].max())}"
                 used.add(">")
             elif g[src].iloc[0] >= row["target"]:
-                show.at[i, col] = f"< {g['level'].min():g}"
+                show.at[i, col] = f"< {as_percent(g['level'].min())}"
                 used.add("<")
+    for col in ("level_measured", "level_predicted"):  # levels are fractions: percentages, like the target
+        if col in cols:
+            show[col] = show[col].map(as_percent)
     from interp_norm.core.defaults import SPARSE_THRESHOLD
 
     notes = []
@@ -257,7 +260,8 @@ def hf_args(p: argparse.ArgumentParser) -> None:
 
 
 def real_model_tables(models: dict, args: argparse.Namespace) -> dict:
-    """``real_layers`` (per layer of each HF model: norm spread, sparse fraction ...) and
+    """``real_layers`` (per layer of each HF model: norm spread, sparse fraction ..., ``input``: "text" or
+    "random token ids" for a model without a tokenizer) and
     ``real_anatomy`` (its attention anatomy), for the dashboard's real-model section."""
     import pandas as pd
 
@@ -266,7 +270,9 @@ def real_model_tables(models: dict, args: argparse.Namespace) -> dict:
     layers, anat = [], []
     for name, model in models.items():
         res = run_geometry(model, tokens=hf_tokens(model, args), progress=not args.no_progress)
-        layers.append(geometry_summary(res).assign(model=name))
+        # what the windows were: the dashboard must not call random ids text
+        source = "text" if getattr(model, "tokenizer", None) is not None else "random token ids"
+        layers.append(geometry_summary(res).assign(model=name, input=source))
         anat.append(res["anatomy"].assign(model=name))
     return {"real_layers": pd.concat(layers, ignore_index=True), "real_anatomy": pd.concat(anat, ignore_index=True)}
 
@@ -282,7 +288,8 @@ MODEL_HELP = (CKPT_HELP[:-1] + "), or a Hugging Face model: a local save_pretrai
 
 #: Printed columns that hold fractions (shown as percentages; the CSVs keep fractions).
 PERCENT_COLUMNS = re.compile(r"^(.*_acc|per_token_acc.*|accuracy|exact_match|agreement|within_tol|frac_.*|"
-                             r"faithfulness|target|se|agreement_se)$")
+                             r"faithfulness|target|se|agreement_se|level|level_measured|level_predicted|"
+                             r"mean_spread|max_spread)$")
 
 
 def as_percent(value: Any) -> Any:
@@ -294,6 +301,19 @@ def as_percent(value: Any) -> Any:
     if math.isnan(v):
         return value
     return f"{v:.2f}%" if v == 0 or abs(v) >= 0.01 else f"{v:.2g}%"
+
+
+def with_model(df: Any, spec: Any) -> Any:
+    """``df`` with a first ``model`` column naming the model (a folder by its name, a step folder by its
+    run's), unless it already names it: every one-line table says whose numbers it shows."""
+    if "model" in df.columns or "checkpoint" in df.columns:
+        return df
+    path = Path(str(spec))
+    name = str(spec)
+    if path.exists():
+        path = path.resolve()
+        name = path.parent.name if path.name.startswith("step-") else path.name
+    return df.assign(model=name)[["model", *df.columns]]
 
 
 def percent_table(df: Any) -> str:

@@ -33,6 +33,7 @@ from interp_norm.cli._support import (
     positive_int,
     prepare_out,
     threshold_display,
+    with_model,
 )
 from interp_norm.cli._grammar import HELP
 from interp_norm.core.defaults import DISTRIBUTIONS, PLACEMENTS
@@ -121,7 +122,7 @@ def _circuits(args: argparse.Namespace) -> int:
     write_circuit_tables(out, tables, model.cfg.n_layers, model.cfg.n_heads, name=Path(str(args.ckpt).rstrip("/")).name)
     f = tables["faithfulness"]
     print(f"wrote {len(tables)} tables, circuit.html and circuit.json to {out}")
-    print(f"circuit: {len(tables['circuit'])} edges; share of {args.metric} it recovers: "
+    print(f"circuit of {Path(str(args.ckpt).rstrip('/')).name}: {len(tables['circuit'])} edges; share of {args.metric} it recovers: "
           + ", ".join(f"{a} {as_percent(v)}" for a, v in zip(f["ablation"], f["faithfulness"])))
     return 0
 
@@ -232,7 +233,7 @@ def _noise(args: argparse.Namespace) -> int:
                    placement=args.placement, distribution=args.distribution, seed=args.seed,
                    progress=not args.no_progress, **_text_inputs(model, args, batch_size=args.batch_size))
     write_csv(out / "noise_accuracy.csv", df)
-    print(percent_table(df))
+    print(percent_table(with_model(df, args.ckpt)))
     print(f"wrote {out / 'noise_accuracy.csv'}")
     return 0
 
@@ -295,7 +296,7 @@ def _collapse(args: argparse.Namespace) -> int:
     write_csv(out / COLLAPSE_FILES[1], thresholds)
     shown, notes = threshold_display(thresholds, curves)
     print("noise level at which 1% of sparse attention rows collapse:")
-    print(percent_table(shown))
+    print(percent_table(with_model(shown, args.ckpt)))
     for note in notes:
         print(note)
     print(f"wrote {out / COLLAPSE_FILES[0]} and {out / COLLAPSE_FILES[1]}")
@@ -342,6 +343,6 @@ def _geometry(args: argparse.Namespace) -> int:
     results = run_geometry(model, n=args.n_examples, split=args.split, seed=args.seed, progress=not args.no_progress,
                            **_text_inputs(model, args, "geometry", window_batch=args.window_batch))
     write_tables(out, {f"geometry_{name}": df for name, df in results.items()})
-    print(percent_table(geometry_summary(results, per_layer=False)))
+    print(percent_table(with_model(geometry_summary(results, per_layer=False), args.ckpt)))
     print(f"wrote {len(results)} tables geometry_*.csv to {out}")
     return 0

@@ -80,13 +80,16 @@ def _reproduce_args(p: argparse.ArgumentParser) -> None:
 @command("reproduce", help="run the paper's whole analysis on the shipped checkpoints (or CKPT ...): one CSV per "
                            "table, run.json and an offline dashboard.html",
          add_arguments=_reproduce_args, flags=dict(threads="--threads", analyse="--analyse", device="--device"),
-         interrupted="interrupted; the report is written only at the end of the run, so run it again "
-                     "(--quick takes seconds)")
+         interrupted="interrupted; the checkpoints analysed so far are kept (OUT/partial): run the same command "
+                     "again, without --force, to analyse only the rest")
 def _reproduce(args: argparse.Namespace) -> int:
+    from interp_norm.report.partial import PartialStore
     from interp_norm.report.reproduce import reproduce
     from interp_norm.training.devices import resolve_device
 
     out = prepare_out(args.out, REPORT_FILES, args.force)  # before any work
+    if args.force:  # a fresh report: no checkpoint is taken from an interrupted run
+        PartialStore(out).clear()
     resolve_device(args.device)
     ckpts = list(args.ckpt) + list(getattr(args, "checkpoints_old", None) or [])
     report = reproduce(out, ckpts or None, settings=_settings(args), analyse=_analyse(args),
@@ -144,8 +147,9 @@ def _dashboard(args: argparse.Namespace) -> int:
         from interp_norm.report.dashboard import write_dashboard
         from interp_norm.report.reproduce import Report, run_analyses
 
-        report = (run_analyses(ours, _settings(args), analyse=_analyse(args), progress=not args.no_progress,
-                               threads=args.threads, device=args.device, desc="dashboard") if ours else Report())
+        report = (run_analyses(ours, _settings(args), analyse=_analyse(args),
+                               progress=False if args.no_progress else "dashboard", threads=args.threads,
+                               device=args.device) if ours else Report())
         report.tables.update(real_model_tables(hf, args))
         path = write_dashboard(report, out / "dashboard.html", csv_links=False)
     print(f"wrote {path} in {time.perf_counter() - t:.0f} s")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from interp_norm.cli._grammar import add_alias, add_batch_size, add_heavy, add_n_examples, add_out
+from interp_norm.cli._grammar import add_alias, add_batch_size, add_heavy, add_n_examples, add_out, add_progress
 from interp_norm.cli._support import (
     CKPT_HELP,
     SPLITS,
@@ -50,7 +50,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--final-eval-size", type=positive_int,
                    help="problems per split in the final evaluation (default: the preset's)")
     p.add_argument("--checkpoint-every", type=positive_int, help="steps between checkpoints (default: the preset's)")
-    add_heavy(p)
+    add_heavy(p, train=True)
 
 
 @command("train", help="train a model (resumable; checkpoints into --out)", add_arguments=_train_args,
@@ -60,7 +60,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 def _train(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from interp_norm.training.checkpoints import latest_checkpoint, read_checkpoint_info
+    from interp_norm.errors import CheckpointNotFoundError
+    from interp_norm.training.checkpoints import LATEST, latest_checkpoint, read_checkpoint_info
     from interp_norm.training.io import ensure_writable_dir
     from interp_norm.core.model import ModelConfig
     from interp_norm.core.task import AdditionTask
@@ -70,7 +71,11 @@ def _train(args: argparse.Namespace) -> int:
     # --resume without options continues with the saved ones; options given here must agree
     # with them (train() says which differ), except those that cannot change the weights.
     saved = None
-    if args.resume and Path(args.out).is_dir() and latest_checkpoint(args.out) is not None:
+    if args.resume:
+        if not Path(args.out).is_dir() or latest_checkpoint(args.out) is None:
+            raise CheckpointNotFoundError(
+                f"--resume: no training run in {args.out} (looked for {Path(args.out) / LATEST}, the pointer to "
+                f"its last checkpoint); check the path, or drop --resume to start a fresh run")
         saved = read_checkpoint_info(args.out, verify=False)
     reuse = saved is not None and args.preset is None
     preset = args.preset or "cpu"
@@ -144,7 +149,11 @@ def _evaluate(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- list
 
 
-@command("list", help="list the pretrained checkpoints shipped in data/checkpoints")
+def _list_args(p: argparse.ArgumentParser) -> None:
+    add_progress(p)  # accepted like everywhere (list draws no bar), so scripts can pass it to every command
+
+
+@command("list", help="list the pretrained checkpoints shipped in data/checkpoints", add_arguments=_list_args)
 def _list(args: argparse.Namespace) -> int:
     from interp_norm.training.checkpoints import list_pretrained, pretrained_dir
 

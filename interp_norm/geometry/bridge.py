@@ -180,7 +180,7 @@ def bridge_tokens(model: Any, n: int = 8, n_ctx: int = 32, seed: int = 0) -> Ten
             why = f"its tokenizer failed on the sample text ({e})"
     else:
         why = ("it has no tokenizer (none was saved beside the weights: copy tokenizer.json / "
-               "tokenizer_config.json into the model folder to analyse text)")
+               "tokenizer_config.json into the model folder to measure text instead)")
     warnings.warn(f"{name!r}: analysing {n} windows of seeded random token ids, not text, because {why}",
                   stacklevel=3)
     try:

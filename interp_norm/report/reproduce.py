@@ -24,9 +24,10 @@ from __future__ import annotations
 import os
 import platform
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import pandas as pd
 
@@ -43,6 +44,8 @@ __all__ = [
 ]
 from interp_norm.report.registry import ANALYSES, DEFAULT_ANALYSES  # noqa: E402  (standard library only)
 from interp_norm.stats.seed_compare import DEFAULT_SEEDS, SEED_ANALYSES, seed_pass_settings, seed_tables  # noqa: E402,F401
+from interp_norm.report.partial import PartialStore, fingerprint  # noqa: E402
+from interp_norm.report.jobs import Plan, run_in_workers, run_serially  # noqa: E402
 
 #: Settings of the run as a whole (the analyses' own sizes come from the registry).
 RUN_FIELDS: dict[str, Any] = dict(workers=None, seed=0, analyses=DEFAULT_ANALYSES)
@@ -246,62 +249,36 @@ def _workers(workers: Optional[int], n_jobs: int) -> int:
     return min(workers, n_jobs)
 
 
-def run_analyses(
-    checkpoints: Optional[Union[Sequence[str], Mapping[str, tuple[Any, Any]]]] = None,
-    settings: Optional[Settings] = None,
-    analyse: Optional[Union[str, Sequence[str]]] = None,
-    *,
-    progress: bool = True,
-    threads: Optional[int] = None,
-    workers: Optional[int] = None,
-    device: str = "cpu",
-    desc: str = "reproduce",
-    all_seeds: bool = False,
-) -> Report:
-    """Run every analysis and return the :class:`Report` (no files written).
-
-    ``checkpoints``: names/folders, or already loaded ``{name: (model, info)}``; None = the shipped reference set (``_load_models``).
-    ``analyse``: checkpoint names for the heavy analyses, ``"all"``, or None (see
-    :func:`default_analysed`; every checkpoint when they were given explicitly). ``threads``: torch
-    threads for the run (restored afterwards). ``workers``: forked processes that analyse
-    checkpoints side by side, each on one torch thread (default: up to 2; 1 runs everything in this
-    process; on a ``device`` other than cpu, models are loaded there and analysed in this process).
-    Every analysis is seeded, so results do not depend on the number of workers. The progress bar,
-    labelled ``desc``, ticks once per analysis of each checkpoint.
-    ``all_seeds``: read every seed of the shipped set (default: seeds below ``DEFAULT_SEEDS``) and
-    run ``SEED_ANALYSES`` on every checkpoint the heavy analyses skip (see the module docstring).
-    """
+@contextmanager
+def _torch_threads(threads: Optional[int]) -> Iterator[None]:
+    """Run with ``threads`` torch threads (None: as they are), restored afterwards."""
     import torch
 
-    if threads is not None:
-        check_positive_int(threads, "threads")
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            return run_analyses(checkpoints, settings, analyse, progress=progress, workers=workers, device=device,
-                                desc=desc, all_seeds=all_seeds)
-        finally:
-            torch.set_num_threads(before)
-    from tqdm.auto import tqdm
+    if threads is None:
+        yield
+        return
+    check_positive_int(threads, "threads")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
-    from interp_norm.report.card import model_card
-    from interp_norm.report.worker import WorkerPlan, analyse_in_worker, job_for, run_checkpoint, stages, start_worker
+
+def _plan(report: Report, checkpoints: Any, analyse: Any, device: str, all_seeds: bool) -> Plan:
+    """Load the models and decide the scopes; fills ``report.checkpoints`` (and a note on left-out seeds)."""
     from interp_norm.report.plots import variant_label
-    from interp_norm.report.registry import each
 
-    settings = settings or Settings.full()
-    report = Report(settings=settings, threads=torch.get_num_threads())
-    t0 = time.perf_counter()
+    settings = report.settings or Settings.full()
     explicit = checkpoints is not None
-    loaded = isinstance(checkpoints, Mapping)
-    models = dict(checkpoints) if loaded else _load_models(checkpoints, device=device)
+    models = dict(checkpoints) if isinstance(checkpoints, Mapping) else _load_models(checkpoints, device=device)
     if not explicit:  # the shipped set: Pre-Norm first, then QKV-Norm, QK-Norm, No-Norm (seeds in order)
         models = dict(sorted(models.items(), key=lambda kv: _arch_key(kv[0], kv[1][1])))
         later = [n for n, (_, info) in models.items() if info.model_cfg.seed >= DEFAULT_SEEDS and not all_seeds]
         if later:
             models = {n: m for n, m in models.items() if n not in later}
             report.notes.append(f"further seeds left out: {', '.join(later)} ('reproduce --all-seeds' analyses them)")
-    report.timings["load"] = time.perf_counter() - t0
     todo = set(settings.analyses)
     seed_settings = seed_pass_settings(settings)
     seed_todo = set(seed_settings.analyses)
@@ -314,85 +291,114 @@ def run_analyses(
              path=str(info.path))
         for n, (_, info) in models.items()
     ])
-    evaluate = "evaluate" in todo
-    jobs = [n for n in models if evaluate or n in heavy or n in seed_pass]
-    n_workers = _workers(workers if workers is not None else settings.workers, len(jobs))
-    if str(device) != "cpu":  # forked workers cannot share a CUDA context
-        n_workers = 1
-    total = sum(stages(n, seed_todo, {n}) if n in seed_pass else stages(n, todo, set(heavy)) for n in jobs)
-    evals: dict[str, pd.DataFrame] = {}
-    tables: dict[str, dict[str, list[pd.DataFrame]]] = {}
+    jobs = [n for n in models if "evaluate" in todo or n in heavy or n in seed_pass]
+    return Plan(models, labels, settings, todo, seed_settings, seed_todo, list(heavy), list(seed_pass), jobs)
 
-    def collect(name: str, ev: Optional[pd.DataFrame], t: dict, seconds: dict) -> None:
-        if ev is not None:
-            evals[name] = ev
-        tables[name] = t
-        for k, v in seconds.items():
-            report.timings[k] = report.timings.get(k, 0.0) + v
 
-    # no global torch.no_grad(): attribution patching needs gradients (each analysis manages its own)
-    with tqdm(total=total, desc=desc, unit="stage", disable=not progress, dynamic_ncols=True) as bar:
-
-        def on_stage(name: str, stage: str, finished: bool) -> None:
-            if finished:
-                bar.update(1)
-            else:
-                bar.set_postfix_str(f"{name}: {stage}")
-
-        if n_workers == 1:
-            for name in jobs:
-                model, info = models[name]
-                seed = name in seed_pass
-                job = job_for(name, model, info, seed_settings if seed else settings, labels[name])
-                collect(name, *run_checkpoint(job, seed_todo if seed else todo, name in heavy or seed,
-                                              lambda s, f, n=name: on_stage(n, s, f)))
-        else:
-            import multiprocessing as mp
-            from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-
-            ctx = mp.get_context("fork")
-            events = ctx.SimpleQueue()  # (name, stage, finished) from the workers, as each stage starts and ends
-
-            def drain() -> None:
-                while not events.empty():
-                    on_stage(*events.get())
-
-            plan = WorkerPlan(models, labels, settings, frozenset(todo), frozenset(heavy) | frozenset(seed_pass),
-                              events, overrides={n: (seed_settings, seed_todo) for n in seed_pass})
-            with ProcessPoolExecutor(n_workers, mp_context=ctx, initializer=start_worker, initargs=(plan,)) as pool:
-                pending = {pool.submit(analyse_in_worker, name) for name in jobs}
-                while pending:
-                    done, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
-                    drain()
-                    for f in done:
-                        collect(*f.result())
-            drain()
+def _assemble(report: Report, plan: Plan, evals: dict, tables: dict) -> None:
+    """The report's tables from every checkpoint's, in checkpoint order, plus those over all of them."""
+    from interp_norm.report.card import model_card
+    from interp_norm.report.registry import each
 
     T = report.tables
-    order = list(models)  # tables in checkpoint order, whatever order the workers finished in
+    order = list(plan.models)  # tables in checkpoint order, whatever order the workers finished in
     T["evaluation"] = _concat([evals[n] for n in order if n in evals])
-    T["model_card"] = model_card(models, T["evaluation"] if len(T["evaluation"]) else None)
+    T["model_card"] = model_card(plan.models, T["evaluation"] if len(T["evaluation"]) else None)
     T["training_curves"] = _concat([
-        _front_curve(info.curve, n, info.model_cfg.attn_norm) for n, (_, info) in models.items() if len(info.curve)
+        _front_curve(info.curve, n, info.model_cfg.attn_norm) for n, (_, info) in plan.models.items() if len(info.curve)
     ])
     keys = list(dict.fromkeys(k for n in order for k in tables.get(n, {})))
     for key in keys:
         T[key] = _concat([f for n in order for f in tables.get(n, {}).get(key, [])])
-    for analysis in each(todo | seed_todo):  # tables over every checkpoint (thresholds, summaries)
+    for analysis in each(plan.todo | plan.seed_todo):  # tables over every checkpoint (thresholds, summaries)
         if analysis.combine is not None:
             T.update(analysis.combine(T, report.notes))
     if len(report.checkpoints):
         from interp_norm.stats.seed_summary import per_checkpoint, seed_spread
 
-        T["seed_numbers"] = per_checkpoint(T, report.checkpoints[report.checkpoints["checkpoint"].isin(jobs)])
+        T["seed_numbers"] = per_checkpoint(T, report.checkpoints[report.checkpoints["checkpoint"].isin(plan.jobs)])
         T["seed_spread"] = seed_spread(T["seed_numbers"])
         t = time.perf_counter()
-        T.update(seed_tables(T, report.checkpoints, settings.seed))
+        T.update(seed_tables(T, report.checkpoints, plan.settings.seed))
         report.timings["seed_tables"] = time.perf_counter() - t
     report.tables = {k: v for k, v in T.items() if v is not None and len(v)}
-    report.workers = n_workers
-    report.timings["total"] = time.perf_counter() - t0
-    return report
+
+
+def run_analyses(
+    checkpoints: Optional[Union[Sequence[str], Mapping[str, tuple[Any, Any]]]] = None,
+    settings: Optional[Settings] = None,
+    analyse: Optional[Union[str, Sequence[str]]] = None,
+    *,
+    progress: Union[bool, str] = True,
+    threads: Optional[int] = None,
+    workers: Optional[int] = None,
+    device: str = "cpu",
+    all_seeds: bool = False,
+    store: Optional[PartialStore] = None,
+) -> Report:
+    """Run every analysis and return the :class:`Report` (no files written, unless ``store``).
+
+    ``checkpoints``: names/folders, or already loaded ``{name: (model, info)}``; None = the shipped reference set (``_load_models``).
+    ``analyse``: checkpoint names for the heavy analyses, ``"all"``, or None (see
+    :func:`default_analysed`; every checkpoint when they were given explicitly). ``threads``: torch
+    threads for the run (restored afterwards). ``workers``: forked processes that analyse
+    checkpoints side by side, each on one torch thread (default: up to 2; 1 runs everything in this
+    process; on a ``device`` other than cpu, models are loaded there and analysed in this process).
+    Every analysis is seeded, so results do not depend on the number of workers. ``progress``: show
+    the bar (a string: its label; default "reproduce"); it ticks once per analysis of each checkpoint.
+    ``all_seeds``: read every seed of the shipped set (default: seeds below ``DEFAULT_SEEDS``) and
+    run ``SEED_ANALYSES`` on every checkpoint the heavy analyses skip (see the module docstring).
+    ``store``: a :class:`~interp_norm.report.partial.PartialStore`; each checkpoint's tables are written
+    there as it finishes, and checkpoints already there with the same settings are not run again.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    with _torch_threads(threads):
+        settings = settings or Settings.full()
+        report = Report(settings=settings, threads=torch.get_num_threads())
+        t0 = time.perf_counter()
+        plan = _plan(report, checkpoints, analyse, device, all_seeds)
+        report.timings["load"] = time.perf_counter() - t0
+        n_workers = _workers(workers if workers is not None else settings.workers, len(plan.jobs))
+        if str(device) != "cpu":  # forked workers cannot share a CUDA context
+            n_workers = 1
+        evals: dict[str, pd.DataFrame] = {}
+        tables: dict[str, dict[str, list[pd.DataFrame]]] = {}
+        keys = {n: fingerprint(plan.models[n][1], *plan.of(n)) for n in plan.jobs}
+
+        def collect(name: str, ev: Optional[pd.DataFrame], t: dict, seconds: dict, fresh: bool = True) -> None:
+            if fresh and store is not None:
+                store.save(name, keys[name], (ev, t, seconds))
+            if ev is not None:
+                evals[name] = ev
+            tables[name] = t
+            for k, v in seconds.items():
+                report.timings[k] = report.timings.get(k, 0.0) + v
+
+        stored = {n: r for n in plan.jobs if store is not None and (r := store.load(n, keys[n])) is not None}
+        todo = [n for n in plan.jobs if n not in stored]
+        # no global torch.no_grad(): attribution patching needs gradients (each analysis manages its own)
+        with tqdm(total=sum(plan.stages(n) for n in plan.jobs), desc=progress if isinstance(progress, str) else "reproduce",
+                  unit="stage", disable=not progress, dynamic_ncols=True) as bar:
+            for name, result in stored.items():  # finished by an earlier, interrupted run
+                collect(name, *result, fresh=False)
+                bar.update(plan.stages(name))
+
+            def on_stage(name: str, stage: str, finished: bool) -> None:
+                if finished:
+                    bar.update(1)
+                else:
+                    bar.set_postfix_str(f"{name}: {stage}")
+
+            if n_workers == 1 or len(todo) <= 1:
+                run_serially(plan, todo, collect, on_stage)
+            else:
+                run_in_workers(plan, todo, min(n_workers, len(todo)), collect, on_stage)
+        _assemble(report, plan, evals, tables)
+        report.workers = n_workers
+        report.timings["total"] = time.perf_counter() - t0
+        return report
 
 
 def _front_curve(curve: pd.DataFrame, name: str, attn_norm: str) -> pd.DataFrame:
@@ -463,16 +469,23 @@ def reproduce(
     ``all_seeds``: every seed of the shipped set, with the seed tables' analyses on the checkpoints
     the heavy analyses skip (:func:`run_analyses`); slower than the default run.
 
+    Interruptible: each checkpoint's tables are written to ``out/partial/`` as it finishes
+    (:mod:`interp_norm.report.partial`), and a run into the same ``out`` skips the checkpoints found
+    there with the same checkpoint files and settings (every analysis is seeded, so their tables are
+    what a new run would compute). The folder is removed once the report is written.
+
     Fails with :class:`OutputDirError` before any work if ``out`` cannot be written.
     """
     from interp_norm.training.io import ensure_writable_dir
 
     ensure_writable_dir(out)
     settings = settings or (Settings.quick() if quick else Settings.full())
+    store = PartialStore(Path(out))
     report = run_analyses(checkpoints, settings, analyse=analyse, progress=progress, threads=threads, device=device,
-                          all_seeds=all_seeds)
+                          all_seeds=all_seeds, store=store)
     t = time.perf_counter()
     write_report(report, out)
+    store.clear()  # the report is whole: nothing left to resume
     report.timings["write"] = time.perf_counter() - t
     report.timings["total"] += report.timings["write"]
     # timings.csv and run.json again, now with the write time included
@@ -514,6 +527,6 @@ def make_dashboard(
         raise OutputDirError(f"{str(out)!r} is a folder; give a file name such as dashboard.html")
     ensure_writable_dir(out.parent if str(out.parent) else Path("."))  # before any work
     settings = settings or (Settings.quick() if quick else Settings.full())
-    report = run_analyses(list(checkpoints), settings, analyse=analyse, progress=progress, threads=threads,
-                          device=device, desc="dashboard")
+    report = run_analyses(list(checkpoints), settings, analyse=analyse, progress="dashboard" if progress else False,
+                          threads=threads, device=device)
     return write_dashboard(report, out, csv_links=False)

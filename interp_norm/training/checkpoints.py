@@ -390,7 +390,7 @@ def _load_ours(spec: str | os.PathLike, device: str | torch.device = "cpu") -> t
 
 
 def list_pretrained() -> pd.DataFrame:
-    """One row per shipped checkpoint: name, architecture, seed, step, set and per-token accuracies."""
+    """One row per shipped checkpoint: name, architecture (with its calibration), seed, step, set and per-token accuracies."""
     rows = []
     for name in pretrained_names():
         try:
@@ -403,6 +403,7 @@ def list_pretrained() -> pd.DataFrame:
             "name": name,
             "attn_norm": cfg.attn_norm,
             "norm_kind": cfg.norm_kind,
+            "calibration": cfg.calibration,  # pre and pre-cal differ only here
             "n_layers": cfg.n_layers,
             "d_model": cfg.d_model,
             "seed": cfg.seed,
@@ -416,7 +417,8 @@ def list_pretrained() -> pd.DataFrame:
                 row[f"{rec['split']}_acc"] = rec["per_token_acc"]
         row["path"] = str(info.path)
         rows.append(row)
-    cols = ["name", "attn_norm", "norm_kind", "n_layers", "d_model", "seed", "step", "set", "id_acc", "interp_acc", "extrap_acc", "path"]
+    cols = ["name", "attn_norm", "norm_kind", "calibration", "n_layers", "d_model", "seed", "step", "set", "id_acc",
+            "interp_acc", "extrap_acc", "path"]
     df = pd.DataFrame(rows)
     return df.reindex(columns=cols + [c for c in df.columns if c not in cols])
 

@@ -53,7 +53,8 @@ NB05 = [
     `resume=True` continues from the newest one.
     """),
     code("""
-    run_dir = Path(tempfile.mkdtemp(prefix="interp-norm-tutorial-")) / "qk-run"
+    workdir = tempfile.TemporaryDirectory(prefix="interp-norm-tutorial-")  # removed at the end (or when Python exits)
+    run_dir = Path(workdir.name) / "qk-run"
     model, curve = train(model_cfg, task, train_cfg, run_dir, progress=False)
     print(sorted(p.name for p in run_dir.iterdir()))
     curve.tail()
@@ -132,5 +133,9 @@ NB05 = [
     md("""
     From the command line the same run is `interp-norm train --out runs/qk --attn-norm qk --steps 300`, and
     `interp-norm dashboard runs/qk` builds the full dashboard for it, next to any other checkpoints you pass.
+    The runs of this notebook were temporary: the last cell removes them.
+    """),
+    code("""
+    workdir.cleanup()
     """),
 ]

@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 
 from interp_norm.report.dashboard.page import Panel, Section, _esc
 
-__all__ = ["real_model_section", "layer_comparison", "display_name"]
+__all__ = ["real_model_section", "layer_comparison", "display_name", "measured_on"]
 
 #: (column, axis title) of the per-layer figures.
 METRICS = (("frac_sparse", "share of sparse attention rows (max ≥ 0.95)"),
@@ -41,6 +41,21 @@ def layer_comparison(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     top = df.groupby("model")["layer"].transform("max").clip(lower=1)
     df["depth"] = df["layer"] / top
     return df[["model", "source", "layer", "depth", *[m for m, _ in METRICS]]].reset_index(drop=True)
+
+
+def measured_on(real: Optional[pd.DataFrame]) -> str:
+    """What the Hugging Face models read, from ``real_layers``' ``input`` column: "on text windows", or
+    "on random token ids" naming the models without a tokenizer (tables without the column: text)."""
+    if real is None or "input" not in real.columns:
+        return "on text windows"
+    by_model = real.assign(model=real["model"].map(display_name)).groupby("model", sort=False)["input"].first()
+    random = [m for m, v in by_model.items() if v != "text"]
+    if not random:
+        return "on text windows"
+    names = ", ".join(random)
+    if len(random) == len(by_model):
+        return f"on random token ids ({names}: no tokenizer, so no text)"
+    return f"on text windows ({names}: random token ids, no tokenizer)"
 
 
 def display_name(spec: Any) -> str:
@@ -101,7 +116,7 @@ def real_model_section(report: Any, panel: Any) -> Optional[Section]:
     ours = len(getattr(report, "checkpoints", ())) > 0
     s = Section("Real models beside ours" if ours else "Hugging Face models",
                 "Hugging Face models (through TransformerLens bridges) measured like ours: the share of "
-                "sparse attention rows and the norm spread per layer, on text windows instead of addition "
+                f"sparse attention rows and the norm spread per layer, {measured_on(T.get('real_layers'))} instead of addition "
                 "problems (ours: their variant's colour; Hugging Face models: dashed, diamonds, colours no variant uses). The anatomy says where each model normalises "
                 "q, k and v: GPT-2/Llama are Pre-Norm, Qwen3/OLMo-2 QK-Norm, Gemma 4 QKV-Norm.", anchor="real-models")
     df = layer_comparison(T)
