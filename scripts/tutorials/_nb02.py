@@ -186,10 +186,11 @@ NB02 = [
     """),
     md("""
     ## 6. A finer grain: heads at answer positions
-    **What you will learn:** why a list of heads is not yet an explanation, and the grain at which this
-    model's circuit is smaller than the model. Look back at the top-k curve of section 4: a head-level
-    circuit that keeps the clean behaviour needs most of the heads, because each head works at every
-    answer position and does a different job at each. So the unit here is a *cell*: one head's output `z`
+    **What you will learn:** why a list of heads is not yet an explanation, and a finer unit. The ranking
+    and the top-k curve of section 4 say *which* heads matter for one digit corruption, not *where* or
+    *what for*: each head runs at every answer position and may do a different job at each, and a few
+    heads kept against corrupted inputs is not the same as a few heads being enough to add. So the unit
+    here is a *cell*: one head's output `z`
     at the rows of one answer position, i.e. the rows that *predict* the answer's sign, one of its digits
     (named by place value: hundreds, tens, units) or the closing `]` (`end`). Question rows are never ablated.
 
@@ -324,8 +325,10 @@ NB02 = [
     ## What the reference model's heads compute
     The account below is generated from the tables above (`circuits.account`), not written by hand: the
     circuit's size and what it keeps, then, per answer position, the circuit's cells with their roles, their
-    largest class and their necessity. Positions with no circuit cell are ones where resampling every head's
-    output costs less than the circuit's 10% margin. `circuits.addition_circuit(model)` runs sections 6-8
+    largest class and their necessity. A position with no circuit cell is one whose cells were not needed to
+    reach 90% (the circuit keeps 90% with all of them resampled), which does not mean they do nothing. Read
+    it beside the role test above: a *spread* cell has a measured attention profile but no one-class story.
+    `circuits.addition_circuit(model)` runs sections 6-8
     in one call, and `interp-norm circuits CKPT --cells` writes these tables for any checkpoint.
     """),
     code("""
