@@ -70,9 +70,9 @@ def main() -> None:
     torch.set_num_threads(1)
     levels = tuple(float(x) for x in args.levels.split(","))
     if args.ckpt:
-        from interp_norm.training.checkpoints import load_checkpoint
+        from interp_norm import load_with_info
 
-        model, info = load_checkpoint(args.ckpt)
+        model, info = load_with_info(args.ckpt)
         task = info.task
     else:
         model = HookedNormTransformer(ModelConfig.preset("cpu", attn_norm=args.attn_norm)).eval()

@@ -4,8 +4,9 @@ Reproduces and extends Menary, Kaski & Freitas (2024), "Transformer Normalisatio
 Independence of Semantic Subspaces", on small addition transformers hooked like TransformerLens.
 
 ``interp_norm.load(spec)`` loads any model: a shipped name (``"pre"``), one of our checkpoint folders,
-or a Hugging Face folder or cached name (a TransformerLens bridge). Our models know their task
-(``model.task``), and every analysis defaults to it.
+or a Hugging Face folder or cached name (a TransformerLens bridge); ``interp_norm.load_with_info(spec)``
+also returns what was loaded (a checkpoint's ``CheckpointInfo``, a bridge's ``BridgeInfo``). Our
+models know their task (``model.task``), and every analysis defaults to it.
 
 The names below load on first use (PEP 562), so ``import interp_norm`` -- and with it
 ``interp-norm --help`` -- does not import torch, TransformerLens, plotly or pandas.
@@ -29,10 +30,8 @@ _LAZY = {
     "parse_problem": "interp_norm.core.task",
     "TrainConfig": "interp_norm.training.config",
     "list_pretrained": "interp_norm.training.checkpoints",
-    "load_checkpoint": "interp_norm.training.checkpoints",
-    "load_any": "interp_norm.training.checkpoints",
     "load": "interp_norm.anatomy.loading",
-    "load_pretrained": "interp_norm.training.checkpoints",
+    "load_with_info": "interp_norm.anatomy.loading",
     "save_checkpoint": "interp_norm.training.checkpoints",
     "HookedNormTransformer": "interp_norm.core.model",
     "ModelConfig": "interp_norm.core.model",
@@ -44,9 +43,7 @@ __all__ = [
     "TrainConfig",
     "list_pretrained",
     "load",
-    "load_checkpoint",
-    "load_any",
-    "load_pretrained",
+    "load_with_info",
     "save_checkpoint",
     "HookedNormTransformer",
     "InterpNormError",

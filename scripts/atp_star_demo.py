@@ -16,13 +16,13 @@ import argparse
 import pandas as pd
 import torch
 
-from interp_norm.training.checkpoints import load_pretrained
+from interp_norm import load_with_info
 from interp_norm.circuits import LogitDiff, activation_patch, attribution_patch, make_pairs
 from interp_norm.circuits.atp_star import atp_star
 
 
 def misses(name: str, n_pairs: int, min_frac: float, seed: int) -> tuple[pd.DataFrame, list[dict]]:
-    model, info = load_pretrained(name)
+    model, info = load_with_info(name)
     pairs = make_pairs(info.task, n_pairs, "id", seed=seed, aligned=True)
     metric = LogitDiff(pairs)
     rows, summary = [], []

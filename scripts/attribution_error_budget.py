@@ -33,7 +33,8 @@ from interp_norm.circuits import LogitDiff, PatchingPairs, make_pairs
 from interp_norm.circuits.attribution_error import BudgetSpec, attribution_error_budget, budget_summary
 from interp_norm.errors import PatchingError
 from interp_norm.stats.inference import bootstrap_diff_ci, bootstrap_mean_ci
-from interp_norm.training.checkpoints import list_pretrained, load_pretrained
+from interp_norm import load_with_info
+from interp_norm.training.checkpoints import list_pretrained
 
 SEEDS = [f"{v}{s}" for v in ("pre", "qkv") for s in ("", "-s1", "-s2", "-s3", "-s4", "-s5")] + ["qk", "none"]
 KEYS = ["method", "activation"]
@@ -43,7 +44,7 @@ def run(models: list, n_pairs: int, ig_steps: int, seed: int, per: str = "pair")
     variant = list_pretrained().set_index("name")["attn_norm"]
     frames = []
     for name in models:
-        model, info = load_pretrained(name)
+        model, info = load_with_info(name, kind="interp_norm")
         pairs = make_pairs(info.task, n_pairs, "id", seed=seed, aligned=True)
         t0 = time.perf_counter()
         df = attribution_error_budget(model, pairs, LogitDiff(pairs), BudgetSpec(ig_steps=ig_steps, per=per))

@@ -28,7 +28,7 @@ import pandas as pd
 
 from interp_norm.geometry.coupling import norm_coupling
 from interp_norm.stats.seed_compare import PAIRS, compare_arms
-from interp_norm.training.checkpoints import load_checkpoint
+from interp_norm import load
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "data" / "coupling_values.csv"
@@ -38,7 +38,7 @@ QUANTITY = "attention moved by halving the token component ({path}, {subspace})"
 def per_checkpoint(checkpoints: pd.DataFrame, problems: int) -> pd.DataFrame:
     rows = []
     for name, seed in zip(checkpoints["checkpoint"], checkpoints["seed"]):
-        model, _ = load_checkpoint(ROOT / "data" / "checkpoints" / name)
+        model = load(ROOT / "data" / "checkpoints" / name)
         tokens = model.task.test_set("id", size=problems, seed=0).tokens
         frames = [norm_coupling(model, tokens, layer, model.W_E.detach().T, factor=0.5, n_controls=4)
                   for layer in range(model.cfg.n_layers)]

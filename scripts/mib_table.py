@@ -10,7 +10,7 @@ import argparse
 
 import pandas as pd
 
-from interp_norm.training.checkpoints import load_pretrained
+from interp_norm import load_with_info
 from interp_norm.circuits import make_pairs
 from interp_norm.circuits.benchmark.ground_truth import SUITE, make_gt_pairs
 from interp_norm.circuits.benchmark.mib import run_mib
@@ -27,7 +27,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for name in args.models:
-        model, info = load_pretrained(name)
+        model, info = load_with_info(name)
         pairs = make_pairs(info.task, args.pairs, "id", seed=args.seed, aligned=True)
         rows.append(run_mib(model, pairs, methods=METHODS)["summary"].assign(model=name))
     for name in args.suite:

@@ -54,7 +54,8 @@ for _seed in range(2, 6):
 
 def train_one(name: str, runs: Path, data: Path, progress: bool = True) -> None:
     from interp_norm import AdditionTask, ModelConfig
-    from interp_norm.training.checkpoints import latest_checkpoint, load_checkpoint, read_checkpoint_info, save_checkpoint
+    from interp_norm import load_with_info
+    from interp_norm.training.checkpoints import latest_checkpoint, read_checkpoint_info, save_checkpoint
     from interp_norm.training.train import train
     from interp_norm.training.config import TrainConfig
 
@@ -68,7 +69,7 @@ def train_one(name: str, runs: Path, data: Path, progress: bool = True) -> None:
     t0 = time.perf_counter()
     train(model_cfg, task, train_cfg, runs / name, resume=True, progress=progress)
     seconds = time.perf_counter() - t0
-    model, info = load_checkpoint(runs / name)
+    model, info = load_with_info(runs / name)
     metrics = dict(info.metrics)
     if finished_before and shipped.exists():  # nothing was trained now: keep the training time measured then
         seconds = json.loads(shipped.read_text()).get("train_seconds", seconds)

@@ -211,3 +211,32 @@ def test_row_decisions_equal_the_whole_noised_softmax(case):
     moved = x.argmax(-1) != w.argmax(-1)
     assert torch.equal(loose, moved) and 0.05 < moved.double().mean() < 0.95
     assert torch.equal(strict, moved & (x.softmax(-1).max(-1).values >= 0.9)) and strict.any()
+
+
+def test_the_noise_entry_points_take_any_model():
+    """``run_collapse`` and ``run_noise`` are the one entry point for every kind: on a bridge they run
+    the bridge's backend on the given text windows, with the same options; our models refuse text."""
+    import pandas as pd
+
+    from interp_norm.errors import ConfigError
+    from interp_norm.noise import run_collapse, run_noise
+    from interp_norm.noise.text_agreement import text_agreement
+
+    from _models import make_model
+
+    bridge = tiny_bridge("qwen3", seed=1, sharpness=4.0)
+    tokens = random_tokens(bridge, 2, 8, seed=0)
+    options = dict(draws=4, seed=3, placement="after_norm")
+    pd.testing.assert_frame_equal(run_collapse(bridge, levels=(0.2, 0.5), tokens=tokens, window_batch=1, **options),
+                                  bridge_collapse(bridge, tokens, (0.2, 0.5), **options))
+    pd.testing.assert_frame_equal(run_noise(bridge, levels=(0.0, 0.3), tokens=tokens, seed=2, batch_size=1),
+                                  text_agreement(bridge, tokens, (0.0, 0.3), seed=2, batch_size=1))
+    with pytest.raises(ConfigError, match="pass tokens="):
+        run_collapse(bridge, levels=(0.2,))
+    ours = make_model()
+    with pytest.raises(ConfigError, match="window_batch"):
+        run_collapse(ours, levels=(0.2,), window_batch=2)
+    with pytest.raises(ConfigError, match="tokens= is a Hugging Face model's text"):
+        run_collapse(ours, levels=(0.2,), tokens=tokens)
+    with pytest.raises(NoiseSpecError, match="tokens= is a Hugging Face model's text"):
+        run_noise(ours, levels=(0.2,), tokens=tokens)

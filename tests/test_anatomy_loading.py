@@ -134,6 +134,65 @@ def test_our_checkpoint_folders_still_load_as_our_models(tmp_path):
     assert torch.equal(loaded(tokens), model(tokens))
 
 
+@torch.no_grad()
+def test_load_with_info_says_what_was_loaded(tmp_path, monkeypatch):
+    """One loader for every kind: ours come with the checkpoint's info, a bridge with where its
+    weights were read, the architecture its config.json names and the dtype of its parameters."""
+    from interp_norm import load_with_info
+    from interp_norm.anatomy import BridgeInfo, spec_kind
+    from interp_norm.training.checkpoints import CheckpointInfo
+
+    task = AdditionTask.preset("cpu")
+    model = make_model(attn_norm="qkv")
+    ours = save_checkpoint(model, tmp_path / "ck", task=task, step=5)
+    loaded, info = load_with_info(ours)
+    assert isinstance(info, CheckpointInfo) and info.step == 5 and info.task == task == loaded.task
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
+
+    tiny_hf_model("qwen3", seed=1).save_pretrained(tmp_path / "qwen3")
+    written = json.loads((tmp_path / "qwen3" / "config.json").read_text())
+    bridge, info = load_with_info(tmp_path / "qwen3")
+    assert type(bridge).__name__ == "TransformerBridge" and isinstance(info, BridgeInfo)
+    assert info.path == tmp_path / "qwen3" and info.architecture == written["architectures"][0]
+    assert info.dtype == torch.float32 and info.task is None
+    assert load_with_info(tmp_path / "qwen3", dtype="bfloat16")[1].dtype == torch.bfloat16
+
+    hub = tmp_path / "hub"
+    commit = _populate_hub_cache(hub, "tiny-org/tiny-gpt2", tiny_hf_model("gpt2", seed=2))
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    cached, info = load_with_info("tiny-org/tiny-gpt2")
+    assert info.name == "tiny-org/tiny-gpt2" and info.path.name == commit and info.architecture == "GPT2LMHeadModel"
+
+    assert [spec_kind(x) for x in (ours, tmp_path / "qwen3", "tiny-org/tiny-gpt2")] == ["interp_norm", "bridge", "bridge"]
+    with pytest.raises(CheckpointNotFoundError, match="not in the Hugging Face cache"):
+        spec_kind("nobody/nothing")
+
+
+def test_kind_refuses_the_other_kind_before_loading(tmp_path):
+    model = make_model()
+    ours = save_checkpoint(model, tmp_path / "ck", task=AdditionTask.preset("cpu"))
+    tiny_hf_model("llama", seed=0).save_pretrained(tmp_path / "llama")
+    (tmp_path / "llama" / "model.safetensors").write_bytes(b"not weights")  # never read: refused from config.json
+    with pytest.raises(CheckpointError, match=r"Hugging Face model folder.*interp_norm.load\("):
+        load(tmp_path / "llama", kind="interp_norm")
+    with pytest.raises(CheckpointError, match="is an interp_norm model, not a Hugging Face one"):
+        load(ours, kind="bridge")
+    with pytest.raises(ConfigError, match="not a model kind"):
+        load(ours, kind="hf")
+    assert isinstance(load(ours, kind="interp_norm"), HookedNormTransformer)
+
+
+def test_capabilities_follow_the_kind():
+    """What the engines may assume: the full hook vocabulary only for ours, a Hugging Face original
+    only for a bridge, neither for any other module (hooks only)."""
+    from interp_norm.anatomy import capabilities, tiny_bridge
+
+    plain = torch.nn.Linear(2, 2)
+    got = {name: (c.full_vocabulary, c.hf_original) for name, c in
+           (("ours", capabilities(make_model())), ("bridge", capabilities(tiny_bridge("gpt2"))), ("plain", capabilities(plain)))}
+    assert got == {"ours": (True, False), "bridge": (False, True), "plain": (False, False)}
+
+
 def test_text_inputs():
     text = sample_text()
     assert len(text.split()) >= 300

@@ -11,8 +11,9 @@ The layers are the package's folders, lowest first (CONTRIBUTING.md explains the
 The package root holds only ``__init__`` (the public entry points) and ``errors`` (the typed errors
 every layer raises). A module may import its own layer and the layers below it, never a layer
 above; the module graph has no cycles; no analysis or face spells a hook name by hand (they ask
-``interp_norm.core.hook_names``). The imports are read from the source (``ast``), function-local
-imports included.
+``interp_norm.core.hook_names``); a model's kind is asked only in ``anatomy/`` and the per-analysis
+dispatch points listed here (everything else asks ``anatomy.capabilities``). The imports and calls are
+read from the source (``ast``), function-local imports included.
 """
 
 from __future__ import annotations
@@ -149,10 +150,74 @@ def test_no_hook_name_spelled_by_hand_outside_the_vocabulary():
 def test_model_kinds_are_told_apart_only_by_the_adapter():
     """Analyses ask ``interp_norm.anatomy`` (``anatomy(model)``, ``kind_of(model)``), never test
     a model's kind with their own helper."""
-    pattern = re.compile(r"\bis_bridge\b|\bis_ours\b")
+    pattern = re.compile(r"\bis_bridge\b|\bis_ours\b|\bis_hf\b")
     offenders = [f"{n}:{i + 1}" for n, p in modules().items() if top(n) != "anatomy"
                  for i, line in enumerate(p.read_text().splitlines()) if pattern.search(line)]
     assert not offenders, "model-kind checks outside interp_norm/anatomy (use anatomy.kind_of):\n" + "\n".join(offenders)
+
+
+#: The per-analysis dispatch points: the one function of each analysis that runs on both kinds where
+#: the kind picks the backend (our models' or a TransformerBridge's), once. Everything else asks the
+#: anatomy (``anatomy(model)``, ``capabilities(model)``) what the model can do.
+DISPATCH_POINTS = {
+    "interp_norm.noise.accuracy:run_noise",  # accuracy on the task / text agreement
+    "interp_norm.noise.collapse:run_collapse",  # measure_collapse / bridge_collapse
+    "interp_norm.geometry.run:_uses_bridge_backend",  # run_geometry, compare_geometry: run_ours / run_bridge
+    "interp_norm.geometry.spread:attended_norms",  # the residual and pattern hooks, the positions kept
+    "interp_norm.geometry.sparsity:max_attention",  # the pattern hooks, the rows kept
+    "interp_norm.geometry.ellipsoid:ellipsoid_table",  # our norm modules / geometry.bridge's
+    "interp_norm.geometry.ellipsoid:ellipsoid_axes",
+    "interp_norm.geometry.ellipsoid:ellipsoid_membership",
+}
+KIND_QUESTIONS = {"kind_of", "is_hf", "is_bridge", "is_ours"}
+
+
+def kind_questions(path: Path) -> list[tuple[str, int]]:
+    """(enclosing function, line) of every call of a kind question in the file (``ast``, so a
+    mention in a docstring or comment does not count)."""
+    found: list[tuple[str, int]] = []
+
+    def walk(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = where
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                inner = f"{where}.{child.name}" if where else child.name
+            if isinstance(child, ast.Call):
+                f = child.func
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                if name in KIND_QUESTIONS:
+                    found.append((inner or "<module>", child.lineno))
+            walk(child, inner)
+
+    walk(ast.parse(path.read_text()), "")
+    return found
+
+
+def test_the_kind_is_asked_only_by_the_adapter_and_the_dispatch_points():
+    offenders, seen = [], {}
+    for n, p in modules().items():
+        if top(n) == "anatomy":
+            continue
+        for fn, line in kind_questions(p):
+            key = f"{n}:{fn}"
+            seen.setdefault(key, []).append(line)
+            if key not in DISPATCH_POINTS:
+                offenders.append(f"{key} (line {line})")
+    assert not offenders, ("the model's kind asked outside interp_norm/anatomy and the dispatch points (ask "
+                           "anatomy.capabilities(model) what it can do, or pick a backend in the analysis' entry "
+                           "point and list it in DISPATCH_POINTS):\n" + "\n".join(offenders))
+    twice = {k: v for k, v in seen.items() if len(v) > 1}
+    assert not twice, f"a dispatch point asks the kind more than once (pick the backend once): {twice}"
+    stale = sorted(DISPATCH_POINTS - set(seen))
+    assert not stale, f"DISPATCH_POINTS lists functions that no longer ask the kind: {stale}"
+
+
+def test_the_kind_question_finder_sees_calls_and_ignores_mentions(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text('"""kind_of(model) in a docstring"""\n'
+                   "def f(model):\n    # kind_of(model) in a comment\n    return A.kind_of(model)\n"
+                   "class C:\n    def g(self, m):\n        return is_hf(m) or is_bridge(m)\n")
+    assert kind_questions(src) == [("f", 4), ("C.g", 7), ("C.g", 7)]
 
 
 @pytest.mark.parametrize("name", sorted(modules()))

@@ -10,13 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from interp_norm import load_with_info
 from interp_norm.training import checkpoints as C
 from interp_norm.training.checkpoint_format import sha256
 from interp_norm.training.checkpoints import (
     commit_run_checkpoint,
     list_pretrained,
-    load_checkpoint,
-    load_pretrained,
     load_train_state,
     save_checkpoint,
 )
@@ -65,7 +64,7 @@ def test_round_trip_gives_bit_identical_weights_and_logits(tmp_path, attn_norm):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01)
     save_checkpoint(model, tmp_path / "ck", task=TASK)
-    loaded, info = load_checkpoint(tmp_path / "ck")
+    loaded, info = C._load_checkpoint(tmp_path / "ck")
     assert not loaded.training
     assert info.model_cfg.to_dict() == model.cfg.to_dict() and info.task.to_dict() == TASK.to_dict()
     for (k, a), (k2, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
@@ -76,7 +75,7 @@ def test_round_trip_gives_bit_identical_weights_and_logits(tmp_path, attn_norm):
 
 def test_info_holds_task_train_cfg_metrics_curve_exactly(ckpt):
     _, path = ckpt
-    _, info = load_checkpoint(path)
+    _, info = C._load_checkpoint(path)
     assert info.step == 3
     assert info.train_cfg == TrainConfig(max_steps=3)
     assert info.metrics["evaluation"][0]["per_token_acc"] == 0.5
@@ -89,7 +88,7 @@ def test_export_drops_train_state_and_keeps_the_rest(ckpt, tmp_path):
     model, path = ckpt
     dst = C.export_checkpoint(path, tmp_path / "shipped")
     assert sorted(p.name for p in dst.iterdir()) == ["config.json", "metrics.json", "model.safetensors", "training_curve.csv"]
-    loaded, info = load_checkpoint(dst)
+    loaded, info = C._load_checkpoint(dst)
     assert (dst / "model.safetensors").read_bytes() == (path / "model.safetensors").read_bytes()
     assert info.step == 3 and info.train_cfg == TrainConfig(max_steps=3) and len(info.curve) == 2
     assert not info.has_train_state
@@ -124,7 +123,7 @@ def test_run_folder_resolves_to_latest_and_prunes(tmp_path):
         commit_run_checkpoint(tmp_path, step, keep_last=2, model=model, task=TASK)
     assert (tmp_path / "LATEST").read_text().strip() == "step-00000030"
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000020", "step-00000030"]
-    _, info = load_checkpoint(tmp_path)
+    _, info = C._load_checkpoint(tmp_path)
     assert info.step == 30 and info.path.name == "step-00000030"
 
 
@@ -149,7 +148,7 @@ def test_interrupted_write_leaves_old_checkpoint_and_no_visible_new_one(tmp_path
     monkeypatch.undo()
     assert not any(".tmp-" in p.name for p in tmp_path.iterdir())  # the temp folder was cleaned up
     # the kill fell between moving the old folder aside and moving the new one in: loading recovers the old
-    loaded, _ = load_checkpoint(tmp_path / "ck")
+    loaded, _ = C._load_checkpoint(tmp_path / "ck")
     assert (tmp_path / "ck" / "model.safetensors").read_bytes() == before
     assert torch.equal(bits(loaded.W_E), bits(old.W_E))
 
@@ -161,10 +160,10 @@ def test_partial_temporary_folder_is_never_a_checkpoint(tmp_path):
     tmp = tmp_path / ".step-00000010.tmp-deadbeef"
     tmp.mkdir()
     save_file({"W_E": torch.zeros(3)}, str(tmp / "model.safetensors"))
-    _, info = load_checkpoint(tmp_path)
+    _, info = C._load_checkpoint(tmp_path)
     assert info.step == 5  # LATEST still names the complete one
     with pytest.raises(CheckpointError, match="incomplete"):
-        load_checkpoint(tmp)
+        C._load_checkpoint(tmp)
     assert tmp in C.clean_temporary(tmp_path) and not tmp.exists()
 
 
@@ -181,20 +180,20 @@ def test_save_refuses_to_replace_a_folder_that_is_not_a_checkpoint(tmp_path):
 
 def test_missing_folder(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="does not exist"):
-        load_checkpoint(tmp_path / "nope")
+        C._load_checkpoint(tmp_path / "nope")
 
 
 def test_folder_that_is_not_a_checkpoint(tmp_path):
     (tmp_path / "x.txt").write_text("hi")
     with pytest.raises(CheckpointNotFoundError, match="not a checkpoint"):
-        load_checkpoint(tmp_path)
+        C._load_checkpoint(tmp_path)
 
 
 def test_missing_weights(ckpt):
     _, path = ckpt
     (path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="lacks model.safetensors"):
-        load_checkpoint(path)
+        C._load_checkpoint(path)
 
 
 def test_truncated_weights(ckpt):
@@ -202,10 +201,10 @@ def test_truncated_weights(ckpt):
     data = (path / "model.safetensors").read_bytes()
     (path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="truncated"):
-        load_checkpoint(path)
+        C._load_checkpoint(path)
     # without the manifest check, safetensors' own header check still catches it
     with pytest.raises(CheckpointError, match="truncated or corrupted"):
-        load_checkpoint(path, verify=False)
+        C._load_checkpoint(path, verify=False)
 
 
 def test_flipped_byte_in_weights_is_detected(ckpt):
@@ -214,7 +213,7 @@ def test_flipped_byte_in_weights_is_detected(ckpt):
     data[-100] ^= 0xFF  # inside the tensor data: safetensors alone would load this silently
     (path / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="corrupted"):
-        load_checkpoint(path)
+        C._load_checkpoint(path)
 
 
 def test_config_and_weights_disagree_names_the_keys(tmp_path):
@@ -223,7 +222,7 @@ def test_config_and_weights_disagree_names_the_keys(tmp_path):
     cfg["model"]["attn_norm"] = "pre"  # qkv weights, pre config
     (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError) as e:
-        load_checkpoint(tmp_path / "ck")
+        C._load_checkpoint(tmp_path / "ck")
     msg = str(e.value)
     assert "missing weights: blocks.0.ln1.w" in msg and "unexpected weights: blocks.0.attn.k_norm.w" in msg
 
@@ -236,7 +235,7 @@ def test_shape_mismatch_names_the_tensor(tmp_path):
     save_file(state, str(f))
     rewrite_manifest(tmp_path / "ck", "model.safetensors")
     with pytest.raises(CheckpointError, match=r"shape mismatch.*W_E \(17, 7\) vs \(17, 32\)"):
-        load_checkpoint(tmp_path / "ck")
+        C._load_checkpoint(tmp_path / "ck")
 
 
 @pytest.mark.parametrize("version", [2, None, "1"])
@@ -246,14 +245,14 @@ def test_unknown_format_version(ckpt, version):
     cfg["format_version"] = version
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="format_version"):
-        load_checkpoint(path)
+        C._load_checkpoint(path)
 
 
 def test_corrupted_config_json(ckpt):
     _, path = ckpt
     (path / "config.json").write_text('{"format_version": 1, "model": {')
     with pytest.raises(CheckpointError, match="not valid JSON"):
-        load_checkpoint(path)
+        C._load_checkpoint(path)
 
 
 def test_unknown_model_field_in_config(ckpt):
@@ -262,7 +261,7 @@ def test_unknown_model_field_in_config(ckpt):
     cfg["model"]["d_bogus"] = 3
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="d_bogus"):
-        load_checkpoint(path)
+        C._load_checkpoint(path)
 
 
 _SIDE_EFFECTS: list[str] = []
@@ -308,7 +307,7 @@ def test_errors_are_interp_norm_errors():
 def test_pretrained_lookup_and_listing(tmp_path, monkeypatch):
     monkeypatch.setenv("INTERP_NORM_DATA", str(tmp_path))
     with pytest.raises(CheckpointNotFoundError, match="available: none"):
-        load_pretrained("pre")
+        load_with_info("pre", kind="interp_norm")
     assert list_pretrained().empty
     root = tmp_path / "checkpoints"
     metrics = {"evaluation": [{"split": "id", "per_token_acc": 0.9}, {"split": "extrap", "per_token_acc": 0.4}]}
@@ -316,10 +315,10 @@ def test_pretrained_lookup_and_listing(tmp_path, monkeypatch):
     commit_run_checkpoint(root / "qkv", 7, model=tiny("qkv"), task=TASK)  # a run folder works too
     (root / ".pre.tmp-123").mkdir()
     with pytest.raises(CheckpointNotFoundError, match="available: pre, qkv"):
-        load_pretrained("qk")
+        load_with_info("qk", kind="interp_norm")
     with pytest.raises(CheckpointNotFoundError):
-        load_pretrained("../checkpoints/pre")
-    model, info = load_pretrained("qkv")
+        load_with_info("../checkpoints/pre", kind="interp_norm")
+    model, info = load_with_info("qkv", kind="interp_norm")
     assert model.cfg.attn_norm == "qkv" and info.step == 7
     df = list_pretrained()
     assert df["name"].tolist() == ["pre", "qkv"]
@@ -330,14 +329,14 @@ def test_pretrained_lookup_and_listing(tmp_path, monkeypatch):
 
 def test_default_data_dir_is_the_repository_data_folder(monkeypatch):
     monkeypatch.delenv("INTERP_NORM_DATA", raising=False)
-    assert C.data_dir() == C.Path(C.__file__).resolve().parent.parent / "data"
+    assert C.data_dir() == C.Path(C.__file__).resolve().parents[2] / "data"  # the repository root, above interp_norm/training/
 
 
 def test_reproduce_defaults_to_the_reference_set(tmp_path, monkeypatch):
     """A shipped checkpoint of another set (metrics ``set``, e.g. longer training) is listed and
     loads by name, but `reproduce` without --checkpoints leaves it out: its tables group seeds by
     variant, which would mix training recipes."""
-    from interp_norm.report.reproduce import load_models
+    from interp_norm.report.reproduce import _load_models
 
     monkeypatch.setenv("INTERP_NORM_DATA", str(tmp_path))
     root = tmp_path / "checkpoints"
@@ -345,6 +344,6 @@ def test_reproduce_defaults_to_the_reference_set(tmp_path, monkeypatch):
     save_checkpoint(tiny("pre", seed=0), root / "pre-long", task=TASK, metrics={"evaluation": [], "set": "30k steps"})
     df = list_pretrained().set_index("name")
     assert df.loc["pre", "set"] == "reference" and df.loc["pre-long", "set"] == "30k steps"
-    assert list(load_models()) == ["pre"]
-    assert list(load_models(["pre-long"])) == ["pre-long"]
-    assert load_pretrained("pre-long")[0].cfg.attn_norm == "pre"
+    assert list(_load_models()) == ["pre"]
+    assert list(_load_models(["pre-long"])) == ["pre-long"]
+    assert load_with_info("pre-long", kind="interp_norm")[0].cfg.attn_norm == "pre"

@@ -61,9 +61,9 @@ def test_cli_writes_every_table_the_graph_and_the_edge_list(ckpt, tmp_path, caps
     out = tmp_path / "out"
     assert cli.main(["circuits", str(ckpt), "--out", str(out), *ARGS]) == 0
     assert f"wrote {len(EXPECTED)} tables" in capsys.readouterr().out
-    from interp_norm.training.checkpoints import load_checkpoint
+    from interp_norm import load_with_info
 
-    model, _ = load_checkpoint(ckpt)
+    model, _ = load_with_info(ckpt)
     tables = run_circuits(model, TASK, n_pairs=6, ig_steps=2, top_n=6, attention_problems=16)
     for name in EXPECTED:  # the files hold exactly what the library returned
         back = pd.read_csv(out / f"{name}.csv")

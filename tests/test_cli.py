@@ -14,7 +14,8 @@ import torch
 
 from interp_norm.cli import _support as S
 from interp_norm import cli
-from interp_norm.training.checkpoints import load_checkpoint, save_checkpoint
+from interp_norm import load_with_info
+from interp_norm.training.checkpoints import save_checkpoint
 from interp_norm.errors import ConfigError
 from interp_norm.core.scoring import evaluate
 from interp_norm.core.model import HookedNormTransformer, ModelConfig
@@ -93,7 +94,7 @@ def test_evaluate_a_folder_writes_the_table(ckpt, tmp_path, capsys):
     code, stdout, err = run(capsys, "evaluate", str(ckpt), "--n-examples", "16", "--seed", "5", "--out", str(out))
     assert code == 0, err
     df = pd.read_csv(out / "evaluation.csv")
-    model, _ = load_checkpoint(ckpt)
+    model, _ = load_with_info(ckpt)
     expected = evaluate(model, TASK, size=16, seed=5)
     assert df["split"].tolist() == ["id", "interp", "extrap"]
     pd.testing.assert_frame_equal(df.drop(columns="checkpoint"), expected, check_exact=False, rtol=1e-12)
@@ -126,7 +127,7 @@ def test_train_maps_options_and_resumes(tmp_path, capsys):
     code, stdout, err = run(capsys, *argv)
     assert code == 0, err
     assert "step-00000006" in stdout and "per_token_acc" in stdout
-    model, info = load_checkpoint(out)
+    model, info = load_with_info(out)
     assert (model.cfg.attn_norm, model.cfg.norm_kind, model.cfg.seed) == ("qk", "ln", 11)
     t = info.train_cfg
     assert (t.max_steps, t.lr, t.batch_size, t.seed, t.grad_clip, t.checkpoint_every) == (6, 0.002, 8, 11, None, 4)
@@ -141,7 +142,7 @@ def test_train_maps_options_and_resumes(tmp_path, capsys):
     assert_one_line_error(code, err, "cannot resume", "lr")
     code, _, err = run(capsys, "train", "--out", str(out), "--resume", "--steps", "10", "--no-progress")
     assert code == 0, err  # the saved options are reused
-    model, info = load_checkpoint(out)
+    model, info = load_with_info(out)
     assert (info.step, info.train_cfg.lr, info.train_cfg.batch_size, model.cfg.norm_kind) == (10, 0.002, 8, "ln")
     code, _, err = run(capsys, "train", "--out", str(out), "--resume", "--steps", "12", "--attn-norm", "pre")
     assert_one_line_error(code, err, "interp-norm train: error:", "cannot resume", "--attn-norm")

@@ -93,10 +93,10 @@ def test_model_card_matches_configs_and_evaluation(run, ckpts):
     report, _ = run
     card = report.tables["model_card"].set_index("checkpoint")
     ev = report.tables["evaluation"]
-    from interp_norm.training.checkpoints import load_checkpoint
+    from interp_norm import load_with_info
 
     for name, path in ckpts.items():
-        model, info = load_checkpoint(path)
+        model, info = load_with_info(path)
         row = card.loc[name]
         assert row["attn_norm"] == info.model_cfg.attn_norm and row["n_layers"] == info.model_cfg.n_layers
         assert row["n_params"] == sum(p.numel() for p in model.parameters())
@@ -109,9 +109,9 @@ def test_model_card_matches_configs_and_evaluation(run, ckpts):
 
 
 def test_attention_table_equals_the_models_own_cache(ckpts):
-    from interp_norm.training.checkpoints import load_checkpoint
+    from interp_norm import load_with_info
 
-    model, _ = load_checkpoint(ckpts["pre"])
+    model, _ = load_with_info(ckpts["pre"])
     problems = ["[3+N4=", "[7-2=5]"]
     df = attention_patterns(model, problems, name="pre")
     for i, text in enumerate(["[3+N4=N1]", "[7-2=5]"]):
@@ -130,9 +130,9 @@ def test_attention_table_equals_the_models_own_cache(ckpts):
 
 
 def test_attention_explorer_shows_one_heatmap_per_choice(ckpts):
-    from interp_norm.training.checkpoints import load_checkpoint
+    from interp_norm import load_with_info
 
-    model, _ = load_checkpoint(ckpts["pre"])
+    model, _ = load_with_info(ckpts["pre"])
     df = attention_patterns(model, ["[3+N4=", "[1+1="], name="pre")
     fig = plots.plot_attention_explorer(df)
     ex = fig.layout.meta["explorer"]
@@ -151,10 +151,10 @@ def test_attention_explorer_shows_one_heatmap_per_choice(ckpts):
 
 
 def test_bad_problem_string_is_a_typed_error(ckpts):
-    from interp_norm.training.checkpoints import load_checkpoint
+    from interp_norm import load_with_info
     from interp_norm.errors import ProblemStringError
 
-    model, _ = load_checkpoint(ckpts["pre"])
+    model, _ = load_with_info(ckpts["pre"])
     with pytest.raises(ProblemStringError):
         attention_patterns(model, ["<script>"])
 

@@ -85,11 +85,11 @@ def test_load_refuses_bad_device_dtype_and_device_map(folders, ours, monkeypatch
         interp_norm.load(f32, device="cuda:99")
     with pytest.raises(ConfigError, match="cuda:99"):
         interp_norm.load(ours, device="cuda:99")
-    from interp_norm.training.checkpoints import load_checkpoint
+    from interp_norm import load_with_info
     from interp_norm.core.model import HookedNormTransformer
 
     with pytest.raises(ConfigError, match="cuda:99"):
-        load_checkpoint(ours, device="cuda:99")
+        load_with_info(ours, device="cuda:99")
     with pytest.raises(ConfigError, match="unknown device 'gpu'"):
         HookedNormTransformer.from_pretrained(str(ours), device="gpu")
     with pytest.raises(ConfigError, match="device_map.*Hugging Face models.*interp_norm model"):

@@ -272,13 +272,12 @@ def test_generate_refuses_prompts_that_do_not_fit_like_to_tokens():
     assert len(model.generate(full[:-4] + "=", max_new_tokens=3)) == 1  # n_ctx - 3 tokens still fits
 
 
-def test_from_pretrained_is_load_pretrained_and_takes_folders(tmp_path):
-    from interp_norm import load_pretrained
-    from interp_norm.training.checkpoints import pretrained_dir
+def test_from_pretrained_reads_the_shipped_checkpoint_and_takes_folders(tmp_path):
+    from interp_norm.training.checkpoints import _load_checkpoint, pretrained_dir
     from interp_norm.errors import CheckpointNotFoundError
 
     ours = HookedNormTransformer.from_pretrained("pre")
-    ref = load_pretrained("pre")[0]
+    ref = _load_checkpoint(pretrained_dir() / "pre")[0]
     assert ours.cfg.to_dict() == ref.cfg.to_dict() and not ours.training
     assert ours.state_dict().keys() == ref.state_dict().keys()
     assert all(torch.equal(v, ref.state_dict()[k]) for k, v in ours.state_dict().items())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from functools import partial
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -16,7 +17,7 @@ import torch
 
 import interp_norm
 from interp_norm import AdditionTask, HookedNormTransformer
-from interp_norm.training.checkpoints import load_any, load_checkpoint, load_pretrained, save_checkpoint
+from interp_norm.training.checkpoints import save_checkpoint
 from interp_norm.circuits import attention_map_split, make_pairs
 from interp_norm.errors import (
     CheckpointError, ConfigError, HookNameError, OutOfDistributionWarning, PatchingError, TaskMismatchWarning,
@@ -39,7 +40,7 @@ EASY_TEXT = "AdditionTask(train_terms=(2,), interp_terms=(2,), extrap_terms=(3,)
 def saved(tmp_path_factory):
     """A tiny model saved as a checkpoint on the cpu task, and loaded back (the loader attaches the task)."""
     path = save_checkpoint(sharpened_model("qkv"), tmp_path_factory.mktemp("ck") / "tiny-cpu", task=CPU)
-    model, _ = load_checkpoint(path)
+    model = interp_norm.load(path)
     return path, model
 
 
@@ -62,7 +63,7 @@ def test_a_loaded_model_carries_the_task_its_config_json_records(saved):
     recorded = json.loads((path / "config.json").read_text())["task"]
     assert model.task == AdditionTask(**{k: tuple(v) for k, v in recorded.items()}) == CPU
     assert model.name == str(path)
-    for loaded in (interp_norm.load(path), load_any(path)[0], load_pretrained(path)[0],
+    for loaded in (interp_norm.load(path), interp_norm.load_with_info(path)[0], interp_norm.load(path, kind="interp_norm"),
                    HookedNormTransformer.from_pretrained(str(path))):
         assert isinstance(loaded, HookedNormTransformer) and loaded.task == CPU
         assert torch.equal(loaded.W_E, model.W_E)
@@ -195,15 +196,16 @@ def test_interp_norm_load_opens_a_save_pretrained_folder(hf_folder):
     assert torch.allclose(bridge(tokens), ref(tokens).logits, atol=1e-5)
 
 
-def test_the_other_loaders_point_an_hf_folder_to_interp_norm_load(hf_folder, tmp_path):
-    for load in (load_any, load_pretrained, load_checkpoint, HookedNormTransformer.from_pretrained):
+def test_loading_only_ours_points_an_hf_folder_to_interp_norm_load(hf_folder, tmp_path):
+    for load in (partial(interp_norm.load, kind="interp_norm"), partial(interp_norm.load_with_info, kind="interp_norm"),
+                 HookedNormTransformer.from_pretrained):
         with pytest.raises(CheckpointError) as e:
             load(hf_folder)
         said = str(e.value)
         assert f"interp_norm.load({str(hf_folder)!r})" in said and "Hugging Face model folder" in said, (load, said)
         assert "format_version None" not in said and "no pretrained checkpoint named" not in said
     with pytest.raises(CheckpointError, match=r"no pretrained checkpoint named 'gpt2'.*interp_norm.load\(spec\)"):
-        load_pretrained("gpt2")
+        interp_norm.load("gpt2", kind="interp_norm")
 
 
 def test_a_bridge_without_a_tokenizer_says_its_tokens_are_random(hf_folder):

@@ -414,7 +414,7 @@ def test_analyses_refuse_a_model_that_is_not_ours():
     from interp_norm.core.checks import require_norm_model
 
     for not_ours in (None, "pre-norm", torch.nn.Linear(2, 2)):
-        with pytest.raises(ConfigError, match="HookedNormTransformer.*load_pretrained"):
+        with pytest.raises(ConfigError, match=r"HookedNormTransformer.*interp_norm.load\("):
             require_norm_model(not_ours)
         with pytest.raises(ConfigError, match="norm noise needs a HookedNormTransformer"):
             N.NormNoise(not_ours, 0.1)

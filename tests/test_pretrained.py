@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from interp_norm import list_pretrained, load_pretrained
+from interp_norm import list_pretrained, load_with_info
 from interp_norm.training.checkpoints import pretrained_dir
 from interp_norm.core.scoring import per_token_accuracy
 
@@ -38,7 +38,7 @@ def test_every_reference_checkpoint_is_listed():
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_calibration_is_what_the_name_says(name):
-    model, _ = load_pretrained(name)
+    model, _ = load_with_info(name)
     assert model.cfg.calibration == ("paper" if name in CALIBRATED else "none")
     assert model.is_calibrated  # calibrated models ship their fitted factors
 
@@ -51,7 +51,7 @@ def test_data_dir_stays_small():
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_fresh_sample_reproduces_recorded_accuracy(name):
     """Recompute ID per-token accuracy on a fresh seeded sample (not the recorded test set)."""
-    model, info = load_pretrained(name)
+    model, info = load_with_info(name)
     recorded = {r["split"]: r for r in info.metrics["evaluation"]}["id"]["per_token_acc"]
     fresh = info.task.sample_batch(2048, "id", seed=987_654)
     acc = per_token_accuracy(model, fresh)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from interp_norm.training.checkpoints import load_checkpoint
+from interp_norm import load_with_info
 from interp_norm.cli import main
 
 pytestmark = pytest.mark.slow
@@ -58,8 +58,8 @@ def resume_in_process(out: Path, resume: bool = True) -> None:
 def assert_same_run(a: Path, b: Path) -> None:
     for name in ("model.safetensors", "training_curve.csv", "metrics.json"):
         assert (a / FINAL / name).read_bytes() == (b / FINAL / name).read_bytes(), name
-    ma, _ = load_checkpoint(a)
-    mb, _ = load_checkpoint(b)
+    ma, _ = load_with_info(a)
+    mb, _ = load_with_info(b)
     for (k, x), (_, y) in zip(ma.state_dict().items(), mb.state_dict().items()):
         assert torch.equal(x.view(torch.int32), y.view(torch.int32)), k
 
@@ -105,7 +105,7 @@ def test_sigkill_at_a_random_moment_then_resume_is_bit_identical(reference, tmp_
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     killed_at = (out / "LATEST").read_text().strip()
-    _, info = load_checkpoint(out)  # whatever the moment, the newest checkpoint is complete and verified
+    _, info = load_with_info(out)  # whatever the moment, the newest checkpoint is complete and verified
     assert info.step < 100, (delay, killed_at)
     finish(cli(out, "--resume"))
     assert_same_run(reference, out)
@@ -119,7 +119,7 @@ def test_ctrl_c_at_a_random_moment_saves_the_current_step_then_resume_is_bit_ide
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err.decode()[-2000:]  # the CLI's exit code for an interrupt
     assert "interrupted" in err.decode()
-    _, info = load_checkpoint(out)  # complete and verified: the step in progress (usually not a multiple of 10)
+    _, info = load_with_info(out)  # complete and verified: the step in progress (usually not a multiple of 10)
     assert periodic <= info.step <= 100, (delay, periodic, info.step)
     finish(cli(out, "--resume"))
     assert_same_run(reference, out)
@@ -170,7 +170,7 @@ def test_death_at_each_commit_point_then_resume_is_bit_identical(reference, tmp_
         resume_in_process(out, resume=False)
     monkeypatch.undo()
     assert (out / "LATEST").read_text().strip() == latest
-    _, info = load_checkpoint(out)
+    _, info = load_with_info(out)
     assert info.path.name == latest
     resume_in_process(out)
     assert not any(p.name.startswith(".") for p in out.iterdir())  # leftovers cleaned up

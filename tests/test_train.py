@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from interp_norm.training import train as train_mod
-from interp_norm.training.checkpoints import load_checkpoint, load_train_state
+from interp_norm import load_with_info
+from interp_norm.training.checkpoints import load_train_state
 from interp_norm.errors import ConfigError, OutputDirError, TrainingDivergedError
 from interp_norm.core.scoring import evaluate
 from interp_norm.core.model import HookedNormTransformer, ModelConfig
@@ -92,7 +93,7 @@ def test_resume_after_interrupt_equals_uninterrupted(reference, tmp_path, monkey
     pd.testing.assert_frame_equal(curve, ref_curve, check_exact=True)
     final = "step-00000014/model.safetensors"
     assert (tmp_path / final).read_bytes() == (ref_out / final).read_bytes()
-    _, info = load_checkpoint(tmp_path)
+    _, info = load_with_info(tmp_path)
     assert info.step == 14 and info.metrics["final"]
     pd.testing.assert_frame_equal(info.curve, ref_curve, check_exact=True)
 
@@ -332,7 +333,7 @@ def test_nan_loss_raises_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
     snapshot = {p.name: p.read_bytes() for p in (tmp_path / "step-00000005").iterdir()}
     assert (tmp_path / "LATEST").read_text().strip() == "step-00000005"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-00000005"]
-    _, info = load_checkpoint(tmp_path)  # hashes verified: intact
+    _, info = load_with_info(tmp_path)  # hashes verified: intact
     assert info.step == 5
     # resuming (after fixing the cause) continues from step 5 and matches an undisturbed run
     monkeypatch.setattr(train_mod, "training_loss", real)

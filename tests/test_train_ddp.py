@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from interp_norm.training.checkpoints import load_checkpoint, read_checkpoint_info
+from interp_norm import load_with_info
+from interp_norm.training.checkpoints import read_checkpoint_info
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +40,7 @@ def _train(out: Path, steps: int, procs: int, *extra: str) -> subprocess.Complet
 
 
 def _max_diff(a: Path, b: Path) -> float:
-    sa, sb = load_checkpoint(a)[0].state_dict(), load_checkpoint(b)[0].state_dict()
+    sa, sb = load_with_info(a)[0].state_dict(), load_with_info(b)[0].state_dict()
     assert sa.keys() == sb.keys()
     return max(float((sa[k].double() - sb[k].double()).abs().max()) for k in sa)
 
@@ -56,7 +57,7 @@ def test_two_processes_equal_one_with_the_same_global_batch_and_resume(tmp_path)
     moved = _max_diff(one, tmp_path / "one")  # sanity of the measure: identical folders differ by 0
     assert moved == 0.0
     # the runs really trained (weights moved away from the shared initialisation)
-    init = load_checkpoint(one)[0]
+    init = load_with_info(one)[0]
     from interp_norm.core.model import HookedNormTransformer
 
     fresh = HookedNormTransformer(init.cfg)

@@ -7,11 +7,13 @@ Gemma 4's KV sharing, and whether ``hook_attn_scores`` can be trusted.
 Analyses ask the anatomy instead of branching on the model's kind.
 
 * :func:`anatomy` (``model_anatomy``; types in ``describe``, bridges in ``bridge_anatomy``), cached per model;
-  :func:`kind_of` the model's kind without a probe (the one place kinds are told apart).
+  :func:`kind_of` the model's kind without a probe (the one place kinds are told apart);
+  :func:`capabilities` what an analysis may ask of it beyond its hooks (engines, full hook vocabulary).
 * :func:`attention_scores` / :func:`verify_scores` (``scores``, maths in ``rebuild``): scores rebuilt
   from q and k, and the check softmax(masked scores) == ``hook_pattern``.
 * :func:`tiny_hf_model` / :func:`bridge_from_hf` / :func:`tiny_bridge` (``build``): offline tiny models.
-* :func:`load` (``loading``; public as ``interp_norm.load``): any model from one spec.
+* :func:`load` / :func:`load_with_info` (``loading``; public as ``interp_norm.load``): any model from one spec;
+  :func:`spec_kind` which kind a spec loads as, without loading it.
 * :func:`sample_text`, :func:`text_tokens`, :func:`random_tokens` (``text``).
 
 What is verified per architecture on tiny random models (transformers 5.24, TransformerLens 4.3;
@@ -43,12 +45,14 @@ from typing import Any
 
 _EXPORTS = {
     "ArchitectureError": "describe", "NormSpec": "describe", "LayerAnatomy": "describe", "Anatomy": "describe",
-    "anatomy": "model_anatomy", "kind_of": "model_anatomy", "identify_norm": "describe",
+    "anatomy": "model_anatomy", "kind_of": "model_anatomy", "capabilities": "model_anatomy",
+    "Capabilities": "model_anatomy", "identify_norm": "describe",
     "canonical": "scores", "attention_mask": "scores", "masked_softmax": "scores", "query_key": "scores",
     "attention_scores": "scores", "verify_scores": "scores",
     "ARCHITECTURES": "build", "tiny_config": "build", "tiny_hf_model": "build", "bridge_from_hf": "build",
     "tiny_bridge": "build", "tiny_gemma4_conditional": "build", "sharpen": "build",
-    "load": "loading", "load_hf_model": "loading", "folder_kind": "loading",
+    "load": "loading", "load_with_info": "loading", "spec_kind": "loading", "BridgeInfo": "loading",
+    "folder_kind": "loading",
     "wrapped": "_common", "original": "_common", "from_canonical": "_common",
     "sample_text": "text", "random_tokens": "text", "text_tokens": "text",
 }

@@ -4,7 +4,7 @@
 ``interp-norm collapse``:
 
 * one of our checkpoint or run folders, or a shipped pretrained name -> a
-  :class:`~interp_norm.core.model.HookedNormTransformer` (through ``checkpoints.load_any``);
+  :class:`~interp_norm.core.model.HookedNormTransformer` (through ``checkpoints._load_ours``);
 * a local Hugging Face folder (``save_pretrained`` output: ``config.json`` with a ``model_type``)
   -> a TransformerLens ``TransformerBridge``;
 * a Hugging Face name such as ``Qwen/Qwen3-0.6B`` that is already in the local cache -> a bridge.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -40,7 +41,7 @@ def _hub_cache_dir() -> Optional[str]:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
-def load_hf_model(folder: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
+def _load_hf_model(folder: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
                   name: Optional[str] = None, device_map: Any = None) -> Any:
     """A bridge around the HF model saved in ``folder`` (weights, optional tokenizer; no network).
 
@@ -101,9 +102,71 @@ def _hf_snapshot(name: str, cache_dir: Optional[str]) -> Optional[Path]:
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
+KINDS = ("interp_norm", "bridge")  # the values of ``kind_of(model)``; ``load(..., kind=)`` takes one of them
+
+
+@dataclass(frozen=True)
+class BridgeInfo:
+    """What :func:`load_with_info` loaded for a Hugging Face model (ours get a ``CheckpointInfo``).
+
+    ``path`` is the folder the weights were read from (a cache snapshot for a cached name),
+    ``architecture`` the Hugging Face class TransformerLens bridged (``config.architectures[0]``).
+    A bridge has no training task: ``task`` is always None, as analyses that need one expect.
+    """
+
+    name: str
+    path: Path
+    architecture: str
+    dtype: torch.dtype
+    task: None = None
+
+
+def spec_kind(spec: str | os.PathLike, *, cache_dir: Optional[str] = None) -> str:
+    """``"interp_norm"`` or ``"bridge"``: what :func:`load` would build from ``spec``, found without loading weights.
+
+    A folder's ``config.json`` decides; a name is one of our shipped names first, else a Hugging
+    Face name in the local cache. Anything else raises the typed error :func:`load` would raise.
+    """
+    return _locate(str(spec), cache_dir)[0]
+
+
+def _locate(text: str, cache_dir: Optional[str]) -> tuple[str, Any]:
+    """(kind, where): ("interp_norm", our folder or shipped name) or ("bridge", a Hugging Face folder)."""
+    from interp_norm.training import checkpoints as C
+
+    path = Path(text)
+    if path.exists():
+        if not path.is_dir():
+            raise CheckpointError(f"{text!r} is a file; pass the folder holding config.json")
+        kind = folder_kind(path)
+        if kind in ("interp_norm", "hf"):
+            return ("interp_norm" if kind == "interp_norm" else "bridge"), path
+        held = sorted(p.name for p in path.iterdir())[:8]
+        raise CheckpointError(
+            f"{text!r} is not a supported model folder: it holds {held}. Expected an interp_norm checkpoint "
+            "(config.json with format_version), an interp_norm run folder (LATEST), or a Hugging Face "
+            "save_pretrained folder (config.json with model_type, plus weights)"
+        )
+    not_ours = ""
+    if not C.looks_like_path(text):
+        if text in C.pretrained_names():
+            return "interp_norm", text
+        not_ours = f"{C.not_ours_message(text)}; "
+    elif not _REPO_ID.match(text):
+        raise CheckpointNotFoundError(f"no model at {text!r}: the folder does not exist")
+    snapshot = _hf_snapshot(text, cache_dir)
+    if snapshot is not None:
+        return "bridge", snapshot
+    raise CheckpointNotFoundError(
+        f"{not_ours}{text!r} is not in the Hugging Face cache "
+        f"({cache_dir or _hub_cache_dir() or 'the default ~/.cache/huggingface/hub'}) nor a local folder. interp_norm "
+        f"never downloads: run 'hf download {text}' on a machine with network and copy the cache here (set "
+        "HF_HUB_CACHE), or pass a local save_pretrained folder"
+    )
+
 
 def load(spec: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
-         cache_dir: Optional[str] = None, device_map: Any = None) -> Any:
+         cache_dir: Optional[str] = None, device_map: Any = None, kind: Optional[str] = None) -> Any:
     """Any model interp_norm analyses, from one spec (``interp_norm.load``; nothing is downloaded).
 
     * a shipped pretrained name (``"pre"``, ``"qkv"``; see ``interp_norm.list_pretrained()``) or one of
@@ -113,14 +176,17 @@ def load(spec: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype | s
       Face name already in the local cache (``HF_HUB_CACHE`` / ``HF_HOME``; ``cache_dir`` overrides it)
       -> a TransformerLens ``TransformerBridge`` (with the tokenizer if one was saved beside the weights).
 
-    An existing folder wins over a cached name of the same spelling (``org/name``). Anything else is a
-    typed error saying what the folder holds or how to get the model (``hf download NAME`` elsewhere).
+    An existing folder wins over a cached name of the same spelling (``org/name``), and one of our
+    shipped names over a cached Hugging Face name. Anything else is a typed error saying what the
+    folder holds or how to get the model (``hf download NAME`` elsewhere).
 
     ``device``: cpu, cuda, cuda:1 ... (a device that is not there is a ConfigError). Hugging Face models
     only: ``dtype`` (default float32; ``"auto"`` = as stored, ``"bfloat16"`` ...) and ``device_map``
     (e.g. ``"auto"``, passed to ``from_pretrained``; needs ``accelerate``) for a model too large for one
     device. Our models are stored and run in float32 on one device: another dtype or a device_map for
-    them is a ConfigError.
+    them is a ConfigError. ``kind`` (``"interp_norm"`` or ``"bridge"``) refuses the other kind with a
+    CheckpointError before any weights load (``HookedNormTransformer.from_pretrained`` passes
+    ``"interp_norm"``). :func:`load_with_info` also returns what was loaded.
 
     Examples::
 
@@ -133,50 +199,54 @@ def load(spec: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype | s
         from interp_norm.noise import run_collapse
         run_collapse(model)                                 # on the model's own task
     """
+    return load_with_info(spec, device=device, dtype=dtype, cache_dir=cache_dir, device_map=device_map, kind=kind)[0]
+
+
+def load_with_info(spec: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
+                   cache_dir: Optional[str] = None, device_map: Any = None, kind: Optional[str] = None
+                   ) -> tuple[Any, Any]:
+    """``(model, info)``: :func:`load`'s model and what was loaded (``interp_norm.load_with_info``).
+
+    ``info`` is the checkpoint's :class:`~interp_norm.training.checkpoints.CheckpointInfo` for ours
+    (path, configs, step, metrics, learning curve, task) and a :class:`BridgeInfo` for a Hugging
+    Face model. The arguments are :func:`load`'s.
+    """
     from interp_norm.training import checkpoints as C
     from interp_norm.training.devices import resolve_device, resolve_dtype
 
+    if kind is not None and kind not in KINDS:
+        raise ConfigError(f"kind={kind!r} is not a model kind; pass one of {KINDS} or None (any)")
     resolve_device(device)
     resolve_dtype(dtype)
-
-    def ours(where: Any) -> Any:
-        model = C.load_any(where, device=device)[0]  # loaded first: a name may also be a Hugging Face one
-        check_ours(text, dtype, device_map)
-        return model
-
     text = str(spec)
-    path = Path(text)
-    if path.exists():
-        if not path.is_dir():
-            raise CheckpointError(f"{text!r} is a file; pass the folder holding config.json")
-        kind = folder_kind(path)
-        if kind == "interp_norm":
-            return ours(path)
-        if kind == "hf":
-            return load_hf_model(path, dtype=dtype, device=device, device_map=device_map)
-        held = sorted(p.name for p in path.iterdir())[:8]
-        raise CheckpointError(
-            f"{text!r} is not a supported model folder: it holds {held}. Expected an interp_norm checkpoint "
-            "(config.json with format_version), an interp_norm run folder (LATEST), or a Hugging Face "
-            "save_pretrained folder (config.json with model_type, plus weights)"
-        )
-    not_ours = ""
-    if not C.looks_like_path(text):
-        try:
-            return ours(text)
-        except CheckpointNotFoundError as e:
-            not_ours = f"{e}; "
-    elif not _REPO_ID.match(text):
-        raise CheckpointNotFoundError(f"no model at {text!r}: the folder does not exist")
-    snapshot = _hf_snapshot(text, cache_dir)
-    if snapshot is not None:
-        return load_hf_model(snapshot, dtype=dtype, device=device, name=text, device_map=device_map)
-    raise CheckpointNotFoundError(
-        f"{not_ours}{text!r} is not in the Hugging Face cache "
-        f"({cache_dir or _hub_cache_dir() or 'the default ~/.cache/huggingface/hub'}) nor a local folder. interp_norm "
-        f"never downloads: run 'hf download {text}' on a machine with network and copy the cache here (set "
-        "HF_HUB_CACHE), or pass a local save_pretrained folder"
-    )
+    try:
+        found, where = _locate(text, cache_dir)
+    except CheckpointNotFoundError:
+        if kind != "interp_norm":
+            raise
+        return C._load_ours(text, device=device)  # raises the checkpoint loader's own message (our names listed)
+    if kind is not None and found != kind:
+        raise CheckpointError(_wrong_kind(text, where, found))
+    if found == "interp_norm":
+        check_ours(text, dtype, device_map)  # before reading any weights
+        return C._load_ours(where, device=device)
+    model = _load_hf_model(where, dtype=dtype, device=device, device_map=device_map,
+                          name=None if Path(text).exists() else text)
+    hf = getattr(model, "original_model", None)
+    architecture = (getattr(getattr(hf, "config", None), "architectures", None) or [type(hf).__name__])[0]
+    held = next(hf.parameters()).dtype if hf is not None else next(model.parameters()).dtype
+    return model, BridgeInfo(name=text, path=Path(where), architecture=architecture, dtype=held)
+
+
+def _wrong_kind(text: str, where: Any, found: str) -> str:
+    from interp_norm.training.checkpoint_format import hf_folder_message
+
+    if found == "interp_norm":
+        return f"{text!r} is an interp_norm model, not a Hugging Face one; load it with interp_norm.load({text!r})"
+    if Path(text).exists():
+        return hf_folder_message(Path(text))
+    return (f"{text!r} is a Hugging Face model (found in the Hugging Face cache), not an interp_norm checkpoint; "
+            f"load it with interp_norm.load({text!r}), which wraps it in a TransformerLens bridge")
 
 
 def check_ours(spec: str, dtype: Any, device_map: Any) -> None:
@@ -191,4 +261,4 @@ def check_ours(spec: str, dtype: Any, device_map: Any) -> None:
                           "and run in float32: drop dtype (--dtype) or pass float32")
 
 
-__all__ = ["load", "load_hf_model", "folder_kind", "check_ours"]
+__all__ = ["load", "load_with_info", "spec_kind", "BridgeInfo", "KINDS", "folder_kind", "check_ours"]

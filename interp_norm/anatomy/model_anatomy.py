@@ -8,6 +8,7 @@ and nothing below has to import back up.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -34,6 +35,31 @@ def kind_of(model: Any) -> str:
     if is_bridge(model):
         return "bridge"
     return "other"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the analyses may ask of a model beyond its hooks, decided from its kind without a probe.
+
+    * ``full_vocabulary``: built from interp_norm's components -- every hook of
+      :mod:`interp_norm.core.hook_names` fires (``pos_embed``, the q/k/v norm hooks, ``hook_pattern``
+      as computed), ``model(resid, start_at_layer=l)`` restarts a run, its config can be rebuilt
+      (a twin with ``use_split_qkv_input``) and the incremental patching engine replays it;
+    * ``hf_original``: a TransformerBridge of a Hugging Face model -- its anatomy (post-norms, grouped
+      k/v heads) is read from the original, its ``unembed`` and ``ln_final`` are modules, and the
+      key/value-cache patching engine may replay it.
+
+    A model that is neither (e.g. a plain ``HookedTransformer``) has both False: hooks only.
+    """
+
+    full_vocabulary: bool
+    hf_original: bool
+
+
+def capabilities(model: Any) -> Capabilities:
+    """The :class:`Capabilities` of ``model`` (no forward pass): analyses ask these, never the kind."""
+    kind = kind_of(model)
+    return Capabilities(full_vocabulary=kind == "interp_norm", hf_original=kind == "bridge")
 
 
 def anatomy(model: Any, *, strict: bool = True, refresh: bool = False) -> Anatomy:
@@ -63,4 +89,4 @@ def anatomy(model: Any, *, strict: bool = True, refresh: bool = False) -> Anatom
     return result
 
 
-__all__ = ["anatomy", "kind_of", "KINDS"]
+__all__ = ["anatomy", "kind_of", "KINDS", "Capabilities", "capabilities"]

@@ -225,10 +225,10 @@ def _cell_scores(kind: str, by: str, prod: Tensor, n: int) -> Tensor:
 def _read_columns(model, metric: MetricFn, b: int, n: int, full: bool) -> tuple[Optional[Tensor], int]:
     """The positions the metric reads (None: all) and how many input positions reach them; only on
     a TransformerBridge (whose unembedding is a module :func:`_logits_at` can wrap)."""
-    from interp_norm.anatomy import kind_of
+    from interp_norm.anatomy import capabilities
 
     read = getattr(metric, "read_mask", None)
-    if read is None or kind_of(model) != "bridge" or not isinstance(getattr(model, "unembed", None), torch.nn.Module):
+    if read is None or not capabilities(model).hf_original or not isinstance(getattr(model, "unembed", None), torch.nn.Module):
         return None, n
     cols = torch.as_tensor(read).to(torch.bool).expand(b, n).any(0).nonzero().flatten()
     if len(cols) == 0:

@@ -115,11 +115,11 @@ def attribution_error_budget(model, pairs: PatchingPairs, metric=None, spec: Opt
     ``err_norm`` / ``err_both``, ``removed_by_norm``, ``removed_by_pattern``, ``rest``.
     Our models, or a bridge with EAP / EAP-IG (see the module docstring).
     """
-    from interp_norm.anatomy import kind_of
+    from interp_norm.anatomy import capabilities
 
     spec = spec if spec is not None else BudgetSpec()
     spec.check()
-    if kind_of(model) != "interp_norm":
+    if not capabilities(model).full_vocabulary:  # AtP / AtP* need the q/k/v and pattern hooks our models fire
         if spec.methods == METHODS:  # the default: what a bridge supports
             spec = BudgetSpec(methods=("eap", "eap-ig"), activations=spec.activations, ig_steps=spec.ig_steps, per=spec.per)
         bad = [m for m in spec.methods if m in ("atp", "atp*")]

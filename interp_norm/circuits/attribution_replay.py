@@ -95,9 +95,9 @@ def _unembed_weight(model) -> Optional[Tensor]:
 
 def applies(model, activations: list) -> bool:
     """Whether the re-run path may be tried: a bridge, per-position activations, no hook on the model."""
-    from interp_norm.anatomy import kind_of
+    from interp_norm.anatomy import capabilities
 
-    if kind_of(model) != "bridge" or not all(a in KV_ACTIVATIONS for a in activations):
+    if not capabilities(model).hf_original or not all(a in KV_ACTIVATIONS for a in activations):
         return False
     parts = (getattr(model, "unembed", None), getattr(model, "ln_final", None))
     return all(isinstance(m, torch.nn.Module) for m in parts) and not _has_hooks(model)

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from interp_norm.core import nodes
-from interp_norm.anatomy import kind_of
+from interp_norm.anatomy import capabilities
 from interp_norm.circuits._types import device, require_eval
 from interp_norm.errors import PatchingError
 from interp_norm.core.hook_names import act_name
@@ -158,7 +158,7 @@ def _check_hf_bridge(model) -> None:
     is not its ``z W_O``; grouped k/v heads share one key/value input between several query heads,
     so the per-head k/v receivers are not separate edges.
     """
-    if getattr(model, "original_model", None) is None or kind_of(model) == "interp_norm":
+    if getattr(model, "original_model", None) is None or capabilities(model).full_vocabulary:
         return
     from interp_norm.anatomy import ArchitectureError, anatomy
 
@@ -195,7 +195,7 @@ class EdgeRunner:
         self.valid = self.graph.valid()
         if backend not in ("auto", "split", "copies"):
             raise PatchingError(f"backend must be 'auto', 'split' or 'copies', got {backend!r}")
-        ours = kind_of(model) == "interp_norm"
+        ours = capabilities(model).full_vocabulary  # our config rebuilds a twin with per-head q/k/v inputs
         if backend == "auto":
             backend = "split" if ours or getattr(cfg, "use_split_qkv_input", False) else "copies"
         if backend == "split" and not ours and not getattr(cfg, "use_split_qkv_input", False):
@@ -215,7 +215,7 @@ class EdgeRunner:
         _check_hf_bridge(model)
         self.mid_feeds_mlp_only = _resid_mid_feeds_mlp_only(self.run_model)
         # rotary models (a Llama/Qwen3 bridge) never fire hook_pos_embed: the embed sender is the token embedding
-        self.has_pos = kind_of(model) == "interp_norm" or _fires(self.run_model, act_name("pos_embed"))
+        self.has_pos = ours or _fires(self.run_model, act_name("pos_embed"))
 
     # -- sender outputs --------------------------------------------------------------------
     def senders_from_cache(self, cache) -> Tensor:

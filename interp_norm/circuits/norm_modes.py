@@ -68,12 +68,12 @@ def freeze_hooks(model, norm: str = "live", pattern: str = "live", tokens: Optio
     reads or edits the same activations (a leaf added at ``hook_pattern`` then still gets its gradient).
     Empty for ``live``/``live``: the model runs as without them. On a TransformerBridge ``tokens``
     (a few input rows) are needed for the once-per-model checks that the edits take effect."""
-    from interp_norm.anatomy import kind_of
+    from interp_norm.anatomy import capabilities
 
     check_modes(norm, pattern)
     if norm == pattern == "live":
         return []
-    ours = kind_of(model) == "interp_norm"
+    ours = capabilities(model).full_vocabulary  # every norm's hook_scale and hook_pattern fire as computed
     if not ours and tokens is None:
         raise PatchingError("freezing norms or patterns on a TransformerBridge needs tokens to check the hooks with")
     names = []

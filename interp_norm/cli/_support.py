@@ -220,59 +220,16 @@ def threshold_display(thresholds: Any, curves: Any) -> tuple[Any, list[str]]:
 # ----------------------------------------------------------------------------- models: ours or Hugging Face
 
 
-def load_model_spec(spec: str, device: str = "cpu", dtype: Optional[str] = None, device_map: Optional[str] = None
-                    ) -> tuple[Any, Any]:
-    """(model, info) for one of our checkpoints; (TransformerBridge, None) for a Hugging Face model.
-
-    ``interp_norm.anatomy.folder_kind`` decides for an existing folder; a name is tried as one of
-    our pretrained names first, then in the Hugging Face cache (``interp_norm.anatomy.load``). A folder
-    that is neither gets a CheckpointError saying what it holds. ``dtype`` (default float32) and
-    ``device_map`` apply to Hugging Face models; for ours they are a ConfigError (``check_ours``).
-    """
-    from interp_norm.anatomy.loading import check_ours, folder_kind
-    from interp_norm.anatomy.loading import load as load_model
-    from interp_norm.training.checkpoints import load_any
-    from interp_norm.errors import CheckpointNotFoundError
-
-    dtype = dtype or "float32"
-
-    def ours() -> tuple[Any, Any]:
-        loaded = load_any(spec, device=device)
-        check_ours(spec, dtype, device_map)
-        return loaded
-
-    path = Path(spec)
-    if path.is_dir() and folder_kind(path) == "interp_norm":
-        return ours()
-    if not path.exists():
-        try:
-            return ours()
-        except CheckpointNotFoundError:
-            pass  # load_model tries the Hugging Face cache and names both failures
-    model = load_model(spec, device=device, dtype=dtype, device_map=device_map)
-    return (model, None) if is_hf(model) else ours()
-
-
-def is_hf(model: Any) -> bool:
-    """A Hugging Face model (a TransformerLens bridge), asked of the model adapter."""
-    from interp_norm.anatomy import kind_of  # lazy: --help imports no torch
-
-    return kind_of(model) == "bridge"
-
-
 def load_ours(spec: str, command_name: str, device: str = "cpu") -> tuple[Any, Any]:
     """(model, info) of one of our checkpoints; a Hugging Face model gets a ConfigError naming the command
-    (a save_pretrained folder is recognised from its config.json, before any weights load)."""
-    from interp_norm.anatomy.loading import folder_kind
+    (recognised from its config.json or the cache, before any weights load)."""
+    from interp_norm.anatomy.loading import load_with_info, spec_kind
     from interp_norm.errors import ConfigError
 
-    path = Path(spec)
-    hf = path.is_dir() and folder_kind(path) == "hf"
-    model, info = (None, None) if hf else load_model_spec(spec, device)
-    if info is None:
+    if spec_kind(spec) == "bridge":  # neither kind: the error names both places it looked
         raise ConfigError(f"{spec!r} is a Hugging Face model; 'interp-norm {command_name}' runs on the addition task "
                           "and needs one of our checkpoints (HF models work with collapse, noise, geometry and dashboard)")
-    return model, info
+    return load_with_info(spec, device=device, kind="interp_norm")
 
 
 def hf_tokens(model: Any, args: argparse.Namespace) -> Any:
@@ -297,23 +254,6 @@ def hf_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", help="Hugging Face models: a UTF-8 text file to analyse (default: the shipped sample text)")
     p.add_argument("--n-ctx", type=positive_int, default=64, help="Hugging Face models: tokens per text window")
     p.add_argument("--windows", type=positive_int, default=8, help="Hugging Face models: text windows analysed")
-
-
-def looks_hf(spec: str) -> bool:
-    """Whether ``spec`` names a Hugging Face model rather than one of ours (a folder's config decides;
-    a name that is not one of our pretrained ones is looked up in the Hugging Face cache)."""
-    from interp_norm.anatomy.loading import folder_kind
-    from interp_norm.training.checkpoints import load_any
-    from interp_norm.errors import CheckpointNotFoundError
-
-    path = Path(spec)
-    if path.exists():
-        return path.is_dir() and folder_kind(path) != "interp_norm"
-    try:
-        load_any(spec)
-        return False
-    except CheckpointNotFoundError:
-        return True
 
 
 def real_model_tables(models: dict, args: argparse.Namespace) -> dict:

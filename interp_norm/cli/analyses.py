@@ -25,8 +25,6 @@ from interp_norm.cli._support import (
     command,
     hf_args,
     hf_tokens,
-    is_hf,
-    load_model_spec,
     check_placement,
     load_ours,
     nonnegative_float,
@@ -228,24 +226,33 @@ def _noise(args: argparse.Namespace) -> int:
     from interp_norm.noise import run_noise
 
     out = prepare_out(args.out, ["noise_accuracy.csv"], args.force)
-    model, info = _load_for_noise(args)
-    if is_hf(model):  # a Hugging Face model: agreement with its clean next-token prediction on text
-        from interp_norm.noise.text_agreement import text_agreement
-
-        df = text_agreement(model, hf_tokens(model, args), args.levels, placement=args.placement,
-                            distribution=args.distribution, seed=args.seed, batch_size=args.batch_size,
-                            progress=not args.no_progress)
-        write_csv(out / "noise_accuracy.csv", df)
-        print(percent_table(df))
-        print(f"wrote {out / 'noise_accuracy.csv'}")
-        return 0
-    df = run_noise(model, info.task, args.levels, split=args.split, n_datasets=args.n_datasets,
-                   n_examples=args.n_examples, placement=args.placement, distribution=args.distribution,
-                   seed=args.seed, progress=not args.no_progress)
+    model = _load_for_noise(args)
+    # ours: accuracy on the task's test sets; a Hugging Face model: agreement with its clean prediction on text
+    df = run_noise(model, levels=args.levels, split=args.split, n_datasets=args.n_datasets, n_examples=args.n_examples,
+                   placement=args.placement, distribution=args.distribution, seed=args.seed,
+                   progress=not args.no_progress, **_text_inputs(model, args, batch_size=args.batch_size))
     write_csv(out / "noise_accuracy.csv", df)
     print(percent_table(df))
     print(f"wrote {out / 'noise_accuracy.csv'}")
     return 0
+
+
+def _load_any_kind(args: argparse.Namespace):  # noqa: ANN202
+    """The model ``args.ckpt`` names, ours or a Hugging Face model (``--dtype`` / ``--device-map`` apply to the latter)."""
+    from interp_norm.anatomy.loading import load
+
+    return load(args.ckpt, device=args.device, dtype=args.dtype or "float32", device_map=args.device_map)
+
+
+def _text_inputs(model, args: argparse.Namespace, command_name: str = "", **text_only) -> dict:  # noqa: ANN001
+    """What a model without an addition task (a Hugging Face model) runs on: text windows
+    (``--text``, ``--n-ctx``, ``--windows``) and the options that only apply to text (``text_only``);
+    nothing for ours, which run on their own task (a text-only option given for them is refused)."""
+    if getattr(model, "task", None) is None:
+        return {"tokens": hf_tokens(model, args), **text_only}
+    if command_name:
+        _refuse_window_batch(args, command_name)
+    return {}
 
 
 def _load_for_noise(args: argparse.Namespace):  # noqa: ANN202
@@ -254,9 +261,9 @@ def _load_for_noise(args: argparse.Namespace):  # noqa: ANN202
 
     resolve_device(args.device)
     return_large_frees()  # freed activations go back to the system: the peak stays near the weights
-    model, info = load_model_spec(args.ckpt, device=args.device, dtype=args.dtype, device_map=args.device_map)
+    model = _load_any_kind(args)
     check_placement(model, args.placement)
-    return model, info
+    return model
 
 
 def _collapse_args(p: argparse.ArgumentParser) -> None:
@@ -277,18 +284,12 @@ def _collapse(args: argparse.Namespace) -> int:
     from interp_norm.noise import collapse_thresholds, run_collapse
 
     out = prepare_out(args.out, COLLAPSE_FILES, args.force)
-    model, info = _load_for_noise(args)
-    if is_hf(model):  # a Hugging Face model: collapse from its clean scores on text
-        from interp_norm.noise import bridge_collapse
-
-        curves = bridge_collapse(model, hf_tokens(model, args), args.levels, placement=args.placement,
-                                 distribution=args.distribution, seed=args.seed, progress=not args.no_progress,
-                                 window_batch=args.window_batch)
-    else:
-        _refuse_window_batch(args, "collapse")
-        curves = run_collapse(model, info.task, args.levels, split=args.split, n_examples=args.n_examples,
-                              placement=args.placement, distribution=args.distribution, seed=args.seed,
-                              progress=not args.no_progress)
+    model = _load_for_noise(args)
+    # ours: from one clean cache of the task's test set; a Hugging Face model: from its clean scores on text
+    curves = run_collapse(model, levels=args.levels, split=args.split, n_examples=args.n_examples,
+                          placement=args.placement, distribution=args.distribution, seed=args.seed,
+                          progress=not args.no_progress,
+                          **_text_inputs(model, args, "collapse", window_batch=args.window_batch))
     thresholds = collapse_thresholds(curves)
     write_csv(out / COLLAPSE_FILES[0], curves)
     write_csv(out / COLLAPSE_FILES[1], thresholds)
@@ -336,14 +337,10 @@ def _geometry(args: argparse.Namespace) -> int:
     out = prepare_out(args.out, ["geometry_*.csv"], args.force)
     resolve_device(args.device)
     return_large_frees()  # freed activations go back to the system: the peak stays near the weights
-    model, info = load_model_spec(args.ckpt, device=args.device, dtype=args.dtype, device_map=args.device_map)
-    if is_hf(model):  # a Hugging Face model: every norm's ellipsoid, sparsity and norm spread on text
-        results = run_geometry(model, tokens=hf_tokens(model, args), progress=not args.no_progress,
-                               window_batch=args.window_batch)
-    else:
-        _refuse_window_batch(args, "geometry")
-        results = run_geometry(model, info.task, n=args.n_examples, split=args.split, seed=args.seed,
-                               progress=not args.no_progress)
+    model = _load_any_kind(args)
+    # ours: every analysis on the task's problems; a Hugging Face model: every norm's ellipsoid, sparsity and spread on text
+    results = run_geometry(model, n=args.n_examples, split=args.split, seed=args.seed, progress=not args.no_progress,
+                           **_text_inputs(model, args, "geometry", window_batch=args.window_batch))
     write_tables(out, {f"geometry_{name}": df for name, df in results.items()})
     print(percent_table(geometry_summary(results, per_layer=False)))
     print(f"wrote {len(results)} tables geometry_*.csv to {out}")

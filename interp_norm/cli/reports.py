@@ -11,8 +11,6 @@ from interp_norm.cli._support import (
     CONTROLS,
     command,
     hf_args,
-    load_model_spec,
-    looks_hf,
     positive_int,
     prepare_out,
     real_model_tables,
@@ -128,10 +126,12 @@ def _dashboard(args: argparse.Namespace) -> int:
     out = prepare_out(args.out, ["dashboard.html"], args.force)  # before any work
     resolve_device(args.device)
     t = time.perf_counter()
+    from interp_norm.anatomy.loading import load, spec_kind
+
     hf = {}
     for spec in args.ckpt:
-        if looks_hf(spec):
-            hf[spec] = load_model_spec(spec, device=args.device, dtype=args.dtype, device_map=args.device_map)[0]
+        if spec_kind(spec) == "bridge":
+            hf[spec] = load(spec, device=args.device, dtype=args.dtype or "float32", device_map=args.device_map)
     ours = [spec for spec in args.ckpt if spec not in hf]
     if ours:  # --dtype / --device-map apply to Hugging Face models only
         from interp_norm.anatomy.loading import check_ours

@@ -23,7 +23,7 @@ def require_norm_model(
     if not isinstance(model, HookedNormTransformer) or not isinstance(getattr(model, "cfg", None), ModelConfig):
         raise error(
             f"{what} needs a HookedNormTransformer, got {type(model).__name__}; load one with "
-            "interp_norm.load_pretrained(name) or interp_norm.training.checkpoints.load_checkpoint(path), "
+            "interp_norm.load(name or checkpoint folder), "
             "or build HookedNormTransformer(ModelConfig.preset(...))"
         )
     return model.cfg

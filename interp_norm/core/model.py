@@ -228,10 +228,10 @@ class HookedNormTransformer(HookedRootModule):
             raise ConfigError(f"from_pretrained loads weights as trained; TransformerLens options {sorted(tl_options)} are not supported")
         # Users look for the loader on the class, as in TL. Checkpoints are read one layer up (that
         # module builds models from this one), so this calls the package's public, lazily loaded
-        # ``interp_norm.load_any`` at call time instead of importing the persistence layer here.
+        # ``interp_norm.load`` at call time instead of importing the layers above here.
         import interp_norm
 
-        return interp_norm.load_any(name, device=device)[0]
+        return interp_norm.load(name, device=device, kind="interp_norm")
 
     # -- hooks: TransformerLens's API, refusing names that do not exist or never fire ---------------
     def run_with_cache(self, *args: Any, **kwargs: Any) -> tuple[Any, NormActivationCache]:

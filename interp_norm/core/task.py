@@ -404,7 +404,7 @@ def task_for(model: object, task: "AdditionTask | None" = None, *, who: str = "t
              stacklevel: int = 3) -> AdditionTask:
     """The task an analysis of ``model`` runs on: ``task`` if given, else the model's own.
 
-    A model loaded from a checkpoint (``interp_norm.load``, ``from_pretrained``, ``load_checkpoint``)
+    A model loaded from a checkpoint (``interp_norm.load``, ``from_pretrained``)
     or returned by ``train`` carries the task it was trained on as ``model.task``. A ``task`` other
     than that one still runs, with a :class:`~interp_norm.errors.TaskMismatchWarning` naming both
     (the numbers then describe problems the model never learnt: ``AdditionTask()``, the paper's task,

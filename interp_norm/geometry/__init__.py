@@ -25,7 +25,8 @@ One module per question:
   the anatomy and the module tree; ``norm_spread``, ``max_attention``/``attention_sparsity`` and the
   ``ellipsoid_*`` functions accept a bridge; :func:`bridge_geometry` is its one call.
 * :mod:`.run` — :func:`run_geometry`, :func:`compare_geometry`, :func:`geometry_summary`: one call
-  for the CLI, dashboard and README.
+  for the CLI, dashboard and README, on any model; it picks the backend once (:mod:`.run_ours` for
+  ours, :mod:`.run_bridge` for a bridge).
 
 ``_common`` holds what they share (model check, token input, the valid-token mask, the one cached
 forward pass). Every analysis that runs the model takes ``cache=``: an ActivationCache of the same

@@ -1,6 +1,8 @@
 """Every geometry analysis in one call, for the CLI, the dashboard, ``reproduce`` and the README table.
 
-One forward pass caches :func:`geometry_hook_names`; each analysis then reads that cache.
+:func:`run_geometry` is the entry point for every kind of model; it picks the backend once
+(:mod:`~interp_norm.geometry.run_ours` for ours, :mod:`~interp_norm.geometry.run_bridge` for a
+TransformerBridge).
 """
 
 from __future__ import annotations
@@ -8,57 +10,21 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 import pandas as pd
-from torch import Tensor
-from tqdm.auto import tqdm
 
-from interp_norm.errors import ConfigError
-from interp_norm.geometry._common import TokensLike, as_tokens, check_model, run_cached
-from interp_norm.geometry.bridge import (
-    bridge_ellipsoid_axes,
-    bridge_ellipsoid_table,
-    bridge_norms,
-    bridge_tokens,
-)
 from interp_norm.anatomy import kind_of
-from interp_norm.geometry.ellipsoid import ellipsoid_axes, ellipsoid_membership, ellipsoid_table, norm_hook_names
-from interp_norm.geometry.interference import Intervention, direct_interference
-from interp_norm.geometry.sparsity import max_attention, sparsity_histogram, sparsity_summary
-from interp_norm.geometry.spheres import orthogonal_spheres
-from interp_norm.geometry.spread import norm_spread
-from interp_norm.geometry.subspaces import head_read_fractions, subspace_angles, subspaces
-from interp_norm.core.hook_names import act_name
 from interp_norm.core.model import HookedNormTransformer
-from interp_norm.core.task import task_for
+from interp_norm.errors import ConfigError
+from interp_norm.geometry._common import TokensLike, check_model
+from interp_norm.geometry.interference import Intervention
+from interp_norm.geometry.run_bridge import bridge_geometry
+from interp_norm.geometry.run_ours import GeometrySpec, geometry_hook_names, ours_geometry, sample_tokens
 
 __all__ = ["geometry_hook_names", "run_geometry", "bridge_geometry", "compare_geometry", "geometry_summary"]
 
 
-def geometry_hook_names(model: HookedNormTransformer) -> list[str]:
-    """Every hook the analyses here read (cache them once and pass ``cache=`` to each analysis)."""
-    per_layer = ("resid_pre", "pattern", "z", "attn_out", "mlp_out")
-    names = [act_name("embed"), act_name("pos_embed")]
-    names += [act_name(k, l) for l in range(model.cfg.n_layers) for k in per_layer]
-    return names + norm_hook_names(model)
-
-
-def _sample_tokens(model: HookedNormTransformer, task, tokens, n: int, split: str, seed: int) -> Tensor:
-    if tokens is not None:
-        return as_tokens(model, tokens)
-    task = task_for(model, task, who="run_geometry (without tokens=)", stacklevel=4)
-    return as_tokens(model, task.sample_batch(n, split, seed=seed).tokens)
-
-
-def _spread_and_sparsity(model: Any, tokens: Tensor, cache, *, coverage: float, tolerance: float, bins: int,
-                         steps: tqdm) -> dict[str, pd.DataFrame]:
-    """``norm_spread``, ``sparsity_hist`` and ``sparsity_summary`` from the cache (two progress
-    steps): the analyses our models and bridges share, written once for both runners."""
-    out = {"norm_spread": norm_spread(model, tokens, coverage=coverage, tolerance=tolerance, cache=cache)}
-    steps.update()
-    mx = max_attention(model, tokens, cache=cache)
-    out["sparsity_hist"] = sparsity_histogram(mx, bins=bins)
-    out["sparsity_summary"] = sparsity_summary(mx)
-    steps.update()
-    return out
+def _uses_bridge_backend(model: Any) -> bool:
+    """The one place this analysis tells kinds apart: a TransformerBridge runs :mod:`.run_bridge`."""
+    return kind_of(model) == "bridge"
 
 
 def run_geometry(
@@ -87,94 +53,19 @@ def run_geometry(
     ~65k large SVDs on the paper-size model; call :func:`subspace_angles` for them).
 
     ``task`` defaults to the model's own (``model.task``); it is only read when ``tokens`` is not given.
-    A ``TransformerBridge`` (a Hugging Face model) gets :func:`bridge_geometry` instead (``window_batch``
-    is its; our models run in one pass and refuse it).
+    The one entry point for every kind of model: the backend is picked once (:func:`_backend`), our
+    models' in :mod:`~interp_norm.geometry.run_ours`, a ``TransformerBridge``'s (a Hugging Face model)
+    in :mod:`~interp_norm.geometry.run_bridge` (:func:`bridge_geometry`: the tables a bridge
+    supports, on ``tokens`` or ``n`` text windows; ``task`` and ``split`` are not read; ``window_batch`` is
+    its; our models run in one pass and refuse it).
     """
-    if kind_of(model) == "bridge":
+    if _uses_bridge_backend(model):
         return bridge_geometry(model, tokens=tokens, n=n, seed=seed, coverage=coverage, tolerance=tolerance,
                                bins=bins, progress=progress, window_batch=window_batch)
-    if window_batch is not None:
-        raise ConfigError(f"window_batch={window_batch!r} applies to Hugging Face models (TransformerBridges); "
-                          "our models run the batch in one pass: drop window_batch")
-    check_model(model)
-    tokens = _sample_tokens(model, task, tokens, n, split, seed)
-    steps = tqdm(total=8, desc="geometry", disable=not progress)
-    cache = run_cached(model, tokens, geometry_hook_names(model))  # one forward pass for every analysis
-    steps.update()
-    out: dict[str, pd.DataFrame] = _spread_and_sparsity(model, tokens, cache, coverage=coverage, tolerance=tolerance,
-                                                        bins=bins, steps=steps)
-    sph = orthogonal_spheres(model, tokens, weighting=weighting, cache=cache)
-    out["sphere_components"], out["sphere_pairs"], out["sphere_scores"] = sph["components"], sph["pairs"], sph["scores"]
-    steps.update()
-    bases = subspaces(model, tokens, energy=energy, cache=cache)
-    is_read = {k: k.endswith((".q", ".k", ".v")) for k in bases}
-    names = list(bases)
-    pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1 :] if not (is_read[a] and is_read[b])]
-    out["subspace_angles"] = subspace_angles(bases, pairs=pairs)
-    comp_bases = {k: v for k, v in bases.items() if not is_read[k]}
-    out["head_reads"] = head_read_fractions(model, comp_bases)
-    steps.update()
-    out["interference"] = direct_interference(model, tokens, interventions, cache=cache)
-    steps.update()
-    out["ellipsoids"] = ellipsoid_table(model)
-    out["ellipsoid_axes"] = ellipsoid_axes(model)
-    steps.update()
-    out["ellipsoid_membership"] = ellipsoid_membership(model, tokens, cache=cache)
-    steps.update()
-    steps.close()
-    return out
-
-
-def bridge_geometry(
-    model: Any,
-    *,
-    tokens: Optional[TokensLike] = None,
-    n: int = 8,
-    n_ctx: int = 32,
-    seed: int = 0,
-    coverage: float = 0.9,
-    tolerance: float = 0.2,
-    bins: int = 20,
-    progress: bool = False,
-    window_batch: Optional[int] = None,
-) -> dict[str, pd.DataFrame]:
-    """The geometry of a ``TransformerBridge``: ``norm_spread``, ``sparsity_hist``,
-    ``sparsity_summary``, ``ellipsoids``, ``ellipsoid_axes``, ``ellipsoid_membership`` (every norm,
-    attention q/k/v norms included) and ``anatomy`` (:meth:`~interp_norm.anatomy.Anatomy.table`).
-
-    ``tokens`` default: ``n`` windows of ``n_ctx`` tokens of the shipped sample text, or random
-    ordinary ids for a model without a tokenizer (:func:`~interp_norm.geometry.bridge.bridge_tokens`).
-    The orthogonal-spheres, subspace and interference analyses read our model's weight steps and
-    residual decomposition, which a bridge does not expose; they are not run here.
-
-    Memory: one early-stopped forward (no logits) per block of ``window_batch`` windows (None:
-    :data:`~interp_norm.core.defaults.WINDOW_BATCH`, 8; ≥ the windows: one pass), the blocks in lockstep
-    layer by layer; each block's hooks of a layer are reduced to per-row values before the next block
-    runs (:func:`~interp_norm.geometry.bridge_sweep.bridge_sweep`), so the peak is the weights plus one
-    block's hooks of one layer plus those per-row values, while every table is the one a single pass gives.
-    """
-    from interp_norm.anatomy import anatomy
-    from interp_norm.core.defaults import WINDOW_BATCH
-    from interp_norm.errors import GeometryError, check_positive_int
-    from interp_norm.geometry.bridge_sweep import bridge_sweep
-
-    window_batch = WINDOW_BATCH if window_batch is None else window_batch
-    check_positive_int(window_batch, "window_batch", GeometryError, "windows per forward pass")
-
-    toks = as_tokens(model, tokens if tokens is not None else bridge_tokens(model, n, n_ctx, seed))
-    norms = bridge_norms(model)
-    steps = tqdm(total=4, desc="geometry", disable=not progress)
-    out: dict[str, pd.DataFrame] = {"anatomy": anatomy(model).table()}
-    steps.update()
-    swept = bridge_sweep(model, toks, norms, coverage=coverage, tolerance=tolerance, bins=bins,
-                         window_batch=window_batch, steps=steps)
-    out.update({k: swept[k] for k in ("norm_spread", "sparsity_hist", "sparsity_summary")})
-    out["ellipsoids"] = bridge_ellipsoid_table(model, norms)
-    out["ellipsoid_axes"] = bridge_ellipsoid_axes(model, norms)
-    out["ellipsoid_membership"] = swept["ellipsoid_membership"]
-    steps.update()
-    steps.close()
-    return out
+    spec = GeometrySpec(coverage=coverage, tolerance=tolerance, bins=bins, energy=energy, weighting=weighting,
+                        interventions=interventions)
+    return ours_geometry(model, task, tokens=tokens, n=n, split=split, seed=seed, spec=spec, progress=progress,
+                         window_batch=window_batch)
 
 
 def compare_geometry(
@@ -185,11 +76,11 @@ def compare_geometry(
     if not models:
         raise ConfigError("compare_geometry needs at least one model, e.g. {'pre': model_a, 'qkv': model_b}")
     for m in models.values():
-        if kind_of(m) != "bridge":
+        if not _uses_bridge_backend(m):
             check_model(m)
     n, split, seed = kwargs.pop("n", 256), kwargs.pop("split", "id"), kwargs.pop("seed", 0)
     first = next(iter(models.values()))
-    toks = _sample_tokens(first, task, tokens, n, split, seed)
+    toks = sample_tokens(first, task, tokens, n, split, seed)
     per = {name: run_geometry(m, tokens=toks, **kwargs) for name, m in models.items()}
     keys = next(iter(per.values())).keys()
     return {k: pd.concat([df[k].assign(variant=v) for v, df in per.items()], ignore_index=True)

@@ -23,6 +23,7 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from interp_norm.anatomy import kind_of
 from interp_norm.core import task as T
 from interp_norm import theory
 from interp_norm.errors import NoiseSpecError
@@ -262,9 +263,17 @@ def run_noise(
     n_examples: int = 512,
     data_seed: int = 1234,
     aggregate: bool = True,
+    tokens: Optional[Tensor] = None,
     **kwargs,
 ) -> pd.DataFrame:
-    """The paper's accuracy-vs-noise experiment in one call.
+    """The paper's accuracy-vs-noise experiment in one call, on any model.
+
+    The one entry point for every kind: the backend is picked once. A TransformerBridge (a Hugging
+    Face model: no addition task, so no accuracy) runs
+    :func:`~interp_norm.noise.text_agreement.text_agreement` on ``tokens`` (text windows; None: the
+    shipped sample text) with the keyword arguments -- top-1 agreement with its clean prediction
+    and KL; ``task``, ``split``, ``n_datasets``, ``n_examples``, ``data_seed`` and ``aggregate`` are
+    not read. Our models run as follows.
 
     Datasets are ``task.test_set(split, n_examples, seed=data_seed + i)`` for i < ``n_datasets``
     (independent seeded draws; dataset 0 is the standard test set when sizes agree). Returns one
@@ -274,6 +283,13 @@ def run_noise(
     arguments go to :func:`accuracy_under_noise`. ``task`` defaults to the model's own (``model.task``,
     :func:`interp_norm.core.task.task_for`; another task runs with a warning naming both).
     """
+    if kind_of(model) == "bridge":
+        from interp_norm.noise.text_agreement import text_agreement
+
+        return text_agreement(model, tokens, levels, **kwargs)
+    if tokens is not None:
+        raise NoiseSpecError("tokens= is a Hugging Face model's text; our models run on their task's test sets "
+                             "(split, n_examples): call accuracy_under_noise(model, [tokens], levels) for tokens of your own")
     task = T.task_for(model, task, who="run_noise")
     n_datasets = V.check_positive_int(n_datasets, "n_datasets")
     n_examples = V.check_positive_int(n_examples, "n_examples")

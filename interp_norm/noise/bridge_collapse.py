@@ -47,9 +47,8 @@ from interp_norm.anatomy.stream import layer_caches, window_blocks
 from interp_norm.core.defaults import BRIDGE_COLLAPSE_LEVELS, COLLAPSE_MAX_ELEMENTS, SPARSE_THRESHOLD, WINDOW_BATCH
 from interp_norm.errors import ArchitectureError, ConfigError, NoiseSpecError
 from interp_norm.noise import _validate as V
-from interp_norm.noise.collapse import rate_table
 from interp_norm.noise.decide import cap as _cap
-from interp_norm.noise.decide import row_decisions
+from interp_norm.noise.decide import rate_table, row_decisions
 from interp_norm.noise.kernels import BRIDGE_COLLAPSE_STREAM, collapse_draws, placed_factors, seeded_generator
 from interp_norm.theory import NoiseLaw
 

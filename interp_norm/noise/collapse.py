@@ -33,8 +33,10 @@ from interp_norm.core.defaults import DEFAULT_COLLAPSE_LEVELS, SPARSE_THRESHOLD
 from interp_norm.core.hook_names import act_name, is_normalised
 from interp_norm.core.model import HookedNormTransformer, ModelConfig
 from interp_norm.noise import _validate as V
-from interp_norm.noise.decide import row_decisions
+from interp_norm.noise.bridge_collapse import bridge_collapse
+from interp_norm.noise.decide import rate_table, row_decisions
 from interp_norm.noise.kernels import OWN_COLLAPSE_STREAM, collapse_draws, effective_factor, seeded_generator
+from interp_norm.anatomy import kind_of
 from interp_norm.core.task import PAD_ID, AdditionTask, Batch
 from interp_norm.theory import NoiseLaw, predict_rows
 
@@ -288,37 +290,6 @@ def collapse_decisions(
 # ----------------------------------------------------------------------------- tables
 
 
-def rate_table(
-    per_layer: list[tuple], levels: tuple[float, ...], n_draws: int, columns: dict,
-    *, pool_extra: Optional[Callable[[list], dict]] = None,
-) -> pd.DataFrame:
-    """Tidy rate table from ``(layer, level index, definition, per-row rates, per-row predictions,
-    strict samples[, extra columns])`` items: one row per item plus pooled ``layer == "all"`` rows per
-    (level, definition). ``measured``/``se`` (clustered by row), ``predicted``, ``mc_se``, ``z`` as in
-    :func:`measure_collapse`; ``columns`` are constant leading columns (variant, placement, ...). The one
-    rate table of every collapse measurement (ours and :func:`~interp_norm.noise.bridge_collapse`, whose
-    items carry ``head``/``theory`` as extra columns and whose pooled rows get ``pool_extra(items)``)."""
-
-    def summarise(layer, i, definition, rates: Tensor, pred: Tensor, ns: float, *, extra: Optional[dict] = None) -> dict:
-        return dict(columns, layer=layer, **(extra or {}), level=levels[i], definition=definition,
-                    **theory.rate_summary(rates, pred, n_draws, ns))
-
-    rows = [summarise(*item[:6], extra=item[6] if len(item) > 6 else None) for item in per_layer]
-    for i in range(len(levels)):
-        for definition in ("loose", "strict"):
-            items = [it for it in per_layer if it[1] == i and it[2] == definition]
-            if not items:
-                continue
-            rates = torch.cat([it[3] for it in items])
-            pred = torch.cat([it[4] for it in items])
-            rows.append(summarise("all", i, definition, rates, pred, items[0][5],
-                                  extra=pool_extra(items) if pool_extra else None))
-    df = pd.DataFrame(rows)
-    if len(df):
-        df["layer"] = df["layer"].astype(object)
-    return df
-
-
 def measure_collapse(
     model: HookedNormTransformer,
     tokens: Int[Tensor, "batch pos"] | Batch,
@@ -399,13 +370,35 @@ def run_collapse(
     split: str = V.TEST_SPLIT,
     n_examples: int = V.TEST_EXAMPLES,
     data_seed: int = V.TEST_SEED,
+    tokens: Optional[Tensor] = None,
+    window_batch: Optional[int] = None,
     **kwargs,
 ) -> pd.DataFrame:
-    """The paper's circuit-collapse experiment in one call, on ``task.test_set(split, n_examples,
-    seed=data_seed)``, with a ``split`` column. Returns
-    :func:`measure_collapse`'s table (other keyword arguments go to it); pass it to
-    :func:`collapse_thresholds` for the 1%-collapse noise levels. ``task`` defaults to the model's
-    own (``model.task``); another one runs with a warning naming both."""
+    """The paper's circuit-collapse experiment in one call, on any model; pass the result to
+    :func:`collapse_thresholds` for the 1%-collapse noise levels.
+
+    The one entry point for every kind: the backend is picked once. Our models run
+    :func:`measure_collapse` on ``task.test_set(split, n_examples, seed=data_seed)`` (a ``split``
+    column added; ``task`` defaults to the model's own, another one warns naming both; other keyword
+    arguments go to :func:`measure_collapse`). A TransformerBridge (a Hugging Face model, no task)
+    runs :func:`~interp_norm.noise.bridge_collapse.bridge_collapse` on ``tokens`` (text windows
+    [batch, pos]; ``window_batch`` is its) with the keyword arguments; ``task``, ``split``,
+    ``n_examples`` and ``data_seed`` are not read.
+    """
+    if kind_of(model) == "bridge":
+        if spec is not None:
+            raise ConfigError("a CollapseSpec applies to our models; pass a bridge's options (draws, targets, placement, "
+                              "distribution, layers, seed ...) as keyword arguments")
+        if tokens is None:
+            raise ConfigError("a Hugging Face model has no addition task: pass tokens= (text windows [batch, pos], e.g. "
+                              "interp_norm.anatomy.text_tokens(model))")
+        return bridge_collapse(model, tokens, levels, window_batch=window_batch, **kwargs)
+    if window_batch is not None:
+        raise ConfigError(f"window_batch={window_batch!r} applies to Hugging Face models (TransformerBridges); our "
+                          "models run their problems in one pass: drop window_batch")
+    if tokens is not None:
+        raise ConfigError("tokens= is a Hugging Face model's text; our models run on their task's test set (split, "
+                          "n_examples): call measure_collapse(model, tokens, levels) for tokens of your own")
     return V.on_test_set(measure_collapse, model, task, levels, spec, split=split, n_examples=n_examples,
                          data_seed=data_seed, who="run_collapse", **kwargs)
 

@@ -5,16 +5,19 @@ vector by an orthogonal map, which commutes with a scalar factor), so a noised r
 and a layer's rows are judged on its clean scores without re-running the model (the paper's
 "noise every layer independently", Menary et al. 2024). Used by the per-layer protocol on our
 models (:func:`interp_norm.noise.collapse.collapse_from_scores`) and on any described model
-(:mod:`interp_norm.noise.bridge_collapse`).
+(:mod:`interp_norm.noise.bridge_collapse`); :func:`rate_table` is both protocols' table of rates.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
+import pandas as pd
 import torch
 from torch import Tensor
+
+from interp_norm import theory
 
 
 def cap(x: Tensor, softcap: Optional[float]) -> Tensor:
@@ -129,4 +132,35 @@ def row_decisions(w: Tensor, fq: Tensor, fk: Tensor, base: Tensor, softcap: Opti
     return loose, strict
 
 
-__all__ = ["cap", "row_decisions"]
+def rate_table(
+    per_layer: list[tuple], levels: tuple[float, ...], n_draws: int, columns: dict,
+    *, pool_extra: Optional[Callable[[list], dict]] = None,
+) -> pd.DataFrame:
+    """Tidy rate table from ``(layer, level index, definition, per-row rates, per-row predictions,
+    strict samples[, extra columns])`` items: one row per item plus pooled ``layer == "all"`` rows per
+    (level, definition). ``measured``/``se`` (clustered by row), ``predicted``, ``mc_se``, ``z`` as in
+    :func:`~interp_norm.noise.collapse.measure_collapse`; ``columns`` are constant leading columns (variant, placement, ...). The one
+    rate table of every collapse measurement (ours and :func:`~interp_norm.noise.bridge_collapse`, whose
+    items carry ``head``/``theory`` as extra columns and whose pooled rows get ``pool_extra(items)``)."""
+
+    def summarise(layer, i, definition, rates: Tensor, pred: Tensor, ns: float, *, extra: Optional[dict] = None) -> dict:
+        return dict(columns, layer=layer, **(extra or {}), level=levels[i], definition=definition,
+                    **theory.rate_summary(rates, pred, n_draws, ns))
+
+    rows = [summarise(*item[:6], extra=item[6] if len(item) > 6 else None) for item in per_layer]
+    for i in range(len(levels)):
+        for definition in ("loose", "strict"):
+            items = [it for it in per_layer if it[1] == i and it[2] == definition]
+            if not items:
+                continue
+            rates = torch.cat([it[3] for it in items])
+            pred = torch.cat([it[4] for it in items])
+            rows.append(summarise("all", i, definition, rates, pred, items[0][5],
+                                  extra=pool_extra(items) if pool_extra else None))
+    df = pd.DataFrame(rows)
+    if len(df):
+        df["layer"] = df["layer"].astype(object)
+    return df
+
+
+__all__ = ["cap", "row_decisions", "rate_table"]

@@ -43,7 +43,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
-from interp_norm.anatomy import kind_of
+from interp_norm.anatomy import capabilities
 from interp_norm.errors import NoiseSpecError
 from interp_norm.core.hook_names import act_name, is_normalised, noise_site
 from interp_norm.core.model import HookedNormTransformer
@@ -104,7 +104,7 @@ class NormNoise(HeadNoise):
         self.law = NoiseLaw(level, V.check_distribution(distribution))
         self.row_gate, self.shared, self.direction = None, False, "norm"
         self._scales: dict[tuple[int, str], Tensor] = {}
-        self.native = kind_of(model) != "bridge"  # our model: its config and every hook of the vocabulary
+        self.native = not capabilities(model).hf_original  # our model: its config and every hook of the vocabulary
         if not self.native:
             unsupported = [name for name, v in (("heads", heads), ("row_gate", row_gate)) if v is not None]
             unsupported += [name for name, v, default in (("shared", shared, False), ("direction", direction, "norm"))

@@ -35,7 +35,6 @@ from interp_norm.errors import CheckpointNotFoundError, ConfigError, OutputDirEr
 __all__ = [
     "Settings",
     "Report",
-    "load_models",
     "default_analysed",
     "run_analyses",
     "write_report",
@@ -144,9 +143,10 @@ class Report:
 
 def _load(spec: str, device: str = "cpu") -> tuple[str, Any, Any]:
     """(display name, model, info) for a checkpoint folder or a pretrained name."""
-    from interp_norm.training.checkpoints import load_any, looks_like_path
+    from interp_norm.anatomy.loading import load_with_info
+    from interp_norm.training.checkpoints import looks_like_path
 
-    model, info = load_any(spec, device=device)
+    model, info = load_with_info(spec, device=device, kind="interp_norm")
     if not looks_like_path(spec):
         return spec, model, info
     name = Path(spec).resolve().name
@@ -155,7 +155,7 @@ def _load(spec: str, device: str = "cpu") -> tuple[str, Any, Any]:
     return name, model, info
 
 
-def load_models(checkpoints: Optional[Sequence[str]] = None, device: str = "cpu") -> dict[str, tuple[Any, Any]]:
+def _load_models(checkpoints: Optional[Sequence[str]] = None, device: str = "cpu") -> dict[str, tuple[Any, Any]]:
     """``{name: (model, info)}`` for checkpoint folders / pretrained names; None: the shipped
     reference set (``list_pretrained()["set"] == "reference"``: every architecture trained alike,
     so its tables compare like with like; other sets are named explicitly)."""
@@ -260,7 +260,7 @@ def run_analyses(
 ) -> Report:
     """Run every analysis and return the :class:`Report` (no files written).
 
-    ``checkpoints``: names/folders, or already loaded ``{name: (model, info)}``; None = the shipped reference set (:func:`load_models`).
+    ``checkpoints``: names/folders, or already loaded ``{name: (model, info)}``; None = the shipped reference set (``_load_models``).
     ``analyse``: checkpoint names for the heavy analyses, ``"all"``, or None (see
     :func:`default_analysed`; every checkpoint when they were given explicitly). ``threads``: torch
     threads for the run (restored afterwards). ``workers``: forked processes that analyse
@@ -294,7 +294,7 @@ def run_analyses(
     t0 = time.perf_counter()
     explicit = checkpoints is not None
     loaded = isinstance(checkpoints, Mapping)
-    models = dict(checkpoints) if loaded else load_models(checkpoints, device=device)
+    models = dict(checkpoints) if loaded else _load_models(checkpoints, device=device)
     if not explicit:  # the shipped set: Pre-Norm first, then QKV-Norm, QK-Norm, No-Norm (seeds in order)
         models = dict(sorted(models.items(), key=lambda kv: _arch_key(kv[0], kv[1][1])))
         later = [n for n, (_, info) in models.items() if info.model_cfg.seed >= DEFAULT_SEEDS and not all_seeds]

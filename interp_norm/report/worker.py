@@ -26,7 +26,7 @@ Stage = Callable[[str, bool], None]
 
 
 def job_for(name: str, model: Any, info: Any, settings: Any, label: str = "", progress: bool = False) -> Job:
-    """The :class:`~interp_norm.report.registry.Job` of a loaded checkpoint (``info`` from ``load_any``)."""
+    """The :class:`~interp_norm.report.registry.Job` of a loaded checkpoint (``info`` from ``interp_norm.load_with_info``)."""
     return Job(name=name, model=model, task=info.task, attn_norm=info.model_cfg.attn_norm, label=label or name,
                settings=settings, progress=progress)
 

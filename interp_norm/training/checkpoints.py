@@ -12,8 +12,10 @@ complete; :func:`clean_temporary` removes it).
 
 A training *run* folder holds several step checkpoints and a ``LATEST`` file naming the newest
 complete one (``step-00001000``); ``LATEST`` is itself replaced atomically, so it is the commit
-point. :func:`load_checkpoint` accepts a checkpoint folder or a run folder. Shipped checkpoints
-are looked up by name (:func:`load_pretrained`, :func:`list_pretrained`, :func:`load_any`).
+point. Loading accepts a checkpoint folder or a run folder; shipped checkpoints are looked up by
+name (:func:`list_pretrained`). The one public loader is ``interp_norm.load`` /
+``interp_norm.load_with_info`` (:mod:`interp_norm.anatomy.loading`); ``_load_ours`` here is its
+checkpoint half.
 
 Layering: this module imports the run options (:class:`interp_norm.training.config.TrainConfig`) but
 not the trainer; :mod:`interp_norm.training.train` imports this module.
@@ -275,7 +277,7 @@ def read_checkpoint_info(path: str | os.PathLike, verify: bool = True) -> Checkp
     )
 
 
-def load_checkpoint(
+def _load_checkpoint(
     path: str | os.PathLike, device: str | torch.device = "cpu", verify: bool = True
 ) -> tuple[HookedNormTransformer, CheckpointInfo]:
     """Load ``(model, info)`` from a checkpoint or run folder; the model is in eval mode and carries
@@ -318,7 +320,7 @@ def export_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, include_tr
     For shipping: ``export_checkpoint("runs/pre", "data/checkpoints/pre")`` keeps weights, config,
     curve and metrics; ``train_state.pt`` (≈2× the weights) is only needed to resume.
     """
-    model, info = load_checkpoint(src)
+    model, info = _load_checkpoint(src)
     return save_checkpoint(
         model, dst, task=info.task, train_cfg=info.train_cfg, step=info.step, metrics=info.metrics or None,
         curve=info.curve if len(info.curve) else None,
@@ -339,7 +341,8 @@ def pretrained_dir() -> Path:
     return data_dir() / "checkpoints"
 
 
-def _pretrained_names() -> list[str]:
+def pretrained_names() -> list[str]:
+    """The shipped checkpoints' names (folders under :func:`pretrained_dir`)."""
     root = pretrained_dir()
     if not root.is_dir():
         return []
@@ -352,56 +355,44 @@ def _pretrained_names() -> list[str]:
 _ANY_MODEL = "interp_norm.load(spec) loads any model (ours, a Hugging Face folder or a cached Hugging Face name)"
 
 
-def load_pretrained(name: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[HookedNormTransformer, CheckpointInfo]:
-    """Load a shipped checkpoint by name (``"pre"``, ``"qkv"``...; see :func:`list_pretrained`).
-
-    One of our checkpoint or run folders loads too (as :func:`load_checkpoint`); a Hugging Face
-    folder or name gets a :class:`CheckpointError` pointing to ``interp_norm.load``.
-    """
-    if isinstance(name, os.PathLike) or (isinstance(name, str) and looks_like_path(name)):
-        path = Path(name)
-        if path.is_dir() and folder_kind(path) == "hf":
-            raise CheckpointError(hf_folder_message(path))
-        return load_checkpoint(path, device=device)
-    names = _pretrained_names()
-    if not isinstance(name, str) or name not in names:
-        avail = ", ".join(names) if names else f"none (no checkpoints under {pretrained_dir()}; set {DATA_ENV} to the data folder)"
-        raise CheckpointNotFoundError(f"no pretrained checkpoint named {name!r}; available: {avail}. {_ANY_MODEL}")
-    model, info = load_checkpoint(pretrained_dir() / name, device=device)
-    model.name = name
-    return model, info
-
-
 def looks_like_path(spec: str | os.PathLike) -> bool:
     """CKPT arguments that exist, contain a path separator or start with '.' are folders, not names."""
     text = str(spec)
     return Path(text).exists() or any(sep in text for sep in "/\\") or text.startswith(".")
 
 
-def load_any(spec: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[HookedNormTransformer, CheckpointInfo]:
-    """``(model, info)`` of one of our models: a checkpoint or run folder if ``spec`` looks like a
-    path, else a pretrained name.
+def not_ours_message(spec: str | os.PathLike) -> str:
+    """Why ``spec`` is none of our models: neither a checkpoint folder nor a shipped name (which are listed)."""
+    names = pretrained_names()
+    return (f"{str(spec)!r} is neither a checkpoint folder nor a pretrained name "
+            f"(available: {', '.join(names) if names else 'none'}); see 'interp-norm list'")
 
-    What the CLI and ``reproduce`` accept as CKPT; an unknown name lists the available ones. For
-    Hugging Face models too, use ``interp_norm.load(spec)`` (the model only; ours carry their task).
+
+def _load_ours(spec: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[HookedNormTransformer, CheckpointInfo]:
+    """``(model, info)`` of one of our models: a checkpoint or run folder if ``spec`` looks like a path,
+    else a shipped name (``"pre"``, ``"qkv"``...; the model is then named after it).
+
+    The checkpoint half of :func:`interp_norm.load`; a Hugging Face folder gets a
+    :class:`CheckpointError` pointing to ``interp_norm.load``.
     """
-    text = str(spec)
-    if looks_like_path(text):
-        return load_pretrained(text, device=device)
-    try:
-        return load_pretrained(text, device=device)
-    except CheckpointNotFoundError:
-        names = [n for n in _pretrained_names()]
-        raise CheckpointNotFoundError(
-            f"{text!r} is neither a checkpoint folder nor a pretrained name "
-            f"(available: {', '.join(names) if names else 'none'}); see 'interp-norm list'"
-        ) from None
+    if isinstance(spec, os.PathLike) or looks_like_path(spec):
+        path = Path(spec)
+        if path.is_dir() and folder_kind(path) == "hf":
+            raise CheckpointError(hf_folder_message(path))
+        return _load_checkpoint(path, device=device)
+    names = pretrained_names()
+    if not isinstance(spec, str) or spec not in names:
+        avail = ", ".join(names) if names else f"none (no checkpoints under {pretrained_dir()}; set {DATA_ENV} to the data folder)"
+        raise CheckpointNotFoundError(f"no pretrained checkpoint named {spec!r}; available: {avail}. {_ANY_MODEL}")
+    model, info = _load_checkpoint(pretrained_dir() / spec, device=device)
+    model.name = spec
+    return model, info
 
 
 def list_pretrained() -> pd.DataFrame:
     """One row per shipped checkpoint: name, architecture, seed, step, set and per-token accuracies."""
     rows = []
-    for name in _pretrained_names():
+    for name in pretrained_names():
         try:
             info = read_checkpoint_info(pretrained_dir() / name, verify=False)
         except CheckpointError as e:
@@ -432,9 +423,7 @@ def list_pretrained() -> pd.DataFrame:
 
 __all__ = [
     "CheckpointInfo",
-    "load_any",
     "save_checkpoint",
-    "load_checkpoint",
     "export_checkpoint",
     "load_train_state",
     "read_checkpoint_info",
@@ -442,7 +431,6 @@ __all__ = [
     "latest_checkpoint",
     "resolve_checkpoint",
     "clean_temporary",
-    "load_pretrained",
     "list_pretrained",
     "data_dir",
     "pretrained_dir",

@@ -21,7 +21,7 @@ propagates; a Ctrl-C that arrives while a step updates the weights is held back 
 is complete, so the checkpoint is always a step boundary.
 
 Run folder layout: ``out_dir/step-XXXXXXXX/`` checkpoints and ``out_dir/LATEST`` (see
-:mod:`interp_norm.training.checkpoints`); ``load_checkpoint(out_dir)`` loads the newest.
+:mod:`interp_norm.training.checkpoints`); ``interp_norm.load(out_dir)`` loads the newest.
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ class _Run:
 
     def resume_from(self, saved_path: Path) -> bool:
         """Load the state saved at ``saved_path``; True if that run had already finished."""
-        saved_model, info = C.load_checkpoint(saved_path)
+        saved_model, info = C._load_checkpoint(saved_path)
         _check_resume_compatible(info, self.model_cfg, self.task, self.cfg)
         state = C.load_train_state(saved_path)
         if state.get("version") != TRAIN_STATE_VERSION:

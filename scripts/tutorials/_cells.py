@@ -22,7 +22,7 @@ torch.manual_seed(0)
 """
 LIBRARY = """
 from interp_norm.report import plots
-from interp_norm.training.checkpoints import list_pretrained, load_pretrained
+from interp_norm import list_pretrained, load_with_info
 """
 
 

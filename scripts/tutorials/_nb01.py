@@ -39,7 +39,7 @@ NB01 = [
     list_pretrained().drop(columns="path")
     """),
     code("""
-    model, info = load_pretrained("pre")
+    model, info = load_with_info("pre")
     cfg = model.cfg
     print(f"attention norm: {cfg.attn_norm}, {cfg.n_layers} layers, {cfg.n_heads} heads of {cfg.d_head}, d_model {cfg.d_model}")
     print("task:", info.task)

@@ -28,7 +28,7 @@ NB02 = [
     code("""
     from interp_norm import circuits
 
-    model, info = load_pretrained("pre")
+    model, info = load_with_info("pre")
     cfg = model.cfg
     """),
     md("""

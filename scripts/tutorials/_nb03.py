@@ -30,8 +30,8 @@ NB03 = [
     from interp_norm.core.hook_names import act_name
     from interp_norm.noise import NormNoise, collapse_thresholds, run_collapse, run_noise
 
-    pre, pre_info = load_pretrained("pre")
-    qkv, qkv_info = load_pretrained("qkv")
+    pre, pre_info = load_with_info("pre")
+    qkv, qkv_info = load_with_info("qkv")
     task = pre_info.task
     batch = task.test_set("id", size=256)
     """),

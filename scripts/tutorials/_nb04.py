@@ -26,8 +26,8 @@ NB04 = [
     code("""
     from interp_norm import geometry as G
 
-    pre, pre_info = load_pretrained("pre")
-    qkv, qkv_info = load_pretrained("qkv")
+    pre, pre_info = load_with_info("pre")
+    qkv, qkv_info = load_with_info("qkv")
     task = pre_info.task
     geo = G.compare_geometry({"Pre-Norm": pre, "QKV-Norm": qkv}, task, n=128, seed=0)
     sorted(geo)

@@ -27,7 +27,6 @@ NB05 = [
     from pathlib import Path
 
     from interp_norm import AdditionTask, ModelConfig, TrainConfig
-    from interp_norm.training.checkpoints import load_checkpoint
     from interp_norm.core.scoring import evaluate
     from interp_norm.core.hook_names import act_name
     from interp_norm.training.train import train
@@ -86,9 +85,9 @@ NB05 = [
     exact match (greedy generation) on fixed, seeded test sets.
     """),
     code("""
-    mine, info = load_checkpoint(run_dir)
+    mine, info = load_with_info(run_dir)
     shipped_name = "qk" if "qk" in set(list_pretrained()["name"]) else "pre"
-    shipped, shipped_info = load_pretrained(shipped_name)
+    shipped, shipped_info = load_with_info(shipped_name)
     table = pd.concat([
         evaluate(mine, info.task, size=128).assign(model=f"mine ({info.step} steps)"),
         evaluate(shipped, shipped_info.task, size=128).assign(model=f"shipped {shipped_name} ({shipped_info.step} steps)"),

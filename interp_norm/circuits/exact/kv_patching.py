@@ -91,9 +91,9 @@ class KVCacheEngine:
 
     def _setup(self, model, shape: tuple, dev: torch.device, read_mask: Optional[Tensor], activation: str) -> None:
         """Checks the bridge and prepares the capture of a run over ``shape`` = (batch, pos) tokens."""
-        from interp_norm.anatomy import kind_of
+        from interp_norm.anatomy import capabilities
 
-        if kind_of(model) != "bridge":
+        if not capabilities(model).hf_original:
             raise EngineRefusal("method='kv-cache' needs a TransformerLens TransformerBridge; use method='incremental' or 'hooks'")
         if activation not in KV_ACTIVATIONS:
             raise PatchingError(f"method='kv-cache' patches {list(KV_ACTIVATIONS)}, not {activation!r}; use method='hooks'")

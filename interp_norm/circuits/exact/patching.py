@@ -45,7 +45,7 @@ from jaxtyping import Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from interp_norm.anatomy import kind_of
+from interp_norm.anatomy import capabilities
 from interp_norm.circuits._types import (
     MetricFn,
     PatchResult,
@@ -168,7 +168,7 @@ def _make_engine(req: _Request, exact: bool) -> Optional[IncrementalEngine]:
     model, method = req.model, req.method
     if method not in ("auto", "incremental"):
         return None
-    if not kind_of(model) == "interp_norm":
+    if not capabilities(model).full_vocabulary:  # the engine replays our components
         if method == "incremental":
             raise PatchingError(
                 "method='incremental' needs a HookedNormTransformer; use method='kv-cache' (bridges) or 'hooks' for other models"
@@ -188,7 +188,7 @@ def _make_kv_engine(req: _Request) -> Optional[KVCacheEngine]:
     (``method='auto'``: full forward passes instead, with a warning, when the architecture refuses:
     :class:`EngineRefusal`; any other error propagates)."""
     model, method, activation, by = req.model, req.method, req.activation, req.by
-    if method not in ("auto", "kv-cache") or kind_of(model) == "interp_norm":
+    if method not in ("auto", "kv-cache") or capabilities(model).full_vocabulary:
         if method == "kv-cache":
             raise PatchingError("method='kv-cache' is for TransformerLens bridges; use method='incremental' for our models")
         return None
@@ -198,7 +198,7 @@ def _make_kv_engine(req: _Request) -> Optional[KVCacheEngine]:
                 f"method='kv-cache' patches {list(KV_ACTIVATIONS)} by 'pos' or 'all', not {activation!r} by {by!r}; use method='hooks'"
             )
         return None
-    if method == "auto" and kind_of(model) != "bridge":
+    if method == "auto" and not capabilities(model).hf_original:
         return None
     try:
         return KVCacheEngine(model, req.corrupted, req.read, activation)
@@ -312,7 +312,7 @@ def _prepare(model, corrupted_tokens, clean_cache, metric, activation, *, by: st
     sizes = dict(layer=L, pos=n, head=model.cfg.n_heads, dest_pos=n, src_pos=n)
     names = [act_name(activation, l) for l in range(L)]
     check_hooks(model, names)
-    if kind == "pattern" and kind_of(model) != "interp_norm":
+    if kind == "pattern" and not capabilities(model).full_vocabulary:
         check_pattern_hooks_act(model, corrupted, names)
     if clean_cache is None:
         if clean_tokens is None:
@@ -354,9 +354,10 @@ def _corrupted_run(req: _Request) -> _CorruptedRun:
         run = _CorruptedRun(kv.logits, kv.acts, kv=kv)
     else:
         names = [act_name(req.activation, l) for l in range(L)]
-        want = set(names) | ({act_name("resid_pre", l) for l in range(L)} if kind_of(model) == "interp_norm" else set())
+        restarts = capabilities(model).full_vocabulary  # model(resid, start_at_layer=l) replays from a cached resid_pre
+        want = set(names) | ({act_name("resid_pre", l) for l in range(L)} if restarts else set())
         logits, cache = model.run_with_cache(req.corrupted, names_filter=lambda nm: nm in want)
-        run = _CorruptedRun(logits, [cache[nm] for nm in names], start_cache=cache if kind_of(model) == "interp_norm" else None)
+        run = _CorruptedRun(logits, [cache[nm] for nm in names], start_cache=cache if restarts else None)
     for a, c in zip(req.clean_acts, run.acts):
         if a.shape != c.shape:
             raise PatchingError(
