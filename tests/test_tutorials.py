@@ -70,7 +70,16 @@ def data():
     with torch.no_grad():
         _, gemma_cache = gemma.run_with_cache(gemma_tokens)
     return dict(pre=pre, tokens=tokens, cache=cache, ln=ln, ln_cache=ln_cache, pairs=pairs, metric=LogitDiff(pairs),
-                ablation=ablation, row=row, gemma=gemma, gemma_cache=gemma_cache, gemma_tokens=gemma_tokens)
+                ablation=ablation, row=row, gemma=gemma, gemma_cache=gemma_cache, gemma_tokens=gemma_tokens,
+                **_located(pre, task))
+
+
+def _located(model, task) -> dict:
+    """A cell-grain circuit of a small model and its attention mass per token class (the circuit exercise's tables)."""
+    from interp_norm.circuits import CircuitSpec, attention_by_class, locate_circuit
+
+    located = locate_circuit(model, task, spec=CircuitSpec(n=24, seed=0))
+    return dict(located=located, attention=attention_by_class(model, located.data))
 
 
 def check_args(name: str, d: dict) -> tuple:
@@ -82,6 +91,7 @@ def check_args(name: str, d: dict) -> tuple:
         "patch_one": (d["pre"], d["pairs"], d["metric"]),
         "attribution_scores": (d["pre"], d["pairs"], d["metric"]),
         "head_faithfulness": (d["pre"], d["pairs"], d["metric"]),
+        "most_necessary_reads": (d["pre"], d["located"], d["attention"]),
         "query_norm_ratio": (d["pre"], d["tokens"]),
         "mc_collapse_probability": (d["row"],),
         "principal_angles_deg": (d["pre"],),
@@ -160,6 +170,18 @@ def faithfulness_unnormalised(model, pairs, metric, heads_in_circuit):
     return S.head_faithfulness(model, pairs, metric, heads_in_circuit) * (clean - corrupted) + corrupted
 
 
+def reads_of_most_necessary_overall(effects, attention, position):
+    top = effects.sort_values(["accuracy_drop", "logit_diff_drop"], ascending=False).iloc[0]  # ignores the position
+    mine = attention[(attention["layer"] == top["layer"]) & (attention["head"] == top["head"])
+                     & (attention["position"] == position)]
+    return mine.loc[mine["mass"].idxmax(), "token_class"]
+
+
+def reads_most_attended(effects, attention, position):
+    here = attention[attention["position"] == position]  # the largest mass of any head, necessary or not
+    return here.loc[here["mass"].idxmax(), "token_class"]
+
+
 def ratio_inverted(model, tokens, level, seed):
     return 1 / S.query_norm_ratio(model, tokens, level, seed)
 
@@ -228,6 +250,7 @@ WRONG = {
     "patch_one": [patch_raw, patch_wrong_position],
     "attribution_scores": [attribution_negated, attribution_halved],
     "head_faithfulness": [faithfulness_inverted, faithfulness_unnormalised],
+    "most_necessary_reads": [reads_of_most_necessary_overall, reads_most_attended],
     "query_norm_ratio": [ratio_inverted, ratio_ignores_seed],
     "mc_collapse_probability": [mc_half_width_level, mc_zero],
     "principal_angles_deg": [angles_radians, angles_not_orthonormalised],
@@ -238,8 +261,8 @@ WRONG = {
 NAMES = sorted(C.CHECKS)
 
 
-def test_there_are_twelve_checks_each_with_a_solution_and_wrong_answers():
-    assert len(NAMES) == 12
+def test_there_are_thirteen_checks_each_with_a_solution_and_wrong_answers():
+    assert len(NAMES) == 13
     assert set(NAMES) == set(S.__all__) == set(WRONG)
 
 
@@ -264,7 +287,7 @@ def calibrated(data):
     with torch.no_grad():
         _, cache = pre.run_with_cache(data["tokens"])
         _, ln_cache = ln.run_with_cache(data["tokens"])
-    return dict(data, pre=pre, cache=cache, ln=ln, ln_cache=ln_cache)
+    return dict(data, pre=pre, cache=cache, ln=ln, ln_cache=ln_cache, **_located(pre, AdditionTask.preset("cpu")))
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n not in ("most_important_head", "mc_collapse_probability",

@@ -15,6 +15,13 @@
   resample/mean/zero ablation (drawn by :func:`interp_norm.report.plots.draw_circuit`).
 * :mod:`~interp_norm.circuits.attention_maps` -- which heads attend sparsely to which operand
   digit/operator/``=`` from each answer position.
+* :mod:`~interp_norm.circuits.addition_circuit` -- the addition circuit at the grain of (layer, head,
+  answer position) cells: located by resample ablation of every other cell, verified under resample,
+  mean and zero ablation, with its size-vs-accuracy curve (:func:`locate_circuit`).
+* :mod:`~interp_norm.circuits.circuit_roles` -- what each cell reads: attention mass per token class,
+  a role from a stated rule (:class:`RoleRule`), role counts, and a plain-words account generated from
+  the tables; :func:`addition_circuit` locates and explains in one call.
+  :mod:`~interp_norm.circuits.role_tests` -- the causal test of the roles (resample one token class).
 
 Shared result/metric types live in the private ``_types`` module. :func:`run_circuits` runs the
 standard set for a model and returns the tables; it writes nothing (``interp-norm circuits`` does).
@@ -29,6 +36,17 @@ from typing import Any, Optional, Sequence
 import pandas as pd
 
 from interp_norm.circuits._types import PatchResult
+from interp_norm.circuits.addition_circuit import CircuitSpec, LocatedCircuit, locate_circuit
+from interp_norm.circuits.circuit_roles import (
+    RoleRule,
+    account,
+    addition_circuit,
+    assign_roles,
+    attention_by_class,
+    circuit_roles,
+    role_counts,
+)
+from interp_norm.circuits.role_tests import role_agreement, role_tests
 from interp_norm.circuits.attention_maps import attention_map, attention_map_split, sparse_attention_events, token_roles
 from interp_norm.circuits.attribution import attribution_patch, compare_scores, node_attribution
 from interp_norm.circuits.edge_scores import edge_attribution, exact_edge_patch
@@ -131,6 +149,9 @@ __all__ = [
     "attribution_patch", "node_attribution", "edge_attribution", "exact_edge_patch", "compare_scores", "EdgeGraph", "receiver_node",
     # circuits
     "Circuit", "faithfulness", "run_with_circuit", "ABLATIONS",
+    # the addition circuit at the cell grain, its roles
+    "addition_circuit", "locate_circuit", "CircuitSpec", "LocatedCircuit", "attention_by_class", "assign_roles",
+    "circuit_roles", "role_counts", "account", "RoleRule", "role_tests", "role_agreement",
     # attention maps
     "token_roles", "sparse_attention_events", "attention_map", "attention_map_split",
     # orchestration

@@ -43,6 +43,7 @@ from interp_norm.tutorial._core import (  # noqa: F401  (CheckResult and the sta
 )
 from interp_norm.errors import ConfigError
 from interp_norm.core.hook_names import act_name, normalised_targets
+from interp_norm.tutorial._circuit_ref import masses_by_loop, most_necessary, reads_from_tables, shuffled_tables, top_classes
 
 
 # ============================================================================= 01 quickstart
@@ -245,6 +246,43 @@ def check_head_faithfulness(learner, model, pairs, metric) -> str:
             raise _Fail(f"circuit of {name}: yours {g:.6g}, expected {r:.6g}{hint}")
     return (f"equals an independent computation (the replaced heads' change added to hook_attn_out through W_O) "
             f"for 4 head sets; no head keeps {ref[1]:.3f}, a random half {ref[3]:.3f}")
+
+
+@_exercise("most_necessary_reads")
+def check_most_necessary_reads(learner, model, located, attention) -> str:
+    """``most_necessary_reads(effects, attention, position)`` at every answer position, against the attention
+    mass recomputed from ``hook_pattern`` by a loop, and on shuffled tables."""
+    from interp_norm.circuits.circuit_roles import assign_roles
+
+    effects, data = located.effects, located.data
+    answers = {}
+    for slot, pos in enumerate(data.slots):
+        got = learner(effects.copy(), attention.copy(), pos)
+        if not isinstance(got, str):
+            raise _Fail(f"most_necessary_reads should return a token class name (a str, e.g. 'units digits'), got {type(got).__name__}")
+        cells = most_necessary(effects, pos)
+        masses = [masses_by_loop(model, data, l, h, slot) for l, h in cells]
+        want = set().union(*(top_classes(m, 1e-6) for m in masses))  # float32 sums of at most ~20 keys
+        if got not in want:
+            mean_top = attention[attention["position"] == pos].sort_values("mass").iloc[-1]
+            hint = ""
+            if got == mean_top["token_class"]:
+                hint = ". That is the class most attended by any head there: take the most *necessary* cell (largest accuracy_drop)"
+            raise _Fail(f"at the {pos} position the most necessary cell is {_head_label(*cells[0])}, which reads most from "
+                        f"{sorted(want)[0]!r} ({100 * max(masses[0].values()):.0f}% of its attention); you returned {got!r}{hint}")
+        answers[pos] = (cells[0], got, masses[0][got])
+    fx, att = shuffled_tables(effects, attention)
+    for pos in data.slots:
+        got, want = learner(fx.copy(), att.copy(), pos), reads_from_tables(fx, att, pos)
+        if got not in want:
+            raise _Fail(f"on shuffled tables (same cells, other necessities and masses), at the {pos} position: "
+                        f"expected {sorted(want)[0]!r}, you returned {got!r}")
+    roles = assign_roles(attention).set_index(["layer", "head", "position"])["role"]
+    pos = "units" if "units" in answers else data.slots[-1]
+    (l, h), cls, mass = answers[pos]
+    return (f"right at all {len(answers)} answer positions (masses recomputed from hook_pattern) and on shuffled tables; "
+            f"at the {pos} position {_head_label(l, h)} reads most from {cls} ({100 * mass:.0f}%): "
+            f"its role is '{roles.get((l, h, pos), '?')}'")
 
 
 # ============================================================================= 03 noise
@@ -455,7 +493,7 @@ CHECKS = {
     f.exercise: f
     for f in (
         check_my_scores, check_most_important_head, check_prev_token_scores,
-        check_patch_one, check_attribution_scores, check_head_faithfulness,
+        check_patch_one, check_attribution_scores, check_head_faithfulness, check_most_necessary_reads,
         check_query_norm_ratio, check_mc_collapse_probability,
         check_principal_angles_deg, check_ln_coordinates,
         check_head_layernorm, check_noised_argmax,

@@ -120,6 +120,15 @@ def head_faithfulness(model, pairs, metric, heads_in_circuit):
     return (metric(logits).mean().item() - corrupted) / (clean - corrupted)
 
 
+def most_necessary_reads(effects, attention, position):
+    here = effects[effects["position"] == position]
+    # most necessary: the largest accuracy drop when the cell alone is ablated (logit difference breaks ties)
+    cell = here.sort_values(["accuracy_drop", "logit_diff_drop"], ascending=False).iloc[0]
+    mine = attention[(attention["layer"] == cell["layer"]) & (attention["head"] == cell["head"])
+                     & (attention["position"] == position)]
+    return mine.loc[mine["mass"].idxmax(), "token_class"]
+
+
 # ============================================================================= 03 noise
 
 
@@ -193,7 +202,7 @@ def noised_argmax(model, cache, layer, kappa_q, kappa_k):
 
 __all__ = [
     "my_scores", "most_important_head", "prev_token_scores",
-    "patch_one", "attribution_scores", "head_faithfulness",
+    "patch_one", "attribution_scores", "head_faithfulness", "most_necessary_reads",
     "query_norm_ratio", "mc_collapse_probability",
     "principal_angles_deg", "ln_coordinates",
     "head_layernorm",

@@ -15,12 +15,16 @@ NB02 = [
     2. exact activation patching, batched (and how to compute a cell by hand);
     3. attribution patching: a gradient approximation of every head's patching effect in one backward pass;
     4. circuits and faithfulness: how much of the behaviour a few heads carry;
-    5. the library's one-call circuit pipeline (edge attribution, pruned circuits, faithfulness).
+    5. the library's one-call circuit pipeline (edge attribution, pruned circuits, faithfulness);
+    6. a finer grain: the circuit as a set of (layer, head, answer position) cells, located by ablation;
+    7. verifying it under resample, mean and zero ablation, and once by hand;
+    8. what the reference model's heads compute: roles from attention mass per token class.
 
     **Exercises:** 1 · one patching cell by hand (checked against `transformer_lens.patching`),
-    2 · attribution scores for every head, 3 · faithfulness of a set of heads.
+    2 · attribution scores for every head, 3 · faithfulness of a set of heads,
+    4 · which tokens the most necessary cell at an answer position reads.
     """),
-    code(setup("patch_one", "attribution_scores", "head_faithfulness")),
+    code(setup("patch_one", "attribution_scores", "head_faithfulness", "most_necessary_reads")),
     code("""
     from interp_norm import circuits
 
@@ -179,6 +183,156 @@ NB02 = [
     tables = circuits.run_circuits(model, info.task, n_pairs=48, seed=0, attention_problems=64)
     display(tables["faithfulness"][["ablation", "n_edges", "n_components", "faithfulness"]])
     plots.plot_circuit_graph(tables["circuit"], n_layers=cfg.n_layers, n_heads=cfg.n_heads)
+    """),
+    md("""
+    ## 6. A finer grain: heads at answer positions
+    **What you will learn:** why a list of heads is not yet an explanation, and a finer unit. The ranking
+    and the top-k curve of section 4 say *which* heads matter for one digit corruption, not *where* or
+    *what for*: each head runs at every answer position and may do a different job at each, and a few
+    heads kept against corrupted inputs is not the same as a few heads being enough to add. So the unit
+    here is a *cell*: one head's output `z`
+    at the rows of one answer position, i.e. the rows that *predict* the answer's sign, one of its digits
+    (named by place value: hundreds, tens, units) or the closing `]` (`end`). Question rows are never ablated.
+
+    `circuits.locate_circuit` ablates a cell by **resampling**: its `z` at its rows is replaced by the same
+    rows of a run on another problem with the same token layout (same terms, digits per term and answer
+    length), so every row means the same thing in both runs. It ranks the cells by *necessity*, the
+    per-token accuracy lost when that cell alone is ablated (logit difference breaks ties), and keeps the
+    top-k until the model with **every other cell ablated** keeps 90% of the full model's per-token accuracy
+    (the answer digits and `]`, teacher-forced, as in the paper's §3). 128 problems keep this section quick.
+    """),
+    code("""
+    spec = circuits.CircuitSpec(n=128, seed=0, keep=0.9, ablation="resample")
+    located = circuits.locate_circuit(model, info.task, spec=spec)
+    effects, located_curve = located.effects, located.curve
+    size = len(located.cells)
+    print(f"{size} of {len(effects)} cells ({size / len(effects):.0%} of the model) keep "
+          f"{located_curve['accuracy_kept'].iloc[size]:.1%} of per-token accuracy")
+    display(effects.head(8)[["cell", "position", "n_rows", "accuracy_drop", "logit_diff_drop"]])
+    grid = (effects.assign(unit="L" + effects["layer"].astype(str) + "H" + effects["head"].astype(str))
+            .pivot(index="unit", columns="position", values="accuracy_drop")[list(located.data.slots)])
+    px.imshow(grid, text_auto=".2f", color_continuous_scale="Blues", aspect="auto",
+              title="Necessity of each cell: accuracy lost when it alone is resample-ablated")
+    """),
+    code("""
+    fig = px.line(located_curve, x="size", y="accuracy_kept", markers=True, hover_data=["added"],
+                  title="Accuracy kept by the top-k cells, every other cell resample-ablated")
+    fig.add_hline(y=spec.keep, line_dash="dot")
+    fig.add_vline(x=size, line_dash="dot")
+    fig
+    """),
+    md("""
+    ## 7. Verifying the circuit
+    **What you will learn:** what "the circuit keeps 90%" depends on. `located.verification` has one row per
+    ablation: the full model's accuracy, the circuit's (every other cell ablated), no cell kept, the share of
+    accuracy kept, the share *recovered* `(circuit − none) / (full − none)`, and the same ratio of logit
+    differences (`faithfulness`; the logit difference is between the clean answer token and the resample
+    source's, at the rows where they differ). The circuit was grown under resample ablation; mean and zero
+    ablation put the other cells' outputs off the data distribution, so compare the rows before trusting one
+    number. `share_of_cells` is the circuit's size as a share of the model.
+    """),
+    code("""
+    display(located.verification[["ablation", "cells", "n_cells", "share_of_cells", "accuracy_full", "accuracy_circuit",
+                                  "accuracy_none", "accuracy_kept", "accuracy_recovered", "faithfulness"]])
+    """),
+    md("""
+    The same number once by hand, from the printed cells only: run the clean problems with a hook that puts
+    the resample source's `z` into every answer row of every head whose cell is *not* in the circuit, and
+    count the correct next tokens at the answer rows.
+    """),
+    code("""
+    from interp_norm.core.hook_names import act_name
+    from interp_norm.core.task import next_tokens
+
+    data = located.data
+    inside = set(zip(located.cells["layer"], located.cells["head"], located.cells["slot"]))
+    z_names = [act_name("z", layer) for layer in range(cfg.n_layers)]
+    answer_rows = data.answer_rows.nonzero().tolist()  # (problem, row) pairs
+    with torch.no_grad():
+        _, source_cache = model.run_with_cache(data.source, names_filter=lambda name: name in z_names)
+
+        def resample_outside(z, hook):
+            layer = z_names.index(hook.name)
+            for b, q in answer_rows:
+                for h in range(cfg.n_heads):
+                    if (layer, h, int(data.slot[b, q])) not in inside:
+                        z[b, q, h] = source_cache[hook.name][b, q, h]
+            return z
+
+        by_hand = model.run_with_hooks(data.tokens, fwd_hooks=[(name, resample_outside) for name in z_names])
+        full_logits = model(data.tokens)
+    right = lambda logits: (logits.argmax(-1) == next_tokens(data.tokens))[data.answer_rows].double().mean().item()
+    row = located.verification.set_index("ablation").loc["resample"]
+    print(f"by hand: the circuit {right(by_hand):.4f}, the full model {right(full_logits):.4f}; "
+          f"locate_circuit: {row['accuracy_circuit']:.4f} and {row['accuracy_full']:.4f}")
+    """),
+    md("""
+    ## 8. What the heads compute
+    **What you will learn:** how a cell gets a role. `circuits.attention_by_class` measures, for every cell,
+    its mean attention mass on each *token class* over its rows: operand digits by place value (`units
+    digits` = the units digits of all terms, `tens digits`, ...), `operand signs`, `operators`, `=`,
+    `earlier answer` (the answer tokens so far, the query's own included) and `[`. The classes partition the
+    keys, so a cell's masses sum to 1. `circuits.assign_roles` applies a stated rule (`circuits.RoleRule`):
+    a cell *reads X* when at least 60% of its mass is on X; *reads X and Y* when the two largest classes
+    hold 60% together and the second at least 20%; *reads operand digits* when the digit classes together
+    hold 60%; otherwise it is *spread*, named by its largest class. `circuits.circuit_roles` joins the roles
+    to the circuit's cells; `circuits.role_counts` counts them per answer position and layer, which is what
+    can be compared between models (head indices mean nothing across seeds).
+    """),
+    code("""
+    attention = circuits.attention_by_class(model, located.data)
+    roles = circuits.assign_roles(attention, circuits.RoleRule(dominant=0.6, pair=0.6, minor=0.2))
+    circuit = circuits.circuit_roles(located, roles)
+    display(circuit[["order", "cell", "accuracy_drop", "role", "top_class", "top_mass", "second_class", "second_mass"]])
+    display(circuits.role_counts(circuit))
+    masses = attention.merge(circuit[["layer", "head", "position", "cell", "order"]], on=["layer", "head", "position"])
+    heat = masses.pivot(index="cell", columns="token_class", values="mass").loc[circuit["cell"]]
+    px.imshow(heat, text_auto=".2f", color_continuous_scale="Blues", aspect="auto",
+              title="Attention mass per token class of each circuit cell (in the order added)")
+    """),
+    md(f"""
+    ### Exercise 4 — what does the most necessary cell read?
+    {difficulty(2, 10)}
+
+    Write `most_necessary_reads(effects, attention, position)`: among the cells at answer position `position`
+    (e.g. `"units"`), take the most necessary one (largest `accuracy_drop`; `logit_diff_drop` breaks ties)
+    and return the token class (a string such as `"tens digits"`) on which that cell puts the most attention
+    mass. The check asks at every answer position and compares with the mass recomputed from `hook_pattern`
+    by a loop over rows and keys; then it asks again on shuffled tables, so an answer typed in by hand fails.
+
+    {hints("Filter `effects` to the position and sort by `['accuracy_drop', 'logit_diff_drop']`, descending.",
+           "Then filter `attention` to that cell's `layer`, `head` and the same `position`, and take the `token_class` of the largest `mass` (`idxmax`).")}
+    """),
+    exercise("most_necessary_reads", """
+    def most_necessary_reads(effects, attention, position):
+        # YOUR CODE HERE: return a token class name (a str)
+        return None
+
+    check_most_necessary_reads(most_necessary_reads, model, located, attention)
+    """),
+    solution("most_necessary_reads"),
+    md("""
+    A role is read off attention; does the cell *use* what it reads? `circuits.role_tests` resamples, at one
+    circuit cell, only the values it reads from one token class (the attention pattern stays clean) and
+    measures what that costs; `circuits.role_agreement` says per cell whether the costliest class is one its
+    role predicted (`None` for a *spread* role, which predicts nothing).
+    """),
+    code("""
+    tests = circuits.role_tests(model, located, circuit)
+    display(circuits.role_agreement(tests))
+    """),
+    md("""
+    ## What the reference model's heads compute
+    The account below is generated from the tables above (`circuits.account`), not written by hand: the
+    circuit's size and what it keeps, then, per answer position, the circuit's cells with their roles, their
+    largest class and their necessity. A position with no circuit cell is one whose cells were not needed to
+    reach 90% (the circuit keeps 90% with all of them resampled), which does not mean they do nothing. Read
+    it beside the role test above: a *spread* cell has a measured attention profile but no one-class story.
+    `circuits.addition_circuit(model)` runs sections 6-8
+    in one call, and `interp-norm circuits CKPT --cells` writes these tables for any checkpoint.
+    """),
+    code("""
+    print(circuits.account(located, roles, name="The reference model (pre)"))
     """),
     md("""
     **Next:** `03_norm_noise_and_circuit_collapse.ipynb` asks how stable these circuits are when the norms
