@@ -77,6 +77,10 @@ def _ckpt_meta(name: str) -> dict:
                 seed=int(name.split("-s")[1]) if "-s" in name else 0)
 
 
+def _family_quantity(family: str) -> str:
+    return "circuit cells with no dominant class (spread)" if family == "spread" else f"circuit cells reading {family}"
+
+
 def per_checkpoint(out: Path) -> pd.DataFrame:
     """One row per (checkpoint, quantity) in the columns :func:`compare_seeds` reads."""
     circ, ver, spars = read(out, "circuit"), read(out, "verification"), read(out, "sparsity")
@@ -89,12 +93,12 @@ def per_checkpoint(out: Path) -> pd.DataFrame:
              ("circuit cells", "cells", float(len(c))),
              ("mean max attention of circuit cells", "%", 100 * float(s["max_attention"].mean())),
              ("sparse rows of circuit cells", "%", 100 * float((s["sparse_share"] * s["n_rows"]).sum() / s["n_rows"].sum()))]
-        q += [(f"circuit cells reading {f}", "cells", float((c["family"] == f).sum())) for f in FAMILIES]
+        q += [(_family_quantity(f), "cells", float((c["family"] == f).sum())) for f in FAMILIES]
         q += [(f"circuit cells in layer {l}", "cells", float((c["layer"] == l).sum())) for l in sorted(set(spars["layer"]))]
         cl = col[(col["checkpoint"] == name) & col["in_circuit"]]
         for level in LEVELS:
             at = cl[np.isclose(cl["level"], level)]
-            q.append((f"circuit's share of collapses at {level:.0%} noise", "%", 100 * float(at["share_of_collapses"].sum())))
+            q.append((f"circuit's share of collapses at {level:.0%} noise", "%", 100 * float(at["share_of_collapses"].sum(min_count=1))))
         q.append(("circuit's share of sparse rows", "%", 100 * float(cl[np.isclose(cl["level"], LEVELS[0])]["share_of_sparse"].sum())))
         k = cost[cost["checkpoint"] == name]
         for level in LEVELS:
@@ -108,6 +112,9 @@ def per_checkpoint(out: Path) -> pd.DataFrame:
 def comparisons(per: pd.DataFrame) -> pd.DataFrame:
     """Pre vs QKV per scaling (:func:`compare_seeds`), one-sided exact permutation p both ways."""
     comp, _ = compare_seeds(per, pairs=PAIRS)
+    order = {q: i for i, q in enumerate(per["quantity"].unique())}
+    comp = comp.sort_values(["scaling", "comparison"], key=lambda c: c.map(order) if c.name == "comparison" else c,
+                            kind="stable").reset_index(drop=True)
     extra = []
     for r in comp.itertuples():
         cal = "none" if r.scaling == PAIRS[0][0] else "paper"
