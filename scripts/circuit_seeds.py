@@ -183,6 +183,12 @@ def markdown(comp: pd.DataFrame, within: pd.DataFrame, col: pd.DataFrame) -> str
     return "\n".join(out)
 
 
+def markdown_from_data(data: Path = DATA) -> str:
+    """The section rebuilt from the tables kept in docs/data (what the docs test checks)."""
+    return markdown(pd.read_csv(data / "circuit_seed_comparisons.csv"), pd.read_csv(data / "circuit_noise_cost_seeds.csv"),
+                    pd.read_csv(data / "circuit_collapse_by_role.csv"))
+
+
 def summarise(out: Path, write: bool) -> str:
     per = per_checkpoint(out)
     comp, within = with_family_holm(comparisons(per), within_arm(per))
@@ -196,7 +202,10 @@ def summarise(out: Path, write: bool) -> str:
         col.to_csv(DATA / "circuit_collapse_by_role.csv", index=False)
         read(out, "noise_cost").to_csv(DATA / "circuit_noise_cost.csv", index=False)
         read(out, "verification").to_csv(DATA / "circuit_verification.csv", index=False)
-        read(out, "circuit").to_csv(DATA / "circuit_cells.csv", index=False)
+        for key in ("circuit", "roles", "curve", "sparsity"):
+            read(out, key).to_csv(DATA / f"circuit_{key}_per_checkpoint.csv", index=False)
+        pd.DataFrame([dict(checkpoint=n, account=(out / n / "account.txt").read_text().strip()) for n in CHECKPOINTS
+                      if (out / n / "account.txt").exists()]).to_csv(DATA / "circuit_accounts.csv", index=False)
         page = PAGE.read_text(encoding="utf-8")
         if START not in page:
             PAGE.write_text(page.rstrip("\n") + f"\n\n{START}\n{END}\n", encoding="utf-8")
