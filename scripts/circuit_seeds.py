@@ -151,6 +151,10 @@ def _ci(m: float, lo: float, hi: float) -> str:
     return "—" if pd.isna(m) else f"{m:.1f}" if pd.isna(lo) else f"{m:.1f} [{lo:.1f}, {hi:.1f}]"
 
 
+def _pc(x: float) -> str:
+    return "—" if pd.isna(x) else f"{100 * x:.1f}%"
+
+
 def _pv(p: float) -> str:
     return "—" if pd.isna(p) else f"{p:.2g}"
 
@@ -175,11 +179,11 @@ def markdown(comp: pd.DataFrame, within: pd.DataFrame, col: pd.DataFrame) -> str
     g = col.assign(arm=col["checkpoint"].str.replace(r"-s\d$", "", regex=True))
     g = g.groupby(["arm", "level", "group"])[["share_of_sparse", "share_of_collapses", "collapse_rate"]].mean()
     out += ["", "Per role family (mean over seeds): share of all sparse rows, share of all collapses, collapse rate "
-            "of its sparse rows:", "", "| arm | noise | group | share of sparse | share of collapses | collapse rate |",
+            "of its sparse rows (— where nothing collapsed or it has no sparse row):", "", "| arm | noise | group | share of sparse | share of collapses | collapse rate |",
             "|---|---|---|---|---|---|"]
     for (arm, level, grp), r in g.iterrows():
-        out.append(f"| {arm} | {level:.0%} | {grp} | {100 * r.share_of_sparse:.1f}% | "
-                   f"{100 * r.share_of_collapses:.1f}% | {100 * r.collapse_rate:.1f}% |")
+        out.append(f"| {arm} | {level:.0%} | {grp} | {_pc(r.share_of_sparse)} | {_pc(r.share_of_collapses)} | "
+                   f"{_pc(r.collapse_rate)} |")
     return "\n".join(out)
 
 
