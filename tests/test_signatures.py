@@ -44,19 +44,12 @@ def test_the_check_sees_positional_parameters():
 
 MAX_LINES = 80  # a function's length: `def` (decorators excluded) to its last line
 MAX_PARAMS = 9  # every named parameter, keyword-only and *args/**kwargs included; self/cls excluded
-#: Over a limit and owned by modules being restructured on other branches (kind dispatch, one loader,
-#: the reproduce orchestration, the attribution methods): the list may only shrink.
+#: Over a limit and owned by the reproduce orchestration, being restructured on another branch: the list may only
+#: shrink.
 KNOWN_LONG: set = {
-    "circuits/attribution_replay.py:prefix_attribution",
-    "noise/decide.py:row_decisions",
     "report/reproduce.py:run_analyses",
 }
-KNOWN_WIDE: set = {
-    "circuits/attribution.py:_full_passes",
-    "circuits/exact/kv_patching.py:kv_patch_cells",  # called by circuits/exact/patching.py
-    "circuits/exact/patching.py:_prepare",
-    "circuits/exact/patching.py:activation_patch",
-}
+KNOWN_WIDE: set = set()
 
 
 def functions(tree: ast.AST, prefix: str = ""):
