@@ -49,7 +49,7 @@ def row_decisions(w: Tensor, fq: Tensor, fk: Tensor, base: Tensor, softcap: Opti
     strict = torch.zeros(D, R, dtype=torch.bool)
     if R == 0 or D == 0:
         return loose, strict
-    rows = _Rows.build(w, fq, fk, base, softcap, strict_threshold, max_elements)
+    rows = _Rows.build(w, fq, fk, base, softcap=softcap, strict_threshold=strict_threshold, max_elements=max_elements)
     lo, hi = (float(fk.min()), float(fk.max())) if fk.numel() else (1.0, 1.0)
     if not prune or not (lo > 0 and bool((fq > 0).all())):
         rows.whole(loose, strict)  # general case (a factor ≤ 0 can reverse a row's order)
@@ -77,7 +77,7 @@ class _Rows:
     all_keys: Tensor
 
     @classmethod
-    def build(cls, w: Tensor, fq: Tensor, fk: Tensor, base: Tensor, softcap: Optional[float],
+    def build(cls, w: Tensor, fq: Tensor, fk: Tensor, base: Tensor, *, softcap: Optional[float],
               strict_threshold: float, max_elements: int) -> "_Rows":
         tstar = w.argmax(-1)
         masked_w = torch.isneginf(w)

@@ -32,7 +32,7 @@ from interp_norm.core.hook_names import act_name
 @dataclass(frozen=True)
 class PatchSpec:
     """How :func:`~interp_norm.circuits.exact.patching.activation_patch` patches (also taken as keywords; an
-    unknown one: ConfigError).
+    unknown one: PatchingError).
 
     ``by``: ``"pos"`` (per position; per destination position for ``pattern``), ``"all"`` (all positions
     at once) or ``"dest_src"`` (``pattern`` only). ``cells``: a DataFrame of explicit cells (columns = the

@@ -470,7 +470,7 @@ def activation_patch(
     Steps: :func:`_prepare` (validate), :func:`_corrupted_run`, :func:`_dead_cells`,
     :func:`_plan_chunks`, :func:`_run_chunks`.
     """
-    spec = with_overrides(PatchSpec, spec, overrides, who="activation_patch")
+    spec = with_overrides(PatchSpec, spec, overrides, who="activation_patch", error=PatchingError)
     req = _prepare(model, corrupted_tokens, clean_cache, metric, activation, spec=spec, clean_tokens=clean_tokens)
     run = _corrupted_run(req)
     b = req.corrupted.shape[0]
