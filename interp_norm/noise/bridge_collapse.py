@@ -167,8 +167,9 @@ def collapse_chunks(
     progress: bool = False, anat: Optional[Anatomy] = None, **overrides: Any,
 ) -> Iterator[ChunkCollapse]:
     """Per (layer, block of query heads): the sparse rows and their decisions at every level and
-    draw (:class:`ChunkCollapse`), from one clean forward pass. Options: :class:`BridgeCollapseSpec` (``spec``
-and/or its fields as keywords; ``by_head``, ``predict`` and ``strict_samples`` are the table's, not read here).
+    draw (:class:`ChunkCollapse`), from one clean forward pass. Options: :class:`BridgeCollapseSpec`
+    (``spec`` and/or its fields as keywords; ``by_head``, ``predict`` and ``strict_samples`` are the
+    table's, not read here).
 
     Rows counted: every (example, head, query) whose clean max attention (softmax of the rebuilt,
     soft-capped, masked scores — verified equal to ``hook_pattern`` by :func:`anatomy`) is ≥
