@@ -65,7 +65,7 @@ from interp_norm.circuits.metrics import (
     make_metric,
 )
 from interp_norm.circuits.pairs import PatchingPairs, corrupt_problem, make_pairs, problem_format
-from interp_norm.circuits.exact.patching import activation_patch, patch_sweep
+from interp_norm.circuits.exact.patching import PatchSpec, activation_patch, patch_sweep
 from interp_norm.errors import ConfigError
 
 
@@ -144,7 +144,7 @@ __all__ = [
     "PatchingPairs", "make_pairs", "corrupt_problem", "problem_format", "PairMetric", "LogitDiff", "CorrectProb",
     "KLToClean", "logit_diff", "correct_prob", "kl_to_clean", "make_metric", "answer_metrics", "METRICS",
     # exact patching
-    "PatchResult", "activation_patch", "patch_sweep",
+    "PatchResult", "PatchSpec", "activation_patch", "patch_sweep",
     # attribution
     "attribution_patch", "node_attribution", "edge_attribution", "exact_edge_patch", "compare_scores", "EdgeGraph", "receiver_node",
     # circuits

@@ -121,17 +121,16 @@ def node_attribution(
     cols, ne = _read_columns(model, metric, b, n, any(PATCHABLE[a] == "pattern" for a in activations))
     steps_per_pass = max(1, batch_size // b)
     leaves = sorted(want - {embed})
+    inputs = replay.AttributionInputs(clean, corr, metric, names=leaves, embed=embed, alphas=alphas,
+                                      steps_per_pass=steps_per_pass)
     found = None
     if not frozen and replay.applies(model, activations):
         try:
-            found = replay.prefix_attribution(
-                model, clean, corr, metric, names=leaves, embed=embed,
-                cols=cols if cols is not None else torch.arange(n, device=dev), alphas=alphas, steps_per_pass=steps_per_pass)
+            found = replay.prefix_attribution(model, inputs, cols if cols is not None else torch.arange(n, device=dev))
         except EngineRefusal:
             found = None  # a bridge whose blocks cannot be re-run: full passes
     if found is None:
-        found = _full_passes(model, clean, corr, metric, leaves=leaves, embed=embed, cols=cols, ne=ne, alphas=alphas,
-                             steps_per_pass=steps_per_pass, frozen=frozen)
+        found = _full_passes(model, inputs, cols=cols, ne=ne, frozen=frozen)
     prods, clean_val, baseline = found
     out = {}
     for a in activations:
@@ -153,8 +152,8 @@ def node_attribution(
     return out
 
 
-def _full_passes(model, clean: Tensor, corr: Tensor, metric: MetricFn, *, leaves: list, embed: str, cols: Optional[Tensor],
-                 ne: int, alphas: Tensor, steps_per_pass: int, frozen: Sequence = ()) -> tuple[dict, Tensor, Tensor]:
+def _full_passes(model, inputs: replay.AttributionInputs, *, cols: Optional[Tensor], ne: int,
+                 frozen: Sequence = ()) -> tuple[dict, Tensor, Tensor]:
     """One clean forward, then forward + backward passes from the corrupted input with zero leaves
     added at every hooked activation: ``{name: (clean - corrupted) x gradient summed over the
     integration points}``, the clean metric values and the corrupted baseline.
@@ -167,7 +166,9 @@ def _full_passes(model, clean: Tensor, corr: Tensor, metric: MetricFn, *, leaves
     (``tests/test_bridge_attribution_resid.py`` checks against the gradient of a hand-written forward).
     Elsewhere out of place (a tensor there may be saved for the backward pass, e.g. ``hook_pattern``:
     the softmax's output). ``frozen``: hooks (:func:`~interp_norm.circuits.norm_modes.freeze_hooks`)
-    that run before the leaves on the differentiated passes."""
+    that run before the leaves on the differentiated passes. The leaves are ``inputs.names``."""
+    clean, corr, metric, leaves, embed = inputs.clean, inputs.corr, inputs.metric, inputs.names, inputs.embed
+    alphas, steps_per_pass = inputs.alphas, inputs.steps_per_pass
     b, n = clean.shape
     in_place = {nm for nm in leaves if any(nm == act_name(a, int(nm.split(".")[1])) for a in _RESIDUAL)}
     dev = clean.device

@@ -28,6 +28,7 @@ falls back to full forward passes. Never used when a hook is on the model.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Optional
 
@@ -111,12 +112,76 @@ def _to_positions(act: Tensor, pos: Tensor, ne: int) -> Tensor:
     return out.index_copy_(1, pos, act)
 
 
-def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, *, names: list, embed: str, cols: Tensor,
-                       alphas: Tensor, steps_per_pass: int) -> tuple[dict, Tensor, Tensor]:
+@dataclass(frozen=True)
+class AttributionInputs:
+    """What one attribution computation reads: the ``clean`` and ``corr``-upted tokens [b, n], the ``metric``,
+    the hooks ``names`` whose (clean - corrupted) x gradient is wanted, the ``embed`` hook the integration
+    path interpolates, the integration points ``alphas`` and how many of them share a pass (``steps_per_pass``)."""
+
+    clean: Tensor
+    corr: Tensor
+    metric: Any
+    names: list
+    embed: str
+    alphas: Tensor
+    steps_per_pass: int
+
+
+@dataclass
+class _Prefix:
+    """The clean pass of :func:`prefix_attribution`: the re-runnable blocks (``run``), the positions computed
+    (``ne``), the first that differs (``p0``), the read positions ``cols`` (``sc``: those the re-run reaches,
+    ``suffix``: the re-run's positions), the clean embedding, the clean unembedding input ``x_clean`` (used
+    once, by the first chunk), the clean activations per hook and the unembedding weight."""
+
+    run: _CleanRun
+    ne: int
+    p0: int
+    cols: Tensor
+    sc: Tensor
+    suffix: Tensor
+    e_clean: Tensor
+    x_clean: Optional[Tensor]
+    clean_acts: dict
+    weight: Optional[Tensor]
+
+
+@dataclass
+class _Sums:
+    """What the chunks of integration points accumulate: per hook the summed gradient and (positions, clean -
+    corrupted); the logits buffer whose read positions before p0 keep the clean logits; the metric values."""
+
+    gsum: dict = field(default_factory=dict)
+    diff: dict = field(default_factory=dict)
+    buf: Optional[Tensor] = None
+    clean_val: Optional[Tensor] = None
+    baseline: Optional[Tensor] = None
+
+
+def prefix_attribution(model, inputs: AttributionInputs, cols: Tensor) -> tuple[dict, Tensor, Tensor]:
     """``{name: (clean - corrupted) x gradient summed over the integration points}`` (float64,
     ``[b, ne, ..., 1]``: summed over the last axis; ``ne`` = last read position + 1) for the hooks ``names``, the clean metric
-    values and the corrupted baseline (``[b]``). Raises :class:`EngineRefusal` where the bridge's
-    blocks cannot be re-run."""
+    values and the corrupted baseline (``[b]``), the logits read at ``cols``. Raises :class:`EngineRefusal`
+    where the bridge's blocks cannot be re-run."""
+    pre = _clean_pass(model, inputs, cols)
+    sums = _Sums()
+    for s0 in range(0, len(inputs.alphas), inputs.steps_per_pass):
+        _integration_chunk(model, inputs, pre, sums, s0)
+    b, ne = inputs.clean.shape[0], pre.ne
+    prods = {}
+    for nm in inputs.names:  # (clean - corrupted) . gradient, summed over the last axis (every cell sums it)
+        pos, d = sums.diff[nm]
+        prod = torch.zeros((b, ne) + tuple(d.shape[2:-1]) + (1,), dtype=torch.float64, device=inputs.clean.device)
+        if nm in sums.gsum:  # positions before p0 score 0: clean and corrupted runs are the same there
+            prod.index_copy_(1, pos, (d * sums.gsum[nm]).sum(-1, keepdim=True).double())
+        prods[nm] = prod
+    return prods, sums.clean_val, sums.baseline
+
+
+def _clean_pass(model, inputs: AttributionInputs, cols: Tensor) -> _Prefix:
+    """The clean run: the bridge's forward, the unembedding's input kept and its call deferred, the blocks'
+    arguments captured for the re-run (checked once against the clean run)."""
+    clean, corr, names, embed = inputs.clean, inputs.corr, inputs.names, inputs.embed
     b, n = clean.shape
     dev = clean.device
     ne = int(cols.max()) + 1
@@ -126,8 +191,6 @@ def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, *, names: lis
     run.tail = _tail_without_residual_hooks(model, run, names)
     sliced = len(cols) < ne
     pos_all = torch.arange(ne, device=dev)
-
-    # -- the clean run: the bridge's forward; the unembedding's input kept, its call deferred ----
     held: dict[str, Any] = {}
 
     def unembed_pre(module, args, kwargs):
@@ -148,12 +211,8 @@ def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, *, names: lis
     handles += [model.unembed.register_forward_pre_hook(unembed_pre, with_kwargs=True),
                 model.unembed.register_forward_hook(unembed_post)]
     cc: dict[str, Tensor] = {}
-
-    def store(act: Tensor, hook: Any, nm: str) -> None:
-        cc[nm] = act
-
     try:
-        with torch.inference_mode(), model.hooks(fwd_hooks=[(nm, partial(store, nm=nm)) for nm in [embed, *names]]):
+        with torch.inference_mode(), model.hooks(fwd_hooks=[(nm, partial(_store, cc=cc, nm=nm)) for nm in [embed, *names]]):
             ret = model(clean[:, :ne])  # inference mode: cheaper per op than no_grad
     except TypeError as e:
         run._no_cache_argument(e)
@@ -169,72 +228,73 @@ def prefix_attribution(model, clean: Tensor, corr: Tensor, metric, *, names: lis
     weight = _unembed_weight(model)
     check_once(model, ("attribution re-run", sliced, len(run.tail)),
                lambda: _check(run, clean[:, :ne], clean_acts, held["x"], cols, sliced=sliced, weight=weight))
+    return _Prefix(run, ne, p0, cols, sc=cols[cols >= p0], suffix=torch.arange(p0, ne, device=dev), e_clean=cc[embed],
+                   x_clean=held.pop("x"), clean_acts=clean_acts, weight=weight)
 
-    # -- the corrupted run from p0, with the gradient, per chunk of integration points ----------
-    e_clean = cc[embed]
-    sc = cols[cols >= p0]  # read positions the re-run reaches; the earlier ones are the clean run's
-    suffix = torch.arange(p0, ne, device=dev)
-    gsum: dict[str, Tensor] = {}
-    diff: dict[str, tuple] = {}
-    clean_val = baseline = buf = None
-    for s0 in range(0, len(alphas), steps_per_pass):
-        al = alphas[s0 : s0 + steps_per_pass].to(dev, e_clean.dtype)
-        m = len(al)
-        ex = torch.arange(b, device=dev).repeat(m)
 
-        def embed_hook(act: Tensor, hook: Any, al=al, m=m) -> Tensor:
-            a = act.view(m, *e_clean.shape)  # the corrupted embedding: alpha = 0 leaves it as it is
-            return (a + al.view(m, 1, 1, 1) * (e_clean.unsqueeze(0) - a)).reshape(act.shape)
+def _store(act: Tensor, hook: Any, cc: dict, nm: str) -> None:
+    cc[nm] = act
 
-        with torch.no_grad(), model.hooks(fwd_hooks=[(embed, embed_hook)] if bool(al.any()) else []):
-            h0 = model(corr[:, :ne].repeat(m, 1), stop_at_layer=0)[:, p0:]  # alpha = 0: the corrupted input
-        seen: dict[str, tuple] = {}
-        with torch.enable_grad(), model.hooks(fwd_hooks=[(nm, partial(_keep, seen=seen, nm=nm)) for nm in names]):
-            H = run.rerun(h0, ex, p0)
-            xs = model.ln_final(H.index_select(1, sc - p0))  # [rows, len(sc), d]
-            first = buf is None
-            xcl = held.pop("x").reshape(-1, xs.shape[-1]) if first else xs.new_zeros((0, xs.shape[-1]))
-            lg = _unembed(model, xs.reshape(-1, xs.shape[-1]), xcl, weight)
-            V = lg.shape[-1]
-            if first:
-                k = b * len(cols)
-                buf = lg.new_zeros((b, n, V))
-                buf.index_copy_(1, cols, lg[:k].detach().view(b, len(cols), V))
-                with torch.no_grad():
-                    clean_val = metric_values(metric, buf, b).double().cpu()
-                lg = lg[k:]
-            # the metric and its gradient per integration point, in one logits buffer whose read
-            # positions before p0 keep the clean logits (the same computation there); then one
-            # backward pass through the model from the logits' gradients
-            lg = lg.view(m, b, len(sc), V)
-            glg = torch.empty_like(lg)
-            for i in range(m):
-                li = lg[i].detach().requires_grad_()
-                buf = buf.detach()
-                buf.index_copy_(1, sc, li)
-                vals = metric_values(metric, buf, b)
-                (glg[i],) = torch.autograd.grad(vals.sum(), li)
-                if s0 == 0 and i == 0:
-                    baseline = vals[:b].detach().double().cpu()
-            order = _unchanged(seen, names)
-            gs = torch.autograd.grad(lg, [seen[nm][0] for nm in order], glg, allow_unused=True)
-        for nm, g in zip(order, gs):
-            act = seen[nm][0]
-            pos = suffix if act.shape[1] == ne - p0 else sc
-            ct = torch.promote_types(act.dtype, torch.float32)  # float32 or wider for the products
-            if s0 == 0:  # clean - corrupted at the re-run positions (alpha = 0 rows: the corrupted run)
-                diff[nm] = (pos, clean_acts[nm].index_select(1, pos).to(ct) - act[:b].detach().to(ct))
-            if g is not None:  # one gradient: as computed; several summed in float64
-                g = g.to(ct) if m == len(alphas) == 1 else g.view(m, b, *g.shape[1:]).double().sum(0)
-                gsum[nm] = g if nm not in gsum else gsum[nm] + g
-    prods = {}
-    for nm in names:  # (clean - corrupted) . gradient, summed over the last axis (every cell sums it)
-        pos, d = diff[nm]
-        prod = torch.zeros((b, ne) + tuple(d.shape[2:-1]) + (1,), dtype=torch.float64, device=dev)
-        if nm in gsum:  # positions before p0 score 0: clean and corrupted runs are the same there
-            prod.index_copy_(1, pos, (d * gsum[nm]).sum(-1, keepdim=True).double())
-        prods[nm] = prod
-    return prods, clean_val, baseline
+
+def _integration_chunk(model, inputs: AttributionInputs, pre: _Prefix, sums: _Sums, s0: int) -> None:
+    """The corrupted run from p0 with the gradient, for the integration points from ``s0`` on (one pass):
+    adds to ``sums``; the first chunk also makes the clean metric values and the corrupted baseline."""
+    clean, corr, metric, names = inputs.clean, inputs.corr, inputs.metric, inputs.names
+    b, n = clean.shape
+    dev, ne, p0, sc, e_clean, alphas = clean.device, pre.ne, pre.p0, pre.sc, pre.e_clean, inputs.alphas
+    al = alphas[s0 : s0 + inputs.steps_per_pass].to(dev, e_clean.dtype)
+    m = len(al)
+    ex = torch.arange(b, device=dev).repeat(m)
+
+    def embed_hook(act: Tensor, hook: Any) -> Tensor:
+        a = act.view(m, *e_clean.shape)  # the corrupted embedding: alpha = 0 leaves it as it is
+        return (a + al.view(m, 1, 1, 1) * (e_clean.unsqueeze(0) - a)).reshape(act.shape)
+
+    with torch.no_grad(), model.hooks(fwd_hooks=[(inputs.embed, embed_hook)] if bool(al.any()) else []):
+        h0 = model(corr[:, :ne].repeat(m, 1), stop_at_layer=0)[:, p0:]  # alpha = 0: the corrupted input
+    seen: dict[str, tuple] = {}
+    with torch.enable_grad(), model.hooks(fwd_hooks=[(nm, partial(_keep, seen=seen, nm=nm)) for nm in names]):
+        H = pre.run.rerun(h0, ex, p0)
+        xs = model.ln_final(H.index_select(1, sc - p0))  # [rows, len(sc), d]
+        first = sums.buf is None
+        if first:
+            assert pre.x_clean is not None
+            xcl, pre.x_clean = pre.x_clean.reshape(-1, xs.shape[-1]), None
+        else:
+            xcl = xs.new_zeros((0, xs.shape[-1]))
+        lg = _unembed(model, xs.reshape(-1, xs.shape[-1]), xcl, pre.weight)
+        V = lg.shape[-1]
+        if first:
+            k = b * len(pre.cols)
+            sums.buf = lg.new_zeros((b, n, V))
+            sums.buf.index_copy_(1, pre.cols, lg[:k].detach().view(b, len(pre.cols), V))
+            with torch.no_grad():
+                sums.clean_val = metric_values(metric, sums.buf, b).double().cpu()
+            lg = lg[k:]
+        # the metric and its gradient per integration point, in one logits buffer whose read
+        # positions before p0 keep the clean logits (the same computation there); then one
+        # backward pass through the model from the logits' gradients
+        lg = lg.view(m, b, len(sc), V)
+        glg = torch.empty_like(lg)
+        for i in range(m):
+            li = lg[i].detach().requires_grad_()
+            sums.buf = sums.buf.detach()
+            sums.buf.index_copy_(1, sc, li)
+            vals = metric_values(metric, sums.buf, b)
+            (glg[i],) = torch.autograd.grad(vals.sum(), li)
+            if s0 == 0 and i == 0:
+                sums.baseline = vals[:b].detach().double().cpu()
+        order = _unchanged(seen, names)
+        gs = torch.autograd.grad(lg, [seen[nm][0] for nm in order], glg, allow_unused=True)
+    for nm, g in zip(order, gs):
+        act = seen[nm][0]
+        pos = pre.suffix if act.shape[1] == ne - p0 else sc
+        ct = torch.promote_types(act.dtype, torch.float32)  # float32 or wider for the products
+        if s0 == 0:  # clean - corrupted at the re-run positions (alpha = 0 rows: the corrupted run)
+            sums.diff[nm] = (pos, pre.clean_acts[nm].index_select(1, pos).to(ct) - act[:b].detach().to(ct))
+        if g is not None:  # one gradient: as computed; several summed in float64
+            g = g.to(ct) if m == len(alphas) == 1 else g.view(m, b, *g.shape[1:]).double().sum(0)
+            sums.gsum[nm] = g if nm not in sums.gsum else sums.gsum[nm] + g
 
 
 def _tail_without_residual_hooks(model, run: _CleanRun, names: list) -> list:
@@ -324,4 +384,4 @@ def _check(run: _CleanRun, tokens: Tensor, clean_acts: dict, x_clean: Tensor, co
                                 "use the full passes")
 
 
-__all__ = ["prefix_attribution", "applies"]
+__all__ = ["AttributionInputs", "prefix_attribution", "applies"]

@@ -62,7 +62,7 @@ from interp_norm.geometry.interference import (
 )
 from interp_norm.geometry.run import bridge_geometry, compare_geometry, geometry_hook_names, geometry_summary, run_geometry
 from interp_norm.geometry.sparsity import attention_sparsity, max_attention, sparsity_histogram, sparsity_summary
-from interp_norm.geometry.spheres import orthogonal_spheres, sphere_structure
+from interp_norm.geometry.spheres import SpheresSpec, orthogonal_spheres, sphere_structure
 from interp_norm.geometry.spread import attended_norms, norm_spread, summarize_norm_spread, weighted_quantile
 from interp_norm.geometry.subspaces import (
     component_subspaces,
@@ -109,6 +109,7 @@ __all__ = [
     # orthogonal spheres
     "sphere_structure",
     "orthogonal_spheres",
+    "SpheresSpec",
     # interference
     "Intervention",
     "ScaleComponent",

@@ -13,9 +13,9 @@ import pandas as pd
 
 from interp_norm.anatomy import kind_of
 from interp_norm.core.model import HookedNormTransformer
+from interp_norm.core.specs import with_overrides
 from interp_norm.errors import ConfigError
 from interp_norm.geometry._common import TokensLike, check_model
-from interp_norm.geometry.interference import Intervention
 from interp_norm.geometry.run_bridge import bridge_geometry
 from interp_norm.geometry.run_ours import GeometrySpec, geometry_hook_names, ours_geometry, sample_tokens
 
@@ -35,14 +35,9 @@ def run_geometry(
     n: int = 256,
     split: str = "id",
     seed: int = 0,
-    coverage: float = 0.9,
-    tolerance: float = 0.2,
-    bins: int = 20,
-    energy: float = 0.9,
-    weighting: str = "energy",
-    interventions: Optional[Mapping[str, Intervention]] = None,
     progress: bool = False,
     window_batch: Optional[int] = None,
+    **options: Any,
 ) -> dict[str, pd.DataFrame]:
     """Every geometry analysis on one batch (``n`` problems of ``split``, or the given ``tokens``).
 
@@ -50,7 +45,9 @@ def run_geometry(
     ``sphere_pairs``, ``sphere_scores``, ``subspace_angles``, ``head_reads``, ``interference``,
     ``ellipsoids``, ``ellipsoid_axes``, ``ellipsoid_membership``. ``subspace_angles`` holds every
     component–component and component–read pair (head read spaces among themselves are skipped:
-    ~65k large SVDs on the paper-size model; call :func:`subspace_angles` for them).
+    ~65k large SVDs on the paper-size model; call :func:`subspace_angles` for them). ``options`` are
+    :class:`~interp_norm.geometry.run_ours.GeometrySpec` fields (``coverage``, ``tolerance``, ``bins``, ``energy``,
+    ``weighting``, ``interventions``; an unknown one: ConfigError); a bridge reads the first three.
 
     ``task`` defaults to the model's own (``model.task``); it is only read when ``tokens`` is not given.
     The one entry point for every kind of model: the backend is picked once (:func:`_backend`), our
@@ -59,11 +56,10 @@ def run_geometry(
     supports, on ``tokens`` or ``n`` text windows; ``task`` and ``split`` are not read; ``window_batch`` is
     its; our models run in one pass and refuse it).
     """
+    spec = with_overrides(GeometrySpec, None, options, who="run_geometry")
     if _uses_bridge_backend(model):
-        return bridge_geometry(model, tokens=tokens, n=n, seed=seed, coverage=coverage, tolerance=tolerance,
-                               bins=bins, progress=progress, window_batch=window_batch)
-    spec = GeometrySpec(coverage=coverage, tolerance=tolerance, bins=bins, energy=energy, weighting=weighting,
-                        interventions=interventions)
+        return bridge_geometry(model, tokens=tokens, n=n, seed=seed, spec=spec, progress=progress,
+                               window_batch=window_batch)
     return ours_geometry(model, task, tokens=tokens, n=n, split=split, seed=seed, spec=spec, progress=progress,
                          window_batch=window_batch)
 

@@ -8,8 +8,10 @@ from typing import Any, Optional
 import pandas as pd
 from tqdm.auto import tqdm
 
+from interp_norm.core.specs import with_overrides
 from interp_norm.geometry._common import TokensLike, as_tokens
 from interp_norm.geometry.bridge import bridge_ellipsoid_axes, bridge_ellipsoid_table, bridge_norms, bridge_tokens
+from interp_norm.geometry.run_ours import GeometrySpec
 
 __all__ = ["bridge_geometry"]
 
@@ -21,11 +23,10 @@ def bridge_geometry(
     n: int = 8,
     n_ctx: int = 32,
     seed: int = 0,
-    coverage: float = 0.9,
-    tolerance: float = 0.2,
-    bins: int = 20,
+    spec: Optional[GeometrySpec] = None,
     progress: bool = False,
     window_batch: Optional[int] = None,
+    **overrides: Any,
 ) -> dict[str, pd.DataFrame]:
     """The geometry of a ``TransformerBridge``: ``norm_spread``, ``sparsity_hist``,
     ``sparsity_summary``, ``ellipsoids``, ``ellipsoid_axes``, ``ellipsoid_membership`` (every norm,
@@ -34,7 +35,9 @@ def bridge_geometry(
     ``tokens`` default: ``n`` windows of ``n_ctx`` tokens of the shipped sample text, or random
     ordinary ids for a model without a tokenizer (:func:`~interp_norm.geometry.bridge.bridge_tokens`).
     The orthogonal-spheres, subspace and interference analyses read our model's weight steps and
-    residual decomposition, which a bridge does not expose; they are not run here.
+    residual decomposition, which a bridge does not expose; they are not run here. Of the options
+    (:class:`~interp_norm.geometry.run_ours.GeometrySpec`: ``spec`` and/or its fields as keywords) only
+    ``coverage``, ``tolerance`` and ``bins`` are read.
 
     Memory: one early-stopped forward (no logits) per block of ``window_batch`` windows (None:
     :data:`~interp_norm.core.defaults.WINDOW_BATCH`, 8; ≥ the windows: one pass), the blocks in lockstep
@@ -47,6 +50,7 @@ def bridge_geometry(
     from interp_norm.errors import GeometryError, check_positive_int
     from interp_norm.geometry.bridge_sweep import bridge_sweep
 
+    sp = with_overrides(GeometrySpec, spec, overrides, who="bridge_geometry")
     window_batch = WINDOW_BATCH if window_batch is None else window_batch
     check_positive_int(window_batch, "window_batch", GeometryError, "windows per forward pass")
 
@@ -55,7 +59,7 @@ def bridge_geometry(
     steps = tqdm(total=4, desc="geometry", disable=not progress)
     out: dict[str, pd.DataFrame] = {"anatomy": anatomy(model).table()}
     steps.update()
-    swept = bridge_sweep(model, toks, norms, coverage=coverage, tolerance=tolerance, bins=bins,
+    swept = bridge_sweep(model, toks, norms, coverage=sp.coverage, tolerance=sp.tolerance, bins=sp.bins,
                          window_batch=window_batch, steps=steps)
     out.update({k: swept[k] for k in ("norm_spread", "sparsity_hist", "sparsity_summary")})
     out["ellipsoids"] = bridge_ellipsoid_table(model, norms)

@@ -58,7 +58,14 @@ def spread_and_sparsity(model: Any, tokens: Tensor, cache, *, coverage: float, t
 
 @dataclass(frozen=True)
 class GeometrySpec:
-    """The analyses' options :func:`~interp_norm.geometry.run_geometry` passes to :func:`ours_geometry`."""
+    """The analyses' options :func:`~interp_norm.geometry.run_geometry` passes to :func:`ours_geometry` (and the
+    first three to :func:`~interp_norm.geometry.bridge_geometry`).
+
+    ``coverage``/``tolerance``: the norm spread (:func:`~interp_norm.geometry.norm_spread`: the smallest relative
+    deviation holding ``coverage`` of the attention weight, and the share within ±``tolerance``); ``bins`` of
+    the sparsity histogram; ``energy`` kept by each component's subspace; ``weighting`` of the
+    orthogonal-spheres score; ``interventions`` of the interference analysis (None: its defaults).
+    """
 
     coverage: float = 0.9
     tolerance: float = 0.2

@@ -7,7 +7,8 @@ conditions per layer on the residual decomposition (embeddings, each head, each 
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -29,8 +30,9 @@ from interp_norm.geometry._common import (
 )
 from interp_norm.core.hook_names import act_name
 from interp_norm.core.model import HookedNormTransformer
+from interp_norm.core.specs import with_overrides
 
-__all__ = ["sphere_structure", "orthogonal_spheres"]
+__all__ = ["sphere_structure", "SpheresSpec", "orthogonal_spheres"]
 
 
 def _stream_sphere_stats(
@@ -136,95 +138,136 @@ def sphere_structure(
     return _sphere_tables(names, norms, mac, mc, total[0], weighting)
 
 
-def orthogonal_spheres(
-    model: HookedNormTransformer,
-    tokens: TokensLike,
-    *,
-    layers: Optional[Sequence[int]] = None,
-    weighting: str = "energy",
-    granularity: str = "head",
-    include_bias: bool = True,
-    exclude_bos: bool = True,
-    center: Union[bool, str] = "auto",
-    chunk: Optional[int] = None,
-    cache=None,
-) -> dict[str, pd.DataFrame]:
-    """:func:`sphere_structure` of the residual decomposition
-    (:func:`~interp_norm.geometry.residual_components`) at each layer's input.
+@dataclass(frozen=True)
+class SpheresSpec:
+    """The options of :func:`orthogonal_spheres` (also taken as keywords; an unknown one: ConfigError).
 
-    ``layers`` default: 0..n_layers (n_layers = the input of ``ln_final``, also a norm). Returns
-    ``{"components", "pairs", "scores"}`` with a ``layer`` column. All layers share one streamed pass
-    over the tokens (pairwise cosines of a component pair do not depend on the layer). Compare
-    variants with :func:`~interp_norm.geometry.compare_geometry`.
+    ``layers`` default: 0..n_layers (n_layers = the input of ``ln_final``, also a norm); ``weighting`` as
+    :func:`sphere_structure`; ``granularity`` "head" (one component per head's write, plus the summed
+    ``b_O`` as ``attn_bias`` when ``include_bias``) or "layer" (one per attention layer); ``exclude_bos`` drops
+    the ``[`` position; ``center`` (True, False or "auto": the model's norm decides) as :func:`sphere_structure`;
+    ``chunk`` tokens per streamed block (None: automatic).
     """
-    check_model(model)
-    if weighting not in ("energy", "uniform"):
-        raise GeometryError(f"weighting must be 'energy' or 'uniform', got {weighting!r}")
-    if granularity not in ("head", "layer"):
-        raise ConfigError(f"granularity must be 'head' or 'layer', got {granularity!r}")
-    tokens = as_tokens(model, tokens)
-    cfg = model.cfg
-    n_layers = cfg.n_layers
-    layers = list(range(n_layers + 1)) if layers is None else list(layers)
-    bad = [l for l in layers if not (isinstance(l, int) and 0 <= l <= n_layers)]
-    if bad or not layers:
-        raise ConfigError(f"layers must be integers in [0, {n_layers}] (n_layers = ln_final input), got {layers!r}")
-    ctr = use_center(model, center)
-    top = max(layers)
-    cache = run_cached(model, tokens, writer_hooks(top), cache)
-    mask = valid_mask(tokens, exclude_bos)
-    bi, pi = mask.nonzero(as_tuple=True)
-    if bi.numel() == 0:
-        raise GeometryError("no tokens left after excluding padding and '['; pass sequences with content")
 
-    # every distinct component once; "attn_bias@j" is the summed b_O seen by layer j
-    comp_names: list[str] = ["tok", "pos"]
-    written_by: list[int] = [0, 0]  # first layer whose input contains the component
-    for l in range(top):
-        if granularity == "head":
-            comp_names += [f"L{l}H{h}" for h in range(cfg.n_heads)]
-            written_by += [l + 1] * cfg.n_heads
-        else:
-            comp_names.append(f"L{l}.attn")
+    layers: Optional[Sequence[int]] = None
+    weighting: str = "energy"
+    granularity: str = "head"
+    include_bias: bool = True
+    exclude_bos: bool = True
+    center: Union[bool, str] = "auto"
+    chunk: Optional[int] = None
+
+
+@dataclass
+class _Decomposition:
+    """The residual components of one cached run up to layer ``top``'s input: ``names`` (the summed ``b_O``
+    seen by layer j is ``attn_bias@j``), ``written_by`` (first layer whose input holds each one), streamed
+    a block of tokens at a time by :meth:`chunks`."""
+
+    model: HookedNormTransformer
+    cache: Any
+    top: int
+    granularity: str
+    bias_layers: list[int]
+    names: list[str]
+    written_by: list[int]
+    cum_bias: Optional[Tensor]
+
+    @classmethod
+    def build(cls, model: HookedNormTransformer, cache: Any, top: int, granularity: str,
+              bias_layers: list[int]) -> "_Decomposition":
+        """Every distinct component once, with the cumulative output bias of the attention layers."""
+        names: list[str] = ["tok", "pos"]
+        written_by: list[int] = [0, 0]
+        for l in range(top):
+            if granularity == "head":
+                names += [f"L{l}H{h}" for h in range(model.cfg.n_heads)]
+                written_by += [l + 1] * model.cfg.n_heads
+            else:
+                names.append(f"L{l}.attn")
+                written_by.append(l + 1)
+            names.append(f"L{l}.mlp")
             written_by.append(l + 1)
-        comp_names.append(f"L{l}.mlp")
-        written_by.append(l + 1)
-    bias_layers = [j for j in layers if j > 0] if (include_bias and granularity == "head") else []
-    comp_names += [f"attn_bias@{j}" for j in bias_layers]
-    k = len(comp_names)
-    members = torch.zeros(k, len(layers), dtype=torch.bool)
-    for gi, j in enumerate(layers):
-        for ci, (nm, wb) in enumerate(zip(comp_names, written_by)):
-            members[ci, gi] = wb <= j
-        if j in bias_layers:
-            members[len(written_by) + bias_layers.index(j), gi] = True
-    cum_bias = (torch.cumsum(torch.stack([attn_write(model, l, model.blocks[l].attn.b_O.detach()) for l in range(top)]), 0)
-                if top else None)
-    embed, pos_embed = cache[act_name("embed")], cache[act_name("pos_embed")]
+        names += [f"attn_bias@{j}" for j in bias_layers]
+        cum_bias = (torch.cumsum(torch.stack([attn_write(model, l, model.blocks[l].attn.b_O.detach())
+                                              for l in range(top)]), 0) if top else None)
+        return cls(model, cache, top, granularity, bias_layers, names, written_by, cum_bias)
 
-    def chunks():
-        step = _chunk_size(k, cfg.d_model, chunk)
+    def members(self, layers: list[int]) -> Tensor:
+        """[component, layer group]: whether layer ``layers[g]``'s input holds the component."""
+        members = torch.zeros(len(self.names), len(layers), dtype=torch.bool)
+        for gi, j in enumerate(layers):
+            for ci, wb in enumerate(self.written_by):
+                members[ci, gi] = wb <= j
+            if j in self.bias_layers:
+                members[len(self.written_by) + self.bias_layers.index(j), gi] = True
+        return members
+
+    def chunks(self, bi: Tensor, pi: Tensor, step: int) -> Iterator[Tensor]:
+        """[component, token, d_model] of the tokens (``bi``, ``pi``), ``step`` tokens at a time."""
+        model, cache = self.model, self.cache
+        embed, pos_embed = cache[act_name("embed")], cache[act_name("pos_embed")]
         for s in range(0, bi.numel(), step):
             b, p = bi[s : s + step], pi[s : s + step]
             parts = [embed[b, p], pos_embed[b, p]]
-            for l in range(top):
-                if granularity == "head":
+            for l in range(self.top):
+                if self.granularity == "head":
                     z = cache[act_name("z", l)][b, p]  # c h dh
                     parts += list(attn_write(model, l, torch.einsum("chd,hdm->hcm", z, model.blocks[l].attn.W_O.detach())))
                 else:
                     parts.append(cache[act_name("attn_out", l)][b, p])
                 parts.append(cache[act_name("mlp_out", l)][b, p])
-            for j in bias_layers:
-                parts.append(cum_bias[j - 1].expand(b.numel(), -1))
+            for j in self.bias_layers:  # bias layers are > 0, so top > 0 and cum_bias exists
+                parts.append(self.cum_bias[j - 1].expand(b.numel(), -1))  # type: ignore[index]
             yield torch.stack(parts)
 
+
+def orthogonal_spheres(
+    model: HookedNormTransformer,
+    tokens: TokensLike,
+    spec: Optional[SpheresSpec] = None,
+    *,
+    cache=None,
+    **overrides: Any,
+) -> dict[str, pd.DataFrame]:
+    """:func:`sphere_structure` of the residual decomposition
+    (:func:`~interp_norm.geometry.residual_components`) at each layer's input.
+
+    Options: :class:`SpheresSpec` (``spec`` and/or its fields as keywords); ``cache`` a run's cache to reuse.
+    Returns ``{"components", "pairs", "scores"}`` with a ``layer`` column. All layers share one streamed pass
+    over the tokens (pairwise cosines of a component pair do not depend on the layer). Compare
+    variants with :func:`~interp_norm.geometry.compare_geometry`.
+    """
+    sp = with_overrides(SpheresSpec, spec, overrides, who="orthogonal_spheres")
+    check_model(model)
+    if sp.weighting not in ("energy", "uniform"):
+        raise GeometryError(f"weighting must be 'energy' or 'uniform', got {sp.weighting!r}")
+    if sp.granularity not in ("head", "layer"):
+        raise ConfigError(f"granularity must be 'head' or 'layer', got {sp.granularity!r}")
+    tokens = as_tokens(model, tokens)
+    n_layers = model.cfg.n_layers
+    layers = list(range(n_layers + 1)) if sp.layers is None else list(sp.layers)
+    bad = [l for l in layers if not (isinstance(l, int) and 0 <= l <= n_layers)]
+    if bad or not layers:
+        raise ConfigError(f"layers must be integers in [0, {n_layers}] (n_layers = ln_final input), got {layers!r}")
+    ctr = use_center(model, sp.center)
+    top = max(layers)
+    cache = run_cached(model, tokens, writer_hooks(top), cache)
+    mask = valid_mask(tokens, sp.exclude_bos)
+    bi, pi = mask.nonzero(as_tuple=True)
+    if bi.numel() == 0:
+        raise GeometryError("no tokens left after excluding padding and '['; pass sequences with content")
+    bias_layers = [j for j in layers if j > 0] if (sp.include_bias and sp.granularity == "head") else []
+    dec = _Decomposition.build(model, cache, top, sp.granularity, bias_layers)
+    members = dec.members(layers)
     with torch.no_grad():
-        norms, mac, mc, total = _stream_sphere_stats(chunks(), members, ctr)
+        step = _chunk_size(len(dec.names), model.cfg.d_model, sp.chunk)
+        norms, mac, mc, total = _stream_sphere_stats(dec.chunks(bi, pi, step), members, ctr)
     out: dict[str, list] = {"components": [], "pairs": [], "scores": []}
     for gi, j in enumerate(layers):
         idx = members[:, gi].nonzero().flatten()
-        nm = [comp_names[i].split("@")[0] for i in idx.tolist()]
-        res = _sphere_tables(nm, norms[idx], mac[idx][:, idx], mc[idx][:, idx], total[gi], weighting)
+        nm = [dec.names[i].split("@")[0] for i in idx.tolist()]
+        res = _sphere_tables(nm, norms[idx], mac[idx][:, idx], mc[idx][:, idx], total[gi], sp.weighting)
         for key, df in res.items():
             out[key].append(df.assign(layer=j))
     return {key: pd.concat(v, ignore_index=True)[["layer", *[c for c in v[0].columns if c != "layer"]]]

@@ -41,12 +41,13 @@ Every function returns tensors or DataFrames; nothing here prints, plots or writ
 from interp_norm.core.defaults import NOISED_ROWS, VARIANT_LABELS
 from interp_norm.noise._validate import TARGETS
 from interp_norm.core.defaults import PLACEMENTS
-from interp_norm.noise.accuracy import MATCHED, NOISE_GROUPS, accuracy_under_noise, clean_row_gates, matched_row_gates, noised_row_counts, run_noise
+from interp_norm.noise.accuracy import MATCHED, NOISE_GROUPS, AccuracyNoiseSpec, accuracy_under_noise, clean_row_gates, matched_row_gates, noised_row_counts, run_noise
 from interp_norm.core.defaults import DEFAULT_NOISE_LEVELS
-from interp_norm.noise.collapse import CollapseSpec, LayerCollapse, collapse_decisions, collapse_from_scores, collapse_noise_draws, collapse_thresholds, measure_collapse, run_collapse
+from interp_norm.noise.collapse import CollapseSpec, CollapseTableSpec, LayerCollapse, collapse_decisions, collapse_from_scores, collapse_noise_draws, collapse_thresholds, measure_collapse, run_collapse
 from interp_norm.core.defaults import DEFAULT_COLLAPSE_LEVELS
 from interp_norm.noise.consequence import (
     CONSEQUENCE_LEVELS,
+    ConsequenceSpec,
     bootstrap_ratios,
     cluster_bootstrap,
     collapse_consequence,
@@ -56,15 +57,16 @@ from interp_norm.noise.consequence import (
 from interp_norm.noise.decomposition import (
     DECOMPOSITION_LEVELS,
     DECOMPOSITION_MODES,
+    DecompositionSpec,
     noise_decomposition,
     run_noise_decomposition,
 )
 from interp_norm.noise.forward import forward_collapse_decisions, measure_forward_collapse, run_forward_collapse
-from interp_norm.noise.norm_noise import NormNoise, norm_noise_hooks
+from interp_norm.noise.norm_noise import NoiseControls, NormNoise, norm_noise_hooks
 from interp_norm.noise.kernels import effective_factor, unit_noise
-from interp_norm.noise.head_noise import HeadNoise, seeded_sampler
+from interp_norm.noise.head_noise import DrawSpec, HeadNoise, seeded_sampler
 from interp_norm.noise.kernels import effective_factors, seeded_generator
-from interp_norm.noise.bridge_collapse import bridge_collapse, collapse_chunks, collapse_kappa
+from interp_norm.noise.bridge_collapse import BridgeCollapseSpec, bridge_collapse, collapse_chunks, collapse_kappa
 from interp_norm.noise.head_collapse import (
     beside_thresholds,
     effective_heads,
@@ -84,7 +86,14 @@ __all__ = [
     "DEFAULT_COLLAPSE_LEVELS",
     "VARIANT_LABELS",
     "NormNoise",
+    "NoiseControls",
     "HeadNoise",
+    "DrawSpec",
+    "BridgeCollapseSpec",
+    "AccuracyNoiseSpec",
+    "CollapseTableSpec",
+    "DecompositionSpec",
+    "ConsequenceSpec",
     "seeded_sampler",
     "seeded_generator",
     "effective_factors",

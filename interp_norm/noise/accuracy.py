@@ -14,7 +14,8 @@ fewer rows were noised; sparse-only vs matched non-sparse compares equal counts.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -31,6 +32,7 @@ from interp_norm.core.scoring import count_correct
 from interp_norm.core.defaults import DEFAULT_NOISE_LEVELS, NONSPARSE_THRESHOLD, NOISED_ROWS, SPARSE_THRESHOLD
 from interp_norm.core.hook_names import act_name
 from interp_norm.core.model import HookedNormTransformer
+from interp_norm.core.specs import with_overrides
 from interp_norm.noise import _validate as V
 from interp_norm.noise.norm_noise import NormNoise
 from interp_norm.noise.kernels import seeded_generator
@@ -150,92 +152,144 @@ def pass_seed(seed: int, dataset: int, group: int, chunk: int) -> int:
     return int(np.random.SeedSequence([seed, dataset, group, chunk]).generate_state(1)[0])
 
 
-@torch.no_grad()
-def accuracy_under_noise(
-    model: HookedNormTransformer,
-    datasets: Sequence[Batch | Tensor],
-    levels: Sequence[float] = DEFAULT_NOISE_LEVELS,
-    *,
-    noised: str | Sequence[str] = NOISED_ROWS,
-    targets: str | Sequence[str] = ("q", "k", "v"),
-    distribution: str = "uniform",
-    placement: str = "before_norm",
-    layers: Optional[int | Sequence[int]] = None,
-    heads: Optional[int | Sequence[int]] = None,
-    sparse_threshold: float = SPARSE_THRESHOLD,
-    nonsparse_threshold: float = NONSPARSE_THRESHOLD,
-    seed: int = 0,
-    batch_size: int = 512,
-    variant: Optional[str] = None,
-    progress: bool = False,
-) -> pd.DataFrame:
-    """Per-token answer accuracy (teacher-forced, ``]`` included) under norm noise: one row per
-    (noised, level, dataset) with ``correct``, ``total``, ``accuracy``.
+@dataclass(frozen=True)
+class AccuracyNoiseSpec:
+    """The options of :func:`accuracy_under_noise` (also taken as keywords; an unknown one: NoiseSpecError).
 
     ``noised``: ``"all"`` noises every row with ``targets``; ``"sparse"`` / ``"nonsparse"`` noise
     only q and k of rows whose clean max attention is ≥ ``sparse_threshold`` / < ``nonsparse_
     threshold`` (the paper: "{q, k_t} noise only on sparse distributions"; v and scale noise are
     not row-specific and are left out of these variants); ``"nonsparse_matched"`` (opt-in) noises
     q and k of a random subset of non-sparse rows as large as the sparse set, per example and layer
-    (:func:`matched_row_gates`, subset seeded by the pass's seed). Noise hits all chosen layers in the
-    same forward pass, so errors compound with depth (as in the paper). The noise seed differs per
-    dataset and variant but not per level (common random numbers; :func:`pass_seed`).
+    (:func:`matched_row_gates`, subset seeded by the pass's seed). ``distribution``, ``placement``,
+    ``layers``, ``heads`` as :class:`~interp_norm.noise.NormNoise`; ``seed`` of the noise (:func:`pass_seed`);
+    ``batch_size`` problems per forward pass; ``variant`` labels the rows (None: the model's norm's label).
     """
-    cfg = V.check_model(model)
-    levels = V.check_levels(levels, distribution)
-    targets = V.check_targets(targets, cfg)
-    V.check_placement(placement)
-    layers = V.check_index_list(layers, cfg.n_layers, "layer")
-    heads_t = None if heads is None else V.check_index_list(heads, cfg.n_heads, "head")
-    seed = V.check_seed(seed)
-    batch_size = V.check_positive_int(batch_size, "batch_size")
-    sparse_threshold = V.check_threshold(sparse_threshold, "sparse_threshold")
-    nonsparse_threshold = V.check_threshold(nonsparse_threshold, "nonsparse_threshold")
-    noised = (noised,) if isinstance(noised, str) else tuple(noised)
+
+    noised: str | Sequence[str] = NOISED_ROWS
+    targets: str | Sequence[str] = ("q", "k", "v")
+    distribution: str = "uniform"
+    placement: str = "before_norm"
+    layers: Optional[int | Sequence[int]] = None
+    heads: Optional[int | Sequence[int]] = None
+    sparse_threshold: float = SPARSE_THRESHOLD
+    nonsparse_threshold: float = NONSPARSE_THRESHOLD
+    seed: int = 0
+    batch_size: int = 512
+    variant: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """An :class:`AccuracyNoiseSpec` checked against one model: the values the sweep reads."""
+
+    levels: tuple[float, ...]
+    noised: tuple[str, ...]
+    targets: tuple[str, ...]
+    qk: tuple[str, ...]
+    layers: tuple[int, ...]
+    heads: Optional[tuple[int, ...]]
+    sparse_threshold: float
+    nonsparse_threshold: float
+    seed: int
+    batch_size: int
+
+
+def _check_accuracy(cfg, levels: Sequence[float], sp: AccuracyNoiseSpec) -> _Checked:
+    """Every option of ``sp`` checked (NoiseSpecError / ConfigError naming it), in one order."""
+    levels = V.check_levels(levels, sp.distribution)
+    targets = V.check_targets(sp.targets, cfg)
+    V.check_placement(sp.placement)
+    layers = V.check_index_list(sp.layers, cfg.n_layers, "layer")
+    heads = None if sp.heads is None else V.check_index_list(sp.heads, cfg.n_heads, "head")
+    seed = V.check_seed(sp.seed)
+    batch_size = V.check_positive_int(sp.batch_size, "batch_size")
+    sparse_threshold = V.check_threshold(sp.sparse_threshold, "sparse_threshold")
+    nonsparse_threshold = V.check_threshold(sp.nonsparse_threshold, "nonsparse_threshold")
+    noised = (sp.noised,) if isinstance(sp.noised, str) else tuple(sp.noised)
     for g in noised:
         if g not in NOISE_GROUPS:
             raise NoiseSpecError(f"unknown noised={g!r}; choose from {NOISE_GROUPS}")
     qk = tuple(t for t in targets if t in ("q", "k"))
     if any(g != "all" for g in noised) and not qk:
         raise NoiseSpecError("the sparse/nonsparse/matched variants noise q and k only; include 'q' or 'k' in targets")
-    toks = V.dataset_tokens(datasets)
+    return _Checked(levels, noised, tuple(targets), qk, tuple(layers), heads, sparse_threshold, nonsparse_threshold,
+                    seed, batch_size)
 
+
+@torch.no_grad()
+def accuracy_under_noise(
+    model: HookedNormTransformer,
+    datasets: Sequence[Batch | Tensor],
+    levels: Sequence[float] = DEFAULT_NOISE_LEVELS,
+    spec: Optional[AccuracyNoiseSpec] = None,
+    *,
+    progress: bool = False,
+    **overrides: Any,
+) -> pd.DataFrame:
+    """Per-token answer accuracy (teacher-forced, ``]`` included) under norm noise: one row per
+    (noised, level, dataset) with ``correct``, ``total``, ``accuracy``. Options: :class:`AccuracyNoiseSpec`
+    (``spec`` and/or its fields as keywords).
+
+    Noise hits all chosen layers in the same forward pass, so errors compound with depth (as in the
+    paper). The noise seed differs per dataset and variant but not per level (common random numbers;
+    :func:`pass_seed`).
+    """
+    sp = with_overrides(AccuracyNoiseSpec, spec, overrides, who="accuracy_under_noise", error=NoiseSpecError)
+    cfg = V.check_model(model)
+    ck = _check_accuracy(cfg, levels, sp)
+    toks = V.dataset_tokens(datasets)
     rows = []
-    bar = tqdm(total=len(toks) * len(noised) * len(levels), desc="noise", disable=not progress)
+    bar = tqdm(total=len(toks) * len(ck.noised) * len(ck.levels), desc="noise", disable=not progress)
     for di, tokens in enumerate(toks):
-        chunks = [V.trimmed_tokens(tokens[i : i + batch_size], model) for i in range(0, len(tokens), batch_size)]
+        chunks = [V.trimmed_tokens(tokens[i : i + ck.batch_size], model) for i in range(0, len(tokens), ck.batch_size)]
         for gi, g in enumerate(NOISE_GROUPS):
-            if g not in noised:
+            if g not in ck.noised:
                 continue
-            gates = None
-            if g == MATCHED:
-                gates = [matched_row_gates(model, c, sparse_threshold, nonsparse_threshold, pass_seed(seed, di, gi, ci))
-                         for ci, c in enumerate(chunks)]
-            elif g != "all":
-                thr = sparse_threshold if g == "sparse" else nonsparse_threshold
-                gates = [clean_row_gates(model, c, g, thr) for c in chunks]
-            for level in levels:
-                correct = total = 0
-                for ci, chunk in enumerate(chunks):
-                    kw = dict(distribution=distribution, layers=layers, heads=heads_t, placement=placement)
-                    noise_seed = pass_seed(seed, di, gi, ci)
-                    if gates is None:
-                        noise = NormNoise(model, level, targets, seed=noise_seed, **kw)
-                    else:
-                        gate = {l: gates[ci][l] for l in layers}
-                        noise = NormNoise(model, level, qk, seed=noise_seed, row_gate=gate, **kw)
-                    logits = model.run_with_hooks(chunk, fwd_hooks=noise.hooks())
-                    c, n = count_correct(logits, chunk)
-                    correct, total = correct + c, total + n
+            gates = _group_gates(model, chunks, g, ck, di, gi)
+            for level in ck.levels:
+                correct, total = _count_noised(model, chunks, gates, level, sp, ck, seeds=(di, gi))
                 rows.append(dict(
-                    variant=V.variant_label(cfg, variant), attn_norm=cfg.attn_norm, noised=g, level=level,
+                    variant=V.variant_label(cfg, sp.variant), attn_norm=cfg.attn_norm, noised=g, level=level,
                     dataset=di, correct=correct, total=total,
                     accuracy=correct / total if total else math.nan,
-                    targets="".join(targets if g == "all" else qk), distribution=distribution, placement=placement,
+                    targets="".join(ck.targets if g == "all" else ck.qk), distribution=sp.distribution,
+                    placement=sp.placement,
                 ))
                 bar.update()
     bar.close()
     return pd.DataFrame(rows)
+
+
+def _group_gates(model: HookedNormTransformer, chunks: list, g: str, ck: _Checked, di: int, gi: int
+                 ) -> Optional[list]:
+    """Per chunk, the row gates of noised group ``g`` (None for ``"all"``: every row)."""
+    if g == MATCHED:
+        return [matched_row_gates(model, c, ck.sparse_threshold, ck.nonsparse_threshold, pass_seed(ck.seed, di, gi, ci))
+                for ci, c in enumerate(chunks)]
+    if g != "all":
+        thr = ck.sparse_threshold if g == "sparse" else ck.nonsparse_threshold
+        return [clean_row_gates(model, c, g, thr) for c in chunks]
+    return None
+
+
+def _count_noised(model: HookedNormTransformer, chunks: list, gates: Optional[list], level: float,
+                  sp: AccuracyNoiseSpec, ck: _Checked, *, seeds: tuple[int, int]) -> tuple[int, int]:
+    """(correct, total) answer tokens over the chunks at one level, each chunk's pass with its own noise seed."""
+    di, gi = seeds
+    correct = total = 0
+    for ci, chunk in enumerate(chunks):
+        kw = dict(distribution=sp.distribution, layers=ck.layers, heads=ck.heads, placement=sp.placement)
+        noise_seed = pass_seed(ck.seed, di, gi, ci)
+        if gates is None:
+            noise = NormNoise(model, level, ck.targets, seed=noise_seed, **kw)
+        else:
+            gate = {l: gates[ci][l] for l in ck.layers}
+            noise = NormNoise(model, level, ck.qk, seed=noise_seed, row_gate=gate, **kw)
+        logits = model.run_with_hooks(chunk, fwd_hooks=noise.hooks())
+        c, n = count_correct(logits, chunk)
+        correct, total = correct + c, total + n
+    return correct, total
 
 
 def _summarise_accuracy(df: pd.DataFrame) -> pd.DataFrame:
@@ -263,14 +317,13 @@ def run_noise(
     n_examples: int = 512,
     data_seed: int = 1234,
     aggregate: bool = True,
-    tokens: Optional[Tensor] = None,
     **kwargs,
 ) -> pd.DataFrame:
     """The paper's accuracy-vs-noise experiment in one call, on any model.
 
     The one entry point for every kind: the backend is picked once. A TransformerBridge (a Hugging
     Face model: no addition task, so no accuracy) runs
-    :func:`~interp_norm.noise.text_agreement.text_agreement` on ``tokens`` (text windows; None: the
+    :func:`~interp_norm.noise.text_agreement.text_agreement` on ``tokens=`` (text windows; None: the
     shipped sample text) with the keyword arguments -- top-1 agreement with its clean prediction
     and KL; ``task``, ``split``, ``n_datasets``, ``n_examples``, ``data_seed`` and ``aggregate`` are
     not read. Our models run as follows.
@@ -283,6 +336,7 @@ def run_noise(
     arguments go to :func:`accuracy_under_noise`. ``task`` defaults to the model's own (``model.task``,
     :func:`interp_norm.core.task.task_for`; another task runs with a warning naming both).
     """
+    tokens = kwargs.pop("tokens", None)  # a bridge's text: only the bridge backend reads it
     if kind_of(model) == "bridge":
         from interp_norm.noise.text_agreement import text_agreement
 
@@ -305,5 +359,5 @@ def run_noise(
 
 __all__ = [
     "MATCHED", "NOISE_GROUPS", "clean_row_gates", "influential_rows", "matched_row_gates",
-    "noised_row_counts", "pass_seed", "accuracy_under_noise", "run_noise",
+    "noised_row_counts", "pass_seed", "AccuracyNoiseSpec", "accuracy_under_noise", "run_noise",
 ]

@@ -44,6 +44,7 @@ from interp_norm import theory
 from interp_norm.anatomy import Anatomy, LayerAnatomy, anatomy, canonical
 from interp_norm.anatomy.rebuild import attention_mask, masked_softmax, rebuilt_query_key, scores_from_qk
 from interp_norm.anatomy.stream import layer_caches, window_blocks
+from interp_norm.core.specs import with_overrides
 from interp_norm.core.defaults import BRIDGE_COLLAPSE_LEVELS, COLLAPSE_MAX_ELEMENTS, SPARSE_THRESHOLD, WINDOW_BATCH
 from interp_norm.errors import ArchitectureError, ConfigError, NoiseSpecError
 from interp_norm.noise import _validate as V
@@ -56,6 +57,42 @@ from interp_norm.theory import NoiseLaw
 DEFAULT_LEVELS = BRIDGE_COLLAPSE_LEVELS
 DEFAULT_MAX_ELEMENTS = COLLAPSE_MAX_ELEMENTS
 _STREAM = BRIDGE_COLLAPSE_STREAM  # seed stream of the collapse draws (distinct from the hooks' per-pass stream)
+
+
+@dataclass(frozen=True)
+class BridgeCollapseSpec:
+    """The options of :func:`bridge_collapse` and :func:`collapse_chunks` (both also take them as keywords).
+
+    Noise: κ per (example, position, head) on ``targets`` ("q" and/or "k"; k once per key/value
+    head), ``distribution`` uniform or normal with RMS the level, ``draws`` draws per level (the same unit
+    draws at every level) from ``seed``, at ``placement`` "before_norm" (the projection output, where
+    upstream interference arrives; a per-head q/k norm then removes it) or "after_norm" (what the scores
+    use). ``layers`` None = all. ``by_head``: a row per head too. ``max_elements`` bounds every score block
+    (clean scores per block of heads, noised rows per block of draws); peak memory grows with it, results
+    do not change. ``window_batch`` (None: :data:`~interp_norm.core.defaults.WINDOW_BATCH`, 8; ≥ the
+    windows: one pass) runs the clean forward over that many windows at a time, in lockstep layer by layer,
+    and inside each layer rebuilds the scores and the noise factors of one block of windows at a time,
+    keeping only the sparse rows' scores and decisions: the peak is bounded by ``window_batch`` (and
+    ``max_elements``), not by the number of windows; the rows and decisions are those of one pass (the
+    tests check it). ``predict=False`` skips the theory (NaN); ``strict_samples`` Monte-Carlo samples per
+    row for the strict prediction (0: NaN). A row is sparse when its clean max attention is ≥
+    ``sparse_threshold``; a strict collapse gives the new key ≥ ``strict_threshold``. Checked when the
+    sweep starts (NoiseSpecError / ConfigError), in the order the sweep reads them.
+    """
+
+    draws: int = 64
+    targets: Sequence[str] = ("q", "k")
+    placement: str = "before_norm"
+    distribution: str = "uniform"
+    layers: Optional[Sequence[int]] = None
+    by_head: bool = False
+    max_elements: int = DEFAULT_MAX_ELEMENTS
+    seed: int = 0
+    predict: bool = True
+    strict_samples: int = 256
+    sparse_threshold: float = SPARSE_THRESHOLD
+    strict_threshold: float = SPARSE_THRESHOLD
+    window_batch: Optional[int] = None
 
 
 # ----------------------------------------------------------------------------- noise draws
@@ -126,29 +163,29 @@ def _check(tokens: Any, levels: Any, *, draws: Any, targets: Any, placement: Any
 
 @torch.no_grad()
 def collapse_chunks(
-    model: Any, tokens: Tensor, levels: Sequence[float] = DEFAULT_LEVELS, *, draws: int = 64,
-    targets: Sequence[str] = ("q", "k"), placement: str = "before_norm", distribution: str = "uniform",
-    layers: Optional[Sequence[int]] = None, max_elements: int = DEFAULT_MAX_ELEMENTS, seed: int = 0,
-    sparse_threshold: float = SPARSE_THRESHOLD, strict_threshold: float = SPARSE_THRESHOLD,
-    progress: bool = False, anat: Optional[Anatomy] = None, window_batch: Optional[int] = None,
+    model: Any, tokens: Tensor, levels: Sequence[float] = DEFAULT_LEVELS, spec: Optional[BridgeCollapseSpec] = None, *,
+    progress: bool = False, anat: Optional[Anatomy] = None, **overrides: Any,
 ) -> Iterator[ChunkCollapse]:
     """Per (layer, block of query heads): the sparse rows and their decisions at every level and
-    draw (:class:`ChunkCollapse`), from one clean forward pass. Arguments as :func:`bridge_collapse`.
+    draw (:class:`ChunkCollapse`), from one clean forward pass. Options: :class:`BridgeCollapseSpec`
+    (``spec`` and/or its fields as keywords; ``by_head``, ``predict`` and ``strict_samples`` are the
+    table's, not read here).
 
     Rows counted: every (example, head, query) whose clean max attention (softmax of the rebuilt,
     soft-capped, masked scores — verified equal to ``hook_pattern`` by :func:`anatomy`) is ≥
     ``sparse_threshold``, except query 0, which has a single key and cannot collapse.
     """
-    tokens, levels, targets = _check(tokens, levels, draws=draws, targets=targets, placement=placement,
-                                     distribution=distribution, max_elements=max_elements, allowed=("q", "k"))
-    if window_batch is None:
-        window_batch = WINDOW_BATCH
+    sp = with_overrides(BridgeCollapseSpec, spec, overrides, who="bridge_collapse")
+    placement, draws, seed = sp.placement, sp.draws, sp.seed
+    tokens, levels, targets = _check(tokens, levels, draws=draws, targets=sp.targets, placement=placement,
+                                     distribution=sp.distribution, max_elements=sp.max_elements, allowed=("q", "k"))
+    window_batch = WINDOW_BATCH if sp.window_batch is None else sp.window_batch
     V.check_positive_int(window_batch, "window_batch", NoiseSpecError)
     anat = anat or anatomy(model)
     if anat.kind != "bridge":
         raise ArchitectureError("bridge_collapse is for TransformerBridges; for a HookedNormTransformer use "
                                 "interp_norm.noise.measure_collapse / run_collapse")
-    layers = list(range(anat.n_layers)) if layers is None else list(layers)
+    layers = list(range(anat.n_layers)) if sp.layers is None else list(sp.layers)
     for l in layers:
         anat[l]  # range check (ArchitectureError)
     per_layer: dict[int, set[str]] = {}
@@ -172,10 +209,8 @@ def collapse_chunks(
     for l, start, cache in stream:
         la = anat[l]
         if start == 0:  # the layer's draws for every window (O(draws · positions · heads)), its chunks' parts
-            z_q, z_k = collapse_kappa(anat, l, b, n, draws, seed, distribution=distribution)
-            st = _LayerState.build(model, anat, l, b, n, sparse_threshold=sparse_threshold,
-                                   strict_threshold=strict_threshold, max_elements=max_elements, n_levels=len(levels),
-                                   draws=draws)
+            z_q, z_k = collapse_kappa(anat, l, b, n, draws, seed, distribution=sp.distribution)
+            st = _LayerState.build(model, anat, l, b, n, spec=sp, n_levels=len(levels))
             parts: dict[tuple[int, ...], list] = {heads: [] for heads in st.head_blocks}
         q, k = rebuilt_query_key(model, cache, anat, l)
         raw = {t: canonical(cache[la.hooks[t]], la.layouts.get(t, "bphd"), la.n_heads_of(t), la.d_head).cpu()
@@ -233,16 +268,17 @@ class _LayerState:
     draws: int
 
     @classmethod
-    def build(cls, model: Any, anat: Anatomy, layer: int, batch: int, n: int, *, sparse_threshold: float,
-              strict_threshold: float, max_elements: int, n_levels: int, draws: int) -> "_LayerState":
-        """Layer ``layer``'s state for ``batch`` windows of ``n`` positions."""
+    def build(cls, model: Any, anat: Anatomy, layer: int, batch: int, n: int, *, spec: BridgeCollapseSpec,
+              n_levels: int) -> "_LayerState":
+        """Layer ``layer``'s state for ``batch`` windows of ``n`` positions (thresholds and sizes from ``spec``)."""
         la = anat[layer]
+        max_elements = spec.max_elements
         mask = attention_mask(la, n, n, "cpu")
         block = max(1, min(la.n_heads, max_elements // max(1, batch * n * n)))  # heads per block of one pass
         return cls(model, anat, layer, mask=mask, usable=mask.sum(-1) >= 2, kv_of=torch.as_tensor(la.kv_head_of),
                    head_blocks=tuple(tuple(range(h0, min(la.n_heads, h0 + block))) for h0 in range(0, la.n_heads, block)),
-                   sparse_threshold=sparse_threshold, strict_threshold=strict_threshold, max_elements=max_elements,
-                   n_levels=n_levels, draws=draws)
+                   sparse_threshold=spec.sparse_threshold, strict_threshold=spec.strict_threshold,
+                   max_elements=max_elements, n_levels=n_levels, draws=spec.draws)
 
 
 def _block_rows(st: _LayerState, q: Tensor, k: Tensor, heads: tuple[int, ...], f: list, b0: int
@@ -278,29 +314,12 @@ def _block_rows(st: _LayerState, q: Tensor, k: Tensor, heads: tuple[int, ...], f
 
 
 def bridge_collapse(
-    model: Any, tokens: Tensor, levels: Sequence[float] = DEFAULT_LEVELS, *, draws: int = 64,
-    targets: Sequence[str] = ("q", "k"), placement: str = "before_norm", distribution: str = "uniform",
-    layers: Optional[Sequence[int]] = None, by_head: bool = False, max_elements: int = DEFAULT_MAX_ELEMENTS,
-    seed: int = 0, predict: bool = True, strict_samples: int = 256, sparse_threshold: float = SPARSE_THRESHOLD,
-    strict_threshold: float = SPARSE_THRESHOLD, progress: bool = False, anat: Optional[Anatomy] = None,
-    window_batch: Optional[int] = None,
+    model: Any, tokens: Tensor, levels: Sequence[float] = DEFAULT_LEVELS, spec: Optional[BridgeCollapseSpec] = None, *,
+    progress: bool = False, anat: Optional[Anatomy] = None, **overrides: Any,
 ) -> pd.DataFrame:
     """Collapse rate of sparse attention rows vs noise level on a TransformerBridge, measured and
     predicted side by side (module docstring), from one clean forward pass of ``tokens`` [batch, pos].
-
-    Noise: κ per (example, position, head) on ``targets`` ("q" and/or "k"; k once per key/value
-    head), uniform or normal with RMS ``level``, ``draws`` draws per level (the same unit draws at
-    every level), at ``placement`` "before_norm" (the projection output, where upstream
-    interference arrives; a per-head q/k norm then removes it) or "after_norm" (what the scores
-    use). ``layers`` None = all. ``max_elements`` bounds every score block (clean scores per block of
-    heads, noised rows per block of draws); peak memory grows with it, results do not change.
-    ``window_batch`` (None: :data:`~interp_norm.core.defaults.WINDOW_BATCH`, 8; ≥ the windows: one pass) runs
-    the clean forward over that many windows at a time, in lockstep layer by layer, and inside each layer
-    rebuilds the scores and the noise factors of one block of windows at a time, keeping only the sparse
-    rows' scores and decisions: the peak is bounded by ``window_batch`` (and ``max_elements``), not by
-    the number of windows; the rows and decisions are those of one pass (the tests check it).
-    ``predict=False`` skips the theory (NaN); ``strict_samples`` Monte-Carlo samples per row for the
-    strict prediction (0: NaN).
+    Options: :class:`BridgeCollapseSpec` (``spec`` and/or its fields as keywords; an unknown one: ConfigError).
 
     One row per (layer, level, definition) — per (layer, head, level, definition) with ``by_head``
     — plus pooled rows with ``layer == "all"`` (and ``head == "all"``). Columns: ``architecture``,
@@ -312,41 +331,18 @@ def bridge_collapse(
     ``mc_se`` (Monte-Carlo error of measured around predicted: √(Σ p(1−p)(1/draws + 1/strict_samples))
     / n_rows) and ``z`` = (measured − predicted) / mc_se.
     """
+    sp = with_overrides(BridgeCollapseSpec, spec, overrides, who="bridge_collapse")
     anat = anat or anatomy(model)
-    gen = seeded_generator(seed, _STREAM, 0x7E0E)
-    groups: dict[tuple, list] = {}  # (layer, head, level index, definition) -> [(rates, pred, ns, theory)]
-    chunks = collapse_chunks(model, tokens, levels, draws=draws, targets=targets, placement=placement,
-                             distribution=distribution, layers=layers, max_elements=max_elements, seed=seed,
-                             sparse_threshold=sparse_threshold, strict_threshold=strict_threshold,
-                             progress=progress, anat=anat, window_batch=window_batch)
-    targets = V.check_targets(targets, None, allowed=("q", "k"))
-    level_list: tuple[float, ...] = ()
-    for chunk in chunks:
-        level_list = chunk.levels
-        heads = chunk.rows[:, 1]
-        for i, level in enumerate(chunk.levels):
-            if predict:
-                pl, ps, ns = theory.predict_rows(chunk.scores, NoiseLaw(level, distribution), targets, chunk.theory,
-                                                  strict_threshold, int(strict_samples), generator=gen,
-                                                  softcap=chunk.softcap)
-            else:
-                pl = ps = torch.full((len(chunk.rows),), math.nan, dtype=torch.float64)
-                ns = math.inf
-            for definition, dec, pred in (("loose", chunk.loose[i], pl), ("strict", chunk.strict[i], ps)):
-                rates = dec.double().mean(0)
-                for h in (chunk.heads if by_head else ("all",)):
-                    sel = slice(None) if h == "all" else heads == h
-                    groups.setdefault((chunk.layer, h, i, definition), []).append((rates[sel], pred[sel], ns, chunk.theory))
-    base = dict(architecture=anat.architecture, placement=placement, distribution=distribution, targets="".join(targets))
+    chunks = collapse_chunks(model, tokens, levels, sp, progress=progress, anat=anat)
+    targets = V.check_targets(sp.targets, None, allowed=("q", "k"))
+    groups, level_list = _group_rates(chunks, sp, targets)
+    base = dict(architecture=anat.architecture, placement=sp.placement, distribution=sp.distribution,
+                targets="".join(targets))
     per_group = []  # rate_table items: (layer, level index, definition, rates, predictions, ns, {head, theory})
     for (layer, h, i, definition), items in groups.items():
         per_group.append((layer, i, definition, torch.cat([it[0] for it in items]), torch.cat([it[1] for it in items]),
                           items[0][2], dict(head=h, theory=_kind({it[3] for it in items}))))
-
-    def pooled(items: list) -> dict:
-        return dict(head="all", theory=_kind({it[6]["theory"] for it in items}))
-
-    df = rate_table(per_group, level_list, draws, base, pool_extra=pooled)
+    df = rate_table(per_group, level_list, sp.draws, base, pool_extra=_pooled)
     if len(df):
         order = [*base, "layer", "head", "level", "definition", "theory"]
         df = df[order + [c for c in df.columns if c not in order]]
@@ -354,10 +350,41 @@ def bridge_collapse(
     return df
 
 
+def _group_rates(chunks: Iterator[ChunkCollapse], sp: BridgeCollapseSpec, targets: tuple[str, ...]
+                 ) -> tuple[dict[tuple, list], tuple[float, ...]]:
+    """(``{(layer, head, level index, definition): [(per-row rates, predictions, ns, theory)]}``, the levels)
+    of the chunks, with the theory's prediction per row unless ``sp.predict`` is off (NaN)."""
+    gen = seeded_generator(sp.seed, _STREAM, 0x7E0E)
+    groups: dict[tuple, list] = {}
+    level_list: tuple[float, ...] = ()
+    for chunk in chunks:
+        level_list = chunk.levels
+        heads = chunk.rows[:, 1]
+        for i, level in enumerate(chunk.levels):
+            if sp.predict:
+                pl, ps, ns = theory.predict_rows(chunk.scores, NoiseLaw(level, sp.distribution), targets, chunk.theory,
+                                                  sp.strict_threshold, int(sp.strict_samples), generator=gen,
+                                                  softcap=chunk.softcap)
+            else:
+                pl = ps = torch.full((len(chunk.rows),), math.nan, dtype=torch.float64)
+                ns = math.inf
+            for definition, dec, pred in (("loose", chunk.loose[i], pl), ("strict", chunk.strict[i], ps)):
+                rates = dec.double().mean(0)
+                for h in (chunk.heads if sp.by_head else ("all",)):
+                    sel = slice(None) if h == "all" else heads == h
+                    groups.setdefault((chunk.layer, h, i, definition), []).append((rates[sel], pred[sel], ns, chunk.theory))
+    return groups, level_list
+
+
+def _pooled(items: list) -> dict:
+    """The extra columns of a pooled row: every head, and the pooled layers' theory kind."""
+    return dict(head="all", theory=_kind({it[6]["theory"] for it in items}))
+
+
 def _kind(kinds: set) -> str:
     """One theory kind, or "mixed" when the pooled rows' differ."""
     return next(iter(kinds)) if len(kinds) == 1 else "mixed"
 
 
-__all__ = ["DEFAULT_LEVELS", "collapse_kappa", "theory_kind", "ChunkCollapse", "row_decisions", "collapse_chunks",
+__all__ = ["DEFAULT_LEVELS", "BridgeCollapseSpec", "collapse_kappa", "theory_kind", "ChunkCollapse", "row_decisions", "collapse_chunks",
            "bridge_collapse"]

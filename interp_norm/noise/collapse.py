@@ -32,6 +32,7 @@ from interp_norm.errors import ConfigError, NoiseSpecError
 from interp_norm.core.defaults import DEFAULT_COLLAPSE_LEVELS, SPARSE_THRESHOLD
 from interp_norm.core.hook_names import act_name, is_normalised
 from interp_norm.core.model import HookedNormTransformer, ModelConfig
+from interp_norm.core.specs import split_overrides
 from interp_norm.noise import _validate as V
 from interp_norm.noise.bridge_collapse import bridge_collapse
 from interp_norm.noise.decide import rate_table, row_decisions
@@ -290,15 +291,23 @@ def collapse_decisions(
 # ----------------------------------------------------------------------------- tables
 
 
+@dataclass(frozen=True)
+class CollapseTableSpec:
+    """How per-layer decisions become the rate table: ``predict`` False skips the theory (NaN);
+    ``strict_samples`` Monte-Carlo samples per row for the strict prediction; ``variant`` labels the rows
+    (None: the model's attention norm's label)."""
+
+    predict: bool = True
+    strict_samples: int = 256
+    variant: Optional[str] = None
+
+
 def measure_collapse(
     model: HookedNormTransformer,
     tokens: Int[Tensor, "batch pos"] | Batch,
     levels: Sequence[float] = DEFAULT_COLLAPSE_LEVELS,
     spec: Optional[CollapseSpec] = None,
     *,
-    predict: bool = True,
-    strict_samples: int = 256,
-    variant: Optional[str] = None,
     progress: bool = False,
     decisions: Callable[..., list[LayerCollapse]] = collapse_decisions,
     **options,
@@ -318,13 +327,16 @@ def measure_collapse(
     prediction is 0 (``theory = "removed_by_norm"``; NaN for normal noise large enough that
     P(1+κ < 0) ≥ 1e-12, since the norm keeps such sign flips). ``decisions`` makes the per-layer
     decisions (:func:`collapse_decisions`; :func:`interp_norm.noise.forward_collapse_decisions` for
-    the real noisy forward pass). ``options`` are :class:`CollapseSpec` fields.
+    the real noisy forward pass). ``options`` are :class:`CollapseSpec` fields and :class:`CollapseTableSpec`
+    fields (``predict``, ``strict_samples``, ``variant``).
     """
+    table_options, options = split_overrides(options, CollapseTableSpec)
+    table = CollapseTableSpec(**table_options)
     spec = CollapseSpec.make(spec, **options)
     cfg = V.check_model(model)
-    strict_samples = int(strict_samples)
     results = decisions(model, tokens, levels, spec, progress=progress)
-    return collapse_table(results, spec, cfg, predict=predict, strict_samples=strict_samples, variant=variant)
+    return collapse_table(results, spec, cfg, predict=table.predict, strict_samples=int(table.strict_samples),
+                          variant=table.variant)
 
 
 def collapse_table(
@@ -371,7 +383,6 @@ def run_collapse(
     n_examples: int = V.TEST_EXAMPLES,
     data_seed: int = V.TEST_SEED,
     tokens: Optional[Tensor] = None,
-    window_batch: Optional[int] = None,
     **kwargs,
 ) -> pd.DataFrame:
     """The paper's circuit-collapse experiment in one call, on any model; pass the result to
@@ -382,9 +393,10 @@ def run_collapse(
     column added; ``task`` defaults to the model's own, another one warns naming both; other keyword
     arguments go to :func:`measure_collapse`). A TransformerBridge (a Hugging Face model, no task)
     runs :func:`~interp_norm.noise.bridge_collapse.bridge_collapse` on ``tokens`` (text windows
-    [batch, pos]; ``window_batch`` is its) with the keyword arguments; ``task``, ``split``,
-    ``n_examples`` and ``data_seed`` are not read.
+    [batch, pos]) with the keyword arguments (:class:`~interp_norm.noise.bridge_collapse.BridgeCollapseSpec`
+    fields, ``window_batch`` among them); ``task``, ``split``, ``n_examples`` and ``data_seed`` are not read.
     """
+    window_batch = kwargs.get("window_batch")
     if kind_of(model) == "bridge":
         if spec is not None:
             raise ConfigError("a CollapseSpec applies to our models; pass a bridge's options (draws, targets, placement, "
@@ -392,13 +404,14 @@ def run_collapse(
         if tokens is None:
             raise ConfigError("a Hugging Face model has no addition task: pass tokens= (text windows [batch, pos], e.g. "
                               "interp_norm.anatomy.text_tokens(model))")
-        return bridge_collapse(model, tokens, levels, window_batch=window_batch, **kwargs)
+        return bridge_collapse(model, tokens, levels, **kwargs)
     if window_batch is not None:
         raise ConfigError(f"window_batch={window_batch!r} applies to Hugging Face models (TransformerBridges); our "
                           "models run their problems in one pass: drop window_batch")
     if tokens is not None:
         raise ConfigError("tokens= is a Hugging Face model's text; our models run on their task's test set (split, "
                           "n_examples): call measure_collapse(model, tokens, levels) for tokens of your own")
+    kwargs.pop("window_batch", None)
     return V.on_test_set(measure_collapse, model, task, levels, spec, split=split, n_examples=n_examples,
                          data_seed=data_seed, who="run_collapse", **kwargs)
 
@@ -425,5 +438,5 @@ def collapse_thresholds(curves: pd.DataFrame, target: float = 0.01) -> pd.DataFr
 __all__ = [
     "CollapseSpec", "CleanAttention", "clean_attention", "collapse_from_scores",
     "collapse_noise_draws", "LayerCollapse", "layer_decisions", "collapse_decisions", "measure_collapse",
-    "collapse_table", "run_collapse", "collapse_thresholds",
+    "CollapseTableSpec", "collapse_table", "run_collapse", "collapse_thresholds",
 ]

@@ -21,7 +21,8 @@ for both groups and their difference (:func:`cluster_bootstrap`).
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -36,6 +37,7 @@ from interp_norm.errors import NoiseSpecError
 from interp_norm.core.defaults import SPARSE_THRESHOLD
 from interp_norm.core.hook_names import act_name
 from interp_norm.core.model import HookedNormTransformer
+from interp_norm.core.specs import with_overrides
 from interp_norm.noise import _validate as V
 from interp_norm.noise.accuracy import influential_rows
 from interp_norm.noise.norm_noise import NormNoise
@@ -84,29 +86,78 @@ def cluster_bootstrap(
     return est, bounds[:, 0], bounds[:, 1]
 
 
+@dataclass(frozen=True)
+class ConsequenceSpec:
+    """The options of :func:`collapse_consequence` (also taken as keywords; an unknown one: NoiseSpecError).
+
+    Noise: q/k (``targets``) of every row whose clean max attention is ≥ ``sparse_threshold``, in
+    every layer (row gate), ``n_draws`` forward passes per level with draws 0..n_draws−1 of one
+    :class:`NormNoise` (seed ``seed``; ``distribution``, ``placement`` as there). Intervals: ``n_boot``
+    cluster-bootstrap resamples over problems at ``confidence``. ``variant`` labels the rows.
+    """
+
+    n_draws: int = 4
+    targets: str | Sequence[str] = ("q", "k")
+    distribution: str = "uniform"
+    placement: str = "before_norm"
+    sparse_threshold: float = SPARSE_THRESHOLD
+    seed: int = 0
+    n_boot: int = 2000
+    confidence: float = 0.95
+    variant: Optional[str] = None
+
+
+@dataclass
+class _Clean:
+    """The clean run a consequence sweep compares against: sparse-row ``gates`` and the ``judged`` rows per
+    layer [b, h, q], each row's clean top key ``tstar``, the next-token targets, which are ``scored``, and
+    per problem the clean correct and ``total`` answer tokens [b]."""
+
+    gates: dict
+    judged: dict
+    tstar: dict
+    targets_next: Tensor
+    scored: Tensor
+    clean: np.ndarray
+    total: np.ndarray
+
+    def per_problem(self, lg: Tensor) -> np.ndarray:
+        """Correct answer tokens per problem of logits ``lg``."""
+        return ((lg.argmax(-1) == self.targets_next) & self.scored).sum(-1).cpu().numpy().astype(np.float64)
+
+
+def _clean_run(model: HookedNormTransformer, tokens: Tensor, sparse_threshold: float) -> _Clean:
+    """One clean pass: what :class:`_Clean` lists."""
+    h = model.cfg.n_heads
+    layers = range(model.cfg.n_layers)
+    names = {act_name(k, l) for l in layers for k in ("attn_scores", "pattern")}
+    logits, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
+    gates = {l: theory.sparse_mask(cache[act_name("pattern", l)], sparse_threshold) for l in layers}
+    live = influential_rows(tokens, h).to(tokens.device)
+    targets_next = T.next_token_targets(tokens)
+    scored = targets_next != -100
+    out = _Clean(gates, judged={l: gates[l] & live for l in layers},
+                 tstar={l: cache[act_name("attn_scores", l)].argmax(-1) for l in layers},
+                 targets_next=targets_next, scored=scored, clean=np.zeros(0),
+                 total=scored.sum(-1).cpu().numpy().astype(np.float64))
+    out.clean = out.per_problem(logits)
+    return out
+
+
 @torch.no_grad()
 def collapse_consequence(
     model: HookedNormTransformer,
     tokens: Int[Tensor, "batch pos"] | Batch,
     levels: Sequence[float] | float = CONSEQUENCE_LEVELS,
+    spec: Optional[ConsequenceSpec] = None,
     *,
-    n_draws: int = 4,
-    targets: str | Sequence[str] = ("q", "k"),
-    distribution: str = "uniform",
-    placement: str = "before_norm",
-    sparse_threshold: float = SPARSE_THRESHOLD,
-    seed: int = 0,
-    n_boot: int = 2000,
-    confidence: float = 0.95,
-    variant: Optional[str] = None,
     progress: bool = False,
+    **overrides: Any,
 ) -> pd.DataFrame:
     """Per level, three rows (``group``): ``collapsed`` ((problem, draw) pairs with ≥ 1 collapsed
     sparse row), ``none`` (pairs without), ``difference`` (collapsed − none).
 
-    Noise: q/k (``targets``) of every row whose clean max attention is ≥ ``sparse_threshold``, in
-    every layer (row gate), ``n_draws`` forward passes per level with draws 0..n_draws−1 of one
-    :class:`NormNoise` (seed ``seed``). A pair is ``collapsed`` when some clean-sparse row with query
+    Options: :class:`ConsequenceSpec` (``spec`` and/or its fields as keywords). A pair is ``collapsed`` when some clean-sparse row with query
     ≥ 1 that can reach a scored logit (:func:`~interp_norm.noise.accuracy.influential_rows`) has a
     different score argmax in that pass than in the clean run. Accuracy is per answer token
     (teacher-forced, ``]`` included), pooled over the group's pairs.
@@ -118,53 +169,49 @@ def collapse_consequence(
     ``difference``: each column is collapsed − none (``accuracy`` and ``clean_accuracy`` as
     fractions, ``drop`` in points), with the intervals of the differences (:func:`cluster_bootstrap` over problems).
     """
+    sp = with_overrides(ConsequenceSpec, spec, overrides, who="collapse_consequence", error=NoiseSpecError)
     cfg = V.check_model(model)
-    levels = V.check_levels(levels, distribution)
-    targets = V.check_targets(targets, cfg, allowed=("q", "k"))
-    placement = V.check_placement(placement)
-    n_draws = V.check_positive_int(n_draws, "n_draws", NoiseSpecError)
-    sparse_threshold = V.check_threshold(sparse_threshold, "sparse_threshold")
-    seed = V.check_seed(seed)
+    levels = V.check_levels(levels, sp.distribution)
+    targets = V.check_targets(sp.targets, cfg, allowed=("q", "k"))
+    placement = V.check_placement(sp.placement)
+    n_draws = V.check_positive_int(sp.n_draws, "n_draws", NoiseSpecError)
+    sparse_threshold = V.check_threshold(sp.sparse_threshold, "sparse_threshold")
+    seed = V.check_seed(sp.seed)
     tokens = V.trimmed_tokens(tokens, model)
-    b, h = len(tokens), cfg.n_heads
-    layers = range(cfg.n_layers)
-    names = {act_name(k, l) for l in layers for k in ("attn_scores", "pattern")}
-    logits, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
-    gates = {l: theory.sparse_mask(cache[act_name("pattern", l)], sparse_threshold) for l in layers}
-    live = influential_rows(tokens, h).to(tokens.device)
-    judged = {l: gates[l] & live for l in layers}  # [b, h, q]
-    tstar = {l: cache[act_name("attn_scores", l)].argmax(-1) for l in layers}  # [b, h, q]
-    targets_next = T.next_token_targets(tokens)
-    scored = targets_next != -100
-    total = scored.sum(-1).cpu().numpy().astype(np.float64)  # [b]
-
-    def per_problem(lg: Tensor) -> np.ndarray:
-        return ((lg.argmax(-1) == targets_next) & scored).sum(-1).cpu().numpy().astype(np.float64)
-
-    clean = per_problem(logits)
-    score_names = {act_name("attn_scores", l) for l in layers}
-    columns = dict(variant=V.variant_label(cfg, variant), attn_norm=cfg.attn_norm, placement=placement,
-                   distribution=distribution, targets="".join(targets))
+    ref = _clean_run(model, tokens, sparse_threshold)
+    columns = dict(variant=V.variant_label(cfg, sp.variant), attn_norm=cfg.attn_norm, placement=placement,
+                   distribution=sp.distribution, targets="".join(targets))
     rows = []
     bar = tqdm(total=len(levels) * n_draws, desc="collapse consequence", disable=not progress)
     for level in levels:
-        noise = NormNoise(model, level, targets, distribution=distribution, placement=placement, seed=seed,
-                          row_gate=gates)
-        collapsed = np.zeros((n_draws, b), dtype=bool)
-        noisy = np.zeros((n_draws, b))
-        with noise:
-            for d in range(n_draws):
-                lg, nc = model.run_with_cache(tokens, names_filter=lambda n: n in score_names)
-                hit = torch.zeros(b, dtype=torch.bool, device=tokens.device)
-                for l in layers:
-                    moved = (nc[act_name("attn_scores", l)].argmax(-1) != tstar[l]) & judged[l]
-                    hit |= moved.flatten(1).any(-1)
-                collapsed[d], noisy[d] = hit.cpu().numpy(), per_problem(lg)
-                bar.update()
-        rows += _group_rows(columns, level, collapsed, noisy, clean, total, n_boot=n_boot, confidence=confidence,
-                            seed=seed)
+        noise = NormNoise(model, level, targets, distribution=sp.distribution, placement=placement, seed=seed,
+                          row_gate=ref.gates)
+        collapsed, noisy = _noisy_draws(model, tokens, noise, ref, n_draws, bar)
+        rows += _group_rows(columns, level, collapsed, noisy, ref.clean, ref.total, n_boot=sp.n_boot,
+                            confidence=sp.confidence, seed=seed)
     bar.close()
     return pd.DataFrame(rows)
+
+
+def _noisy_draws(model: HookedNormTransformer, tokens: Tensor, noise: NormNoise, ref: _Clean, n_draws: int,
+                 bar: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(collapsed [D, B]: some judged row's score argmax moved, noisy correct answer tokens [D, B]) over
+    ``n_draws`` passes under ``noise``."""
+    b = len(tokens)
+    layers = range(model.cfg.n_layers)
+    score_names = {act_name("attn_scores", l) for l in layers}
+    collapsed = np.zeros((n_draws, b), dtype=bool)
+    noisy = np.zeros((n_draws, b))
+    with noise:
+        for d in range(n_draws):
+            lg, nc = model.run_with_cache(tokens, names_filter=lambda n: n in score_names)
+            hit = torch.zeros(b, dtype=torch.bool, device=tokens.device)
+            for l in layers:
+                moved = (nc[act_name("attn_scores", l)].argmax(-1) != ref.tstar[l]) & ref.judged[l]
+                hit |= moved.flatten(1).any(-1)
+            collapsed[d], noisy[d] = hit.cpu().numpy(), ref.per_problem(lg)
+            bar.update()
+    return collapsed, noisy
 
 
 def _group_rows(columns: dict, level: float, collapsed: np.ndarray, noisy: np.ndarray, clean: np.ndarray,
@@ -212,4 +259,5 @@ def run_collapse_consequence(
                          data_seed=data_seed, who="run_collapse_consequence", **kwargs)
 
 
-__all__ = ["CONSEQUENCE_LEVELS", "bootstrap_ratios", "percentile_interval", "cluster_bootstrap", "collapse_consequence", "run_collapse_consequence"]
+__all__ = ["CONSEQUENCE_LEVELS", "bootstrap_ratios", "percentile_interval", "cluster_bootstrap", "ConsequenceSpec",
+           "collapse_consequence", "run_collapse_consequence"]

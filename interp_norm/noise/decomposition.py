@@ -25,7 +25,8 @@ independent samples). The drop is clean minus noisy accuracy on the same tokens,
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -37,6 +38,7 @@ from tqdm.auto import tqdm
 from interp_norm.errors import NoiseSpecError
 from interp_norm.core.scoring import count_correct
 from interp_norm.core.model import HookedNormTransformer
+from interp_norm.core.specs import with_overrides
 from interp_norm.noise import _validate as V
 from interp_norm.noise.norm_noise import NormNoise
 from interp_norm.core.task import AdditionTask, Batch, task_for
@@ -68,21 +70,32 @@ def chunk_seed(seed: int, dataset: int, chunk: int) -> int:
     return int(np.random.SeedSequence([seed, dataset, 0xDEC0, chunk]).generate_state(1)[0])
 
 
+@dataclass(frozen=True)
+class DecompositionSpec:
+    """The options of :func:`noise_decomposition` (also taken as keywords; an unknown one: NoiseSpecError):
+    κ's ``distribution``, the noise ``placement``, ``seed`` (:func:`chunk_seed`), ``batch_size`` problems per
+    forward pass, ``variant`` labelling the rows."""
+
+    distribution: str = "uniform"
+    placement: str = "before_norm"
+    seed: int = 0
+    batch_size: int = 512
+    variant: Optional[str] = None
+
+
 @torch.no_grad()
 def noise_decomposition(
     model: HookedNormTransformer,
     datasets: Sequence[Batch | Int[Tensor, "batch pos"]],
     levels: Sequence[float] | float = DECOMPOSITION_LEVELS,
     modes: str | Sequence[str] = tuple(DECOMPOSITION_MODES),
+    spec: Optional[DecompositionSpec] = None,
     *,
-    distribution: str = "uniform",
-    placement: str = "before_norm",
-    seed: int = 0,
-    batch_size: int = 512,
-    variant: Optional[str] = None,
     progress: bool = False,
+    **overrides: Any,
 ) -> pd.DataFrame:
     """Accuracy lost to norm noise, split by what is noised (module docstring): one row per (mode, level).
+    Options: :class:`DecompositionSpec` (``spec`` and/or its fields as keywords).
 
     Columns: ``variant``, ``attn_norm``, ``mode``, ``targets``, ``direction`` (norm / random),
     ``shared`` (one κ per token), ``level``, ``clean_accuracy`` and ``accuracy`` (per-token,
@@ -90,12 +103,14 @@ def noise_decomposition(
     accuracy (mean over datasets of the paired difference), ``drop_se`` (std over datasets / √n),
     ``n_datasets``, ``n_tokens``, ``distribution``, ``placement``. A level of 0 is exactly clean.
     """
+    sp = with_overrides(DecompositionSpec, spec, overrides, who="noise_decomposition", error=NoiseSpecError)
+    distribution, placement, variant = sp.distribution, sp.placement, sp.variant
     cfg = V.check_model(model)
     levels = V.check_levels(levels, distribution)
     modes = _check_modes(modes)
     V.check_placement(placement)
-    seed = V.check_seed(seed)
-    batch_size = V.check_positive_int(batch_size, "batch_size")
+    seed = V.check_seed(sp.seed)
+    batch_size = V.check_positive_int(sp.batch_size, "batch_size")
     chunks_per = [[V.trimmed_tokens(t[i : i + batch_size], model) for i in range(0, len(t), batch_size)]
                   for t in V.dataset_tokens(datasets)]
     clean = np.zeros(len(datasets))
@@ -158,4 +173,4 @@ def run_noise_decomposition(
     return df
 
 
-__all__ = ["DECOMPOSITION_MODES", "DECOMPOSITION_LEVELS", "chunk_seed", "noise_decomposition", "run_noise_decomposition"]
+__all__ = ["DECOMPOSITION_MODES", "DECOMPOSITION_LEVELS", "chunk_seed", "DecompositionSpec", "noise_decomposition", "run_noise_decomposition"]

@@ -14,12 +14,14 @@ way: ``"before_norm"`` on the projection's output (where upstream interference a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from interp_norm.anatomy import Anatomy, anatomy, canonical, from_canonical
+from interp_norm.core.specs import with_overrides
 from interp_norm.errors import NoiseSpecError
 from interp_norm.noise import _validate as V
 from interp_norm.noise.kernels import pass_noise
@@ -41,12 +43,22 @@ def seeded_sampler(level: float, seed: int = 0, distribution: str = "uniform") -
     return draw
 
 
+@dataclass(frozen=True)
+class DrawSpec:
+    """How the default sampler draws κ (:func:`seeded_sampler`): RMS ``level``, ``seed``, ``distribution``
+    ("uniform" or "normal"). Not read when κ is explicit or a sampler is given."""
+
+    level: float = 0.0
+    seed: int = 0
+    distribution: str = "uniform"
+
+
 class HeadNoise:
     """Hooks multiplying q, k and/or v of chosen layers by (1+κ) per (example, position, head).
 
     ``kappa``: explicit κ per ``(layer, target)``, each [batch, pos, heads of that target] (k/v:
     key/value heads); or a ``sampler`` (default :func:`seeded_sampler` at ``level``, ``seed`` and
-    ``distribution``, "uniform" or "normal").
+    ``distribution``, "uniform" or "normal": the :class:`DrawSpec` fields, passed as keywords).
     ``placement`` "before_norm" (the projection output) or "after_norm" (what attention uses;
     the same hook where the target has no norm). After a forward pass ``last_kappa`` holds the κ
     used. Use as ``model.run_with_hooks(tokens, fwd_hooks=noise.hooks())`` or ``with noise: ...``.
@@ -63,15 +75,14 @@ class HeadNoise:
         model: Any,
         kappa: Optional[Mapping[tuple[int, str], Tensor]] = None,
         *,
-        level: float = 0.0,
         targets: Sequence[str] = QKV,
         placement: str = "before_norm",
         layers: Optional[Sequence[int]] = None,
         sampler: Optional[Sampler] = None,
-        seed: int = 0,
-        distribution: str = "uniform",
         anat: Optional[Anatomy] = None,
+        **draw: Any,
     ):
+        drawn = with_overrides(DrawSpec, None, draw, who="HeadNoise", error=NoiseSpecError)
         self.model, self._ctx = model, None
         self.anat = anat or anatomy(model)
         self.placement = V.check_placement(placement)
@@ -80,7 +91,7 @@ class HeadNoise:
             raise NoiseSpecError(f"targets must be among 'q', 'k', 'v', got {tuple(targets)!r}")
         self.sites = self._sites(kappa, targets, layers)
         self.kappa = dict(kappa) if kappa is not None else None
-        self.sampler = sampler or seeded_sampler(level, seed, distribution)
+        self.sampler = sampler or seeded_sampler(drawn.level, drawn.seed, drawn.distribution)
         self.last_kappa: dict[tuple[int, str], Tensor] = {}
         self._calls: dict[tuple[int, str], int] = {}
 
@@ -168,4 +179,4 @@ class HeadNoise:
         ctx.__exit__(*exc)
 
 
-__all__ = ["Sampler", "seeded_sampler", "HeadNoise"]
+__all__ = ["Sampler", "seeded_sampler", "DrawSpec", "HeadNoise"]

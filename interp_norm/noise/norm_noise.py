@@ -38,7 +38,8 @@ every level (common random numbers make noise curves smooth).
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -47,10 +48,22 @@ from interp_norm.anatomy import capabilities
 from interp_norm.errors import NoiseSpecError
 from interp_norm.core.hook_names import act_name, is_normalised, noise_site
 from interp_norm.core.model import HookedNormTransformer
+from interp_norm.core.specs import with_overrides
 from interp_norm.noise import _validate as V
 from interp_norm.noise.head_noise import HeadNoise
 from interp_norm.noise.kernels import effective_factor, pass_noise, seeded_generator, unit_noise
 from interp_norm.theory import NoiseLaw
+
+
+@dataclass(frozen=True)
+class NoiseControls:
+    """The controls of the module docstring, our models only (keywords of :class:`NormNoise`): ``row_gate``
+    ``{layer: Bool[batch, head, query]}``, ``shared`` one κ per position for every head and target,
+    ``direction`` "norm" or "random"."""
+
+    row_gate: Optional[Mapping[int, Tensor]] = None
+    shared: bool = False
+    direction: str = "norm"
 
 
 class NormNoise(HeadNoise):
@@ -97,41 +110,27 @@ class NormNoise(HeadNoise):
         heads: Optional[int | Sequence[int]] = None,
         placement: str = "before_norm",
         seed: int = 0,
-        row_gate: Optional[Mapping[int, Tensor]] = None,
-        shared: bool = False,
-        direction: str = "norm",
+        **controls: Any,
     ):
+        ctl = with_overrides(NoiseControls, None, controls, who="NormNoise", error=NoiseSpecError)
         self.law = NoiseLaw(level, V.check_distribution(distribution))
         self.row_gate, self.shared, self.direction = None, False, "norm"
         self._scales: dict[tuple[int, str], Tensor] = {}
         self.native = not capabilities(model).hf_original  # our model: its config and every hook of the vocabulary
         if not self.native:
-            unsupported = [name for name, v in (("heads", heads), ("row_gate", row_gate)) if v is not None]
-            unsupported += [name for name, v, default in (("shared", shared, False), ("direction", direction, "norm"))
-                            if v != default]
-            if unsupported:
-                raise NoiseSpecError(
-                    f"{' and '.join(unsupported)} are not available on a TransformerBridge; noise whole layers "
-                    "(layers=...) or use interp_norm.noise.HeadNoise with explicit kappa per head"
-                )
-            self.cfg = None
-            self.targets = V.check_targets(targets, None, allowed=("q", "k", "v"))
-            layers = None if layers is None else list(V.check_index_form(layers, "layer"))
-            super().__init__(model, level=level, targets=self.targets, placement=V.check_placement(placement),
-                             layers=layers, seed=V.check_seed(seed), distribution=distribution)
-            self.seed, self.layers = seed, tuple(sorted({l for l, _ in self.sites}))
+            self._init_bridge(model, targets, layers=layers, heads=heads, placement=placement, seed=seed, ctl=ctl)
             return
         cfg = V.check_model(model)
         self.model, self.cfg, self._ctx = model, cfg, None
         self.targets = V.check_targets(targets, cfg)
         self.placement = V.check_placement(placement)
         self.seed = V.check_seed(seed)
-        self.shared, self.direction = V.check_control(shared, direction, self.targets, row_gate is not None)
-        if row_gate is not None:
-            if not isinstance(row_gate, Mapping) or not row_gate:
+        self.shared, self.direction = V.check_control(ctl.shared, ctl.direction, self.targets, ctl.row_gate is not None)
+        if ctl.row_gate is not None:
+            if not isinstance(ctl.row_gate, Mapping) or not ctl.row_gate:
                 raise NoiseSpecError("row_gate must be a non-empty dict {layer: Bool[batch, head, query] tensor}")
             if layers is None:
-                layers = sorted(row_gate)
+                layers = sorted(ctl.row_gate)
             bad = [t for t in self.targets if t not in ("q", "k")]
             if bad:
                 raise NoiseSpecError(
@@ -145,22 +144,45 @@ class NormNoise(HeadNoise):
                 "the Pre-Norm scale factor is shared by all heads of a layer, so it cannot be noised "
                 "per head; pass heads=None with target 'scale'"
             )
-        if row_gate is not None:
-            missing = [l for l in self.layers if l not in row_gate]
-            if missing:
-                raise NoiseSpecError(f"row_gate has no gate for layers {missing}; give one per noised layer")
-            gates = {}
-            for l in self.layers:
-                g = row_gate[l]
-                if not isinstance(g, Tensor) or g.dtype != torch.bool or g.ndim != 3 or g.shape[1] != cfg.n_heads:
-                    raise NoiseSpecError(
-                        f"row_gate[{l}] must be a bool tensor [batch, n_heads={cfg.n_heads}, query], "
-                        f"got {getattr(g, 'shape', type(g).__name__)}"
-                    )
-                gates[l] = g
-            self.row_gate = gates
+        if ctl.row_gate is not None:
+            self.row_gate = self._checked_gates(ctl.row_gate)
         self.last_kappa: dict[tuple[int, str], Tensor] = {}
         self._calls: dict[tuple[int, str], int] = {}
+
+    def _init_bridge(self, model: Any, targets: str | Sequence[str], *, layers: Any, heads: Any, placement: str,
+                     seed: int, ctl: "NoiseControls") -> None:
+        """A TransformerBridge: :class:`HeadNoise` with the same draws; the options only our models have are refused."""
+        unsupported = [name for name, v in (("heads", heads), ("row_gate", ctl.row_gate)) if v is not None]
+        unsupported += [name for name, v, default in (("shared", ctl.shared, False), ("direction", ctl.direction, "norm"))
+                        if v != default]
+        if unsupported:
+            raise NoiseSpecError(
+                f"{' and '.join(unsupported)} are not available on a TransformerBridge; noise whole layers "
+                "(layers=...) or use interp_norm.noise.HeadNoise with explicit kappa per head"
+            )
+        self.cfg = None  # type: ignore[assignment]  # a bridge has no ModelConfig: its anatomy describes it
+        self.targets = V.check_targets(targets, None, allowed=("q", "k", "v"))
+        layers = None if layers is None else list(V.check_index_form(layers, "layer"))
+        super().__init__(model, level=self.law.level, targets=self.targets, placement=V.check_placement(placement),
+                         layers=layers, seed=V.check_seed(seed), distribution=self.law.distribution)
+        self.seed, self.layers = seed, tuple(sorted({l for l, _ in self.sites}))
+
+    def _checked_gates(self, row_gate: Mapping[int, Tensor]) -> dict[int, Tensor]:
+        """One bool gate [batch, n_heads, query] per noised layer, or a NoiseSpecError naming what is wrong."""
+        cfg = self.cfg
+        missing = [l for l in self.layers if l not in row_gate]
+        if missing:
+            raise NoiseSpecError(f"row_gate has no gate for layers {missing}; give one per noised layer")
+        gates = {}
+        for l in self.layers:
+            g = row_gate[l]
+            if not isinstance(g, Tensor) or g.dtype != torch.bool or g.ndim != 3 or g.shape[1] != cfg.n_heads:
+                raise NoiseSpecError(
+                    f"row_gate[{l}] must be a bool tensor [batch, n_heads={cfg.n_heads}, query], "
+                    f"got {getattr(g, 'shape', type(g).__name__)}"
+                )
+            gates[l] = g
+        return gates
 
     @property
     def level(self) -> float:
@@ -277,4 +299,4 @@ def norm_noise_hooks(model: HookedNormTransformer, level: float, targets: str | 
     return NormNoise(model, level, targets, **kwargs).hooks()
 
 
-__all__ = ["NormNoise", "HeadNoise", "norm_noise_hooks", "unit_noise", "effective_factor", "seeded_generator"]
+__all__ = ["NormNoise", "NoiseControls", "HeadNoise", "norm_noise_hooks", "unit_noise", "effective_factor", "seeded_generator"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import pandas as pd
@@ -22,6 +23,7 @@ from interp_norm.anatomy.describe import Anatomy
 from interp_norm.anatomy.model_anatomy import anatomy
 from interp_norm.anatomy.stream import cache_before_unembed, unembed_input
 from interp_norm.core.defaults import PLACEMENTS
+from interp_norm.core.specs import with_overrides
 from interp_norm.noise.head_noise import HeadNoise, seeded_sampler
 from interp_norm.errors import ConfigError, NoiseSpecError
 from interp_norm.theory import NoiseLaw
@@ -59,21 +61,37 @@ def _kl(clean: Tensor, out: Tensor, max_elements: int = 1 << 18) -> Tensor:
     return kl
 
 
+@dataclass(frozen=True)
+class TextAgreementSpec:
+    """The options of :func:`text_agreement`: noise as :class:`~interp_norm.noise.HeadNoise` (``targets``,
+    ``placement``, ``distribution``, ``layers``) with ``draws`` independent passes per level (the same unit
+    draws at every level, from ``seed``), ``batch_size`` sequences per pass; ``n_ctx``/``max_windows`` cut the
+    default text; ``logit_positions`` positions per block of logits (None: full logits; see
+    :func:`text_agreement`)."""
+
+    targets: Sequence[str] = ("q", "k", "v")
+    placement: str = "before_norm"
+    distribution: str = "uniform"
+    layers: Optional[Sequence[int]] = None
+    draws: int = 1
+    batch_size: int = 8
+    n_ctx: int = 64
+    max_windows: Optional[int] = 16
+    seed: int = 0
+    logit_positions: Optional[int] = 16
+
+
 @torch.no_grad()
 def text_agreement(
-    model: Any, tokens: Optional[Tensor] = None, levels: Sequence[float] = (0.0, 0.05, 0.1, 0.2), *,
-    targets: Sequence[str] = ("q", "k", "v"), placement: str = "before_norm", distribution: str = "uniform",
-    layers: Optional[Sequence[int]] = None, draws: int = 1, batch_size: int = 8, n_ctx: int = 64,
-    max_windows: Optional[int] = 16, seed: int = 0, progress: bool = False, logit_positions: Optional[int] = 16,
+    model: Any, tokens: Optional[Tensor] = None, levels: Sequence[float] = (0.0, 0.05, 0.1, 0.2),
+    spec: Optional[TextAgreementSpec] = None, *, progress: bool = False, **overrides: Any,
 ) -> pd.DataFrame:
     """Top-1 agreement with the clean model and KL(clean ‖ noised), per noise level.
 
     ``tokens`` [batch, pos] (default: the shipped sample text through the model's tokenizer,
-    :func:`~interp_norm.anatomy.text_tokens` with ``n_ctx``/``max_windows``); noise as
-    :class:`~interp_norm.noise.HeadNoise` (``targets``, ``placement``, ``distribution``,
-    ``layers``) with ``draws`` independent passes per level (the same unit draws at every level),
-    ``batch_size`` sequences per pass. Level 0 multiplies by exactly 1, so it is bit-identical to
-    the clean model (agreement 1, KL 0).
+    :func:`~interp_norm.anatomy.text_tokens` with ``n_ctx``/``max_windows``); options:
+    :class:`TextAgreementSpec` (``spec`` and/or its fields as keywords; an unknown one: NoiseSpecError).
+    Level 0 multiplies by exactly 1, so it is bit-identical to the clean model (agreement 1, KL 0).
 
     Memory: the forwards end where the unembedding starts, and the clean and noised logits are made
     a block of ``logit_positions`` positions at a time from the two final residuals (the model's own
@@ -98,60 +116,76 @@ def text_agreement(
     ``kl`` (mean KL(clean ‖ noised) in nats), ``kl_se`` (std / √count), ``removed_by_norm`` (every
     noised vector meets a per-head norm after the noise, where the theory says nothing changes).
     """
+    sp = with_overrides(TextAgreementSpec, spec, overrides, who="text_agreement", error=NoiseSpecError)
     anat = anatomy(model)
-    tokens = _tokens(model, tokens, n_ctx, max_windows)
-    targets = (targets,) if isinstance(targets, str) else tuple(targets)
-    if not targets or any(t not in ("q", "k", "v") for t in targets):
-        raise NoiseSpecError(f"targets must be among 'q', 'k', 'v', got {targets!r}")
-    if placement not in PLACEMENTS:
-        raise NoiseSpecError(f"unknown placement {placement!r}; choose one of {PLACEMENTS}")
-    for name, v in (("draws", draws), ("batch_size", batch_size)) + ((("logit_positions", logit_positions),)
-                                                                     if logit_positions is not None else ()):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise NoiseSpecError(f"{name} must be a positive integer, got {v!r}")
-    levels = [NoiseLaw(lv, distribution).level for lv in ((levels,) if isinstance(levels, (int, float)) else levels)]
+    tokens = _tokens(model, tokens, sp.n_ctx, sp.max_windows)
+    targets = _check_options(sp)
+    levels = [NoiseLaw(lv, sp.distribution).level for lv in ((levels,) if isinstance(levels, (int, float)) else levels)]
     device = getattr(model.cfg, "device", None) or "cpu"
-    batches = [tokens[i : i + batch_size].to(device) for i in range(0, len(tokens), batch_size)]
-    removed = _removed(anat, targets, placement)
+    batches = [tokens[i : i + sp.batch_size].to(device) for i in range(0, len(tokens), sp.batch_size)]
+    removed = _removed(anat, targets, sp.placement)
     # one HeadNoise per level, all with the same seed: pass n draws the same unit κ at every level
-    noises = [HeadNoise(model, targets=targets, placement=placement, layers=layers, anat=anat,
-                        sampler=seeded_sampler(level, seed, distribution)) for level in levels]
+    noises = [HeadNoise(model, targets=targets, placement=sp.placement, layers=sp.layers, anat=anat,
+                        sampler=seeded_sampler(level, sp.seed, sp.distribution)) for level in levels]
     sums = torch.zeros(len(levels), 4, dtype=torch.float64)  # same, kl, kl², count
-    stop = unembed_input(model) if logit_positions is not None else None
+    stop = unembed_input(model) if sp.logit_positions is not None else None
     exact: dict[tuple, Optional[int]] = {}  # batch shape -> positions per block that give the model's logits
     for t in tqdm(batches, desc="agreement", disable=not progress):  # batches outer: one clean batch in memory
         x_clean = cache_before_unembed(model, t, {stop}).get(stop) if stop else None
         if x_clean is not None and tuple(t.shape) not in exact:
-            exact[tuple(t.shape)] = _exact_block(model, t, x_clean, logit_positions)
+            exact[tuple(t.shape)] = _exact_block(model, t, x_clean, sp.logit_positions)
         block = exact.get(tuple(t.shape))
         if x_clean is None or block is None:
             del x_clean
-            _full_logits(model, t, noises, draws, sums)
+            _full_logits(model, t, noises, sp.draws, sums)
             continue
-        blocks = [slice(p0, p0 + block) for p0 in range(0, t.shape[1], block)]
-        for i, noise in enumerate(noises):
-            for _ in range(draws):
-                with model.hooks(fwd_hooks=noise.hooks()):
-                    x_out = cache_before_unembed(model, t, {stop})[stop]
-                same = 0
-                kl = torch.empty(t.shape, dtype=torch.float64, device=x_out.device)  # [b, p]
-                for sl in blocks:  # the clean block is made again for every pass: memory over time
-                    clean, out = model.unembed(x_clean[:, sl]), model.unembed(x_out[:, sl])
-                    same += int((out.argmax(-1) == clean.argmax(-1)).sum())
-                    kl[:, sl] = _kl(clean, out)
-                    del clean, out
-                sums[i] += torch.tensor([float(same), float(kl.sum()), float(kl.pow(2).sum()), kl.numel()],
-                                        dtype=torch.float64)
+        _blocked_logits(model, t, x_clean, stop, block, noises, draws=sp.draws, sums=sums)
     rows = []
     for level, (same, kl_sum, kl_sq, count) in zip(levels, sums.tolist()):
         agreement = same / count
         kl_mean = kl_sum / count
         kl_var = max(0.0, kl_sq / count - kl_mean**2)
-        rows.append(dict(level=level, targets="".join(targets), placement=placement, distribution=distribution,
-                         n_tokens=int(tokens.numel()), draws=draws, agreement=agreement,
+        rows.append(dict(level=level, targets="".join(targets), placement=sp.placement, distribution=sp.distribution,
+                         n_tokens=int(tokens.numel()), draws=sp.draws, agreement=agreement,
                          agreement_se=math.sqrt(agreement * (1 - agreement) / count), kl=kl_mean,
                          kl_se=math.sqrt(kl_var / count), removed_by_norm=removed))
     return pd.DataFrame(rows)
+
+
+def _check_options(sp: TextAgreementSpec) -> tuple[str, ...]:
+    """The targets as a tuple, every option checked (NoiseSpecError naming it)."""
+    targets = (sp.targets,) if isinstance(sp.targets, str) else tuple(sp.targets)
+    if not targets or any(t not in ("q", "k", "v") for t in targets):
+        raise NoiseSpecError(f"targets must be among 'q', 'k', 'v', got {targets!r}")
+    if sp.placement not in PLACEMENTS:
+        raise NoiseSpecError(f"unknown placement {sp.placement!r}; choose one of {PLACEMENTS}")
+    sizes: list[tuple[str, Any]] = [("draws", sp.draws), ("batch_size", sp.batch_size)]
+    if sp.logit_positions is not None:
+        sizes.append(("logit_positions", sp.logit_positions))
+    for name, v in sizes:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise NoiseSpecError(f"{name} must be a positive integer, got {v!r}")
+    return targets
+
+
+def _blocked_logits(model: Any, t: Tensor, x_clean: Tensor, stop: str, block: int, noises: list, *, draws: int,
+                    sums: Tensor) -> None:
+    """Agreement and KL of one batch, the logits made ``block`` positions at a time from the final residuals
+    (clean ``x_clean``; noised: each noise's pass stopped at ``stop``), added to ``sums``."""
+    blocks = [slice(p0, p0 + block) for p0 in range(0, t.shape[1], block)]
+    for i, noise in enumerate(noises):
+        for _ in range(draws):
+            with model.hooks(fwd_hooks=noise.hooks()):
+                x_out = cache_before_unembed(model, t, {stop})[stop]
+            same = 0
+            kl = torch.empty(t.shape, dtype=torch.float64, device=x_out.device)  # [b, p]
+            for sl in blocks:  # the clean block is made again for every pass: memory over time
+                clean, out = model.unembed(x_clean[:, sl]), model.unembed(x_out[:, sl])
+                same += int((out.argmax(-1) == clean.argmax(-1)).sum())
+                kl[:, sl] = _kl(clean, out)
+                del clean, out
+            sums[i] += torch.tensor([float(same), float(kl.sum()), float(kl.pow(2).sum()), kl.numel()],
+                                    dtype=torch.float64)
 
 
 def _exact_block(model: Any, t: Tensor, x_clean: Tensor, start: int) -> Optional[int]:
@@ -203,4 +237,4 @@ def _full_logits(model: Any, t: Tensor, noises: list, draws: int, sums: Tensor) 
             del out
 
 
-__all__ = ["text_agreement"]
+__all__ = ["TextAgreementSpec", "text_agreement"]

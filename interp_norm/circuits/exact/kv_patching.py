@@ -392,13 +392,15 @@ class KVCacheEngine:
             assert H is not None
             return self._head(H, p)
 
-def kv_patch_cells(engine: KVCacheEngine, kind: str, cells: Tensor, differs: Tensor, clean_acts: list,
-                   metric: MetricFn, *, batch_size: int, row_col: Optional[int], head_col: Optional[int],
-                   progress: bool = False, desc: str = "patching") -> Tensor:
+def kv_patch_cells(engine: KVCacheEngine, cells: Tensor, differs: Tensor, clean_acts: list, metric: MetricFn, *,
+                   batch_size: int, columns: tuple[Optional[int], Optional[int]], progress: bool = False,
+                   desc: str = "patching") -> Tensor:
     """Metric values ``[n_cells, batch]`` (or ``[n_cells]`` for a scalar metric) of ``cells`` (live
     ones, in any order): copies of the examples that differ in the cell (``differs`` [cells, batch])
     are recomputed; the rest keep the corrupted logits. Chunks share the cell position (all
-    positions: 0) and hold at most ``batch_size`` rows (copies x examples)."""
+    positions: 0) and hold at most ``batch_size`` rows (copies x examples). ``columns``: which cell
+    column holds the (destination) position and which the head (None: the cells have none)."""
+    row_col, head_col = columns
     b, n = engine.b, engine.n
     dev = engine.logits.device
     if row_col is not None and engine.activation != "resid_pre":
@@ -411,9 +413,8 @@ def kv_patch_cells(engine: KVCacheEngine, kind: str, cells: Tensor, differs: Ten
             out[unread] = base_val
             keep = (~unread).nonzero().flatten()
             if len(keep):
-                out[keep] = kv_patch_cells(engine, kind, cells[keep], differs[keep], clean_acts, metric,
-                                           batch_size=batch_size, row_col=row_col, head_col=head_col,
-                                           progress=progress, desc=desc)
+                out[keep] = kv_patch_cells(engine, cells[keep], differs[keep], clean_acts, metric,
+                                           batch_size=batch_size, columns=columns, progress=progress, desc=desc)
             return out
     starts = cells[:, row_col] if row_col is not None else torch.zeros(len(cells), dtype=torch.long)
     order = np.lexsort((cells[:, 0].numpy(), starts.numpy()))

@@ -18,6 +18,7 @@ agree in its slice. That is proved without a patched pass, in one of three ways
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 import pandas as pd
@@ -26,6 +27,25 @@ from torch import Tensor
 
 from interp_norm.errors import HookNameError, PatchingError
 from interp_norm.core.hook_names import act_name
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    """How :func:`~interp_norm.circuits.exact.patching.activation_patch` patches (also taken as keywords; an
+    unknown one: PatchingError).
+
+    ``by``: ``"pos"`` (per position; per destination position for ``pattern``), ``"all"`` (all positions
+    at once) or ``"dest_src"`` (``pattern`` only). ``cells``: a DataFrame of explicit cells (columns = the
+    axis names); the result is then flat, one value per row, as in TransformerLens. ``method``:
+    ``"auto"`` (the fastest exact one; hooks where an engine refuses the model, with a warning),
+    ``"incremental"`` (our models), ``"kv-cache"`` (bridges) or ``"hooks"``. ``batch_size`` bounds the
+    work per forward pass and with it the memory (see ``activation_patch``).
+    """
+
+    by: str = "pos"
+    cells: Optional[pd.DataFrame] = None
+    method: str = "auto"
+    batch_size: int = 1024
 
 
 def row_axis(kind: str, by: str) -> Optional[int]:

@@ -62,6 +62,7 @@ from interp_norm.circuits.exact.kv_patching import KV_ACTIVATIONS, KVCacheEngine
 from interp_norm.circuits.metrics import LogitDiff
 from interp_norm.circuits.pairs import PatchingPairs
 from interp_norm.circuits.exact.patch_cells import (
+    PatchSpec,
     after_first_difference,
     cell_differs,
     cell_mask,
@@ -78,6 +79,7 @@ from interp_norm.circuits.exact.patch_cells import (
 )
 from interp_norm.errors import EngineRefusal, PatchingError
 from interp_norm.core.hook_names import act_name
+from interp_norm.core.specs import with_overrides
 
 # activations computed before layer 0's softmax: the engine's corrupted values equal the model's bit for bit
 _PRE_ATTENTION = ("resid_pre", "q", "k", "v")
@@ -282,12 +284,13 @@ def _pack(order: np.ndarray, cost: np.ndarray, budget: int) -> list[np.ndarray]:
 # ----------------------------------------------------------------------------- the steps
 
 
-def _prepare(model, corrupted_tokens, clean_cache, metric, activation, *, by: str, cells: Optional[pd.DataFrame],
-             method: str, batch_size: int, clean_tokens: Optional[Tensor]) -> _Request:
+def _prepare(model, corrupted_tokens, clean_cache, metric, activation, *, spec: PatchSpec,
+             clean_tokens: Optional[Tensor]) -> _Request:
     """Validate the call and gather what every later step reads: the tokens on the model's device,
     the metric (the logit difference of PatchingPairs by default), the cells, the clean activations
     (from ``clean_cache``, or a run of ``clean_tokens``) and the positions the metric reads. Every
     bad input fails here, with a :class:`PatchingError`, before any patched pass."""
+    by, cells, method, batch_size = spec.by, spec.cells, spec.method, spec.batch_size
     dev = device(model)
     if isinstance(corrupted_tokens, PatchingPairs):
         pairs = corrupted_tokens
@@ -445,36 +448,30 @@ def activation_patch(
     clean_cache: Optional[Mapping[str, Tensor]] = None,
     metric: Optional[MetricFn] = None,
     activation: str = "z",
+    spec: Optional[PatchSpec] = None,
     *,
-    by: str = "pos",
-    cells: Optional[pd.DataFrame] = None,
-    method: str = "auto",
-    batch_size: int = 1024,
     clean_tokens: Optional[Tensor] = None,
     progress: bool = False,
+    **overrides: Any,
 ) -> PatchResult:
     """Exact activation patching of ``activation`` (clean into corrupted), many cells per pass.
 
     ``corrupted_tokens`` may be a :class:`PatchingPairs` (then the clean cache, and by default
     the logit-difference metric, come from it). ``metric`` maps logits ``[batch, pos, vocab]``
     to ``[batch]`` (per-example; a scalar-valued metric also works but gives no per-example
-    values). ``by``: ``"pos"`` (per position; per destination position for ``pattern``),
-    ``"all"`` (all positions at once) or ``"dest_src"`` (``pattern`` only). ``cells``: a
-    DataFrame of explicit cells (columns = the axis names); the result is then flat, one
-    value per row, as in TransformerLens. ``batch_size`` bounds the work per forward pass and with
+    values). Options (``by``, ``cells``, ``method``, ``batch_size``): :class:`PatchSpec`, ``spec`` and/or its
+    fields as keywords. ``batch_size`` bounds the work per forward pass and with
     it the memory: ``batch_size`` rows (copies x examples) for the hooks method; for the incremental
     engine, which keeps only the positions a patch changes, as many changed positions as
     ``batch_size`` whole sequences have, at most ``ENGINE_CHUNK_VALUES // d_model`` (cache-sized;
     one pass may then hold cells of several layers); for the bridges' ``kv-cache`` engine, at most
-    ``batch_size`` (copy, example) rows per pass. ``method``: ``"auto"`` (the fastest exact one;
-    hooks where an engine refuses the model, with a warning), ``"incremental"`` (our models),
-    ``"kv-cache"`` (bridges) or ``"hooks"``.
+    ``batch_size`` (copy, example) rows per pass.
 
     Steps: :func:`_prepare` (validate), :func:`_corrupted_run`, :func:`_dead_cells`,
     :func:`_plan_chunks`, :func:`_run_chunks`.
     """
-    req = _prepare(model, corrupted_tokens, clean_cache, metric, activation, by=by, cells=cells, method=method,
-                   batch_size=batch_size, clean_tokens=clean_tokens)
+    spec = with_overrides(PatchSpec, spec, overrides, who="activation_patch", error=PatchingError)
+    req = _prepare(model, corrupted_tokens, clean_cache, metric, activation, spec=spec, clean_tokens=clean_tokens)
     run = _corrupted_run(req)
     b = req.corrupted.shape[0]
     baseline = metric_per_copy(req.metric, run.logits, 1, b)[0]
@@ -495,8 +492,8 @@ def activation_patch(
     if run.kv is not None:  # chunks of one position, cells of any layer
         if len(order):
             idx = torch.from_numpy(order)
-            store[idx] = kv_patch_cells(run.kv, req.kind, req.cells[idx], differs[idx], req.clean_acts, req.metric,
-                                        batch_size=req.batch_size, row_col=req.row_col, head_col=req.head_col,
+            store[idx] = kv_patch_cells(run.kv, req.cells[idx], differs[idx], req.clean_acts, req.metric,
+                                        batch_size=req.batch_size, columns=(req.row_col, req.head_col),
                                         progress=progress, desc=f"patching {activation}")
     else:
         _run_chunks(req, run, _plan_chunks(req, run, order, differs), differs, (store, baseline), progress)
@@ -504,7 +501,7 @@ def activation_patch(
     mean = store if scalar_metric else store.mean(-1)
     values = mean if req.flat else mean.view(*[req.sizes[a] for a in req.axes])
     return PatchResult(
-        activation=activation, by=by, axis_names=list(req.axes), values=values.to(torch.float32),
+        activation=activation, by=spec.by, axis_names=list(req.axes), values=values.to(torch.float32),
         index_df=pd.DataFrame(req.cells.numpy(), columns=list(req.axes)), per_example=None if scalar_metric else store,
         baseline=baseline.detach().double().cpu(), clean=None if clean_val is None else clean_val.detach().double().cpu(),
         metric_name=metric_name(req.metric), method=f"exact-{run.method}", flat=req.flat,
@@ -543,4 +540,4 @@ def patch_sweep(
     return out
 
 
-__all__ = ["PatchResult", "activation_patch", "patch_sweep"]
+__all__ = ["PatchResult", "PatchSpec", "activation_patch", "patch_sweep"]
