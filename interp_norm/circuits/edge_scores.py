@@ -71,7 +71,8 @@ def edge_attribution(
         e_corr = runner.model.run_with_cache(corr, names_filter=lambda nm: nm == embed)[1][embed]
     # rows per pass: every example costs ~3*n_heads residual copies (split q/k/v inputs) or
     # 1 + 3*n_heads batch copies; chunk the examples too when the metric can be split
-    cost = 3 * runner.H if runner.backend == "split" else 1 + 3 * runner.H
+    A = runner.graph.n_attn_receivers
+    cost = A if runner.backend == "split" else 1 + A
     if batch_size is None:  # ~16 saved tensors of [n, d_model] per layer and residual copy
         per_example = cost * n * model.cfg.d_model * model.cfg.n_layers * 16 * 4
         per_pass = max(1, int(PASS_MEMORY_MB * 2**20 // per_example))

@@ -15,7 +15,10 @@ Because the residual stream is a sum, a receiver's input is the sum of the sende
 * ``"copies"``: any TransformerLens-protocol model (e.g. ``TransformerBridge.boot_native``, which
   cannot split its q/k/v inputs): the batch is repeated ``1 + 3*n_heads`` times per pass; copy
   ``1 + 3h + j`` carries the residual seen by head ``h``'s q/k/v input ``j`` and the main copy's
-  ``hook_q/k/v`` take head ``h`` from it. Exact, at ``1 + 3*n_heads`` times the compute.
+  ``hook_q/k/v`` take head ``h`` from it. Exact, at ``1 + 3*n_heads`` times the compute. With
+  grouped k/v heads (Llama, Qwen3) the copies are one per query head and two per k/v head, and the
+  main copy's ``hook_k/v`` (``[.., n_kv_heads, d_head]``) take k/v head ``g`` from its copy: the
+  grouped weights are used as they are.
 
 A head's output is ``z_h W_O[h]`` through the block's update calibration (models with
 ``cfg.calibration == "paper"`` scale what attention adds to the residual), so the head outputs
@@ -44,10 +47,35 @@ from interp_norm.core.model import HookedNormTransformer
 
 @dataclass(frozen=True)
 class EdgeGraph:
-    """Sender and receiver names of a model shape, and which (sender, receiver) pairs are edges."""
+    """Sender and receiver names of a model shape, and which (sender, receiver) pairs are edges.
+
+    ``n_kv_heads`` (default ``n_heads``): with fewer, grouped, k/v heads the key and value receivers
+    are one per k/v head (``a{l}.kv{g}.k`` / ``.v``, :func:`interp_norm.core.nodes.kv_input`): the
+    query heads of a group read one shared input, so an edge into it is one edge, not one per head.
+    """
 
     n_layers: int
     n_heads: int
+    n_kv_heads: Optional[int] = None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def grouped(self) -> bool:
+        return self.kv_heads != self.n_heads
+
+    @property
+    def n_attn_receivers(self) -> int:
+        """Receivers per attention layer: 3 per head, or one q per head plus k and v per k/v head."""
+        return self.n_heads + 2 * self.kv_heads
+
+    def attn_slots(self) -> list[tuple[int, int]]:
+        """(input j = 0/1/2 for q/k/v, index on that input's head axis) of each attention receiver, in order."""
+        if not self.grouped:
+            return [(j, h) for h in range(self.n_heads) for j in range(3)]
+        return [(0, h) for h in range(self.n_heads)] + [(j, g) for g in range(self.kv_heads) for j in (1, 2)]
 
     @property
     def senders(self) -> list[str]:
@@ -55,7 +83,7 @@ class EdgeGraph:
 
     @property
     def receivers(self) -> list[str]:
-        return nodes.receivers(self.n_layers, self.n_heads)
+        return nodes.receivers(self.n_layers, self.n_heads, self.n_kv_heads)
 
     def sender_index(self, layer: int, what: str, head: int = 0) -> int:
         """Index of ``embed`` / head ``(layer, head)`` (what='head') / MLP ``layer`` (what='mlp')."""
@@ -65,10 +93,15 @@ class EdgeGraph:
         return base + head if what == "head" else base + self.n_heads
 
     def receiver_index(self, layer: int, what: str, head: int = 0, j: int = 0) -> int:
+        """Index of head ``head``'s input ``j`` (what='head'; with grouped k/v heads, ``head`` of
+        k and v is the k/v head), MLP ``layer`` (what='mlp') or the logits."""
+        A = self.n_attn_receivers
         if what == "logits":
-            return self.n_layers * (3 * self.n_heads + 1)
-        base = layer * (3 * self.n_heads + 1)
-        return base + 3 * head + j if what == "head" else base + 3 * self.n_heads
+            return self.n_layers * (A + 1)
+        base = layer * (A + 1)
+        if what != "head":
+            return base + A
+        return base + self.attn_slots().index((j, head))
 
     def n_senders_before(self, layer: int, what: str) -> int:
         """How many senders are computed before the attention ('attn') or MLP ('mlp') of ``layer``."""
@@ -80,8 +113,8 @@ class EdgeGraph:
         U, R = len(self.senders), len(self.receivers)
         v = torch.zeros(U, R, dtype=torch.bool)
         for l in range(self.n_layers):
-            r0 = self.receiver_index(l, "head")
-            v[: self.n_senders_before(l, "attn"), r0 : r0 + 3 * self.n_heads] = True
+            r0 = l * (self.n_attn_receivers + 1)
+            v[: self.n_senders_before(l, "attn"), r0 : r0 + self.n_attn_receivers] = True
             v[: self.n_senders_before(l, "mlp"), self.receiver_index(l, "mlp")] = True
         v[:, -1] = True
         return v
@@ -150,22 +183,24 @@ def _fires(model, name: str) -> bool:
     return name in cache
 
 
-def _check_hf_bridge(model) -> None:
-    """A Hugging Face bridge's edges are sums only without post-norms and with one k/v head per query head.
+def _check_hf_bridge(model) -> Optional[int]:
+    """The k/v head count of a Hugging Face bridge whose edges are sums; a typed error where they are not.
 
-    Read from the attention anatomy (:func:`interp_norm.anatomy.anatomy`): OLMo-2 and Gemma 4
-    normalise what attention writes before adding it, so a head's contribution to a later receiver
-    is not its ``z W_O``; grouped k/v heads share one key/value input between several query heads,
-    so the per-head k/v receivers are not separate edges.
+    Read from the attention anatomy (:func:`interp_norm.anatomy.anatomy`). Refused, because a
+    per-sender edge is not defined there: OLMo-2 and Gemma 4 normalise what attention writes before
+    adding it (post-norm), so a head's contribution to a later receiver is not its ``z W_O``; a layer
+    that reads another layer's keys and values (Gemma 4 KV sharing) or whose values are its keys
+    (``v_from_k``) has no k/v input of its own; k/v head counts that differ between layers have no
+    single receiver layout. Grouped k/v heads are allowed: their receivers are per k/v head.
     """
     if getattr(model, "original_model", None) is None or kind_of(model) == "interp_norm":
-        return
+        return None
     from interp_norm.anatomy import ArchitectureError, anatomy
 
     try:
         anat = anatomy(model)
     except ArchitectureError:
-        return  # not a Hugging Face architecture the anatomy knows (e.g. boot_native): a plain Pre-Norm sum
+        return None  # not a Hugging Face architecture the anatomy knows (e.g. boot_native): a plain Pre-Norm sum
     post = [la.layer for la in anat.layers if la.post_norm is not None]
     if post:
         raise PatchingError(
@@ -173,14 +208,19 @@ def _check_hf_bridge(model) -> None:
             f"normalises the attention output before adding it (post-norm in layers {post}); use the node-level "
             "attribution_patch or activation_patch on this model"
         )
-    grouped = [la.layer for la in anat.layers if la.n_kv_heads != la.n_heads]
-    if grouped:
+    shared = [la.layer for la in anat.layers if la.shares_kv or la.v_from_k]
+    if shared:
         raise PatchingError(
-            f"edge attribution gives each head its own k/v receiver, but {anat.architecture} groups key/value heads "
-            f"(layers {grouped}: {anat.layers[grouped[0]].n_kv_heads} k/v heads for {anat.layers[grouped[0]].n_heads} "
-            "query heads); use the node-level attribution_patch or activation_patch, or a model built with "
-            "n_key_value_heads = n_heads"
+            f"{anat.architecture} layers {shared} read keys/values that are not their own k and v inputs (KV sharing or "
+            "v = k), so edges into them are undefined; use the node-level attribution_patch or activation_patch"
         )
+    kv = {la.n_kv_heads for la in anat.layers}
+    if len(kv) > 1:
+        raise PatchingError(
+            f"edge receivers need one k/v head count for every layer, but {anat.architecture} has {sorted(kv)}; "
+            "use the node-level attribution_patch or activation_patch"
+        )
+    return kv.pop()
 
 
 class EdgeRunner:
@@ -191,13 +231,17 @@ class EdgeRunner:
         cfg = model.cfg
         self.model = model
         self.L, self.H = cfg.n_layers, cfg.n_heads
-        self.graph = EdgeGraph(self.L, self.H)
+        n_kv = _check_hf_bridge(model)
+        self.graph = EdgeGraph(self.L, self.H, None if n_kv in (None, self.H) else n_kv)
         self.valid = self.graph.valid()
         if backend not in ("auto", "split", "copies"):
             raise PatchingError(f"backend must be 'auto', 'split' or 'copies', got {backend!r}")
         ours = kind_of(model) == "interp_norm"
         if backend == "auto":
-            backend = "split" if ours or getattr(cfg, "use_split_qkv_input", False) else "copies"
+            split = ours or getattr(cfg, "use_split_qkv_input", False)
+            backend = "split" if split and not self.graph.grouped else "copies"
+        if backend == "split" and self.graph.grouped:
+            raise PatchingError("backend='split' gives every head its own k/v input; with grouped k/v heads use backend='copies'")
         if backend == "split" and not ours and not getattr(cfg, "use_split_qkv_input", False):
             raise PatchingError(
                 "backend='split' needs per-head q/k/v input hooks (use_split_qkv_input); this model has none -- use backend='copies'"
@@ -212,7 +256,6 @@ class EdgeRunner:
         self.W_O = torch.stack([model.blocks[l].attn.W_O.detach() for l in range(self.L)])  # [L, H, dh, d]
         # what attention adds to the residual is attn.out(z) through the block's update calibration
         self.update_calib = [getattr(blk, "calib_attn_out", None) for blk in model.blocks]
-        _check_hf_bridge(model)
         self.mid_feeds_mlp_only = _resid_mid_feeds_mlp_only(self.run_model)
         # rotary models (a Llama/Qwen3 bridge) never fire hook_pos_embed: the embed sender is the token embedding
         self.has_pos = kind_of(model) == "interp_norm" or _fires(self.run_model, act_name("pos_embed"))
@@ -274,7 +317,7 @@ class EdgeRunner:
         out = []
         for l in range(L):
             if self.backend == "copies":
-                a = gd[f"attn{l}"]  # [3H, B, n, d], index 3h + j
+                a = gd[f"attn{l}"]  # [A, B, n, d] in receiver order
                 out += list(a)
             else:
                 per_j = [gd[f"attn{l}.{j}"] for j in range(3)]  # [B, n, H, d]
@@ -295,7 +338,11 @@ class _EdgePass:
         self.L, self.H = runner.L, runner.H
         self.B, self.n = shape
         self.copies = runner.backend == "copies"
-        self.C = 1 + 3 * self.H if self.copies else 1
+        self.A = self.graph.n_attn_receivers
+        self.C = 1 + self.A if self.copies else 1
+        # copies backend: for input j (q/k/v), the copy that carries each index of that input's head axis
+        slots = self.graph.attn_slots()
+        self.copy_of = [[1 + slots.index((j, i)) for i in range(self.H if j == 0 else self.graph.kv_heads)] for j in range(3)]
         self.G = 1 if weights is None else weights.shape[0]
         if self.B % self.G:
             raise PatchingError("rows must split evenly into the weight groups")
@@ -310,12 +357,12 @@ class _EdgePass:
         self.mlp_shift: dict[int, Optional[Tensor]] = {}  # layer -> the MLP receiver's shift, undone at resid_post
 
     def hooks(self) -> list[tuple[str, Callable]]:
-        g, H = self.graph, self.H
+        g = self.graph
         hooks: list[tuple[str, Callable]] = [(act_name("embed"), self.hook_embed)]
         if self.runner.has_pos:
             hooks.append((act_name("pos_embed"), self.hook_pos))
         for l in range(self.L):
-            r_attn = slice(g.receiver_index(l, "head"), g.receiver_index(l, "head") + 3 * H)
+            r_attn = slice(g.receiver_index(l, "head"), g.receiver_index(l, "head") + self.A)
             u_attn = g.n_senders_before(l, "attn")
             if self.copies:
                 hooks.append((act_name("resid_pre", l), partial(self.h_resid_pre, l=l, r_attn=r_attn, u_attn=u_attn)))
@@ -388,11 +435,11 @@ class _EdgePass:
         return x
 
     def h_resid_pre(self, x: Tensor, hook: Any, *, l: int, r_attn: slice, u_attn: int) -> Tensor:
-        """Copies backend: copy ``1 + 3h + j`` carries head h's q/k/v input j, corrected."""
-        H, B, n = self.H, self.B, self.n
+        """Copies backend: copy ``1 + i`` carries the layer's attention receiver i's input, corrected."""
+        B, n = self.B, self.n
         m0 = x.view(self.C, B, n, -1)[0]
         corr = self.corr_for(r_attn, u_attn)
-        rest = m0.unsqueeze(0).expand(3 * H, B, n, m0.shape[-1])
+        rest = m0.unsqueeze(0).expand(self.A, B, n, m0.shape[-1])
         if corr is not None:
             rest = rest - corr
         if self.leaves:
@@ -400,10 +447,10 @@ class _EdgePass:
         return torch.cat([m0.unsqueeze(0), rest]).reshape(x.shape)
 
     def h_qkv(self, x: Tensor, hook: Any, *, j: int) -> Tensor:
-        """Copies backend: the main copy's q/k/v of head h come from copy ``1 + 3h + j``."""
-        xv = x.view(self.C, self.B, *x.shape[1:])  # [C, B, n, H, dh]
-        heads = torch.arange(self.H, device=x.device)
-        picked = xv[1 + 3 * heads + j, :, :, heads]  # [H, B, n, dh]
+        """Copies backend: the main copy's q/k/v of (k/v) head i come from the copy of receiver (j, i)."""
+        xv = x.view(self.C, self.B, *x.shape[1:])  # [C, B, n, heads of input j, dh]
+        copies = torch.tensor(self.copy_of[j], device=x.device)
+        picked = xv[copies, :, :, torch.arange(len(copies), device=x.device)]  # [heads, B, n, dh]
         return torch.cat([picked.permute(1, 2, 0, 3).unsqueeze(0), xv[1:]]).reshape(x.shape)
 
     def h_input(self, x: Tensor, hook: Any, *, l: int, j: int, r_attn: slice, u_attn: int) -> Tensor:
