@@ -52,6 +52,9 @@ def edge_attribution(
     ``norm`` / ``pattern`` = ``"frozen"``: the norms' scales / the attention patterns held constant in
     the backward pass at their values in the run differentiated (:mod:`~interp_norm.circuits.norm_modes`;
     bridges as there); edges into queries and keys then score 0 with frozen patterns.
+    Grouped k/v heads: one k and one v receiver per k/v head. Post-norm heads (OLMo-2): the sender's
+    difference is taken through the norm's Jacobian at the run differentiated (each integration
+    point for EAP-IG; :mod:`~interp_norm.circuits.edge_post_norm`); ``norm="frozen"`` is refused there.
     """
     pairs = as_pairs(pairs)
     dev = device(model)
@@ -82,6 +85,9 @@ def edge_attribution(
         chunks = [list(range(i, min(b, i + per_pass))) for i in range(0, b, per_pass)]
     else:
         chunks = [list(range(b))]
+    if norm == "frozen" and runner.has_post_norms:
+        raise PatchingError("norm='frozen' edge attribution through post-norm heads (the norm after attention) is not "
+                            "implemented; use norm='live' on this model")
     delta = (s_clean - s_corr).double()  # [U, b, n, d]
     scores = torch.zeros(delta.shape[0], len(runner.graph.receivers), dtype=torch.float64)
     work = [(rows, s0) for rows in chunks for s0 in range(0, ig_steps, max(1, per_pass // len(rows)))]
@@ -98,8 +104,13 @@ def edge_attribution(
         # with frozen patterns nothing reaches the query and key inputs: their gradient is 0
         filled = [torch.zeros_like(x) if g is None else g for x, g in zip(leaf.values(), grads)]
         g = runner.receiver_grads(leaf, filled).double()  # [R, m*br, n, d]
+        d = delta[:, idx.cpu()].to(g.device)
+        if runner.has_post_norms:  # post-norm heads: their difference through the norm's Jacobian in this pass
+            d = runner.linearised(d.repeat(1, m, 1, 1), runner.last_sums)
+            scores += torch.einsum("ubnd,rbnd->ur", d, g).cpu()
+            continue
         g = g.view(g.shape[0], m, br, n, -1).sum(1)
-        scores += torch.einsum("ubnd,rbnd->ur", delta[:, idx.cpu()].to(g.device), g).cpu()
+        scores += torch.einsum("ubnd,rbnd->ur", d, g).cpu()
     scores = scores / (b * ig_steps) * runner.valid
     method = ("eap" if ig_steps == 1 else f"eap-ig{ig_steps}") + mode_label(norm, pattern)
     return edge_frame(runner.graph, scores, runner.valid, method=method)

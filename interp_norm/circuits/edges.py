@@ -38,6 +38,7 @@ from torch import Tensor
 from interp_norm.core import nodes
 from interp_norm.anatomy import kind_of
 from interp_norm.circuits._types import device, require_eval
+from interp_norm.circuits.edge_post_norm import linearised_head_deltas, post_attention_norms, single_head_changes
 from interp_norm.errors import PatchingError
 from interp_norm.core.hook_names import act_name
 from interp_norm.core.nodes import QKV, receiver_node
@@ -183,30 +184,33 @@ def _fires(model, name: str) -> bool:
     return name in cache
 
 
-def _check_hf_bridge(model) -> Optional[int]:
-    """The k/v head count of a Hugging Face bridge whose edges are sums; a typed error where they are not.
+def _check_hf_bridge(model) -> tuple[Optional[int], Any]:
+    """(k/v head count, attention anatomy) of a Hugging Face bridge whose edges are defined; a typed error where not.
 
     Read from the attention anatomy (:func:`interp_norm.anatomy.anatomy`). Refused, because a
-    per-sender edge is not defined there: OLMo-2 and Gemma 4 normalise what attention writes before
-    adding it (post-norm), so a head's contribution to a later receiver is not its ``z W_O``; a layer
-    that reads another layer's keys and values (Gemma 4 KV sharing) or whose values are its keys
-    (``v_from_k``) has no k/v input of its own; k/v head counts that differ between layers have no
-    single receiver layout. Grouped k/v heads are allowed: their receivers are per k/v head.
+    per-sender edge into these layers is undefined: a layer that reads another layer's keys and
+    values (Gemma 4 KV sharing) or whose values are its keys (``v_from_k``) has no k/v input of its
+    own; k/v head counts that differ between layers have no single receiver layout; a block that
+    writes a third term into the residual (Gemma 4's per-layer-input branch) or rescales the whole
+    stream (its ``layer_scalar``) makes the residual not a sum of the senders. Grouped k/v heads
+    get receivers per k/v head; post-norms are part of the sender's path
+    (:mod:`~interp_norm.circuits.edge_post_norm`).
     """
     if getattr(model, "original_model", None) is None or kind_of(model) == "interp_norm":
-        return None
-    from interp_norm.anatomy import ArchitectureError, anatomy
+        return None, None
+    from interp_norm.anatomy import ArchitectureError, anatomy, original
 
     try:
         anat = anatomy(model)
     except ArchitectureError:
-        return None  # not a Hugging Face architecture the anatomy knows (e.g. boot_native): a plain Pre-Norm sum
-    post = [la.layer for la in anat.layers if la.post_norm is not None]
-    if post:
+        return None, None  # not a Hugging Face architecture the anatomy knows (e.g. boot_native): a plain Pre-Norm sum
+    extra = [l for l in range(len(anat.layers)) if getattr(original(model.blocks[l]), "hidden_size_per_layer_input", 0)
+             or hasattr(original(model.blocks[l]), "layer_scalar")]
+    if extra:
         raise PatchingError(
-            f"edge attribution needs a residual stream that is the sum of the head and MLP outputs, but {anat.architecture} "
-            f"normalises the attention output before adding it (post-norm in layers {post}); use the node-level "
-            "attribution_patch or activation_patch on this model"
+            f"{anat.architecture} layers {extra} add a per-layer-input term to the residual and/or rescale it "
+            "(layer_scalar), so the residual is not the sum of the head and MLP senders and edges are undefined; "
+            "use the node-level attribution_patch or activation_patch"
         )
     shared = [la.layer for la in anat.layers if la.shares_kv or la.v_from_k]
     if shared:
@@ -220,7 +224,7 @@ def _check_hf_bridge(model) -> Optional[int]:
             f"edge receivers need one k/v head count for every layer, but {anat.architecture} has {sorted(kv)}; "
             "use the node-level attribution_patch or activation_patch"
         )
-    return kv.pop()
+    return kv.pop(), anat
 
 
 class EdgeRunner:
@@ -231,7 +235,8 @@ class EdgeRunner:
         cfg = model.cfg
         self.model = model
         self.L, self.H = cfg.n_layers, cfg.n_heads
-        n_kv = _check_hf_bridge(model)
+        n_kv, anat = _check_hf_bridge(model)
+        self.post_norms = [None] * self.L if anat is None else post_attention_norms(model, anat)
         self.graph = EdgeGraph(self.L, self.H, None if n_kv in (None, self.H) else n_kv)
         self.valid = self.graph.valid()
         if backend not in ("auto", "split", "copies"):
@@ -254,6 +259,8 @@ class EdgeRunner:
             twin.load_state_dict(model.state_dict())
             self.run_model = twin.eval()
         self.W_O = torch.stack([model.blocks[l].attn.W_O.detach() for l in range(self.L)])  # [L, H, dh, d]
+        self.b_O = [getattr(model.blocks[l].attn, "b_O", None) for l in range(self.L)]
+        self.last_sums: dict[int, Tensor] = {}  # post-norm layers' pre-norm attention outputs in the last run
         # what attention adds to the residual is attn.out(z) through the block's update calibration
         self.update_calib = [getattr(blk, "calib_attn_out", None) for blk in model.blocks]
         self.mid_feeds_mlp_only = _resid_mid_feeds_mlp_only(self.run_model)
@@ -274,6 +281,21 @@ class EdgeRunner:
         res = torch.einsum("bphd,hdm->hbpm", z, self.W_O[layer].to(z.dtype))
         calib = self.update_calib[layer]
         return res if calib is None else calib(res)
+
+    @property
+    def has_post_norms(self) -> bool:
+        return any(p is not None for p in self.post_norms)
+
+    def linearised(self, delta: Tensor, sums: dict[int, Tensor]) -> Tensor:
+        """``delta`` [U, B, n, d] of sender differences with each post-norm layer's head rows replaced by
+        the norm's Jacobian at ``sums[l]`` (that layer's pre-norm attention output [B, n, d] in the run
+        differentiated, :attr:`last_sums`) applied to them: their first-order change of the residual."""
+        out = delta.clone()
+        for l, norm in enumerate(self.post_norms):
+            if norm is not None:
+                hs = slice(self.graph.sender_index(l, "head"), self.graph.sender_index(l, "head") + self.H)
+                out[hs] = linearised_head_deltas(norm, delta[hs], sums[l])
+        return out
 
     def sender_cache(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """(logits, senders [U, b, n, d]) of a plain run."""
@@ -306,6 +328,7 @@ class EdgeRunner:
         edge_pass = _EdgePass(self, tokens.shape, weights, ablated, leaves=leaves, embed_mix=embed_mix)
         toks = tokens.repeat(edge_pass.C, 1) if edge_pass.copies else tokens
         logits = self.run_model.run_with_hooks(toks, fwd_hooks=edge_pass.hooks())
+        self.last_sums = edge_pass.sums
         if edge_pass.copies:
             logits = logits.view(edge_pass.C, edge_pass.B, *logits.shape[1:])[0]
         return logits, edge_pass.leaf
@@ -355,6 +378,7 @@ class _EdgePass:
         self.leaf: dict[str, Tensor] = {}
         self.attn_corr: dict[int, Optional[Tensor]] = {}  # split backend: layer -> [H, 3, B, n, d], once per layer
         self.mlp_shift: dict[int, Optional[Tensor]] = {}  # layer -> the MLP receiver's shift, undone at resid_post
+        self.sums: dict[int, Tensor] = {}  # post-norm layer -> its pre-norm attention output (detached)
 
     def hooks(self) -> list[tuple[str, Callable]]:
         g = self.graph
@@ -390,14 +414,16 @@ class _EdgePass:
         d = self.diffs[:u_avail]
         return torch.einsum("gur,ugbnd->rgbnd", w.to(d.dtype), d).reshape(w.shape[-1], self.B, self.n, -1)
 
-    def put(self, u: int, now: Tensor) -> None:
-        """Record sender u's output in this pass (only needed when there are corrections)."""
+    def put(self, u: int, now: Tensor, diff: bool = False) -> None:
+        """Record sender u's output in this pass (only needed when there are corrections); ``diff``:
+        ``now`` is already its change (``u_now - ablated_u``)."""
         if self.weights is None:
             return
         assert self.ablated is not None
         if self.diffs is None:
             self.diffs = now.new_empty(self.U, self.G, self.Bg, self.n, now.shape[-1])
-        self.diffs[u] = now.view(self.G, self.Bg, self.n, -1) - self.ablated[u].to(now.dtype)
+        now = now.view(self.G, self.Bg, self.n, -1)
+        self.diffs[u] = now if diff else now - self.ablated[u].to(now.dtype)
 
     def new_leaf(self, key: str, like: Tensor) -> Tensor:
         t = torch.zeros_like(like, requires_grad=True)
@@ -466,11 +492,24 @@ class _EdgePass:
         return x
 
     def h_z(self, x: Tensor, hook: Any, *, l: int) -> Tensor:
+        norm, bias = self.runner.post_norms[l], self.runner.b_O[l]
+        bias = None if bias is None else bias.detach()
+        if norm is not None:
+            res = self.runner.head_outputs(l, self.main(x).detach())
+            self.sums[l] = res.sum(0) if bias is None else res.sum(0) + bias.to(res.dtype)
         if self.weights is not None:
             res = self.runner.head_outputs(l, self.main(x))
             base = self.graph.sender_index(l, "head")
-            for h in range(self.H):
-                self.put(base + h, res[h])
+            if norm is not None:  # each head's exact single-head change through the post-norm
+                assert self.ablated is not None
+                shape = (self.H, self.G, self.Bg, self.n, -1)
+                res = single_head_changes(norm, res.view(shape), self.ablated[base : base + self.H].unsqueeze(1),
+                                          bias).reshape(res.shape)
+                for h in range(self.H):
+                    self.put(base + h, res[h], diff=True)
+            else:
+                for h in range(self.H):
+                    self.put(base + h, res[h])
         return x
 
     def h_resid_mid(self, x: Tensor, hook: Any, *, l: int) -> Tensor:
