@@ -20,7 +20,6 @@ import time
 import numpy as np
 import pandas as pd
 import torch
-from scipy.stats import rankdata, spearmanr
 
 from interp_norm.anatomy import random_tokens, tiny_bridge
 from interp_norm.circuits import PatchingPairs, edge_attribution, exact_edge_patch
@@ -29,7 +28,7 @@ from interp_norm.errors import PatchingError
 
 def auroc(score: np.ndarray, positive: np.ndarray) -> float:
     """Mann-Whitney AUROC of ``score`` separating ``positive`` from the rest (ties averaged)."""
-    r = rankdata(score)
+    r = pd.Series(score).rank().to_numpy()
     n1, n0 = positive.sum(), (~positive).sum()
     return float((r[positive].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
 
@@ -54,7 +53,7 @@ def one(arch: str, seed: int, args: argparse.Namespace) -> list[dict]:
         est = edge_attribution(bridge, pairs, metric, ig_steps=steps).set_index(["sender", "receiver"])["score"][exact.index]
         rows.append(dict(arch=arch, seed=seed, method="eap" if steps == 1 else f"eap-ig{steps}", edges=len(exact),
                          auroc=auroc(est.abs().to_numpy(), top.to_numpy()),
-                         spearman=float(spearmanr(est.to_numpy(), exact.to_numpy())[0])))
+                         spearman=float(np.corrcoef(est.rank(), exact.rank())[0, 1])))
     return rows
 
 

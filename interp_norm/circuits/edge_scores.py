@@ -104,16 +104,19 @@ def edge_attribution(
         # with frozen patterns nothing reaches the query and key inputs: their gradient is 0
         filled = [torch.zeros_like(x) if g is None else g for x, g in zip(leaf.values(), grads)]
         g = runner.receiver_grads(leaf, filled).double()  # [R, m*br, n, d]
-        d = delta[:, idx.cpu()].to(g.device)
-        if runner.has_post_norms:  # post-norm heads: their difference through the norm's Jacobian in this pass
-            d = runner.linearised(d.repeat(1, m, 1, 1), runner.last_sums)
-            scores += torch.einsum("ubnd,rbnd->ur", d, g).cpu()
-            continue
-        g = g.view(g.shape[0], m, br, n, -1).sum(1)
-        scores += torch.einsum("ubnd,rbnd->ur", d, g).cpu()
+        scores += _pass_scores(runner, delta[:, idx.cpu()].to(g.device), g, m)
     scores = scores / (b * ig_steps) * runner.valid
     method = ("eap" if ig_steps == 1 else f"eap-ig{ig_steps}") + mode_label(norm, pattern)
     return edge_frame(runner.graph, scores, runner.valid, method=method)
+
+
+def _pass_scores(runner: EdgeRunner, d: Tensor, g: Tensor, m: int) -> Tensor:
+    """[U, R] sum over one pass's rows of ``d . g``: sender differences [U, br, n, d] against receiver
+    gradients [R, m*br, n, d] (m integration points); post-norm heads' differences go through the
+    norm's Jacobian at each row's point of the pass."""
+    if runner.has_post_norms:
+        return torch.einsum("ubnd,rbnd->ur", runner.linearised(d.repeat(1, m, 1, 1), runner.last_sums), g).cpu()
+    return torch.einsum("ubnd,rbnd->ur", d, g.view(g.shape[0], m, d.shape[1], *g.shape[2:]).sum(1)).cpu()
 
 
 def _parse_node(name: str) -> tuple[Optional[int], Optional[int]]:
