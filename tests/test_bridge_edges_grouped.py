@@ -162,3 +162,12 @@ def test_split_backend_refuses_grouped_heads(grouped):
     _, bridge, _ = grouped
     with pytest.raises(PatchingError, match="grouped"):
         EdgeRunner(bridge, backend="split")
+
+
+def test_circuits_refuse_grouped_heads_with_a_typed_error(grouped):
+    from interp_norm.circuits import Circuit
+    from interp_norm.circuits.circuit import faithfulness
+
+    _, bridge, _ = grouped
+    with pytest.raises(PatchingError, match="groups its k/v heads"):
+        faithfulness(bridge, _pairs(bridge), Circuit.full(L, H), plain, ablations=("resample",))
