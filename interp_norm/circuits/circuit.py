@@ -251,6 +251,9 @@ def run_with_circuit(
     """Logits ``[len(circuits), batch, pos, vocab]`` of ``tokens`` with every edge outside each
     circuit ablated to the sender values ``ablated`` ``[n_senders, batch, pos, d_model]``."""
     runner = _runner or EdgeRunner(model, backend)
+    if runner.graph.grouped:
+        raise PatchingError("circuits are edge sets of one receiver per head's k and v; this model groups its k/v heads "
+                            "(receivers a{l}.kv{g}.k|v): score its edges with edge_attribution / exact_edge_patch")
     dev = device(model)
     valid = runner.valid
     W = torch.stack([valid & ~c.mask() for c in circuits]).to(dev)

@@ -52,6 +52,9 @@ def edge_attribution(
     ``norm`` / ``pattern`` = ``"frozen"``: the norms' scales / the attention patterns held constant in
     the backward pass at their values in the run differentiated (:mod:`~interp_norm.circuits.norm_modes`;
     bridges as there); edges into queries and keys then score 0 with frozen patterns.
+    Grouped k/v heads: one k and one v receiver per k/v head. Post-norm heads (OLMo-2): the sender's
+    difference is taken through the norm's Jacobian at the run differentiated (each integration
+    point for EAP-IG; :mod:`~interp_norm.circuits.edge_post_norm`); ``norm="frozen"`` is refused there.
     """
     pairs = as_pairs(pairs)
     dev = device(model)
@@ -71,7 +74,8 @@ def edge_attribution(
         e_corr = runner.model.run_with_cache(corr, names_filter=lambda nm: nm == embed)[1][embed]
     # rows per pass: every example costs ~3*n_heads residual copies (split q/k/v inputs) or
     # 1 + 3*n_heads batch copies; chunk the examples too when the metric can be split
-    cost = 3 * runner.H if runner.backend == "split" else 1 + 3 * runner.H
+    A = runner.graph.n_attn_receivers
+    cost = A if runner.backend == "split" else 1 + A
     if batch_size is None:  # ~16 saved tensors of [n, d_model] per layer and residual copy
         per_example = cost * n * model.cfg.d_model * model.cfg.n_layers * 16 * 4
         per_pass = max(1, int(PASS_MEMORY_MB * 2**20 // per_example))
@@ -81,6 +85,9 @@ def edge_attribution(
         chunks = [list(range(i, min(b, i + per_pass))) for i in range(0, b, per_pass)]
     else:
         chunks = [list(range(b))]
+    if norm == "frozen" and runner.has_post_norms:
+        raise PatchingError("norm='frozen' edge attribution through post-norm heads (the norm after attention) is not "
+                            "implemented; use norm='live' on this model")
     delta = (s_clean - s_corr).double()  # [U, b, n, d]
     scores = torch.zeros(delta.shape[0], len(runner.graph.receivers), dtype=torch.float64)
     work = [(rows, s0) for rows in chunks for s0 in range(0, ig_steps, max(1, per_pass // len(rows)))]
@@ -97,11 +104,19 @@ def edge_attribution(
         # with frozen patterns nothing reaches the query and key inputs: their gradient is 0
         filled = [torch.zeros_like(x) if g is None else g for x, g in zip(leaf.values(), grads)]
         g = runner.receiver_grads(leaf, filled).double()  # [R, m*br, n, d]
-        g = g.view(g.shape[0], m, br, n, -1).sum(1)
-        scores += torch.einsum("ubnd,rbnd->ur", delta[:, idx.cpu()].to(g.device), g).cpu()
+        scores += _pass_scores(runner, delta[:, idx.cpu()].to(g.device), g, m)
     scores = scores / (b * ig_steps) * runner.valid
     method = ("eap" if ig_steps == 1 else f"eap-ig{ig_steps}") + mode_label(norm, pattern)
     return edge_frame(runner.graph, scores, runner.valid, method=method)
+
+
+def _pass_scores(runner: EdgeRunner, d: Tensor, g: Tensor, m: int) -> Tensor:
+    """[U, R] sum over one pass's rows of ``d . g``: sender differences [U, br, n, d] against receiver
+    gradients [R, m*br, n, d] (m integration points); post-norm heads' differences go through the
+    norm's Jacobian at each row's point of the pass."""
+    if runner.has_post_norms:
+        return torch.einsum("ubnd,rbnd->ur", runner.linearised(d.repeat(1, m, 1, 1), runner.last_sums), g).cpu()
+    return torch.einsum("ubnd,rbnd->ur", d, g.view(g.shape[0], m, d.shape[1], *g.shape[2:]).sum(1)).cpu()
 
 
 def _parse_node(name: str) -> tuple[Optional[int], Optional[int]]:

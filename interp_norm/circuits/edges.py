@@ -15,7 +15,10 @@ Because the residual stream is a sum, a receiver's input is the sum of the sende
 * ``"copies"``: any TransformerLens-protocol model (e.g. ``TransformerBridge.boot_native``, which
   cannot split its q/k/v inputs): the batch is repeated ``1 + 3*n_heads`` times per pass; copy
   ``1 + 3h + j`` carries the residual seen by head ``h``'s q/k/v input ``j`` and the main copy's
-  ``hook_q/k/v`` take head ``h`` from it. Exact, at ``1 + 3*n_heads`` times the compute.
+  ``hook_q/k/v`` take head ``h`` from it. Exact, at ``1 + 3*n_heads`` times the compute. With
+  grouped k/v heads (Llama, Qwen3) the copies are one per query head and two per k/v head, and the
+  main copy's ``hook_k/v`` (``[.., n_kv_heads, d_head]``) take k/v head ``g`` from its copy: the
+  grouped weights are used as they are.
 
 A head's output is ``z_h W_O[h]`` through the block's update calibration (models with
 ``cfg.calibration == "paper"`` scale what attention adds to the residual), so the head outputs
@@ -35,6 +38,7 @@ from torch import Tensor
 from interp_norm.core import nodes
 from interp_norm.anatomy import capabilities
 from interp_norm.circuits._types import device, require_eval
+from interp_norm.circuits.edge_post_norm import linearised_head_deltas, post_attention_norms, single_head_changes
 from interp_norm.errors import PatchingError
 from interp_norm.core.hook_names import act_name
 from interp_norm.core.nodes import QKV, receiver_node
@@ -44,10 +48,35 @@ from interp_norm.core.model import HookedNormTransformer
 
 @dataclass(frozen=True)
 class EdgeGraph:
-    """Sender and receiver names of a model shape, and which (sender, receiver) pairs are edges."""
+    """Sender and receiver names of a model shape, and which (sender, receiver) pairs are edges.
+
+    ``n_kv_heads`` (default ``n_heads``): with fewer, grouped, k/v heads the key and value receivers
+    are one per k/v head (``a{l}.kv{g}.k`` / ``.v``, :func:`interp_norm.core.nodes.kv_input`): the
+    query heads of a group read one shared input, so an edge into it is one edge, not one per head.
+    """
 
     n_layers: int
     n_heads: int
+    n_kv_heads: Optional[int] = None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def grouped(self) -> bool:
+        return self.kv_heads != self.n_heads
+
+    @property
+    def n_attn_receivers(self) -> int:
+        """Receivers per attention layer: 3 per head, or one q per head plus k and v per k/v head."""
+        return self.n_heads + 2 * self.kv_heads
+
+    def attn_slots(self) -> list[tuple[int, int]]:
+        """(input j = 0/1/2 for q/k/v, index on that input's head axis) of each attention receiver, in order."""
+        if not self.grouped:
+            return [(j, h) for h in range(self.n_heads) for j in range(3)]
+        return [(0, h) for h in range(self.n_heads)] + [(j, g) for g in range(self.kv_heads) for j in (1, 2)]
 
     @property
     def senders(self) -> list[str]:
@@ -55,7 +84,7 @@ class EdgeGraph:
 
     @property
     def receivers(self) -> list[str]:
-        return nodes.receivers(self.n_layers, self.n_heads)
+        return nodes.receivers(self.n_layers, self.n_heads, self.n_kv_heads)
 
     def sender_index(self, layer: int, what: str, head: int = 0) -> int:
         """Index of ``embed`` / head ``(layer, head)`` (what='head') / MLP ``layer`` (what='mlp')."""
@@ -65,10 +94,15 @@ class EdgeGraph:
         return base + head if what == "head" else base + self.n_heads
 
     def receiver_index(self, layer: int, what: str, head: int = 0, j: int = 0) -> int:
+        """Index of head ``head``'s input ``j`` (what='head'; with grouped k/v heads, ``head`` of
+        k and v is the k/v head), MLP ``layer`` (what='mlp') or the logits."""
+        A = self.n_attn_receivers
         if what == "logits":
-            return self.n_layers * (3 * self.n_heads + 1)
-        base = layer * (3 * self.n_heads + 1)
-        return base + 3 * head + j if what == "head" else base + 3 * self.n_heads
+            return self.n_layers * (A + 1)
+        base = layer * (A + 1)
+        if what != "head":
+            return base + A
+        return base + self.attn_slots().index((j, head))
 
     def n_senders_before(self, layer: int, what: str) -> int:
         """How many senders are computed before the attention ('attn') or MLP ('mlp') of ``layer``."""
@@ -80,8 +114,8 @@ class EdgeGraph:
         U, R = len(self.senders), len(self.receivers)
         v = torch.zeros(U, R, dtype=torch.bool)
         for l in range(self.n_layers):
-            r0 = self.receiver_index(l, "head")
-            v[: self.n_senders_before(l, "attn"), r0 : r0 + 3 * self.n_heads] = True
+            r0 = l * (self.n_attn_receivers + 1)
+            v[: self.n_senders_before(l, "attn"), r0 : r0 + self.n_attn_receivers] = True
             v[: self.n_senders_before(l, "mlp"), self.receiver_index(l, "mlp")] = True
         v[:, -1] = True
         return v
@@ -150,37 +184,47 @@ def _fires(model, name: str) -> bool:
     return name in cache
 
 
-def _check_hf_bridge(model) -> None:
-    """A Hugging Face bridge's edges are sums only without post-norms and with one k/v head per query head.
+def _check_hf_bridge(model) -> tuple[Optional[int], Any]:
+    """(k/v head count, attention anatomy) of a Hugging Face bridge whose edges are defined; a typed error where not.
 
-    Read from the attention anatomy (:func:`interp_norm.anatomy.anatomy`): OLMo-2 and Gemma 4
-    normalise what attention writes before adding it, so a head's contribution to a later receiver
-    is not its ``z W_O``; grouped k/v heads share one key/value input between several query heads,
-    so the per-head k/v receivers are not separate edges.
+    Read from the attention anatomy (:func:`interp_norm.anatomy.anatomy`). Refused, because a
+    per-sender edge into these layers is undefined: a layer that reads another layer's keys and
+    values (Gemma 4 KV sharing) or whose values are its keys (``v_from_k``) has no k/v input of its
+    own; k/v head counts that differ between layers have no single receiver layout; a block that
+    writes a third term into the residual (Gemma 4's per-layer-input branch) or rescales the whole
+    stream (its ``layer_scalar``) makes the residual not a sum of the senders. Grouped k/v heads
+    get receivers per k/v head; post-norms are part of the sender's path
+    (:mod:`~interp_norm.circuits.edge_post_norm`).
     """
     if getattr(model, "original_model", None) is None or capabilities(model).full_vocabulary:
-        return
-    from interp_norm.anatomy import ArchitectureError, anatomy
+        return None, None
+    from interp_norm.anatomy import ArchitectureError, anatomy, original
 
     try:
         anat = anatomy(model)
     except ArchitectureError:
-        return  # not a Hugging Face architecture the anatomy knows (e.g. boot_native): a plain Pre-Norm sum
-    post = [la.layer for la in anat.layers if la.post_norm is not None]
-    if post:
+        return None, None  # not a Hugging Face architecture the anatomy knows (e.g. boot_native): a plain Pre-Norm sum
+    extra = [l for l in range(len(anat.layers)) if getattr(original(model.blocks[l]), "hidden_size_per_layer_input", 0)
+             or hasattr(original(model.blocks[l]), "layer_scalar")]
+    if extra:
         raise PatchingError(
-            f"edge attribution needs a residual stream that is the sum of the head and MLP outputs, but {anat.architecture} "
-            f"normalises the attention output before adding it (post-norm in layers {post}); use the node-level "
-            "attribution_patch or activation_patch on this model"
+            f"{anat.architecture} layers {extra} add a per-layer-input term to the residual and/or rescale it "
+            "(layer_scalar), so the residual is not the sum of the head and MLP senders and edges are undefined; "
+            "use the node-level attribution_patch or activation_patch"
         )
-    grouped = [la.layer for la in anat.layers if la.n_kv_heads != la.n_heads]
-    if grouped:
+    shared = [la.layer for la in anat.layers if la.shares_kv or la.v_from_k]
+    if shared:
         raise PatchingError(
-            f"edge attribution gives each head its own k/v receiver, but {anat.architecture} groups key/value heads "
-            f"(layers {grouped}: {anat.layers[grouped[0]].n_kv_heads} k/v heads for {anat.layers[grouped[0]].n_heads} "
-            "query heads); use the node-level attribution_patch or activation_patch, or a model built with "
-            "n_key_value_heads = n_heads"
+            f"{anat.architecture} layers {shared} read keys/values that are not their own k and v inputs (KV sharing or "
+            "v = k), so edges into them are undefined; use the node-level attribution_patch or activation_patch"
         )
+    kv = {la.n_kv_heads for la in anat.layers}
+    if len(kv) > 1:
+        raise PatchingError(
+            f"edge receivers need one k/v head count for every layer, but {anat.architecture} has {sorted(kv)}; "
+            "use the node-level attribution_patch or activation_patch"
+        )
+    return kv.pop(), anat
 
 
 class EdgeRunner:
@@ -191,13 +235,18 @@ class EdgeRunner:
         cfg = model.cfg
         self.model = model
         self.L, self.H = cfg.n_layers, cfg.n_heads
-        self.graph = EdgeGraph(self.L, self.H)
+        n_kv, anat = _check_hf_bridge(model)
+        self.post_norms = [None] * self.L if anat is None else post_attention_norms(model, anat)
+        self.graph = EdgeGraph(self.L, self.H, None if n_kv in (None, self.H) else n_kv)
         self.valid = self.graph.valid()
         if backend not in ("auto", "split", "copies"):
             raise PatchingError(f"backend must be 'auto', 'split' or 'copies', got {backend!r}")
         ours = capabilities(model).full_vocabulary  # our config rebuilds a twin with per-head q/k/v inputs
         if backend == "auto":
-            backend = "split" if ours or getattr(cfg, "use_split_qkv_input", False) else "copies"
+            split = ours or getattr(cfg, "use_split_qkv_input", False)
+            backend = "split" if split and not self.graph.grouped else "copies"
+        if backend == "split" and self.graph.grouped:
+            raise PatchingError("backend='split' gives every head its own k/v input; with grouped k/v heads use backend='copies'")
         if backend == "split" and not ours and not getattr(cfg, "use_split_qkv_input", False):
             raise PatchingError(
                 "backend='split' needs per-head q/k/v input hooks (use_split_qkv_input); this model has none -- use backend='copies'"
@@ -210,9 +259,10 @@ class EdgeRunner:
             twin.load_state_dict(model.state_dict())
             self.run_model = twin.eval()
         self.W_O = torch.stack([model.blocks[l].attn.W_O.detach() for l in range(self.L)])  # [L, H, dh, d]
+        self.b_O = [getattr(model.blocks[l].attn, "b_O", None) for l in range(self.L)]
+        self.last_sums: dict[int, Tensor] = {}  # post-norm layers' pre-norm attention outputs in the last run
         # what attention adds to the residual is attn.out(z) through the block's update calibration
         self.update_calib = [getattr(blk, "calib_attn_out", None) for blk in model.blocks]
-        _check_hf_bridge(model)
         self.mid_feeds_mlp_only = _resid_mid_feeds_mlp_only(self.run_model)
         # rotary models (a Llama/Qwen3 bridge) never fire hook_pos_embed: the embed sender is the token embedding
         self.has_pos = ours or _fires(self.run_model, act_name("pos_embed"))
@@ -231,6 +281,21 @@ class EdgeRunner:
         res = torch.einsum("bphd,hdm->hbpm", z, self.W_O[layer].to(z.dtype))
         calib = self.update_calib[layer]
         return res if calib is None else calib(res)
+
+    @property
+    def has_post_norms(self) -> bool:
+        return any(p is not None for p in self.post_norms)
+
+    def linearised(self, delta: Tensor, sums: dict[int, Tensor]) -> Tensor:
+        """``delta`` [U, B, n, d] of sender differences with each post-norm layer's head rows replaced by
+        the norm's Jacobian at ``sums[l]`` (that layer's pre-norm attention output [B, n, d] in the run
+        differentiated, :attr:`last_sums`) applied to them: their first-order change of the residual."""
+        out = delta.clone()
+        for l, norm in enumerate(self.post_norms):
+            if norm is not None:
+                hs = slice(self.graph.sender_index(l, "head"), self.graph.sender_index(l, "head") + self.H)
+                out[hs] = linearised_head_deltas(norm, delta[hs], sums[l])
+        return out
 
     def sender_cache(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """(logits, senders [U, b, n, d]) of a plain run."""
@@ -263,6 +328,7 @@ class EdgeRunner:
         edge_pass = _EdgePass(self, tokens.shape, weights, ablated, leaves=leaves, embed_mix=embed_mix)
         toks = tokens.repeat(edge_pass.C, 1) if edge_pass.copies else tokens
         logits = self.run_model.run_with_hooks(toks, fwd_hooks=edge_pass.hooks())
+        self.last_sums = edge_pass.sums
         if edge_pass.copies:
             logits = logits.view(edge_pass.C, edge_pass.B, *logits.shape[1:])[0]
         return logits, edge_pass.leaf
@@ -274,7 +340,7 @@ class EdgeRunner:
         out = []
         for l in range(L):
             if self.backend == "copies":
-                a = gd[f"attn{l}"]  # [3H, B, n, d], index 3h + j
+                a = gd[f"attn{l}"]  # [A, B, n, d] in receiver order
                 out += list(a)
             else:
                 per_j = [gd[f"attn{l}.{j}"] for j in range(3)]  # [B, n, H, d]
@@ -295,7 +361,11 @@ class _EdgePass:
         self.L, self.H = runner.L, runner.H
         self.B, self.n = shape
         self.copies = runner.backend == "copies"
-        self.C = 1 + 3 * self.H if self.copies else 1
+        self.A = self.graph.n_attn_receivers
+        self.C = 1 + self.A if self.copies else 1
+        # copies backend: for input j (q/k/v), the copy that carries each index of that input's head axis
+        slots = self.graph.attn_slots()
+        self.copy_of = [[1 + slots.index((j, i)) for i in range(self.H if j == 0 else self.graph.kv_heads)] for j in range(3)]
         self.G = 1 if weights is None else weights.shape[0]
         if self.B % self.G:
             raise PatchingError("rows must split evenly into the weight groups")
@@ -308,14 +378,15 @@ class _EdgePass:
         self.leaf: dict[str, Tensor] = {}
         self.attn_corr: dict[int, Optional[Tensor]] = {}  # split backend: layer -> [H, 3, B, n, d], once per layer
         self.mlp_shift: dict[int, Optional[Tensor]] = {}  # layer -> the MLP receiver's shift, undone at resid_post
+        self.sums: dict[int, Tensor] = {}  # post-norm layer -> its pre-norm attention output (detached)
 
     def hooks(self) -> list[tuple[str, Callable]]:
-        g, H = self.graph, self.H
+        g = self.graph
         hooks: list[tuple[str, Callable]] = [(act_name("embed"), self.hook_embed)]
         if self.runner.has_pos:
             hooks.append((act_name("pos_embed"), self.hook_pos))
         for l in range(self.L):
-            r_attn = slice(g.receiver_index(l, "head"), g.receiver_index(l, "head") + 3 * H)
+            r_attn = slice(g.receiver_index(l, "head"), g.receiver_index(l, "head") + self.A)
             u_attn = g.n_senders_before(l, "attn")
             if self.copies:
                 hooks.append((act_name("resid_pre", l), partial(self.h_resid_pre, l=l, r_attn=r_attn, u_attn=u_attn)))
@@ -343,14 +414,16 @@ class _EdgePass:
         d = self.diffs[:u_avail]
         return torch.einsum("gur,ugbnd->rgbnd", w.to(d.dtype), d).reshape(w.shape[-1], self.B, self.n, -1)
 
-    def put(self, u: int, now: Tensor) -> None:
-        """Record sender u's output in this pass (only needed when there are corrections)."""
+    def put(self, u: int, now: Tensor, diff: bool = False) -> None:
+        """Record sender u's output in this pass (only needed when there are corrections); ``diff``:
+        ``now`` is already its change (``u_now - ablated_u``)."""
         if self.weights is None:
             return
         assert self.ablated is not None
         if self.diffs is None:
             self.diffs = now.new_empty(self.U, self.G, self.Bg, self.n, now.shape[-1])
-        self.diffs[u] = now.view(self.G, self.Bg, self.n, -1) - self.ablated[u].to(now.dtype)
+        now = now.view(self.G, self.Bg, self.n, -1)
+        self.diffs[u] = now if diff else now - self.ablated[u].to(now.dtype)
 
     def new_leaf(self, key: str, like: Tensor) -> Tensor:
         t = torch.zeros_like(like, requires_grad=True)
@@ -388,11 +461,11 @@ class _EdgePass:
         return x
 
     def h_resid_pre(self, x: Tensor, hook: Any, *, l: int, r_attn: slice, u_attn: int) -> Tensor:
-        """Copies backend: copy ``1 + 3h + j`` carries head h's q/k/v input j, corrected."""
-        H, B, n = self.H, self.B, self.n
+        """Copies backend: copy ``1 + i`` carries the layer's attention receiver i's input, corrected."""
+        B, n = self.B, self.n
         m0 = x.view(self.C, B, n, -1)[0]
         corr = self.corr_for(r_attn, u_attn)
-        rest = m0.unsqueeze(0).expand(3 * H, B, n, m0.shape[-1])
+        rest = m0.unsqueeze(0).expand(self.A, B, n, m0.shape[-1])
         if corr is not None:
             rest = rest - corr
         if self.leaves:
@@ -400,10 +473,10 @@ class _EdgePass:
         return torch.cat([m0.unsqueeze(0), rest]).reshape(x.shape)
 
     def h_qkv(self, x: Tensor, hook: Any, *, j: int) -> Tensor:
-        """Copies backend: the main copy's q/k/v of head h come from copy ``1 + 3h + j``."""
-        xv = x.view(self.C, self.B, *x.shape[1:])  # [C, B, n, H, dh]
-        heads = torch.arange(self.H, device=x.device)
-        picked = xv[1 + 3 * heads + j, :, :, heads]  # [H, B, n, dh]
+        """Copies backend: the main copy's q/k/v of (k/v) head i come from the copy of receiver (j, i)."""
+        xv = x.view(self.C, self.B, *x.shape[1:])  # [C, B, n, heads of input j, dh]
+        copies = torch.tensor(self.copy_of[j], device=x.device)
+        picked = xv[copies, :, :, torch.arange(len(copies), device=x.device)]  # [heads, B, n, dh]
         return torch.cat([picked.permute(1, 2, 0, 3).unsqueeze(0), xv[1:]]).reshape(x.shape)
 
     def h_input(self, x: Tensor, hook: Any, *, l: int, j: int, r_attn: slice, u_attn: int) -> Tensor:
@@ -419,11 +492,24 @@ class _EdgePass:
         return x
 
     def h_z(self, x: Tensor, hook: Any, *, l: int) -> Tensor:
+        norm, bias = self.runner.post_norms[l], self.runner.b_O[l]
+        bias = None if bias is None else bias.detach()
+        if norm is not None:
+            res = self.runner.head_outputs(l, self.main(x).detach())
+            self.sums[l] = res.sum(0) if bias is None else res.sum(0) + bias.to(res.dtype)
         if self.weights is not None:
             res = self.runner.head_outputs(l, self.main(x))
             base = self.graph.sender_index(l, "head")
-            for h in range(self.H):
-                self.put(base + h, res[h])
+            if norm is not None:  # each head's exact single-head change through the post-norm
+                assert self.ablated is not None
+                shape = (self.H, self.G, self.Bg, self.n, -1)
+                res = single_head_changes(norm, res.view(shape), self.ablated[base : base + self.H].unsqueeze(1),
+                                          bias).reshape(res.shape)
+                for h in range(self.H):
+                    self.put(base + h, res[h], diff=True)
+            else:
+                for h in range(self.H):
+                    self.put(base + h, res[h])
         return x
 
     def h_resid_mid(self, x: Tensor, hook: Any, *, l: int) -> Tensor:

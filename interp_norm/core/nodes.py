@@ -5,6 +5,8 @@ Senders write into the residual stream: ``embed``, head ``(l, h)``'s output ``a{
 ``l``'s output ``m{l}``. Receivers read from it: each head's query, key and value input separately
 (``a{l}.h{h}.q`` / ``.k`` / ``.v``), each MLP (``m{l}``) and the unembedding (``logits``). The names
 are EAP-IG/MIB's (``input`` there is our ``embed``), so scores and circuits move between the two.
+With grouped key/value heads (several query heads sharing one key and value input) the key and
+value receivers are per k/v head instead: ``a{l}.kv{g}.k`` / ``.v`` (MIB has no name for these).
 No imports: the command line and the plots read it without loading torch.
 """
 
@@ -20,7 +22,8 @@ LOGITS = "logits"
 #: A head's inputs, each a receiver of its own.
 QKV: tuple[str, ...] = ("q", "k", "v")
 
-_NAME = re.compile(r"^(?:a(?P<l>\d+)\.h(?P<h>\d+)(?:\.(?P<j>[qkv]))?|m(?P<m>\d+)|(?P<end>embed|logits))$")
+_NAME = re.compile(r"^(?:a(?P<l>\d+)\.h(?P<h>\d+)(?:\.(?P<j>[qkv]))?|a(?P<gl>\d+)\.kv(?P<g>\d+)\.(?P<gj>[kv])"
+                   r"|m(?P<m>\d+)|(?P<end>embed|logits))$")
 
 
 def head(layer: int, h: int) -> str:
@@ -35,6 +38,13 @@ def head_input(layer: int, h: int, which: str) -> str:
     return f"{head(layer, h)}.{which}"
 
 
+def kv_input(layer: int, g: int, which: str) -> str:
+    """Key/value head ``g`` of ``layer``'s ``which`` input (k or v), shared by its query heads: ``a{layer}.kv{g}.{which}``."""
+    if which not in QKV[1:]:
+        raise ValueError(f"a k/v head's input is k or v, got {which!r}")
+    return f"a{int(layer)}.kv{int(g)}.{which}"
+
+
 def mlp(layer: int) -> str:
     """MLP ``layer`` (sender and receiver): ``m{layer}``."""
     return f"m{int(layer)}"
@@ -43,7 +53,8 @@ def mlp(layer: int) -> str:
 @dataclass(frozen=True)
 class Node:
     """A parsed name: ``kind`` is embed / head / mlp / logits; ``layer`` and ``head`` where they apply;
-    ``input`` is the q/k/v a head receiver reads (None for senders and whole nodes)."""
+    ``input`` is the q/k/v a head receiver reads (None for senders and whole nodes); a grouped
+    k/v receiver is kind ``kv`` with ``head`` its k/v head."""
 
     kind: str
     layer: Optional[int] = None
@@ -57,16 +68,19 @@ def parse(name: str) -> Node:
     m = _NAME.match(str(name))
     if m is None:
         raise ValueError(f"{name!r} is not a circuit node name; nodes are 'embed', 'a{{l}}.h{{h}}', 'm{{l}}', "
-                         "'a{l}.h{h}.q|k|v' and 'logits'")
+                         "'a{l}.h{h}.q|k|v', 'a{l}.kv{g}.k|v' and 'logits'")
     if m["end"]:
         return Node(m["end"])
     if m["m"] is not None:
         return Node("mlp", int(m["m"]))
+    if m["gl"] is not None:
+        return Node("kv", int(m["gl"]), int(m["g"]), m["gj"])
     return Node("head", int(m["l"]), int(m["h"]), m["j"])
 
 
 def receiver_node(receiver: str) -> str:
-    """The node a receiver belongs to: ``a1.h2.q`` -> ``a1.h2``; MLP and logits receivers are their own node."""
+    """The node a receiver belongs to: ``a1.h2.q`` -> ``a1.h2``; MLP and logits receivers are their own
+    node, and so is a grouped k/v receiver (it feeds several heads)."""
     n = parse(receiver)
     if n.kind != "head":
         return receiver
@@ -77,7 +91,7 @@ def receiver_node(receiver: str) -> str:
 def receiver_input(receiver: str) -> str:
     """What a receiver reads: ``q`` / ``k`` / ``v`` for a head, ``mlp`` or ``logits``."""
     n = parse(receiver)
-    return n.input if n.kind == "head" and n.input else "logits" if n.kind == "logits" else "mlp"
+    return n.input if n.kind in ("head", "kv") and n.input else "logits" if n.kind == "logits" else "mlp"
 
 
 def senders(n_layers: int, n_heads: int) -> list[str]:
@@ -88,11 +102,19 @@ def senders(n_layers: int, n_heads: int) -> list[str]:
     return out
 
 
-def receivers(n_layers: int, n_heads: int) -> list[str]:
-    """Every receiver in the order they read: per layer each head's q, k, v and the MLP, then logits."""
+def attention_receivers(layer: int, n_heads: int, n_kv_heads: Optional[int] = None) -> list[str]:
+    """The receivers of one attention layer: each head's q, k, v; with grouped k/v heads
+    (``n_kv_heads`` < ``n_heads``) each head's q, then each k/v head's k and v."""
+    if n_kv_heads is None or n_kv_heads == n_heads:
+        return [head_input(layer, h, j) for h in range(n_heads) for j in QKV]
+    return [head_input(layer, h, "q") for h in range(n_heads)] + [kv_input(layer, g, j) for g in range(n_kv_heads) for j in QKV[1:]]
+
+
+def receivers(n_layers: int, n_heads: int, n_kv_heads: Optional[int] = None) -> list[str]:
+    """Every receiver in the order they read: per layer its attention receivers and the MLP, then logits."""
     out = []
     for l in range(n_layers):
-        out += [head_input(l, h, j) for h in range(n_heads) for j in QKV] + [mlp(l)]
+        out += attention_receivers(l, n_heads, n_kv_heads) + [mlp(l)]
     return out + [LOGITS]
 
 
@@ -101,5 +123,5 @@ def components(n_layers: int, n_heads: int) -> list[str]:
     return [head(l, h) for l in range(n_layers) for h in range(n_heads)] + [mlp(l) for l in range(n_layers)]
 
 
-__all__ = ["EMBED", "LOGITS", "QKV", "Node", "head", "head_input", "mlp", "parse", "receiver_node", "receiver_input",
-           "senders", "receivers", "components"]
+__all__ = ["EMBED", "LOGITS", "QKV", "Node", "head", "head_input", "kv_input", "mlp", "parse", "receiver_node", "receiver_input",
+           "senders", "attention_receivers", "receivers", "components"]
