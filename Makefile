@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 reproduce: setup
 	$(VENV)/bin/interp-norm reproduce --out $(OUT) --force
 
-# Every shipped seed (issue 23): the seed tables' analyses on the seeds and calibrated models the default run skips,
+# Every shipped seed: the seed tables' analyses on the seeds and calibrated models the default run skips,
 # then the tables as markdown in docs/findings-tables.md, the thesis measure on the 24 Pre-/QKV-Norm seeds
 # (scripts/coupling_seeds.py, about a minute) and the verdicts. Slower than `make reproduce` (its time is in $(OUT)-seeds/run.json).
 reproduce-seeds: setup

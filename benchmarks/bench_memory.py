@@ -1,5 +1,5 @@
 """Peak resident memory of ``interp-norm collapse`` / ``noise`` / ``geometry`` on a Qwen3-0.6B-shaped
-Hugging Face folder, over the size of its weights (issue 25, part 3; target <= 1.5x).
+Hugging Face folder, over the size of its weights (target <= 1.5x).
 
 The folder: a random ``Qwen3ForCausalLM`` of Qwen3-0.6B's shape (28 layers, d_model 1024, 16 query /
 8 key-value heads of 128, gated MLP 3072, vocabulary 151 936, tied embeddings: 596M parameters,

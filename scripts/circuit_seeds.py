@@ -41,14 +41,14 @@ LEVELS = (0.11, 0.2)
 
 def run_one(name: str, out: Path, n: int) -> None:
     """Every per-checkpoint table of ``name`` into ``out``."""
-    from interp_norm import load_pretrained
-    from interp_norm.circuits.addition_circuit import CircuitSpec, circuit_data
+    from interp_norm import load
+    from interp_norm.circuits.cell_circuit import CircuitSpec, circuit_data
     from interp_norm.circuits.circuit_collapse import (
         cell_sparsity, circuit_noise_cost, clean_patterns, collapse_by_role, role_family)
-    from interp_norm.circuits.circuit_roles import addition_circuit
+    from interp_norm.circuits.cell_roles import addition_circuit
     from interp_norm.core import task as T
 
-    model, _ = load_pretrained(name)
+    model = load(name, kind="interp_norm")
     model.eval()
     spec = CircuitSpec(n=n, seed=0)
     res = addition_circuit(model, None, spec=spec, name=name)

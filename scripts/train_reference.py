@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # adds the paper's Checkpoint calibration layers (interp_norm.core.model.Calibration). n_epochs (of 250
 # steps) defaults to the cpu preset's 40 (10k steps); the "-30k" runs train three times as long, with
 # the cosine schedule stretched over the whole run, to measure what longer training does to attention
-# temperature and circuit collapse (issue 13).
+# temperature and circuit collapse.
 REFERENCE = {
     "pre": ("pre", 0, "none"),
     "pre-s1": ("pre", 1, "none"),
@@ -44,7 +44,7 @@ REFERENCE = {
     "qkv-30k": ("qkv", 0, "none", 120),  # the QKV-Norm side of the 30k comparison
     "qkv-30k-s1": ("qkv", 1, "none", 120),
 }
-# Seeds 2-5 of the four arms the findings compare (issue 23: >= 6 seeds per arm), same recipe as
+# Seeds 2-5 of the four arms the findings compare (>= 6 seeds per arm), same recipe as
 # seeds 0-1; ordered by seed so that every arm grows together when they are trained two at a time.
 for _seed in range(2, 6):
     for _arm, _norm, _cal in (("pre", "pre", "none"), ("qkv", "qkv", "none"),

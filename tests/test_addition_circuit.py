@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 import torch
 
-from interp_norm.circuits.addition_circuit import CircuitSpec, cell_table, circuit_data, locate_circuit, verify
-from interp_norm.circuits.circuit_roles import RoleRule, addition_circuit, assign_roles, attention_by_class
+from interp_norm.circuits.cell_circuit import CircuitSpec, cell_table, circuit_data, locate_circuit, verify
+from interp_norm.circuits.cell_roles import RoleRule, addition_circuit, assign_roles, attention_by_class
 from interp_norm.circuits.pairs import problem_format
 from interp_norm.core.task import AdditionTask
 from interp_norm.errors import PatchingError
@@ -282,8 +282,8 @@ def test_cli_cells_writes_the_tables_and_the_account(tmp_path, capsys):
 @pytest.mark.parametrize("attn_norm", ["pre", "qkv"])
 def test_class_patch_equals_explicit_value_swap(problems, attn_norm):
     """The cell's output recomputed key by key with the class's values taken from the source run."""
-    from interp_norm.circuits.addition_circuit import class_ids
-    from interp_norm.circuits.role_tests import class_patched_logits
+    from interp_norm.circuits.cell_circuit import class_ids
+    from interp_norm.circuits.role_checks import class_patched_logits
     from interp_norm.core.task import encode
 
     model = make_model(seed=1, attn_norm=attn_norm)
@@ -317,7 +317,7 @@ def test_class_patch_equals_explicit_value_swap(problems, attn_norm):
 
 
 def test_role_predictions_name_the_classes():
-    from interp_norm.circuits.role_tests import _predicted
+    from interp_norm.circuits.role_checks import _predicted
 
     names = ["[", "tens digits", "units digits", "operators", "operand signs", "=", "earlier answer", "]"]
     assert _predicted("reads = and earlier answer", names) == ["=", "earlier answer"]
@@ -327,7 +327,7 @@ def test_role_predictions_name_the_classes():
 
 
 def test_role_agreement_reads_the_test_table():
-    from interp_norm.circuits.role_tests import TEST_COLUMNS, role_agreement
+    from interp_norm.circuits.role_checks import TEST_COLUMNS, role_agreement
 
     rows = [  # cell a: role right; b: role wrong; c: spread; d: reads a constant
         ("a", "reads =", "=", True, 1.0, 0.5), ("a", "reads =", "]", False, 1.0, 0.1),

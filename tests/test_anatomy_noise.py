@@ -268,7 +268,7 @@ def test_norm_noise_on_a_bridge_is_head_noise_and_a_context_manager(models, name
     assert torch.equal(model(tokens), clean_logits)  # hooks removed on exit
     with pytest.raises(NoiseSpecError, match="heads"):
         NormNoise(model, 0.1, heads=[0])
-    for option in (dict(shared=True), dict(direction="random")):  # issue 23's controls: ours only, refused here
+    for option in (dict(shared=True), dict(direction="random")):  # controls for our models only, refused here
         with pytest.raises(NoiseSpecError, match=next(iter(option))):
             NormNoise(model, 0.1, **option)
 
@@ -276,7 +276,7 @@ def test_norm_noise_on_a_bridge_is_head_noise_and_a_context_manager(models, name
 @pytest.mark.parametrize("name", [n for n in MODELS if n != "own-qkv-ln"])
 @torch.no_grad()
 def test_norm_noise_is_one_class_and_a_context_manager_on_every_model(models, name):
-    """Issue 24: ``NormNoise(model, ...)`` is a NormNoise (and a HeadNoise) on our four variants and on
+    """``NormNoise(model, ...)`` is a NormNoise (and a HeadNoise) on our four variants and on
     every bridge; inside ``with`` the k the scores use is (1+κ)·clean per key/value head (κ from
     ``last_kappa``), and on exit the hooks are gone (clean logits bit for bit)."""
     from interp_norm.noise import NormNoise

@@ -1,4 +1,4 @@
-"""The paper's Checkpoint calibration (issue 24: its fitting mode is explicit state, not module attributes).
+"""The paper's Checkpoint calibration (its fitting mode is explicit state, not module attributes).
 
 After ``calibrate(tokens)`` each Calibration layer's output has the target std over the real
 (non-padding) entries of that batch; this is checked from the layers' own inputs and outputs,

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from interp_norm.circuits.addition_circuit import circuit_data
+from interp_norm.circuits.cell_circuit import circuit_data
 from interp_norm.circuits.circuit_collapse import (
     CIRCUIT,
     MATCHED,

@@ -237,7 +237,7 @@ def test_lazy_package_names_resolve():
         interp_norm.no_such_name  # noqa: B018 (the attribute access is what is tested)
 
 
-# ----------------------------------------------------------------------------- daily use (issue 15)
+# ----------------------------------------------------------------------------- daily use
 
 LONG = ("train", "evaluate", "circuits", "noise", "collapse", "geometry", "reproduce", "dashboard")
 

@@ -1,4 +1,4 @@
-"""One CLI grammar (issue 26): every subcommand's parser and --help, shared flags with one name and one
+"""One CLI grammar: every subcommand's parser and --help, shared flags with one name and one
 meaning, the --out default rule, deprecated spellings, "did you mean", Ctrl-C lines, no empty output
 folder after a failure, percentages, --placement after_norm where it means nothing, per-stage progress.
 

@@ -1,4 +1,4 @@
-"""Where models run and in which dtype (issue 25, part 4): --dtype, --device, --device-map.
+"""Where models run and in which dtype: --dtype, --device, --device-map.
 
 Bad input is a typed one-line error: an unknown dtype, a device that is not there, a device_map (or a
 dtype other than float32) for one of our models, a device_map without accelerate. A Hugging Face

@@ -1,4 +1,4 @@
-"""Geometry on TransformerBridges of tiny random GPT-2, Llama, Qwen3, OLMo-2 and Gemma 4 models (issue 12).
+"""Geometry on TransformerBridges of tiny random GPT-2, Llama, Qwen3, OLMo-2 and Gemma 4 models.
 
 Every expected value is computed here independently of interp_norm.geometry: norm inputs/outputs
 are captured with plain torch forward hooks on the Hugging Face norm modules (found by class name,

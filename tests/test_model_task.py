@@ -1,4 +1,4 @@
-"""A model knows its task (issue 26): loaders attach it, analyses default to it, another task warns
+"""A model knows its task: loaders attach it, analyses default to it, another task warns
 naming both, none known is a typed error; generate() warns on problems outside the training split;
 the activation cache refuses bad names like run_with_hooks; one ``interp_norm.load`` for every model."""
 

@@ -1,4 +1,4 @@
-"""The circuit node vocabulary (interp_norm.core.nodes): names built and parsed in one place (issue 24).
+"""The circuit node vocabulary (interp_norm.core.nodes): names built and parsed in one place.
 
 Expected names are written out by hand here (EAP-IG/MIB's spelling), never produced by the module.
 """

@@ -1,4 +1,4 @@
-"""Issue 13's controls (matched-count noise, collapse in the real forward pass, temperature sweep),
+"""The noise controls (matched-count noise, collapse in the real forward pass, temperature sweep),
 each against a brute-force computation on a tiny model."""
 
 from __future__ import annotations

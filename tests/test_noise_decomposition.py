@@ -1,4 +1,4 @@
-"""Issue 23's controls, each against an independent computation on a tiny model: per-head collapse
+"""The collapse controls, each against an independent computation on a tiny model: per-head collapse
 and the effective number of heads, the noise-drop decomposition (and NormNoise's shared / random
 direction noise), the consequence of collapse with its bootstrap, and the temperature identity."""
 

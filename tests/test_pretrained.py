@@ -63,7 +63,7 @@ def test_fresh_sample_reproduces_recorded_accuracy(name):
 
 
 def test_pre_knows_its_task_and_analyses_default_to_it():
-    """Issue 26: a model loaded by name carries the task its config.json records; run_noise without a
+    """A model loaded by name carries the task its config.json records; run_noise without a
     task scores the same problems as with that task passed explicitly, and its clean accuracy is a
     per-problem count's; the paper's task instead warns, naming both tasks."""
     import warnings

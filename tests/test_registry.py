@@ -1,4 +1,4 @@
-"""The analysis registry (issue 24): every registered analysis reaches reproduce, the CLI and the dashboard.
+"""The analysis registry: every registered analysis reaches reproduce, the CLI and the dashboard.
 
 ``interp_norm.report.registry.REGISTRY`` is the one list of analyses; these tests read what each consumer
 actually produced (the report folder's CSVs and timings, the parser's choices, the dashboard's HTML)

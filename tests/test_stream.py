@@ -1,4 +1,4 @@
-"""One layer's activations at a time (issue 25, part 3): ``layer_caches`` and ``StreamedCache`` give the
+"""One layer's activations at a time: ``layer_caches`` and ``StreamedCache`` give the
 values TransformerLens's own ``run_with_cache`` gives, stop the forward after the last hook asked for
 (no logits), and analyses built on them are unchanged."""
 

@@ -1,4 +1,4 @@
-"""``interp-norm train`` under ``torchrun`` with 2 CPU processes (gloo; issue 25, part 4).
+"""``interp-norm train`` under ``torchrun`` with 2 CPU processes (gloo).
 
 The independent reference is a 1-process run of the same command with the same global batch: after 20
 steps the weights must agree to 1e-6 (DDP averages the ranks' gradients; the ranks' losses are scaled

@@ -15,13 +15,13 @@
   resample/mean/zero ablation (drawn by :func:`interp_norm.report.plots.draw_circuit`).
 * :mod:`~interp_norm.circuits.attention_maps` -- which heads attend sparsely to which operand
   digit/operator/``=`` from each answer position.
-* :mod:`~interp_norm.circuits.addition_circuit` -- the addition circuit at the grain of (layer, head,
+* :mod:`~interp_norm.circuits.cell_circuit` -- the addition circuit at the grain of (layer, head,
   answer position) cells: located by resample ablation of every other cell, verified under resample,
   mean and zero ablation, with its size-vs-accuracy curve (:func:`locate_circuit`).
-* :mod:`~interp_norm.circuits.circuit_roles` -- what each cell reads: attention mass per token class,
+* :mod:`~interp_norm.circuits.cell_roles` -- what each cell reads: attention mass per token class,
   a role from a stated rule (:class:`RoleRule`), role counts, and a plain-words account generated from
   the tables; :func:`addition_circuit` locates and explains in one call.
-  :mod:`~interp_norm.circuits.role_tests` -- the causal test of the roles (resample one token class).
+  :mod:`~interp_norm.circuits.role_checks` -- the causal test of the roles (resample one token class).
 
 Shared result/metric types live in the private ``_types`` module. :func:`run_circuits` runs the
 standard set for a model and returns the tables; it writes nothing (``interp-norm circuits`` does).
@@ -36,8 +36,8 @@ from typing import Any, Optional, Sequence
 import pandas as pd
 
 from interp_norm.circuits._types import PatchResult
-from interp_norm.circuits.addition_circuit import CircuitSpec, LocatedCircuit, locate_circuit
-from interp_norm.circuits.circuit_roles import (
+from interp_norm.circuits.cell_circuit import CircuitSpec, LocatedCircuit, locate_circuit
+from interp_norm.circuits.cell_roles import (
     RoleRule,
     account,
     addition_circuit,
@@ -46,7 +46,7 @@ from interp_norm.circuits.circuit_roles import (
     circuit_roles,
     role_counts,
 )
-from interp_norm.circuits.role_tests import role_agreement, role_tests
+from interp_norm.circuits.role_checks import role_agreement, role_tests
 from interp_norm.circuits.attention_maps import attention_map, attention_map_split, sparse_attention_events, token_roles
 from interp_norm.circuits.attribution import attribution_patch, compare_scores, node_attribution
 from interp_norm.circuits.edge_scores import edge_attribution, exact_edge_patch

@@ -3,7 +3,7 @@ the accuracy cost of norm noise on the circuit's sparse rows vs on as many spars
 
 Menary et al. (2024, §3.6) count a collapse on *any* sparse attention row (max attention ≥ 95%). Here
 every attention row (layer, head, query) of the data is put in one *group*: a cell of the located
-circuit (:mod:`~interp_norm.circuits.addition_circuit`) gives its rows its role family
+circuit (:mod:`~interp_norm.circuits.cell_circuit`) gives its rows its role family
 (:func:`role_family`); answer rows of cells outside the circuit are ``outside the circuit``; rows before
 ``=`` (and the closing ``]``'s own row) are ``outside the answer``. Query 0 (``[`` attends only to
 itself) and padding are in no group.
@@ -26,7 +26,7 @@ from torch import Tensor
 
 from interp_norm import theory
 from interp_norm.circuits._types import device, require_eval
-from interp_norm.circuits.addition_circuit import CircuitData, is_digit_class, score_logits
+from interp_norm.circuits.cell_circuit import CircuitData, is_digit_class, score_logits
 from interp_norm.core import task as T
 from interp_norm.core.defaults import SPARSE_THRESHOLD
 from interp_norm.core.hook_names import act_name

@@ -129,8 +129,8 @@ def _circuits(args: argparse.Namespace) -> int:
 
 def _circuits_cells(args: argparse.Namespace) -> int:
     """The addition circuit by cells: its tables and the plain-words account."""
-    from interp_norm.circuits.addition_circuit import CircuitSpec
-    from interp_norm.circuits.circuit_roles import addition_circuit
+    from interp_norm.circuits.cell_circuit import CircuitSpec
+    from interp_norm.circuits.cell_roles import addition_circuit
     from interp_norm.training.devices import resolve_device
     from interp_norm.training.io import write_tables, write_text_atomic
 

@@ -280,7 +280,7 @@ class AdditionTask:
 
     PRESETS = {
         "paper": dict(train_terms=(3, 4, 6), interp_terms=(5,), extrap_terms=(7, 8, 9), n_digits=(2, 3)),
-        # Sized for 2 CPU cores (issue 13's measurements): 2-digit terms, train N ∈ {2, 3, 5} so both
+        # Sized for 2 CPU cores (measured): 2-digit terms, train N ∈ {2, 3, 5} so both
         # odd and even term counts are seen, interpolation N = 4 inside the trained range,
         # extrapolation N ∈ {6, 7} beyond it. The longest problem is 35 tokens (n_ctx 40).
         "cpu": dict(train_terms=(2, 3, 5), interp_terms=(4,), extrap_terms=(6, 7), n_digits=(2,)),

@@ -114,7 +114,7 @@ __all__ = [
     "measure_collapse",
     "run_collapse",
     "collapse_thresholds",
-    # issue 13 controls
+    # controls: matched-count noise, collapse in the forward pass, the temperature sweep
     "MATCHED",
     "NOISE_GROUPS",
     "matched_row_gates",
@@ -125,7 +125,7 @@ __all__ = [
     "DEFAULT_MULTIPLIERS",
     "temperature_sweep",
     "run_temperature_sweep",
-    # issue 23 controls
+    # controls: collapse per head, the noise-drop decomposition, the consequence of collapse
     "effective_heads",
     "head_collapse_table",
     "head_summary",

@@ -290,8 +290,8 @@ def _addition_circuit(job: Job) -> Tables:
     """The circuit at (layer, head, answer position), its roles and the generated account."""
     import pandas as pd
 
-    from interp_norm.circuits.addition_circuit import CircuitSpec
-    from interp_norm.circuits.circuit_roles import addition_circuit
+    from interp_norm.circuits.cell_circuit import CircuitSpec
+    from interp_norm.circuits.cell_roles import addition_circuit
 
     s = job.settings
     res = addition_circuit(job.model, job.task, spec=CircuitSpec(n=s.addition_circuit_problems, seed=s.seed,
@@ -342,7 +342,7 @@ REGISTRY: tuple[Analysis, ...] = (
              help="attention patterns of a few problems (the dashboard's explorer)", sizes=dict(problems=())),
     Analysis("noise_decomposition", _noise_decomposition, ("noise_decomposition",),
              f"{_PANELS}:noise_decomposition", default=False,
-             help="issue 23's noise-drop decomposition (q, k, v, random direction, one κ per token)",
+             help="the noise-drop decomposition (q, k, v, random direction, one κ per token)",
              sizes=dict(decomposition_levels=(0.01,))),
     Analysis("collapse_consequence", _collapse_consequence, ("collapse_consequence",),
              f"{_PANELS}:collapse_consequence", default=False,

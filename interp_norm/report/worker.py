@@ -7,8 +7,8 @@ registered in :mod:`interp_norm.report.registry`; this module only runs the chos
 order, labels the rows and times them.
 
 Besides the paper's measurements the registry runs the controls that make them mean something
-(issue 13: the matched-count noise group, noise placed after a QK/QKV norm, forward-pass collapse,
-the temperature sweep) and those of issue 23 (collapse per head, the noise-drop decomposition, the
+(the matched-count noise group, noise placed after a QK/QKV norm, forward-pass collapse,
+the temperature sweep; collapse per head, the noise-drop decomposition, the
 consequence of collapse); see each entry's ``help``.
 """
 

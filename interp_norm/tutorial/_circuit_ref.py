@@ -1,5 +1,5 @@
 """Independent references for the circuit exercise of tutorial 02: plain loops over the tables and over
-``hook_pattern``, sharing no code with :mod:`interp_norm.circuits.circuit_roles`."""
+``hook_pattern``, sharing no code with :mod:`interp_norm.circuits.cell_roles`."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def most_necessary(effects, position: str) -> list[tuple[int, int]]:
 
 def masses_by_loop(model, data, layer: int, head: int, slot: int) -> dict:
     """Mean attention mass per token class of one cell, from ``hook_pattern`` by a loop over rows and keys."""
-    from interp_norm.circuits.addition_circuit import token_class
+    from interp_norm.circuits.cell_circuit import token_class
 
     with torch.no_grad():
         _, cache = model.run_with_cache(data.tokens, names_filter=act_name("pattern", layer))

@@ -252,7 +252,7 @@ def check_head_faithfulness(learner, model, pairs, metric) -> str:
 def check_most_necessary_reads(learner, model, located, attention) -> str:
     """``most_necessary_reads(effects, attention, position)`` at every answer position, against the attention
     mass recomputed from ``hook_pattern`` by a loop, and on shuffled tables."""
-    from interp_norm.circuits.circuit_roles import assign_roles
+    from interp_norm.circuits.cell_roles import assign_roles
 
     effects, data = located.effects, located.data
     answers = {}

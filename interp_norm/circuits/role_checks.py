@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from interp_norm.circuits._types import device, require_eval
-from interp_norm.circuits.addition_circuit import CircuitData, LocatedCircuit, class_ids, is_digit_class, score_logits
+from interp_norm.circuits.cell_circuit import CircuitData, LocatedCircuit, class_ids, is_digit_class, score_logits
 from interp_norm.core.hook_names import act_name, used_name
 
 
@@ -66,7 +66,7 @@ def _predicted(role: str, classes: list[str]) -> list[str]:
 def role_tests(model, located: LocatedCircuit, circuit: pd.DataFrame, grain: str = "place") -> pd.DataFrame:
     """One row per (circuit cell, token class): accuracy and logit difference lost when only that class's
     values are resampled at the cell, and whether the role predicted the class. ``circuit``: the cells with
-    their roles (:func:`~interp_norm.circuits.circuit_roles.circuit_roles`, same ``grain``)."""
+    their roles (:func:`~interp_norm.circuits.cell_roles.circuit_roles`, same ``grain``)."""
     data = located.data
     ids, names = class_ids(data, grain)
     classes = torch.stack([ids == i for i in range(len(names))])  # [C, b, k]

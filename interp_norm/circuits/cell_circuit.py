@@ -18,7 +18,7 @@ of the full model's per-token accuracy (Menary et al. 2024, §3: the answer digi
 teacher-forced). The logit difference is
 logit(clean next token) - logit(resample source's next token), at answer rows where they differ;
 it is the same rows for every ablation, so faithfulness is comparable across them.
-Roles and the plain-words account are in :mod:`~interp_norm.circuits.circuit_roles`.
+Roles and the plain-words account are in :mod:`~interp_norm.circuits.cell_roles`.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 
 from interp_norm.circuits._types import device, require_eval
-from interp_norm.circuits.addition_circuit import (
+from interp_norm.circuits.cell_circuit import (
     GRAINS,
     CircuitData,
     CircuitSpec,
@@ -149,7 +149,7 @@ def addition_circuit(model, task=None, *, spec: Optional[CircuitSpec] = None, ru
     ``effects``, ``curve``, ``verification``, ``attention`` (mass per token class), ``roles`` (every
     cell), ``role_counts`` (circuit cells per answer position, layer and role) and the ``account`` (a string);
     ``test_roles=True`` adds ``role_tests`` and ``role_agreement``
-    (:mod:`~interp_norm.circuits.role_tests`: about as long again as locating the circuit)."""
+    (:mod:`~interp_norm.circuits.role_checks`: about as long again as locating the circuit)."""
     located = locate_circuit(model, task, spec=spec)
     masses = attention_by_class(model, located.data, grain)
     roles = assign_roles(masses, rule)
@@ -158,7 +158,7 @@ def addition_circuit(model, task=None, *, spec: Optional[CircuitSpec] = None, ru
     out = dict(circuit=circuit, effects=located.effects, curve=located.curve, verification=located.verification,
                attention=masses, roles=roles, role_counts=role_counts(circuit), account=account(located, roles, label))
     if test_roles:
-        from interp_norm.circuits.role_tests import role_agreement, role_tests
+        from interp_norm.circuits.role_checks import role_agreement, role_tests
 
         out["role_tests"] = role_tests(model, located, circuit, grain)
         out["role_agreement"] = role_agreement(out["role_tests"])
