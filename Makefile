@@ -27,6 +27,9 @@ reproduce-seeds: setup
 	$(PY) scripts/findings_tables.py $(OUT)-seeds --write > /dev/null
 	$(PY) scripts/coupling_seeds.py --write > /dev/null
 	$(PY) scripts/verdicts.py --write > /dev/null
+	OMP_NUM_THREADS=1 $(PY) scripts/circuit_seeds.py run --out $(OUT)-seeds/circuits
+	$(PY) scripts/circuit_seeds.py summarise --out $(OUT)-seeds/circuits --write > /dev/null
+	OMP_NUM_THREADS=1 $(PY) scripts/recheck_circuits.py > /dev/null
 
 # Compare the CSV tables of two reports (e.g. before and after a change): make compare OLD=report-old NEW=report
 compare: setup

@@ -176,7 +176,7 @@ def commit_run_checkpoint(run_dir: str | os.PathLike, step: int, keep_last: int 
     steps = sorted(
         (int(m.group(1)), p) for p in run_dir.iterdir() if p.is_dir() and (m := STEP_RE.match(p.name))
     )
-    for s, p in steps[: max(0, len(steps) - max(1, keep_last))]:
+    for _step, p in steps[: max(0, len(steps) - max(1, keep_last))]:
         if p != ckpt:
             shutil.rmtree(p, ignore_errors=True)
     return ckpt

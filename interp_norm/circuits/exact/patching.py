@@ -181,7 +181,7 @@ def _make_engine(req: _Request, exact: bool) -> Optional[IncrementalEngine]:
     except EngineRefusal as e:
         if method == "incremental":
             raise
-        warnings.warn(f"incremental patching engine unavailable ({e}); falling back to hooks", RuntimeWarning)
+        warnings.warn(f"incremental patching engine unavailable ({e}); falling back to hooks", RuntimeWarning, stacklevel=3)
         return None
 
 
@@ -207,7 +207,7 @@ def _make_kv_engine(req: _Request) -> Optional[KVCacheEngine]:
     except EngineRefusal as e:
         if method == "kv-cache":
             raise
-        warnings.warn(f"key/value-cache patching unavailable ({e}); falling back to hooks", RuntimeWarning)
+        warnings.warn(f"key/value-cache patching unavailable ({e}); falling back to hooks", RuntimeWarning, stacklevel=3)
         return None
 
 
