@@ -65,6 +65,22 @@ def differing_tokens(bridge, b: int = 3, n: int = 6) -> tuple[torch.Tensor, torc
     return clean, corr
 
 
+
+def bridge_pairs(bridge, b: int, n: int, *, score_all: bool = False):
+    """Clean/corrupted pairs for ``bridge`` (seed 6) whose examples first differ at positions 1, 3, 2; the
+    score mask holds the last position (the metrics are the caller's; the mask only satisfies
+    PatchingPairs), or every position with ``score_all``."""
+    from interp_norm.anatomy import random_tokens
+    from interp_norm.circuits import PatchingPairs
+
+    clean = random_tokens(bridge, b, n, seed=6, low=3)
+    corr = clean.clone()
+    for i, at in enumerate([1, 3, 2][:b]):
+        corr[i, at] = (corr[i, at] + 9) % 120 + 3
+    mask = torch.ones_like(clean, dtype=torch.bool) if score_all else torch.zeros_like(clean, dtype=torch.bool)
+    mask[:, -1] = True
+    return PatchingPairs(clean, corr, score_mask=mask)
+
 class ReadAt:
     """logit(5) - logit(6) at position ``at`` of a [b, n] batch, per example, declaring what it reads
     (``read_mask``: attribution re-runs and unembeds only there)."""

@@ -23,7 +23,7 @@ from transformer_lens.tools.analysis.attribution_patching import (
 )
 from transformer_lens.tools.analysis.attribution_patching import attribution_patch as tl_attribution_patch
 
-from _models import ReadAt
+from _models import ReadAt, bridge_pairs
 from interp_norm.anatomy import random_tokens, tiny_bridge
 from interp_norm.circuits import PatchingPairs, edge_attribution, node_attribution
 
@@ -47,16 +47,6 @@ def bridges():
             "olmo2": tiny_bridge("olmo2", seed=5, n_layers=2)}
 
 
-def _pairs(bridge) -> PatchingPairs:
-    clean = random_tokens(bridge, B, N, seed=6, low=3)
-    corr = clean.clone()
-    for i, at in enumerate([1, 3, 2]):
-        corr[i, at] = (corr[i, at] + 9) % 120 + 3
-    mask = torch.zeros_like(clean, dtype=torch.bool)
-    mask[:, -1] = True  # the metrics here are the caller's; the mask only satisfies PatchingPairs
-    return PatchingPairs(clean, corr, score_mask=mask)
-
-
 def _tl_metric(metric):
     at = metric.at if isinstance(metric, ReadAt) else -1
     return lambda lg: lg[0, at, 5] - lg[0, at, 6]
@@ -71,7 +61,7 @@ def _ours_per_pair(res: dict, L: int, H: int) -> tuple[torch.Tensor, torch.Tenso
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3"])
 def test_node_eap_equals_transformer_lens_per_pair(bridges, arch):
     bridge = bridges[arch]
-    pairs = _pairs(bridge)
+    pairs = bridge_pairs(bridge, B, N)
     L, H = bridge.cfg.n_layers, bridge.cfg.n_heads
     for metric in (read_at(N - 1), read_at(4), plain):
         res = node_attribution(bridge, pairs, metric, ("z", "mlp_out"), ig_steps=1)
@@ -112,7 +102,7 @@ def _tl_eap_ig(bridge, clean: torch.Tensor, corr: torch.Tensor, metric_fn, steps
 @pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
 def test_node_eap_ig_equals_transformer_lens_gradients_per_pair(bridges, arch):
     bridge = bridges[arch]
-    pairs = _pairs(bridge)
+    pairs = bridge_pairs(bridge, B, N)
     L, H = bridge.cfg.n_layers, bridge.cfg.n_heads
     metric = read_at(N - 1)
     res = node_attribution(bridge, pairs, metric, ("z", "mlp_out"), ig_steps=3, batch_size=2 * B)  # two passes
@@ -130,7 +120,7 @@ def test_node_eap_ig_equals_transformer_lens_gradients_per_pair(bridges, arch):
 def test_edge_eap_equals_transformer_lens_edges(bridges, arch):
     """TransformerLens scores each edge at each position; ours sums a (sender, receiver) pair over positions."""
     bridge = bridges[arch]
-    pairs = _pairs(bridge)
+    pairs = bridge_pairs(bridge, B, N)
     ours = edge_attribution(bridge, pairs, plain).set_index(["sender", "receiver"])["score"]
     ref = tl_attribution_patch(bridge, pairs.clean_tokens, pairs.corrupted_tokens, _tl_metric(plain),
                                EdgeAttributionConfig(granularity="edge")).edge_scores
@@ -159,7 +149,7 @@ def test_transformer_lens_refuses_edges_where_ours_has_them(bridges):
     scores them (checked in tests/test_bridge_edges_grouped.py and tests/test_bridge_edges_post_norm.py)."""
     for arch in ("olmo2", "llama"):
         bridge = bridges[arch]
-        pairs = _pairs(bridge)
+        pairs = bridge_pairs(bridge, B, N)
         assert len(edge_attribution(bridge, pairs, plain)) > 0
         with pytest.raises(ValueError):
             tl_attribution_patch(bridge, pairs.clean_tokens, pairs.corrupted_tokens, _tl_metric(plain),

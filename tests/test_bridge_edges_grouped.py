@@ -19,11 +19,13 @@ import torch
 from transformer_lens.tools.analysis.attribution_patching import EdgeAttributionConfig, Node
 from transformer_lens.tools.analysis.attribution_patching import attribution_patch as tl_attribution_patch
 
-from interp_norm.anatomy import bridge_from_hf, random_tokens, tiny_hf_model
-from interp_norm.circuits import PatchingPairs, edge_attribution, exact_edge_patch
+from interp_norm.anatomy import bridge_from_hf, tiny_hf_model
+from interp_norm.circuits import edge_attribution, exact_edge_patch
 from interp_norm.circuits.edges import EdgeRunner
 from interp_norm.core import nodes
 from interp_norm.errors import PatchingError
+
+from _models import bridge_pairs
 
 B, N, L, H, KV = 3, 6, 2, 4, 2
 
@@ -52,16 +54,6 @@ def grouped(request):
     return ref, bridge_from_hf(hf, name=f"tiny-{arch}"), bridge_from_hf(wide, name=f"tiny-{arch}-ungrouped")
 
 
-def _pairs(bridge) -> PatchingPairs:
-    clean = random_tokens(bridge, B, N, seed=6, low=3)
-    corr = clean.clone()
-    for i, at in enumerate([1, 3, 2]):
-        corr[i, at] = (corr[i, at] + 9) % 120 + 3
-    mask = torch.zeros_like(clean, dtype=torch.bool)
-    mask[:, -1] = True
-    return PatchingPairs(clean, corr, score_mask=mask)
-
-
 def _tl_name(node: Node, reader: bool) -> str:
     """TransformerLens's node as our name, an ungrouped k/v reader mapped to its k/v head's receiver."""
     if node.kind in ("embed", "logits"):
@@ -76,14 +68,14 @@ def _tl_name(node: Node, reader: bool) -> str:
 
 def test_the_ungrouped_copy_is_the_same_function(grouped):
     _, bridge, wide = grouped
-    toks = _pairs(bridge).clean_tokens
+    toks = bridge_pairs(bridge, B, N).clean_tokens
     with torch.no_grad():
         assert (bridge(toks) - wide(toks)).abs().max() <= 1e-5
 
 
 def test_grouped_edge_eap_equals_transformer_lens_on_the_ungrouped_copy(grouped):
     _, bridge, wide = grouped
-    pairs = _pairs(bridge)
+    pairs = bridge_pairs(bridge, B, N)
     ours = edge_attribution(bridge, pairs, plain).set_index(["sender", "receiver"])["score"]
     expected_receivers = {nodes.kv_input(l, g, j) for l in range(L) for g in range(KV) for j in "kv"}
     assert expected_receivers <= set(ours.index.get_level_values("receiver"))
@@ -105,7 +97,7 @@ def test_grouped_edge_eap_equals_a_hand_gradient_of_the_shared_key_input(grouped
     """Edge (embed -> a1.kv0.k): (e_clean - e_corr) . dM/dx, x a perturbation added to the input of
     layer 1's k projection only, read by autograd on an untouched copy of the grouped Hugging Face model."""
     hf, bridge, _ = grouped
-    pairs = _pairs(bridge)
+    pairs = bridge_pairs(bridge, B, N)
     ours = edge_attribution(bridge, pairs, plain).set_index(["sender", "receiver"])["score"]
     emb = hf.get_input_embeddings()
     de = (emb(pairs.clean_tokens) - emb(pairs.corrupted_tokens)).detach()
@@ -137,7 +129,7 @@ def test_grouped_edge_eap_equals_a_hand_gradient_of_the_shared_key_input(grouped
 def test_grouped_exact_edge_patch_equals_patching_every_head_of_the_group_on_the_copy(grouped):
     """Exact patching of a shared k/v input = patching that input for all its query heads at once."""
     _, bridge, wide = grouped
-    pairs = _pairs(bridge)
+    pairs = bridge_pairs(bridge, B, N)
     edges = [("embed", "a1.kv1.v"), ("a0.h2", "a1.kv0.k"), ("m0", "a1.kv1.k"), ("a0.h0", "a1.h3.q")]
     ours = exact_edge_patch(bridge, pairs, plain, edges=edges).set_index(["sender", "receiver"])["score"]
     wide_runner = EdgeRunner(wide)
@@ -170,4 +162,4 @@ def test_circuits_refuse_grouped_heads_with_a_typed_error(grouped):
 
     _, bridge, _ = grouped
     with pytest.raises(PatchingError, match="groups its k/v heads"):
-        faithfulness(bridge, _pairs(bridge), Circuit.full(L, H), plain, ablations=("resample",))
+        faithfulness(bridge, bridge_pairs(bridge, B, N), Circuit.full(L, H), plain, ablations=("resample",))

@@ -17,27 +17,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from interp_norm.anatomy import random_tokens, tiny_bridge
-from interp_norm.circuits import PatchingPairs, edge_attribution, exact_edge_patch
+from interp_norm.anatomy import tiny_bridge
+from interp_norm.circuits import edge_attribution, exact_edge_patch
 from interp_norm.circuits.edges import EdgeRunner
 from interp_norm.core.hook_names import act_name
 from interp_norm.errors import PatchingError
+
+from _models import bridge_pairs
 
 B, N = 3, 6
 
 
 def plain(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, -1, 5] - logits[:, -1, 6]
-
-
-def _pairs(bridge) -> PatchingPairs:
-    clean = random_tokens(bridge, B, N, seed=6, low=3)
-    corr = clean.clone()
-    for i, at in enumerate([1, 3, 2]):
-        corr[i, at] = (corr[i, at] + 9) % 120 + 3
-    mask = torch.zeros_like(clean, dtype=torch.bool)
-    mask[:, -1] = True
-    return PatchingPairs(clean, corr, score_mask=mask)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +40,7 @@ def olmo2():
 def test_post_norm_edge_eap_equals_the_finite_difference_of_exact_patching(olmo2):
     """Central difference at eps = 1e-2: truncation ~ eps^2 |M'''| / 6, and OLMo-2's RMSNorm computes
     in float32 inside a float64 model (roundoff ~ 6e-8 |M| / eps); both well under 1e-4 here."""
-    pairs = _pairs(olmo2)
+    pairs = bridge_pairs(olmo2, B, N)
     eap = edge_attribution(olmo2, pairs, plain).set_index(["sender", "receiver"])["score"]
     heads = [e for e in eap.index if e[0].startswith("a0.")]  # senders through layer 0's post-norm
     edges = heads + [e for e in eap.index[:8] if e not in heads]
@@ -63,7 +55,7 @@ def test_post_norm_edge_eap_equals_the_finite_difference_of_exact_patching(olmo2
 
 @torch.no_grad()
 def test_patching_every_edge_out_of_a_post_norm_head_is_patching_its_z(olmo2):
-    pairs = _pairs(olmo2)
+    pairs = bridge_pairs(olmo2, B, N)
     runner = EdgeRunner(olmo2)
     g = runner.graph
     _, s_clean = runner.sender_cache(pairs.clean_tokens)
@@ -88,4 +80,4 @@ def test_patching_every_edge_out_of_a_post_norm_head_is_patching_its_z(olmo2):
 def test_gemma4_edges_refuse_with_the_reason():
     bridge = tiny_bridge("gemma4", seed=2)
     with pytest.raises(PatchingError, match="per-layer-input"):
-        edge_attribution(bridge, _pairs(bridge), plain)
+        edge_attribution(bridge, bridge_pairs(bridge, B, N), plain)

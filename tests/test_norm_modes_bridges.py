@@ -13,8 +13,8 @@ import types
 import pytest
 import torch
 
-from _models import bridges_with_hf_copies, hand_forward
-from interp_norm.anatomy import random_tokens, tiny_bridge
+from _models import bridge_pairs, bridges_with_hf_copies, hand_forward
+from interp_norm.anatomy import tiny_bridge
 from interp_norm.circuits import PatchingPairs, attribution_patch, node_attribution
 from interp_norm.errors import PatchingError
 
@@ -24,14 +24,6 @@ EPS32 = torch.finfo(torch.float32).eps
 
 def metric(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, -1, 5] - logits[:, -1, 6]
-
-
-def _pairs(bridge) -> PatchingPairs:
-    clean = random_tokens(bridge, B, N, seed=6, low=3)
-    corr = clean.clone()
-    for i, at in enumerate([1, 3, 2]):
-        corr[i, at] = (corr[i, at] + 9) % 120 + 3
-    return PatchingPairs(clean, corr, score_mask=torch.ones_like(clean, dtype=torch.bool))
 
 
 def _frozen_rms(self, x):
@@ -87,7 +79,7 @@ def test_frozen_norm_eap_equals_the_hand_forward_with_detached_scales(arch):
     tiny model, each within eps32), so 1e3 * eps32 of the largest score; the live estimate differs
     from the frozen reference by far more, so the check can fail."""
     bridge, hf = bridges_with_hf_copies((arch,), seed=3)[arch]
-    pairs = _pairs(bridge)
+    pairs = bridge_pairs(bridge, B, N, score_all=True)
     live_ref = hand_eap_resid_pre(hf, arch, pairs)
     assert freeze_hf_norms(hf) >= 2 * bridge.cfg.n_layers + 1
     ref = hand_eap_resid_pre(hf, arch, pairs)
@@ -102,7 +94,7 @@ def test_frozen_norm_eap_equals_the_hand_forward_with_detached_scales(arch):
 
 def test_frozen_patterns_on_a_bridge_zero_the_keys():
     bridge = tiny_bridge("llama")
-    pairs = _pairs(bridge)
+    pairs = bridge_pairs(bridge, B, N, score_all=True)
     out = node_attribution(bridge, pairs, metric, ("k", "z"), norm="frozen", pattern="frozen")
     k = out["k"].per_example - out["k"].baseline
     z = out["z"].per_example - out["z"].baseline
@@ -113,4 +105,4 @@ def test_frozen_patterns_on_a_bridge_zero_the_keys():
 def test_a_bridge_without_norm_scale_hooks_is_refused():
     bridge = tiny_bridge("gemma4")
     with pytest.raises(PatchingError, match="no hook_scale"):
-        attribution_patch(bridge, _pairs(bridge), metric, "z", norm="frozen")
+        attribution_patch(bridge, bridge_pairs(bridge, B, N, score_all=True), metric, "z", norm="frozen")
