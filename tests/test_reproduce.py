@@ -177,6 +177,36 @@ def test_an_interrupted_reproduce_keeps_finished_checkpoints_and_a_rerun_does_on
         pd.testing.assert_frame_equal(pd.read_csv(out / f"{key}.csv"), pd.read_csv(whole / f"{key}.csv"), obj=key)
 
 
+def test_an_interrupted_dashboard_keeps_finished_checkpoints_and_a_rerun_does_only_the_rest(
+        tiny_checkpoints, tmp_path, monkeypatch):
+    """The dashboard command's run is interruptible too: the first checkpoint's tables stay beside the
+    page (partial/), the same call again analyses only the second, and the folder goes once the page exists."""
+    from interp_norm.report.partial import PartialStore
+
+    specs = [str(tiny_checkpoints["pre"]), str(tiny_checkpoints["qkv"])]
+    settings = R.Settings.quick(analyses=("evaluate", "collapse"), workers=1)
+    real = worker.run_checkpoint
+    calls = []
+
+    def interrupted_after_one(job, *a, **kw):
+        calls.append(job.name)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return real(job, *a, **kw)
+
+    page = tmp_path / "dash" / "dashboard.html"
+    monkeypatch.setattr(worker, "run_checkpoint", interrupted_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        R.make_dashboard(specs, page, settings=settings, progress=False)
+    first = calls[0]
+    assert (PartialStore(page.parent).path(first) / "fingerprint.json").exists() and not page.exists()
+    calls.clear()
+    monkeypatch.setattr(worker, "run_checkpoint", lambda job, *a, **kw: (calls.append(job.name), real(job, *a, **kw))[1])
+    R.make_dashboard(specs, page, settings=settings, progress=False)
+    assert len(calls) == 1 and calls[0] != first and page.exists()
+    assert not PartialStore(page.parent).folder.exists()
+
+
 def test_ctrl_c_terminates_the_worker_processes_at_once(tiny_checkpoints, monkeypatch):
     """Ctrl-C in the parent while workers analyse: the workers are terminated, not waited for."""
     import concurrent.futures as cf

@@ -22,8 +22,9 @@ from interp_norm.errors import OutputDirError
 from interp_norm.report.registry import ANALYSES, CONTROLS  # noqa: F401
 
 PROG = "interp-norm"
-#: What Ctrl-C prints unless the subcommand says otherwise (results are written at the end of a run).
-INTERRUPTED = "interrupted; results are written only at the end of the run, so run it again"
+#: What Ctrl-C prints unless the subcommand says otherwise: the one-checkpoint analyses write their
+#: tables once, at the end, so nothing of an interrupted run is kept.
+INTERRUPTED = "interrupted before the results were written; run the command again"
 Runner = Callable[[argparse.Namespace], int]
 
 

@@ -117,8 +117,8 @@ def _dashboard_args(p: argparse.ArgumentParser) -> None:
 @command("dashboard", help="analyse any checkpoints (and Hugging Face models) and write their offline dashboard.html "
                            "into --out",
          add_arguments=_dashboard_args, flags=dict(threads="--threads", analyse="--analyse", device="--device"),
-         interrupted="interrupted; the dashboard is written only at the end of the run, so run it again "
-                     "(--quick takes seconds)")
+         interrupted="interrupted; the checkpoints analysed so far are kept (OUT/partial): run the same command "
+                     "again, without --force, to analyse only the rest")
 def _dashboard(args: argparse.Namespace) -> int:
     import time
 
@@ -127,6 +127,10 @@ def _dashboard(args: argparse.Namespace) -> int:
     from interp_norm.training.devices import resolve_device
 
     out = prepare_out(args.out, ["dashboard.html"], args.force)  # before any work
+    if args.force:  # a fresh page: no checkpoint is taken from an interrupted run
+        from interp_norm.report.partial import PartialStore
+
+        PartialStore(out).clear()
     resolve_device(args.device)
     t = time.perf_counter()
     from interp_norm.anatomy.loading import load, spec_kind

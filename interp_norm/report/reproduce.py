@@ -515,6 +515,10 @@ def make_dashboard(
 ) -> Path:
     """Analyse any checkpoints and write their dashboard (one HTML file; no CSVs).
 
+    Interruptible like :func:`reproduce`: each checkpoint's tables go to ``partial/`` beside the page
+    as they finish, a run with the same ``out`` skips those, and the folder is removed once the page is
+    written.
+
     Fails with :class:`OutputDirError` before any work if ``out`` is a folder or cannot be written.
     """
     from interp_norm.report.dashboard import write_dashboard
@@ -527,6 +531,9 @@ def make_dashboard(
         raise OutputDirError(f"{str(out)!r} is a folder; give a file name such as dashboard.html")
     ensure_writable_dir(out.parent if str(out.parent) else Path("."))  # before any work
     settings = settings or (Settings.quick() if quick else Settings.full())
+    store = PartialStore(out.parent if str(out.parent) else Path("."))
     report = run_analyses(list(checkpoints), settings, analyse=analyse, progress="dashboard" if progress else False,
-                          threads=threads, device=device)
-    return write_dashboard(report, out, csv_links=False)
+                          threads=threads, device=device, store=store)
+    path = write_dashboard(report, out, csv_links=False)
+    store.clear()  # the page is whole: nothing left to resume
+    return path
