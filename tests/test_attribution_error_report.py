@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 import sys
 from pathlib import Path
@@ -74,8 +75,9 @@ def test_bars_are_the_mean_parts_and_dots_every_seed():
             assert abs(t.y[i] - want) <= 1e-9 * max(1.0, abs(want))
         total = 100 * sum(r.rel_err_live for r in rows) / len(rows)
         assert abs(sum(t.y[i] for t in bars) - total) <= 1e-9 * max(1.0, total)
-    live, frozen = [t for t in fig.data if t.type == "scatter"]
+    live, frozen, mean = [t for t in fig.data if t.type == "scatter"]
     assert len(live.y) == len(frozen.y) == 8  # 4 checkpoints x 2 methods
+    assert np.allclose(mean.y, [sum(t.y[i] for t in bars) for i in range(len(keys))])
     assert fig.layout.barmode == "relative"
 
 
@@ -130,15 +132,27 @@ def test_holm_family_on_constructed_seeds():
     mod, _ = _load_script()
     high, low = [50.0, 51, 52, 53, 54, 55], [40.0, 41, 42, 43, 44, 45]
     quantities = [mod._quantity(m, n) for m in mod.LABEL for n in ("live", "frozen")] + [mod.CONTROL]
-    comp = mod.comparisons(_seeds({q: (high, low) for q in quantities}))
+    per = _seeds({q: (high, low) for q in quantities})
+    worse = per["quantity"].str.endswith("norm frozen")
+    per.loc[worse, "value"] += np.tile([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], int(worse.sum()) // 6)  # frozen − live per seed
+    comp, within = mod.with_family_holm(mod.comparisons(per), mod.within_arm(per))
     fam = comp[comp["role"] == "family"]
     assert len(fam) == 2 * 3 * 2  # (AtP*, EAP, EAP-IG) x (live, frozen) x two scalings
     assert set(comp.loc[comp["role"] != "family", "comparison"]) == {mod._quantity("atp", "live"),
                                                                      mod._quantity("atp", "frozen"), mod.CONTROL}
-    # separated 6 + 6 seeds: one-sided p = 1 / C(12, 6) = 1/924; Holm over 2 x 12 one-sided p: the 12 smallest
-    # are equal, so each becomes 24/924 (step-down, then the running maximum)
-    assert np.allclose(fam["p_greater"], 1 / 924) and np.allclose(fam["p_greater_holm"], 24 / 924)
+    # within each arm: frozen − live = 0.1..0.6, mean 0.35, s = 0.1 sqrt(3.5), t = 0.35 / (s / sqrt 6) on 5 df
+    t = 0.35 / (0.1 * 3.5 ** 0.5 / 6 ** 0.5)
+    assert len(within) == 4 * 4 and np.allclose(within["mean"], 0.35) and (within["n_positive"] == 6).all()
+    theta = math.atan(t / math.sqrt(5))  # Student t with 5 df in closed form (Abramowitz & Stegun 26.7.3)
+    p_t = (1 - 2 / math.pi * (theta + math.sin(theta) * math.cos(theta) * (1 + 2 / 3 * math.cos(theta) ** 2))) / 2
+    assert np.allclose(within["p_greater"], p_t, rtol=1e-6)
+    # separated 6 + 6 seeds: one-sided p = 1 / C(12, 6) = 1/924 (12 of them), the other direction 1 (12), and
+    # 12 within-arm t p (p_t ≈ 0.003 > 1/924): Holm over m = 36 gives the smallest twelve 36/924, then the
+    # running maximum of (36 - 12) * p_t ... (25 - 12) * p_t, so 24 * p_t for all twelve t p; the rest 1
+    assert np.allclose(fam["p_greater"], 1 / 924) and np.allclose(fam["p_greater_holm"], 36 / 924)
     assert np.allclose(fam["p_less"], 1.0) and np.allclose(fam["p_less_holm"], 1.0)
+    inside = within["role"] == "family"
+    assert np.allclose(within.loc[inside, "p_holm"], 24 * p_t) and within.loc[~inside, "p_holm"].isna().all()
     assert comp.loc[comp["role"] != "family", ["p_greater_holm", "p_less_holm"]].isna().all().all()
     assert np.allclose(comp["diff"], 10.0)
 

@@ -57,7 +57,9 @@ def attribution_error_section(T: dict, panel: Callable, csv: bool = True, shippe
     source = "this report's attribution_error_per_checkpoint.csv" if KEY in T else (
         "the shipped docs/data/attribution_error_per_checkpoint.csv, every shipped seed of these variants")
     panels = [panel("Error budget, every node", lambda: plots.plot_error_budget(table),
-                    caption=f"Bars: mean over seeds; dots: each seed. From {source}.")]
+                    caption="Bars: the parts, mean over seeds; red bar: their sum, the live error; dots: each seed's "
+                            "live (filled) and frozen-norm (open) error. Where freezing the norm makes the estimate "
+                            f"worse its part is below 0, and the stack above 0 is the frozen-norm error. From {source}.")]
     view = table[table["activation"] != "all"].groupby(["arm", "method", "activation"], sort=False).agg(
         seeds=("checkpoint", "nunique"), live=("rel_err_live", "mean"), norm_frozen=("rel_err_norm", "mean"),
         both_frozen=("rel_err_both", "mean")).reset_index()

@@ -4,8 +4,9 @@ Draws the per-checkpoint table of ``scripts/attribution_error_budget.py``
 (:func:`~interp_norm.circuits.attribution_error.budget_summary` per checkpoint, method and node kind):
 per arm and method, stacked bars of the mean over seeds of the parts of the live error -- removed by
 freezing the norms' scales, removed by freezing the attention patterns, the rest -- each as % of the
-exact effects' size, so the bars add to the relative live error; with a handful of seeds every seed's
-live and frozen-norm error is drawn beside the bars (a dot each), not only their mean.
+exact effects' size, so the parts add to the relative live error (a red bar marks it: where freezing the
+norm makes the estimate worse, its part is below 0 and the stack above 0 is the frozen-norm error); with a
+handful of seeds every seed's live and frozen-norm error is drawn too (a dot each), not only their mean.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ _NEEDED = ("arm", "checkpoint", "method", "activation", "exact_size", "err_live"
 def plot_error_budget(per_checkpoint: pd.DataFrame, activation: str = "all", arms: Optional[Sequence[str]] = None,
                       title: str = "") -> go.Figure:
     """Stacked bars per (arm, method) of the live error's parts (% of the exact effects' size, mean over seeds),
-    with every seed's live error (filled dot) and frozen-norm error (open dot: the bar without its first part).
+    their sum (the mean live error, a red bar), every seed's live error (filled dot) and frozen-norm error
+    (open dot: the parts without the first).
 
     ``activation``: a node kind of the table (``"z"``, ``"q"``, ...) or ``"all"`` (every node);
     ``arms``: which arms, in order (default: the table's)."""
@@ -59,6 +61,10 @@ def plot_error_budget(per_checkpoint: pd.DataFrame, activation: str = "all", arm
         fig.add_trace(go.Scatter(x=[pts["arm"].tolist(), [_METHODS[m] for m in pts["method"]]], y=pts[col], mode="markers",
                                  name=label, text=pts["checkpoint"], marker=dict(symbol=symbol, size=7, color="black"),
                                  hovertemplate=f"%{{text}}: {label.split(',')[0]} %{{y:.1f}}%<extra></extra>"))
+    live = d.groupby(["arm", "method"])["err_live"].mean()
+    fig.add_trace(go.Scatter(x=x, y=[live.loc[k] for k in keys], mode="markers", name="live error, mean over seeds",
+                             marker=dict(symbol="line-ew-open", size=34, color="#d62728", line=dict(width=3)),
+                             hovertemplate="mean live error %{y:.1f}%<extra>%{x}</extra>"))
     fig.add_hline(y=100, line_dash="dot", annotation_text="attributing nothing", annotation_position="top left")
     fig.update_layout(barmode="relative", template="plotly_white", title=title or None,
                       yaxis_title=f"error, % of the exact effects' size ({'every node' if activation == 'all' else activation})",
