@@ -20,10 +20,11 @@ architecture the budget refuses is kept as a row saying why.
 
 Statistics (:mod:`interp_norm.stats.inference`, through :func:`~interp_norm.stats.seed_compare.compare_seeds`):
 per arm the mean and Student-t 95% interval over seeds, Pre − QKV with its Welch interval, exact
-permutation p one-sided both ways, Holm over this block's declared family: every one-sided p of the
-relative errors of AtP*, EAP and EAP-IG, norms live and frozen, at both scalings (AtP is EAP's estimate
-computed by other code, an identity, so it stays out; the control, the size of the exact effects,
-is shown beside and stays out).
+permutation p one-sided both ways; within each arm with seeds, frozen-norm minus live error per seed
+with its t interval and a one-sided one-sample t-test (H1: freezing the norm makes the estimate worse).
+Holm over this block's declared family: every one of those p for AtP*, EAP and EAP-IG, norms live and
+frozen, at both scalings (AtP is EAP's estimate computed by other code, an identity, so it stays out;
+the control, the size of the exact effects, is shown beside and stays out).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from _docs import replace_block
 from interp_norm.circuits import LogitDiff, PatchingPairs, make_pairs
 from interp_norm.circuits.attribution_error import BudgetSpec, attribution_error_budget, budget_summary
 from interp_norm.errors import PatchingError
-from interp_norm.stats.inference import holm, permutation_test, t_interval
+from interp_norm.stats.inference import holm, permutation_test, t_interval, t_test_value
 from interp_norm.stats.seed_compare import PAIRS, compare_seeds
 from interp_norm import load_with_info
 from interp_norm.training.checkpoints import list_pretrained
@@ -58,7 +59,9 @@ BRIDGES = ("gpt2", "llama", "qwen3", "olmo2", "gemma4")
 LABEL = {"atp": "AtP", "atp*": "AtP*", "eap": "EAP", "eap-ig": "EAP-IG"}
 #: AtP's estimate is EAP's (two implementations): shown, but an identity, so not in the family.
 IDENTITY = "atp"
-CONTROL = "mean |exact effect| per node (control)"
+CONTROL = "mean absolute exact effect per node (control)"
+#: The arms with seeds whose frozen-minus-live error is tested: (arm, attn_norm, calibration).
+WITHIN = (("pre", "pre", "none"), ("qkv", "qkv", "none"), ("pre-cal", "pre", "paper"), ("qkv-cal", "qkv", "paper"))
 
 
 def _quantity(method: str, norm: str) -> str:
@@ -103,8 +106,12 @@ def seed_values(pc: pd.DataFrame) -> pd.DataFrame:
         if r.method == "eap":
             rows.append(dict(base, quantity=CONTROL, unit="logit diff", value=r.exact_size / r.n_nodes))
     per = pd.DataFrame(rows)
-    order = {q: i for i, q in enumerate(dict.fromkeys(per["quantity"]))}
+    order = {q: i for i, q in enumerate([_quantity(m, n) for m in LABEL for n in ("live", "frozen")] + [CONTROL])}
     return per.sort_values("quantity", key=lambda c: c.map(order), kind="stable").reset_index(drop=True)
+
+
+def _role(quantity: str) -> str:
+    return "control" if quantity == CONTROL else "identity" if f", {LABEL[IDENTITY]}," in quantity else "family"
 
 
 def comparisons(per: pd.DataFrame) -> pd.DataFrame:
@@ -119,14 +126,35 @@ def comparisons(per: pd.DataFrame) -> pd.DataFrame:
         cal = next(p[1] for p in PAIRS if p[0] == r.scaling)
         vals = [per[(per["attn_norm"] == a) & (per["calibration"] == cal) & (per["quantity"] == r.comparison)]["value"]
                 .to_numpy() for a in ("pre", "qkv")]
-        role = "control" if r.comparison == CONTROL else "identity" if f", {LABEL[IDENTITY]}," in r.comparison else "family"
         extra.append(dict(p_greater=permutation_test(*vals, alternative="greater").p_value,
-                          p_less=permutation_test(*vals, alternative="less").p_value, role=role))
-    comp = pd.concat([comp, pd.DataFrame(extra)], axis=1)
-    member = comp["role"] == "family"
-    p = np.concatenate([comp["p_greater"].where(member).to_numpy(float), comp["p_less"].where(member).to_numpy(float)])
-    adj = holm(p)
-    return comp.assign(p_greater_holm=adj[:len(comp)], p_less_holm=adj[len(comp):])
+                          p_less=permutation_test(*vals, alternative="less").p_value, role=_role(r.comparison)))
+    return pd.concat([comp, pd.DataFrame(extra)], axis=1)
+
+
+def within_arm(per: pd.DataFrame) -> pd.DataFrame:
+    """Per arm with seeds and method: frozen-norm minus live relative error per seed (points), mean, t interval,
+    one-sided one-sample t p (H1: > 0, freezing the norm makes the estimate worse)."""
+    rows = []
+    for arm, norm, cal in WITHIN:
+        mine = per[(per["attn_norm"] == norm) & (per["calibration"] == cal)].set_index(["quantity", "checkpoint"])["value"]
+        for method in LABEL:
+            v = (mine[_quantity(method, "frozen")] - mine[_quantity(method, "live")]).dropna().to_numpy()
+            if len(v) < 2:
+                continue
+            lo, hi = t_interval(v)
+            rows.append(dict(arm=arm, method=LABEL[method], n=len(v), mean=float(v.mean()), ci_lo=lo, ci_hi=hi,
+                             n_positive=int((v > 0).sum()), p_greater=t_test_value(v, 0.0, alternative="greater"),
+                             role=_role(_quantity(method, "live"))))
+    return pd.DataFrame(rows)
+
+
+def with_family_holm(comp: pd.DataFrame, within: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Holm over the declared family (the module docstring); members of another role get NaN."""
+    cols = [comp["p_greater"].where(comp["role"] == "family"), comp["p_less"].where(comp["role"] == "family"),
+            within["p_greater"].where(within["role"] == "family")]
+    adj = holm(np.concatenate([c.to_numpy(float) for c in cols]))
+    n = len(comp)
+    return comp.assign(p_greater_holm=adj[:n], p_less_holm=adj[n:2 * n]), within.assign(p_holm=adj[2 * n:])
 
 
 def bridge_budgets(archs: list, n_pairs: int, ig_steps: int, seed: int) -> pd.DataFrame:
@@ -181,6 +209,15 @@ def _comparison_rows(comp: pd.DataFrame) -> list[str]:
     return out
 
 
+def _within_rows(within: pd.DataFrame) -> list[str]:
+    out = ["| arm | method | frozen − live (points) | seeds worse | p (> 0) | Holm |", "|---|---|---|---|---|---|"]
+    for r in within.itertuples():
+        note = " (= EAP, not in the family)" if r.role == "identity" else ""
+        out.append(f"| {r.arm} | {r.method}{note} | {_ci(r.mean, r.ci_lo, r.ci_hi)} | {r.n_positive} of {r.n} | "
+                   f"{_pv(r.p_greater)} | {_pv(r.p_holm)} |")
+    return out
+
+
 def _arm_rows(pc: pd.DataFrame) -> list[str]:
     out = ["| arm | seeds | method | norm live | norm frozen | removed by freezing the norm | by freezing patterns | "
            "rest |", "|---|---|---|---|---|---|---|---|"]
@@ -210,19 +247,24 @@ def _bridge_rows(br: pd.DataFrame) -> list[str]:
     return out
 
 
-def markdown(comp: pd.DataFrame, pc: pd.DataFrame, br: pd.DataFrame, info: dict) -> str:
+def markdown(comp: pd.DataFrame, within: pd.DataFrame, pc: pd.DataFrame, br: pd.DataFrame, info: dict) -> str:
     """The page's block, from the tables only."""
     return "\n".join([
         "### Attribution's error against exact patching (Pre-Norm vs QKV-Norm over seeds)", "",
         f"Generated by `scripts/attribution_error_budget.py` ({info['n_checkpoints']} checkpoints and "
-        f"{info['n_bridges']} tiny random bridges in {info['seconds']:.0f} s on one thread; `make reproduce-seeds` runs it). "
+        f"{info['n_bridges']} tiny random bridges: {info['cpu_seconds']:.0f} s of CPU on one thread, {info['seconds']:.0f} s "
+        "wall on a shared machine; `make reproduce-seeds` runs it). "
         f"Per checkpoint {info['pairs']} aligned ID pairs, logit difference, EAP-IG with {info['ig_steps']} steps; every "
         "head output z, head input q, k, v and MLP output. **Relative error** = Σ over nodes of the mean over pairs "
         "|estimate − exact patching| / Σ of the mean |exact effect| (100% is no better than attributing nothing), "
         "with the norms' scales live or frozen in the backward pass (patterns live). Mean [Student-t 95%] per arm, "
         "Pre − QKV [Welch 95%], exact permutation p one-sided both ways (924 splits), Holm over this block's family "
-        "(the one-sided p of AtP*, EAP and EAP-IG, norm live and frozen, both scalings).", "",
+        "(the one-sided p of AtP*, EAP and EAP-IG, norm live and frozen, both scalings, and of the within-arm tests "
+        "below).", "",
         *_comparison_rows(comp), "",
+        "Within each arm: the relative error with the norm frozen minus live, per seed (points; mean [Student-t 95%], "
+        "how many seeds got worse, one-sided one-sample t-test of > 0, Holm over the same family):", "",
+        *_within_rows(within), "",
         "Per arm, the relative error (%) and its split: the live error = removed by freezing the norm + removed by "
         "freezing the patterns (after the norm) + the rest (each % of the exact effects' size, mean over seeds; a "
         "negative part: freezing made the estimate worse). The error with the norm frozen = the last two parts.", "",
@@ -235,6 +277,7 @@ def markdown(comp: pd.DataFrame, pc: pd.DataFrame, br: pd.DataFrame, info: dict)
 def markdown_from_data(data: Path = DATA) -> str:
     """The block rebuilt from the tables kept in docs/data (what the docs test checks)."""
     return markdown(pd.read_csv(data / "attribution_error_seed_comparisons.csv"),
+                    pd.read_csv(data / "attribution_error_within_arm.csv"),
                     pd.read_csv(data / "attribution_error_per_checkpoint.csv"),
                     pd.read_csv(data / "attribution_error_bridges.csv"),
                     json.loads((data / "attribution_error_run.json").read_text()))
@@ -243,13 +286,13 @@ def markdown_from_data(data: Path = DATA) -> str:
 def summarise(out: Path, write: bool, info: dict) -> str:
     pc = per_checkpoint(pd.read_csv(out / "budget.csv"))
     per = seed_values(pc)
-    comp = comparisons(per)
+    comp, within = with_family_holm(comparisons(per), within_arm(per))
     br = pd.read_csv(out / "bridges.csv") if (out / "bridges.csv").exists() else pd.DataFrame(columns=["arch", "status"])
     info = dict(info, n_checkpoints=int(pc["checkpoint"].nunique()), n_bridges=int(br["arch"].nunique()))
-    tables = dict(per_checkpoint=pc, seed_values=per, seed_comparisons=comp, bridges=br)
+    tables = dict(per_checkpoint=pc, seed_values=per, seed_comparisons=comp, within_arm=within, bridges=br)
     for key, df in tables.items():
         df.to_csv(out / f"{key}.csv", index=False)
-    text = markdown(comp, pc, br, info)
+    text = markdown(comp, within, pc, br, info)
     if write:
         for key, df in tables.items():
             df.to_csv(DATA / f"attribution_error_{key}.csv", index=False)
@@ -283,7 +326,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     budget.to_csv(args.out / "budget.csv", index=False)
     bridge_budgets(args.bridges, args.pairs, args.ig_steps, args.seed).to_csv(args.out / "bridges.csv", index=False)
-    info = dict(pairs=args.pairs, ig_steps=args.ig_steps, seed=args.seed, per=args.per, seconds=time.perf_counter() - t0)
+    info = dict(pairs=args.pairs, ig_steps=args.ig_steps, seed=args.seed, per=args.per, seconds=time.perf_counter() - t0,
+                cpu_seconds=time.process_time())
     (args.out / "run.json").write_text(json.dumps(info, indent=1) + "\n")
     print(summarise(args.out, args.write, info))
 
