@@ -23,7 +23,7 @@ reproduce: setup
 # then the tables as markdown in docs/findings-tables.md, the thesis measure on the 24 Pre-/QKV-Norm seeds
 # (scripts/coupling_seeds.py, about a minute) and the verdicts, the addition circuit on every seed, and the
 # attribution error budget on every seed and five tiny bridges (scripts/attribution_error_budget.py: about
-# 90 s of CPU on one thread, 2 min wall on an idle 2-core machine). Slower than `make reproduce` (its time is in $(OUT)-seeds/run.json).
+# 90 s of CPU on one thread; 127 s wall in one measured run, longer on shared cores). Slower than `make reproduce` (its time is in $(OUT)-seeds/run.json).
 reproduce-seeds: setup
 	$(VENV)/bin/interp-norm reproduce --all-seeds --controls --out $(OUT)-seeds --force
 	$(PY) scripts/findings_tables.py $(OUT)-seeds --write > /dev/null
