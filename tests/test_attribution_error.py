@@ -37,6 +37,9 @@ def test_budget_errors_are_the_mean_absolute_errors_against_exact_patching(pairs
         want = (est - exact).abs().mean(-1).numpy()
         got = df[(df.method == "eap-ig") & (df.activation == "z")][f"err_{mode}"].to_numpy()
         assert abs(got - want).max() <= 1e3 * EPS64 * max(abs(want).max(), 1.0)
+        row = budget_summary(df).set_index(["method", "activation"]).loc[("eap-ig", "z")]
+        rel = want.sum() / exact.abs().mean(-1).sum().item()  # error / the error of attributing nothing
+        assert row["n_nodes"] == model.cfg.n_layers * model.cfg.n_heads and abs(row[f"rel_err_{mode}"] - rel) <= 1e3 * EPS64 * max(rel, 1.0)
     parts = df.removed_by_norm + df.removed_by_pattern + df.rest
     assert (parts - df.err_live).abs().max() <= 1e3 * EPS64 * max(df.err_live.abs().max(), 1.0)
     atp, eap = (df[df.method == m].reset_index() for m in ("atp", "eap"))

@@ -92,6 +92,7 @@ def check_args(name: str, d: dict) -> tuple:
         "attribution_scores": (d["pre"], d["pairs"], d["metric"]),
         "head_faithfulness": (d["pre"], d["pairs"], d["metric"]),
         "most_necessary_reads": (d["pre"], d["located"], d["attention"]),
+        "eap_errors": (d["pre"], d["pairs"], d["metric"]),
         "query_norm_ratio": (d["pre"], d["tokens"]),
         "mc_collapse_probability": (d["row"],),
         "principal_angles_deg": (d["pre"],),
@@ -158,6 +159,29 @@ def attribution_negated(model, pairs, metric):
 def attribution_halved(model, pairs, metric):
     df = S.attribution_scores(model, pairs, metric)
     return df.assign(attribution=0.5 * df["attribution"])
+
+
+def _eap_and_exact(model, pairs, metric):
+    from interp_norm.circuits import activation_patch, attribution_patch
+
+    res = [r.per_example.double() - r.baseline.double() for r in (
+        attribution_patch(model, pairs, metric, "z", by="all", ig_steps=1), activation_patch(model, pairs, None, metric, "z", by="all"))]
+    return res[0], res[1]
+
+
+def _per_head_frame(model, values):
+    H = model.cfg.n_heads
+    return pd.DataFrame([dict(layer=i // H, head=i % H, error=float(v)) for i, v in enumerate(values)])
+
+
+def errors_of_batch_means(model, pairs, metric):
+    eap, exact = _eap_and_exact(model, pairs, metric)
+    return _per_head_frame(model, (eap.mean(-1) - exact.mean(-1)).abs())  # opposite signs cancel
+
+
+def errors_signed(model, pairs, metric):
+    eap, exact = _eap_and_exact(model, pairs, metric)
+    return _per_head_frame(model, (eap - exact).mean(-1))  # no absolute value
 
 
 def faithfulness_inverted(model, pairs, metric, heads_in_circuit):
@@ -251,6 +275,7 @@ WRONG = {
     "attribution_scores": [attribution_negated, attribution_halved],
     "head_faithfulness": [faithfulness_inverted, faithfulness_unnormalised],
     "most_necessary_reads": [reads_of_most_necessary_overall, reads_most_attended],
+    "eap_errors": [errors_of_batch_means, errors_signed],
     "query_norm_ratio": [ratio_inverted, ratio_ignores_seed],
     "mc_collapse_probability": [mc_half_width_level, mc_zero],
     "principal_angles_deg": [angles_radians, angles_not_orthonormalised],
@@ -261,8 +286,8 @@ WRONG = {
 NAMES = sorted(C.CHECKS)
 
 
-def test_there_are_thirteen_checks_each_with_a_solution_and_wrong_answers():
-    assert len(NAMES) == 13
+def test_there_are_fourteen_checks_each_with_a_solution_and_wrong_answers():
+    assert len(NAMES) == 14
     assert set(NAMES) == set(S.__all__) == set(WRONG)
 
 

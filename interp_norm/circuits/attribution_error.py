@@ -153,11 +153,15 @@ def attribution_error_budget(model, pairs: PatchingPairs, metric=None, spec: Opt
 
 
 def budget_summary(budget: pd.DataFrame, by: tuple = ("method", "activation")) -> pd.DataFrame:
-    """Totals over nodes: the live error, the shares of it each part carries (they add to 1), and
-    ``rel_err_live`` = live error / the error of estimating every effect as 0 (``exact_size``)."""
-    g = budget.groupby(list(by), sort=False)[["err_live", "removed_by_norm", "removed_by_pattern", "rest", "exact_size"]].sum()
+    """Totals over nodes (``n_nodes`` of them): the error in each mode, the shares of the live error each
+    part carries (they add to 1), and ``rel_err_<mode>`` = that error / the error of estimating every
+    effect as 0 (``exact_size``): 1 is no better than attributing nothing."""
+    cols = ["err_live", "err_norm", "err_both", "removed_by_norm", "removed_by_pattern", "rest", "exact_size"]
+    grouped = budget.groupby(list(by), sort=False)
+    g = grouped[cols].sum().assign(n_nodes=grouped.size())
     out = g.assign(**{f"share_{c}": g[c] / g["err_live"] for c in ("removed_by_norm", "removed_by_pattern", "rest")})
-    out["rel_err_live"] = g["err_live"] / g["exact_size"]
+    for mode in MODES:
+        out[f"rel_err_{mode}"] = g[f"err_{mode}"] / g["exact_size"]
     return out.reset_index()
 
 

@@ -1,5 +1,6 @@
-"""Independent references for the circuit exercise of tutorial 02: plain loops over the tables and over
-``hook_pattern``, sharing no code with :mod:`interp_norm.circuits.cell_roles`."""
+"""Independent references for the circuit exercises of tutorial 02: plain loops over the tables and over
+``hook_pattern``, sharing no code with :mod:`interp_norm.circuits.cell_roles`; per-pair patching and
+attribution by hand, sharing no code with :mod:`interp_norm.circuits`."""
 
 from __future__ import annotations
 
@@ -66,3 +67,34 @@ def reads_from_tables(effects, attention, position: str) -> set:
         out |= top_classes(masses, 1e-12)
     return out
 
+
+
+def eap_and_exact_by_hand(model, pairs, metric) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(eap, exact)`` per pair, each [layer, head, pair] (float64): exact patching one head at a time (its clean
+    ``hook_z`` at every position into the corrupted run) and EAP from the per-pair gradient of the metric."""
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    names = [act_name("z", layer) for layer in range(L)]
+    with torch.no_grad():
+        _, clean = model.run_with_cache(pairs.clean_tokens, names_filter=lambda n: n in names)
+        corrupted = metric(model(pairs.corrupted_tokens)).double()
+    exact = torch.zeros(L, H, len(corrupted), dtype=torch.float64)
+    for layer, name in enumerate(names):
+        for head in range(H):
+            def put(z, hook, head=head):
+                z[:, :, head] = clean[hook.name][:, :, head]
+                return z
+
+            with torch.no_grad():
+                exact[layer, head] = metric(model.run_with_hooks(pairs.corrupted_tokens, fwd_hooks=[(name, put)])).double() - corrupted
+    saved = {}
+
+    def keep(z, hook):
+        z.retain_grad()
+        saved[hook.name] = z
+        return z
+
+    # pairs do not interact in a forward pass, so the gradient of the sum holds each pair's own gradient
+    metric(model.run_with_hooks(pairs.corrupted_tokens, fwd_hooks=[(n, keep) for n in names])).sum().backward()
+    eap = torch.stack([((clean[n] - saved[n].detach()) * saved[n].grad).sum(dim=(1, 3)).T.double() for n in names])
+    model.zero_grad(set_to_none=True)
+    return eap, exact

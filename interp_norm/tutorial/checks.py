@@ -43,7 +43,7 @@ from interp_norm.tutorial._core import (  # noqa: F401  (CheckResult and the sta
 )
 from interp_norm.errors import ConfigError
 from interp_norm.core.hook_names import act_name, normalised_targets
-from interp_norm.tutorial._circuit_ref import masses_by_loop, most_necessary, reads_from_tables, shuffled_tables, top_classes
+from interp_norm.tutorial._circuit_ref import eap_and_exact_by_hand, masses_by_loop, most_necessary, reads_from_tables, shuffled_tables, top_classes
 
 
 # ============================================================================= 01 quickstart
@@ -285,6 +285,23 @@ def check_most_necessary_reads(learner, model, located, attention) -> str:
             f"its role is '{roles.get((l, h, pos), '?')}'")
 
 
+@_exercise("eap_errors")
+def check_eap_errors(learner, model, pairs, metric) -> str:
+    """``eap_errors(model, pairs, metric)`` against per-pair exact patching and EAP computed here by hand."""
+    cfg = model.cfg
+    got = _per_head(learner(model, pairs, metric), "eap_errors(model, pairs, metric)", "error", cfg.n_layers, cfg.n_heads)
+    eap, exact = eap_and_exact_by_hand(model, pairs, metric)  # [layer, head, pair]
+    ref = (eap - exact).abs().mean(-1)
+    tol = 1e-4 * (1 + float(exact.abs().max()))
+    hint = ("That is |mean estimate − mean exact|: errors of opposite sign in different pairs cancel there; take "
+            "|estimate − exact| per pair, then the mean" if _is_close(got, (eap.mean(-1) - exact.mean(-1)).abs(), tol)
+            else "Per pair: the estimate's change of that pair's metric minus exact patching's, in absolute value")
+    _close(got, ref, "error per [layer, head]", atol=tol, hint=hint)
+    l, h = divmod(int(ref.argmax()), cfg.n_heads)
+    return (f"equals exact patching and EAP recomputed pair by pair for all {ref.numel()} heads; the largest error is "
+            f"{_head_label(l, h)} ({float(ref[l, h]):.3f}, exact effect {float(exact[l, h].mean()):+.3f} on average)")
+
+
 # ============================================================================= 03 noise
 
 
@@ -493,7 +510,7 @@ CHECKS = {
     f.exercise: f
     for f in (
         check_my_scores, check_most_important_head, check_prev_token_scores,
-        check_patch_one, check_attribution_scores, check_head_faithfulness, check_most_necessary_reads,
+        check_patch_one, check_attribution_scores, check_head_faithfulness, check_most_necessary_reads, check_eap_errors,
         check_query_norm_ratio, check_mc_collapse_probability,
         check_principal_angles_deg, check_ln_coordinates,
         check_head_layernorm, check_noised_argmax,

@@ -129,6 +129,20 @@ def most_necessary_reads(effects, attention, position):
     return mine.loc[mine["mass"].idxmax(), "token_class"]
 
 
+def eap_errors(model, pairs, metric):
+    import pandas as pd
+    from interp_norm import circuits
+
+    exact = circuits.activation_patch(model, pairs, None, metric, "z", by="all")
+    eap = circuits.attribution_patch(model, pairs, metric, "z", by="all", ig_steps=1)
+    # per pair: the change of that pair's metric; cells in (layer, head) order, one column per pair
+    exact_pp = exact.per_example.double() - exact.baseline.double()
+    eap_pp = eap.per_example.double() - eap.baseline.double()
+    error = (eap_pp - exact_pp).abs().mean(-1)  # mean over pairs of |estimate - exact|: no cancelling
+    H = model.cfg.n_heads
+    return pd.DataFrame([dict(layer=i // H, head=i % H, error=float(e)) for i, e in enumerate(error)])
+
+
 # ============================================================================= 03 noise
 
 
@@ -202,7 +216,7 @@ def noised_argmax(model, cache, layer, kappa_q, kappa_k):
 
 __all__ = [
     "my_scores", "most_important_head", "prev_token_scores",
-    "patch_one", "attribution_scores", "head_faithfulness", "most_necessary_reads",
+    "patch_one", "attribution_scores", "head_faithfulness", "most_necessary_reads", "eap_errors",
     "query_norm_ratio", "mc_collapse_probability",
     "principal_angles_deg", "ln_coordinates",
     "head_layernorm",

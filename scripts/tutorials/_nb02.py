@@ -18,13 +18,15 @@ NB02 = [
     5. the library's one-call circuit pipeline (edge attribution, pruned circuits, faithfulness);
     6. a finer grain: the circuit as a set of (layer, head, answer position) cells, located by ablation;
     7. verifying it under resample, mean and zero ablation, and once by hand;
-    8. what the reference model's heads compute: roles from attention mass per token class.
+    8. what the reference model's heads compute: roles from attention mass per token class;
+    9. where attribution's error comes from: the norms, the attention patterns, the rest.
 
     **Exercises:** 1 · one patching cell by hand (checked against `transformer_lens.patching`),
     2 · attribution scores for every head, 3 · faithfulness of a set of heads,
-    4 · which tokens the most necessary cell at an answer position reads.
+    4 · which tokens the most necessary cell at an answer position reads,
+    5 · attribution's error against exact patching, pair by pair.
     """),
-    code(setup("patch_one", "attribution_scores", "head_faithfulness", "most_necessary_reads")),
+    code(setup("patch_one", "attribution_scores", "head_faithfulness", "most_necessary_reads", "eap_errors")),
     code("""
     from interp_norm import circuits
 
@@ -333,6 +335,58 @@ NB02 = [
     """),
     code("""
     print(circuits.account(located, roles, name="The reference model (pre)"))
+    """),
+    md(f"""
+    ## 9. Where attribution's error comes from
+    **What you will learn:** how far attribution is from exact patching, and which nonlinearity carries
+    the difference. Section 3 compared the *batch means*; but a head can help in one pair and hurt in
+    another, and errors of opposite sign cancel in a mean. So score each head by the mean over pairs of
+    |estimate − exact| (in logit-difference units).
+
+    ### Exercise 5 — attribution's error, pair by pair
+    {difficulty(2, 10)}
+
+    Write `eap_errors(model, pairs, metric)`, returning a DataFrame `layer, head, error`: for each head's `z`
+    (patched at every position), the mean over pairs of |EAP's estimate − exact patching's effect| on that
+    pair's metric. The check recomputes both pair by pair by hand: exact patching with one hook per head,
+    EAP from each pair's own gradient.
+
+    {hints("`circuits.activation_patch(model, pairs, None, metric, 'z', by='all')` and `circuits.attribution_patch(model, pairs, metric, 'z', by='all', ig_steps=1)` return results with `per_example` ([cells, pairs]: the metric of each pair after the patch) and `baseline` ([pairs]: the corrupted run's).",
+           "A pair's effect is `per_example - baseline`; the cells come in (layer, head) order, so cell `i` is layer `i // n_heads`, head `i % n_heads`.")}
+    """),
+    exercise("eap_errors", """
+    def eap_errors(model, pairs, metric):
+        # YOUR CODE HERE: return a DataFrame with columns layer, head, error
+        return None
+
+    check_eap_errors(eap_errors, model, pairs, metric)
+    """),
+    solution("eap_errors"),
+    md("""
+    Every nonlinearity between a node and the metric adds to this error: the norms (each divides by a
+    length that the patch changes), the softmax of the attention patterns, the MLPs. Freezing one in the
+    backward pass (`norm="frozen"`, `pattern="frozen"` on every attribution method) takes its curvature out
+    of the estimate, so the error in three modes splits the live error exactly: the part freezing the norms'
+    scales removes, the part freezing the patterns then removes, and the rest. A part below 0 means freezing
+    made the estimate *worse* (a frozen norm is the wrong linearisation, not a better one).
+    `attribution_error_budget` does this for AtP, AtP*, EAP and EAP-IG on every head output, head input
+    (q, k, v) and MLP; a few pairs are enough to see it. `budget_summary` totals it per method and node kind;
+    `rel_err_live` is the error as a share of the exact effects' size (1 = no better than attributing nothing).
+    """),
+    code("""
+    from interp_norm.circuits.attribution_error import BudgetSpec, attribution_error_budget, budget_summary
+
+    few = circuits.make_pairs(info.task, 8, "id", seed=1, aligned=True)
+    budget = attribution_error_budget(model, few, circuits.LogitDiff(few), BudgetSpec(ig_steps=4))
+    summary = pd.concat([budget_summary(budget), budget_summary(budget, by=("method",)).assign(activation="all")])
+    display(summary[["method", "activation", "rel_err_live", "rel_err_norm", "share_removed_by_norm",
+                     "share_removed_by_pattern", "share_rest"]].round(3))
+    plots.plot_error_budget(summary.assign(arm="pre", checkpoint="pre"), title="The reference model (8 pairs)")
+    """),
+    md("""
+    Over every shipped seed (`scripts/attribution_error_budget.py`; the dashboard's "Attribution's error"
+    section), docs/findings-tables.md compares Pre-Norm with QKV-Norm: does a norm on q, k and v make
+    attribution more or less faithful?
     """),
     md("""
     **Next:** `03_norm_noise_and_circuit_collapse.ipynb` asks how stable these circuits are when the norms

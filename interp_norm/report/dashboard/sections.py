@@ -14,6 +14,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from interp_norm.report import plots
+from interp_norm.report.dashboard.attribution_error import attribution_error_section
 from interp_norm.report.dashboard.page import Panel, Section
 from interp_norm.report.dashboard.panels import models_finding
 from interp_norm.report.plots._style import fit_layout
@@ -21,7 +22,7 @@ from interp_norm.report.plots._style import fit_layout
 __all__ = ["figure_sections", "models_finding", "PAGE_ORDER"]
 
 #: Where each section sits on the page (anchors; sections a registered analysis adds come after these).
-PAGE_ORDER = ("models", "attention", "circuits", "noise", "seeds", "controls", "controls-23", "seed-comparisons",
+PAGE_ORDER = ("models", "attention", "circuits", "attribution-error", "noise", "seeds", "controls", "controls-23", "seed-comparisons",
               "geometry")
 
 
@@ -54,7 +55,7 @@ def figure_sections(report: Any, strict: bool = False, csv: bool = True) -> tupl
                 by_anchor[s.anchor].panels.extend(s.panels)
             else:
                 by_anchor[s.anchor] = s
-    for s in _spread_sections(T, csv) + _seed_sections(T, panel):
+    for s in _spread_sections(T, csv) + _seed_sections(T, panel) + attribution_error_section(T, panel, csv):
         by_anchor[s.anchor] = s
     rank = {a: i for i, a in enumerate(PAGE_ORDER)}
     sections = sorted(by_anchor.values(), key=lambda s: rank.get(s.anchor, len(rank)))

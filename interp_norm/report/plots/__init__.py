@@ -5,6 +5,7 @@ Figures only draw tables that analyses computed; nothing here runs a model. By c
 * :mod:`~interp_norm.report.plots.models` -- model card, accuracy per split, training curves;
 * :mod:`~interp_norm.report.plots.attention` -- attention patterns and the attention explorer;
 * :mod:`~interp_norm.report.plots.circuits` -- patching heatmaps, the one circuit drawer, MIB faithfulness;
+* :mod:`~interp_norm.report.plots.attribution_error` -- attribution's error against exact patching, split;
 * :mod:`~interp_norm.report.plots.noise` -- accuracy and circuit collapse under norm noise;
 * :mod:`~interp_norm.report.plots.seeds` -- variant A vs B over seeds, dot-and-range (the seed tables);
 * :mod:`~interp_norm.report.plots.geometry` -- norm spread, spheres, subspaces, interference, ellipsoids.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from interp_norm.report.card import PAPER_PER_TOKEN_ACCURACY
 from interp_norm.report.plots._style import SPLITS, VARIANT_LABELS, escape, member_style, variant_colour, variant_label
+from interp_norm.report.plots.attribution_error import plot_error_budget
 from interp_norm.report.plots.attention import plot_attention_explorer, plot_attention_pattern, plot_attention_patterns
 from interp_norm.report.plots.circuits import (
     draw_circuit,
@@ -61,6 +63,7 @@ __all__ = [
     "plot_attribution_agreement",
     "plot_attribution_scatter",
     "plot_attention_map",
+    "plot_error_budget",
     # noise
     "plot_accuracy_vs_noise",
     "plot_collapse_vs_noise",

@@ -1,0 +1,71 @@
+"""The dashboard section "Attribution's error against exact patching": the error budget per variant and method.
+
+The numbers come from ``scripts/attribution_error_budget.py`` (every shipped seed, about two minutes on one
+thread), not from ``reproduce``: a report whose checkpoints are all shipped ones shows the shipped table
+(``docs/data/attribution_error_per_checkpoint.csv``) for its variants; a report that carries its own
+``attribution_error_per_checkpoint`` table shows that one; any other report has no such section.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+import pandas as pd
+
+from interp_norm.report import plots
+from interp_norm.report.dashboard.page import Panel, Section
+
+__all__ = ["attribution_error_section", "budget_table", "SHIPPED", "KEY"]
+
+KEY = "attribution_error_per_checkpoint"
+#: The shipped table (in a checkout of the repository; absent from an installed wheel).
+SHIPPED = Path(__file__).resolve().parents[3] / "docs" / "data" / f"{KEY}.csv"
+TITLE = "Attribution's error against exact patching"
+INTRO = ("How far attribution (AtP, AtP*, EAP, EAP-IG) is from exact activation patching, the ground truth, and "
+         "which nonlinearity carries the error: per node the mean over pairs of |estimate − exact|, summed over every "
+         "head output, head input (q, k, v) and MLP, as % of the exact effects' size (100% is no better than "
+         "attributing nothing). The bar splits the live error into the part freezing the norms' scales in the backward "
+         "pass removes, the part freezing the attention patterns then removes, and the rest; a part below 0 means "
+         "freezing made the estimate worse. Pre-Norm vs QKV-Norm over seeds, with intervals and tests: "
+         "docs/findings-tables.md (ATTRIBUTION-ERROR).")
+
+
+def budget_table(T: dict, shipped: Path = SHIPPED) -> Optional[pd.DataFrame]:
+    """The report's own budget table, else the shipped one restricted to the report's variants when every
+    checkpoint the report evaluated is a shipped one, else None."""
+    if KEY in T:
+        return T[KEY]
+    ev = T.get("evaluation")
+    if ev is None or "checkpoint" not in ev.columns or not len(ev) or not shipped.exists():
+        return None
+    from interp_norm.training.checkpoints import pretrained_names
+
+    names = set(map(str, ev["checkpoint"]))
+    if not names <= set(pretrained_names()):
+        return None
+    table = pd.read_csv(shipped)
+    arms = {n.split("-s")[0] for n in names}
+    table = table[table["arm"].isin(arms)]
+    return table if len(table) else None
+
+
+def attribution_error_section(T: dict, panel: Callable, csv: bool = True, shipped: Path = SHIPPED) -> list[Section]:
+    table = budget_table(T, shipped)
+    if table is None:
+        return []
+    source = "this report's attribution_error_per_checkpoint.csv" if KEY in T else (
+        "the shipped docs/data/attribution_error_per_checkpoint.csv, every shipped seed of these variants")
+    panels = [panel("Error budget, every node", lambda: plots.plot_error_budget(table),
+                    caption="Bars: the parts, mean over seeds; red bar: their sum, the live error; dots: each seed's "
+                            "live (filled) and frozen-norm (open) error. Where freezing the norm makes the estimate "
+                            f"worse its part is below 0, and the stack above 0 is the frozen-norm error. From {source}.")]
+    view = table[table["activation"] != "all"].groupby(["arm", "method", "activation"], sort=False).agg(
+        seeds=("checkpoint", "nunique"), live=("rel_err_live", "mean"), norm_frozen=("rel_err_norm", "mean"),
+        both_frozen=("rel_err_both", "mean")).reset_index()
+    for c in ("live", "norm_frozen", "both_frozen"):
+        view[c] = (100 * view[c]).round(1)
+    panels.append(Panel("Relative error per node kind (%)", kind="table", table=view,
+                        caption="Mean over seeds of the relative error with the norms and patterns live, the norms "
+                                "frozen, and both frozen; z: a head's output, q/k/v: its inputs, mlp_out: an MLP."))
+    return [Section(TITLE, INTRO, [p for p in panels if p is not None], anchor="attribution-error")]
