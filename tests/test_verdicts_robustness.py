@@ -1,10 +1,8 @@
-"""scripts/verdicts.py's robustness check: shown beside a claim with its raw p, never in the Holm family."""
+"""The verdicts' robustness check (interp_norm.stats.verdicts): shown beside a claim with its raw p, never in the Holm family."""
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -17,11 +15,9 @@ EXTRAP = "extrapolation accuracy"
 
 @pytest.fixture(scope="module")
 def verdicts():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        yield importlib.import_module("verdicts")
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    from interp_norm.stats import verdicts
+
+    return verdicts
 
 
 def _seeds(quantity, a, b=()):
