@@ -47,7 +47,7 @@ def test_every_generated_block_has_its_markers(scripts):
 
 def test_verdicts_and_seed_tables_are_current(scripts):
     """The README's verdict table, docs/results.md's claims table and docs/findings-tables.md are what the
-    scripts build from the seed tables kept in docs/data/ (nothing typed by hand)."""
+    scripts build from the seed tables kept in data/seed_tables/ (nothing typed by hand)."""
 
     v, ft, docs = scripts["verdicts"], scripts["findings_tables"], scripts["_docs"]
     comp = v.load(None)

@@ -12,7 +12,7 @@ from interp_norm.stats import verdicts
 
 
 def _seeds(quantity, a, b=(), cal="none", censored_a=()):
-    """Per-seed rows as in docs/data/seed_values.csv: arm A Pre-Norm, arm B QKV-Norm."""
+    """Per-seed rows as in data/seed_tables/seed_values.csv: arm A Pre-Norm, arm B QKV-Norm."""
     rows = [dict(checkpoint=f"{norm}-{cal}-s{i}", attn_norm=norm, calibration=cal, seed=i, quantity=quantity, unit="%",
                  value=v, censored_above=c)
             for norm, vals, cens in (("pre", a, censored_a or [float("nan")] * len(a)), ("qkv", b, [float("nan")] * len(b)))
