@@ -42,7 +42,8 @@ def readme_block(values: pd.DataFrame) -> str:
              "[reasoning and controls](docs/results.md#findings)). Each claim has a one-sided or equivalence test "
              "for it and one against it (rules and margins in `interp_norm/stats/verdicts.py`); the verdict is decided on "
              f"Holm-adjusted p < {ALPHA} over the family of all {n_family} such tests, recomputed from the unrounded "
-             "per-seed values in `data/seed_tables/seed_values.csv` (the thesis row: `data/seed_tables/coupling_values.csv`, from `scripts/coupling_seeds.py`) by `python scripts/verdicts.py`. Intervals: "
+             "per-seed values in `data/seed_tables/seed_values.csv` (the thesis row: `data/seed_tables/coupling_values.csv`, from `scripts/coupling_seeds.py`) by `python scripts/verdicts.py`; the dashboard of the shipped checkpoints "
+             "opens with the same verdicts. Intervals: "
              "Student-t 95% over seeds (Welch for A − B); identities (true by construction) are outside the family:",
              "", "| paper's claim | " + " | ".join(scalings) + " |", "|---" * (len(scalings) + 1) + "|"]
     for group, g in v.groupby("group", sort=False):
