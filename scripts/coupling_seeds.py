@@ -1,7 +1,7 @@
 """The paper's thesis per seed: does scaling a residual component move attention through the shared norm?
 
     .venv/bin/python scripts/coupling_seeds.py              # print the per-arm table
-    .venv/bin/python scripts/coupling_seeds.py --write      # also write docs/data/coupling_values.csv
+    .venv/bin/python scripts/coupling_seeds.py --write      # also write data/seed_tables/coupling_values.csv
 
 For every shipped Pre-Norm and QKV-Norm checkpoint (6 seeds each, at 1/√d_head and with the paper's
 calibration): at each layer's input the token component (the span of the token embeddings W_E) is
@@ -28,10 +28,11 @@ import pandas as pd
 
 from interp_norm.geometry.coupling import norm_coupling
 from interp_norm.stats.seed_compare import PAIRS, compare_arms
+from interp_norm.stats.shipped import seed_tables_dir
 from interp_norm import load
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "docs" / "data" / "coupling_values.csv"
+OUT = seed_tables_dir() / "coupling_values.csv"
 QUANTITY = "attention moved by halving the token component ({path}, {subspace})"
 
 
@@ -69,9 +70,9 @@ def compare(values: pd.DataFrame) -> pd.DataFrame:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--problems", type=int, default=64, help="ID test problems per checkpoint (default 64)")
-    ap.add_argument("--write", action="store_true", help=f"write {OUT.relative_to(ROOT)}")
+    ap.add_argument("--write", action="store_true", help=f"write {OUT}")
     args = ap.parse_args()
-    ck = pd.read_csv(ROOT / "docs" / "data" / "checkpoints.csv")
+    ck = pd.read_csv(seed_tables_dir() / "checkpoints.csv")
     values = per_checkpoint(ck[ck["attn_norm"].isin(["pre", "qkv"])], args.problems)
     with pd.option_context("display.width", 220, "display.max_colwidth", 80):
         print(compare(values).to_string(index=False, float_format=lambda x: f"{x:.4g}"))

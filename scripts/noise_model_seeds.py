@@ -1,7 +1,7 @@
 """The noise model against the models, per seed: the models' own norm variation, and one κ per token.
 
     .venv/bin/python scripts/noise_model_seeds.py             # print the per-arm tables
-    .venv/bin/python scripts/noise_model_seeds.py --write     # also write docs/data/noise_model_values.csv
+    .venv/bin/python scripts/noise_model_seeds.py --write     # also write data/seed_tables/noise_model_values.csv
     .venv/bin/python scripts/noise_model_seeds.py --read      # the tables from that CSV (seconds)
 
 For every shipped Pre-Norm and QKV-Norm checkpoint (6 seeds each, at 1/√d_head and with the paper's
@@ -41,9 +41,10 @@ from interp_norm.noise.decomposition import run_noise_decomposition
 from interp_norm.noise.norm_variation import norm_variation
 from interp_norm.stats.inference import permutation_test, t_interval, welch_interval
 from interp_norm.stats.seed_compare import PAIRS
+from interp_norm.stats.shipped import seed_tables_dir
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "docs" / "data" / "noise_model_values.csv"
+OUT = seed_tables_dir() / "noise_model_values.csv"
 PER_HEAD = "accuracy lost to 1% noise, κ per head and vector (decomposition qkv)"
 SHARED = "accuracy lost to 1% noise, one κ per token shared across heads (decomposition shared)"
 LEVEL = "median head's own norm variation as a uniform noise level, {vector} {site}, {positions}"
@@ -123,9 +124,9 @@ def paired(values: pd.DataFrame) -> pd.DataFrame:
 
 
 def agreement(values: pd.DataFrame) -> float:
-    """Largest |difference| between these per-head and shared-κ costs and the report's (docs/data/seed_values.csv,
+    """Largest |difference| between these per-head and shared-κ costs and the report's (data/seed_tables/seed_values.csv,
     the noise decomposition of ``reproduce --controls``, same problems and κ streams): 0 up to rounding."""
-    seeds = pd.read_csv(ROOT / "docs" / "data" / "seed_values.csv")
+    seeds = pd.read_csv(seed_tables_dir() / "seed_values.csv")
     theirs = {PER_HEAD: "accuracy lost to 1% noise on q, k and v (decomposition)",
               SHARED: "accuracy lost to 1% noise on q, k and v with one κ per token shared across heads (decomposition)"}
     mine = values[values["quantity"].isin(list(theirs))].assign(quantity=lambda d: d["quantity"].map(theirs))
@@ -139,10 +140,10 @@ def main() -> None:
     ap.add_argument("--examples", type=int, default=512, help="ID problems per noise dataset, 3 datasets (default 512)")
     ap.add_argument("--arms", choices=("both", "none"), default="both",
                     help="'none': the 1/√d_head arms only (half the time)")
-    ap.add_argument("--write", action="store_true", help=f"write {OUT.relative_to(ROOT)}")
-    ap.add_argument("--read", action="store_true", help=f"print the tables from {OUT.relative_to(ROOT)}, computing nothing")
+    ap.add_argument("--write", action="store_true", help=f"write {OUT}")
+    ap.add_argument("--read", action="store_true", help=f"print the tables from {OUT}, computing nothing")
     args = ap.parse_args()
-    ck = pd.read_csv(ROOT / "docs" / "data" / "checkpoints.csv")
+    ck = pd.read_csv(seed_tables_dir() / "checkpoints.csv")
     ck = ck[ck["attn_norm"].isin(["pre", "qkv"]) & ((args.arms == "both") | (ck["calibration"] == "none"))]
     values = pd.read_csv(OUT) if args.read else per_checkpoint(ck, args.problems, args.examples)
     if args.write:

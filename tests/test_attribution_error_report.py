@@ -101,10 +101,12 @@ def test_section_reads_the_reports_table_else_the_shipped_one_for_shipped_checkp
     own = section.attribution_error_section({section.KEY: df}, _panel, shipped=tmp_path / "absent.csv")
     assert [s.anchor for s in own] == ["attribution-error"] and "this report's" in own[0].panels[0].caption
     ev = lambda *names: {"evaluation": pd.DataFrame({"checkpoint": names})}  # noqa: E731
-    got = section.budget_table(ev("pre", "pre-s1"), shipped)
+    ours = ("pre", "pre-s1")  # what is_shipped_checkpoint found among the report's checkpoints
+    got = section.budget_table(ev("pre", "pre-s1"), ours, shipped)
     assert set(got["arm"]) == {"pre"} and len(got) == len(df) // 2
-    assert section.budget_table(ev("pre", "/somewhere/my-model"), shipped) is None  # not the shipped set
-    assert section.budget_table(ev("pre"), tmp_path / "absent.csv") is None  # no shipped table (an installed wheel)
+    assert section.budget_table(ev("pre", "/somewhere/my-model"), ours, shipped) is None  # not the shipped set
+    assert section.budget_table(ev("pre", "pre-s1"), ("pre",), shipped) is None  # pre-s1 is a look-alike
+    assert section.budget_table(ev("pre"), ours, tmp_path / "absent.csv") is None  # no shipped table (an installed wheel)
     assert section.attribution_error_section({}, _panel, shipped=shipped) == []
 
 

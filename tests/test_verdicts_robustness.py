@@ -1,27 +1,21 @@
-"""scripts/verdicts.py's robustness check: shown beside a claim with its raw p, never in the Holm family."""
+"""The verdicts' robustness check (interp_norm.stats.verdicts): shown beside a claim with its raw p, never in the Holm family."""
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 NOISE = "accuracy lost to 1% noise (all rows, before any norm)"
 EXTRAP = "extrapolation accuracy"
 
 
 @pytest.fixture(scope="module")
 def verdicts():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        yield importlib.import_module("verdicts")
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    from interp_norm.stats import verdicts
+
+    return verdicts
 
 
 def _seeds(quantity, a, b=()):
@@ -57,8 +51,10 @@ def test_too_few_seeds_give_no_robustness_text(verdicts):
 
 def test_the_shipped_noise_model_costs_are_the_seed_tables_decomposition():
     """scripts/noise_model_seeds.py recomputed the per-head and shared-κ costs the verdict's robustness row reads
-    from docs/data/seed_values.csv (the report's decomposition, same problems and κ streams): both files agree."""
-    data = SCRIPTS.parent / "docs" / "data"
+    from data/seed_tables/seed_values.csv (the report's decomposition, same problems and κ streams): both files agree."""
+    from interp_norm.stats.shipped import seed_tables_dir
+
+    data = seed_tables_dir()
     mine = pd.read_csv(data / "noise_model_values.csv")
     seeds = pd.read_csv(data / "seed_values.csv")
     pairs = {"accuracy lost to 1% noise, κ per head and vector (decomposition qkv)":

@@ -11,7 +11,7 @@ vs ``qkv-cal``...). :func:`compare_seeds` reads :func:`interp_norm.stats.seed_su
 Statistics (:mod:`interp_norm.stats.inference`): per arm the mean and a Student-t 95% interval over
 seeds (a percentile bootstrap undercovers with 6 seeds); the difference A − B with its Welch-t
 interval; a two-sided exact permutation p-value, per comparison (the verdicts in
-``scripts/verdicts.py`` use one-sided and equivalence tests and adjust over their declared family). A collapse level never reached within the tested noise levels is *right-censored*, not
+:mod:`interp_norm.stats.verdicts` use one-sided and equivalence tests and adjust over their declared family). A collapse level never reached within the tested noise levels is *right-censored*, not
 missing: it is kept at the largest level tested and the test runs on ranks (:func:`compare_arms`).
 A value missing for another reason (an analysis that did not run) is left out and counted
 (``n_missing_a``/``n_missing_b``); the note says so.

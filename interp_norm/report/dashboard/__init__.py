@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 
 from interp_norm.report.dashboard.page import ERROR_MARKER, Panel, Section, render_html, table_html
 from interp_norm.report.dashboard.sections import figure_sections
+from interp_norm.report.dashboard.verdicts import verdict_note
 from interp_norm.errors import OutputDirError
 from interp_norm.report.plots._style import base_variant
 
@@ -84,7 +85,8 @@ def dashboard_html(report: Any, title: Optional[str] = None, strict: bool = Fals
     subtitle = ("Mechanistic interpretability of attention normalisation (Menary, Kaski & Freitas 2024): circuits, "
                 f"norm noise and circuit collapse, and residual-stream geometry, on {on}.")
     return render_html(sections, title=title, subtitle=subtitle, facts=facts,
-                       notes=[*report.notes, *[f"figure skipped: {p}" for p in problems]], csv_links=links)
+                       notes=[*report.notes, *filter(None, [verdict_note(report)]),
+                              *[f"figure skipped: {p}" for p in problems]], csv_links=links)
 
 
 def write_dashboard(report: Any, path: Union[str, os.PathLike], **kwargs: Any) -> Path:

@@ -1,7 +1,7 @@
 """The dashboard section "Attribution's error against exact patching": the error budget per variant and method.
 
 The numbers come from ``scripts/attribution_error_budget.py`` (every shipped seed, about two minutes on one
-thread), not from ``reproduce``: a report whose checkpoints are all shipped ones shows the shipped table
+thread), not from ``reproduce``: a report whose checkpoints are all shipped ones (the same folders or the same weights) shows the shipped table
 (``docs/data/attribution_error_per_checkpoint.csv``) for its variants; a report that carries its own
 ``attribution_error_per_checkpoint`` table shows that one; any other report has no such section.
 """
@@ -9,7 +9,7 @@ thread), not from ``reproduce``: a report whose checkpoints are all shipped ones
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import pandas as pd
 
@@ -31,18 +31,17 @@ INTRO = ("How far attribution (AtP, AtP*, EAP, EAP-IG) is from exact activation 
          "docs/findings-tables.md (ATTRIBUTION-ERROR).")
 
 
-def budget_table(T: dict, shipped: Path = SHIPPED) -> Optional[pd.DataFrame]:
+def budget_table(T: dict, shipped_checkpoints: Sequence[str] = (), shipped: Path = SHIPPED) -> Optional[pd.DataFrame]:
     """The report's own budget table, else the shipped one restricted to the report's variants when every
-    checkpoint the report evaluated is a shipped one, else None."""
+    checkpoint the report evaluated is a shipped one (``shipped_checkpoints``: the report's checkpoints that
+    are, by :func:`interp_norm.stats.shipped.is_shipped_checkpoint`), else None."""
     if KEY in T:
         return T[KEY]
     ev = T.get("evaluation")
     if ev is None or "checkpoint" not in ev.columns or not len(ev) or not shipped.exists():
         return None
-    from interp_norm.training.checkpoints import pretrained_names
-
     names = set(map(str, ev["checkpoint"]))
-    if not names <= set(pretrained_names()):
+    if not names <= set(shipped_checkpoints):
         return None
     table = pd.read_csv(shipped)
     arms = {n.split("-s")[0] for n in names}
@@ -50,8 +49,9 @@ def budget_table(T: dict, shipped: Path = SHIPPED) -> Optional[pd.DataFrame]:
     return table if len(table) else None
 
 
-def attribution_error_section(T: dict, panel: Callable, csv: bool = True, shipped: Path = SHIPPED) -> list[Section]:
-    table = budget_table(T, shipped)
+def attribution_error_section(T: dict, panel: Callable, csv: bool = True, shipped_checkpoints: Sequence[str] = (),
+                              shipped: Path = SHIPPED) -> list[Section]:
+    table = budget_table(T, shipped_checkpoints, shipped)
     if table is None:
         return []
     source = "this report's attribution_error_per_checkpoint.csv" if KEY in T else (

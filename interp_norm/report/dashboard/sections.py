@@ -22,7 +22,8 @@ from interp_norm.report.plots._style import fit_layout
 __all__ = ["figure_sections", "models_finding", "PAGE_ORDER"]
 
 #: Where each section sits on the page (anchors; sections a registered analysis adds come after these).
-PAGE_ORDER = ("models", "attention", "circuits", "attribution-error", "noise", "seeds", "controls", "controls-23", "seed-comparisons",
+PAGE_ORDER = ("verdicts", "models", "attention", "circuits", "attribution-error", "noise", "seeds", "controls", "controls-23",
+              "seed-comparisons",
               "geometry")
 
 
@@ -55,7 +56,12 @@ def figure_sections(report: Any, strict: bool = False, csv: bool = True) -> tupl
                 by_anchor[s.anchor].panels.extend(s.panels)
             else:
                 by_anchor[s.anchor] = s
-    for s in _spread_sections(T, csv) + _seed_sections(T, panel) + attribution_error_section(T, panel, csv):
+    from interp_norm.report.dashboard.verdicts import seed_tables_for, verdict_section
+
+    seed_T, seed_source = seed_tables_for(report)  # the shipped 6-seed tables for the shipped checkpoints
+    verdicts = verdict_section(report)  # "What is established", first on the page
+    for s in (_spread_sections(T, csv) + _seed_sections(seed_T, panel, seed_source)
+              + attribution_error_section(T, panel, csv, _shipped_checkpoints(report)) + ([verdicts] if verdicts else [])):
         by_anchor[s.anchor] = s
     rank = {a: i for i, a in enumerate(PAGE_ORDER)}
     sections = sorted(by_anchor.values(), key=lambda s: rank.get(s.anchor, len(rank)))
@@ -65,6 +71,16 @@ def figure_sections(report: Any, strict: bool = False, csv: bool = True) -> tupl
     if real is not None:
         sections.append(real)
     return sections, problems
+
+
+def _shipped_checkpoints(report: Any) -> list[str]:
+    """The report's checkpoints that are shipped ones (same folder or same weights)."""
+    from interp_norm.stats.shipped import is_shipped_checkpoint
+
+    ck = getattr(report, "checkpoints", None)
+    if ck is None or not len(ck) or "path" not in ck.columns:
+        return []
+    return [str(n) for n, p in zip(ck["checkpoint"], ck["path"]) if is_shipped_checkpoint(str(n), p)]
 
 
 def _spread_sections(T: dict, csv: bool = True) -> list[Section]:
@@ -84,17 +100,19 @@ def _spread_sections(T: dict, csv: bool = True) -> list[Section]:
     return out
 
 
-def _seed_sections(T: dict, panel: Callable) -> list[Section]:
-    """Variant A vs B over seeds (seed_comparisons.csv, seed_matched_id.csv): dot-and-range figures and the table."""
+def _seed_sections(T: dict, panel: Callable, source: str = "") -> list[Section]:
+    """Variant A vs B over seeds (seed_comparisons.csv, seed_matched_id.csv): dot-and-range figures and the table;
+    ``source``: where the tables come from when they are not the report's own."""
     comp, vals = T.get("seed_comparisons"), T.get("seed_comparison_values")
     if comp is None or not len(comp) or vals is None:
         return []
-    s = Section("Variants compared over seeds",
+    s = Section("Variants compared over seeds", (f"{source} " if source else "") +
                 "Every comparison the findings make, per score scaling: a dot per seed (its shape is the seed), the "
                 "mean with its Student-t 95% interval over seeds beside it (Welch's for the difference), and in each "
                 "panel's title the two-sided exact permutation p-value of the difference of means (every split of the "
-                "seeds). The verdicts rest on one-sided and equivalence tests with Holm's adjustment (docs/findings-tables.md). Tables: seed_comparisons.csv (per-seed values in seed_comparison_values.csv), "
-                "seed_matched_id.csv.", anchor="seed-comparisons")
+                "seeds). The verdicts rest on one-sided and equivalence tests with Holm's adjustment (What is established, "
+                "docs/findings-tables.md)." + ("" if source else " Tables: seed_comparisons.csv (per-seed values in "
+                                              "seed_comparison_values.csv), seed_matched_id.csv."), anchor="seed-comparisons")
     for scaling in dict.fromkeys(comp["scaling"]):
         s.panels.append(panel(f"Over seeds: {scaling}", lambda scaling=scaling: plots.plot_seed_comparisons(
             comp, vals, scaling)))
