@@ -33,9 +33,12 @@ the one shared norm) instead of an independent κ per head and vector, beside th
 same problems and κ streams (the noise decomposition, ``reproduce --controls``;
 ``scripts/noise_model_seeds.py`` recomputes both).
 
-No verdict rests on an interval's far end. **The family** is every test for and against of every claim
-that is not an identity; Holm's adjustment runs over it and the verdicts are decided on the adjusted
-p < :data:`ALPHA`. A comparison that holds by construction (an arm whose value is fixed by its
+No verdict rests on an interval's far end. **Two declared families**, each Holm-adjusted at
+:data:`ALPHA`: the tests *for* of every claim that is not an identity (is the paper supported?) and the
+tests *against* (is it contradicted?); the verdicts are decided on the adjusted p. One family of both
+would be a test that cannot succeed: with 6 + 6 seeds the smallest exact one-sided permutation p is
+1/924, and Holm over the 51 tests of both sides multiplies it by at least 51 − 3 (0.052), so no
+ordering claim could be established whatever the seeds showed (:func:`smallest_adjusted_order_p` states it for any design). A comparison that holds by construction (an arm whose value is fixed by its
 architecture) is an **identity**: it leaves the family and is labelled so. Intervals are Student-t 95%
 over seeds (Welch for a difference).
 """
@@ -54,7 +57,7 @@ from interp_norm.stats.inference import (holm, permutation_test, t_interval, t_t
 from interp_norm.stats.seed_compare import PAIRS
 
 __all__ = ["ALPHA", "MIN_SEEDS", "RULES", "PAR_MARGIN", "ABOVE_MARGIN", "NEAR_MARGIN", "Claim", "CLAIMS",
-           "claim_tests", "verdicts", "family_table", "fmt_num", "fmt_p"]
+           "claim_tests", "verdicts", "family_table", "fmt_num", "fmt_p", "smallest_adjusted_order_p"]
 
 ALPHA = 0.05
 MIN_SEEDS = 3
@@ -128,7 +131,13 @@ def fmt_num(x: float, digits: int = 1) -> str:
 
 
 def fmt_p(p: float) -> str:
-    return "—" if math.isnan(p) else f"{p:.2g}"
+    """Two significant digits, more where two would round across :data:`ALPHA` (0.0498 is not "0.05")."""
+    if math.isnan(p):
+        return "—"
+    digits = 2
+    while digits < 6 and (float(f"{p:.{digits}g}") < ALPHA) != (p < ALPHA):
+        digits += 1
+    return f"{p:.{digits}g}"
 
 
 def _ci(m: float, lo: float, hi: float) -> str:
@@ -209,8 +218,10 @@ def _control(values: pd.DataFrame, claim: Claim, norm_a: str, norm_b: str, cal: 
         return ""
     lo, hi = welch_interval(a, b)
     p = _two_arm_tests(claim, a, b)[0]
+    same_way = (" — the control differs the same way, so the difference is not specific to the claim's "
+                "component" if p < ALPHA else "")
     return (f"control (equal-norm random subspace): {fmt_num(a.mean())} vs {fmt_num(b.mean())}, "
-            f"A − B {_ci(a.mean() - b.mean(), lo, hi)}, raw p {fmt_p(p)}")
+            f"A − B {_ci(a.mean() - b.mean(), lo, hi)}, raw p {fmt_p(p)}{same_way}")
 
 
 def _robustness(values: pd.DataFrame, claim: Claim, norm_a: str, norm_b: str, cal: str) -> str:
@@ -242,12 +253,18 @@ def verdicts(values: pd.DataFrame, claims: Sequence[Claim] = CLAIMS) -> pd.DataF
     if not len(t):
         return t
     member = t["identity"] == ""
-    family = np.concatenate([t["p_for"].where(member), t["p_against"].where(member)])
-    adjusted = holm(family)
-    t["holm_for"], t["holm_against"] = adjusted[:len(t)], adjusted[len(t):]
+    t["holm_for"] = holm(t["p_for"].where(member).to_numpy(dtype=float))
+    t["holm_against"] = holm(t["p_against"].where(member).to_numpy(dtype=float))
     t["verdict"] = [_verdict(r) for r in t.itertuples()]
     t["evidence"] = [_evidence(r) for r in t.itertuples()]
     return t
+
+
+def smallest_adjusted_order_p(n_a: int, n_b: int, family_size: int) -> float:
+    """The smallest Holm-adjusted p an ordering claim can reach: the exact permutation test's smallest
+    p (one split of C(n_a + n_b, n_a)) times the family's size. At or above :data:`ALPHA` no ordering
+    claim can be established, whatever the data."""
+    return min(1.0, family_size / math.comb(n_a + n_b, n_a))
 
 
 def _verdict(r) -> str:
