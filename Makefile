@@ -21,14 +21,16 @@ reproduce: setup
 
 # Every shipped seed: the seed tables' analyses on the seeds and calibrated models the default run skips,
 # then the tables as markdown in docs/findings-tables.md, the thesis measure on the 24 Pre-/QKV-Norm seeds
-# (scripts/coupling_seeds.py, about a minute) and the verdicts, the addition circuit on every seed, and the
-# attribution error budget on every seed and five tiny bridges (scripts/attribution_error_budget.py: about
+# (scripts/coupling_seeds.py, about a minute) and the verdicts, recomputed independently from the unrounded
+# CSVs by scripts/recheck_verdicts.py (its diff and exit 1 if a page disagrees), the addition circuit on every
+# seed, and the attribution error budget on every seed and five tiny bridges (scripts/attribution_error_budget.py: about
 # 90 s of CPU on one thread; 127 s wall in one measured run, longer on shared cores). Slower than `make reproduce` (its time is in $(OUT)-seeds/run.json).
 reproduce-seeds: setup
 	$(VENV)/bin/interp-norm reproduce --all-seeds --controls --out $(OUT)-seeds --force
 	$(PY) scripts/findings_tables.py $(OUT)-seeds --write > /dev/null
 	$(PY) scripts/coupling_seeds.py --write > /dev/null
 	$(PY) scripts/verdicts.py --write > /dev/null
+	$(PY) scripts/recheck_verdicts.py > $(OUT)-seeds/recheck_verdicts.txt || { tail -n 40 $(OUT)-seeds/recheck_verdicts.txt; exit 1; }
 	OMP_NUM_THREADS=1 $(PY) scripts/circuit_seeds.py run --out $(OUT)-seeds/circuits
 	$(PY) scripts/circuit_seeds.py summarise --out $(OUT)-seeds/circuits --write > /dev/null
 	OMP_NUM_THREADS=1 $(PY) scripts/recheck_circuits.py > /dev/null
