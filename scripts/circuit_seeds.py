@@ -230,7 +230,8 @@ def _counts_markdown(cost: pd.DataFrame) -> list[str]:
     out = ["", "Rows noised per run and accuracy lost per arm (means over draws, then seeds): the circuit arm and its "
            "control noise equal counts of answer rows in every layer; `circuit (every sparse row)` and `matched "
            "outside (layer only)` are the unmatched-kind reference (the control before row kinds were matched); "
-           "unmatched = circuit rows whose layer and row kind had too few sparse rows outside the circuit:", "",
+           "unmatched = circuit rows their control could not match (too few sparse rows outside the circuit in "
+           "that layer and row kind for the pair, in that layer for the reference):", "",
            "| arm | rows | noised | of which answer rows | unmatched | " + " | ".join(f"lost {c[8:]} (points)" for c in levels)
            + " |", "|---|---|---|---|---|" + "---|" * len(levels)]
     t = t.assign(order=t["rows"].map({r: i for i, r in enumerate(ARM_ROWS)}), a=t["arm"].map(ARMS.index))
