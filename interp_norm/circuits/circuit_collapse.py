@@ -222,12 +222,11 @@ def _accuracy(model, data: CircuitData, noise) -> float:
     return float(score_logits(data, logits[None])[0][0])
 
 
-def _arm_row(level: float, name: str, draw: int, gate: dict[int, Tensor], kinds: Tensor, short: int,
-             clean: float, acc: float) -> dict:
+def _noised(gate: dict[int, Tensor], kinds: Tensor) -> dict:
+    """Rows a gate noises: all, answer rows, rows outside the answer."""
     n = sum(int(m.sum()) for m in gate.values())
     n_answer = sum(int((m & (kinds == ANSWER)).sum()) for m in gate.values())
-    return dict(level=level, rows=name, draw=draw, n_noised=n, n_answer_rows=n_answer, n_outside_answer=n - n_answer,
-                shortfall=short, accuracy_clean=clean, accuracy=acc, drop=100 * (clean - acc))
+    return dict(n_noised=n, n_answer_rows=n_answer, n_outside_answer=n - n_answer)
 
 
 def circuit_noise_cost(model, data: CircuitData, circuit: pd.DataFrame, *, levels: Sequence[float] = (0.11, 0.2),
@@ -261,7 +260,9 @@ def circuit_noise_cost(model, data: CircuitData, circuit: pd.DataFrame, *, level
             for name, g, short in arms:
                 dev = {l: x.to(device(model)) for l, x in g.items()}
                 noise = NormNoise(model, float(level), ("q", "k"), placement=placement, seed=seed * 1000 + d, row_gate=dev)
-                rows.append(_arm_row(float(level), name, d, g, kinds, short, clean, _accuracy(model, data, noise)))
+                acc = _accuracy(model, data, noise)
+                rows.append(dict(level=float(level), rows=name, draw=d, **_noised(g, kinds), shortfall=short,
+                                 accuracy_clean=clean, accuracy=acc, drop=100 * (clean - acc)))
     return pd.DataFrame(rows).assign(match_on=match_on, shortfall_rule=shortfall)
 
 
