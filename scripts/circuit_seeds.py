@@ -43,8 +43,12 @@ CHECKPOINTS = tuple(n for a in ARMS for n in (a, *(f"{a}-s{s}" for s in range(1,
 FAMILIES = ("operand digits", "=", "earlier answer", "[", "operand signs", "operators", "]", "spread")
 LEVELS = (0.11, 0.2)
 CIRCUIT, MATCHED = "circuit", "matched outside"  # interp_norm.circuits.circuit_collapse's arm names
-ARM_ROWS = (CIRCUIT, MATCHED, "circuit (every sparse row)", "matched outside (layer only)")
+#: The same pair matched on the answer position too (the finer control: same layer, same position).
+CIRCUIT_POS, MATCHED_POS = "circuit (position-matched)", "matched outside (same position)"
+ARM_ROWS = (CIRCUIT, MATCHED, CIRCUIT_POS, MATCHED_POS, "circuit (every sparse row)", "matched outside (layer only)")
 COST = "noise on the circuit's sparse rows minus on matched answer rows outside (same layer, equal counts)"
+COST_POS = ("noise on the circuit's sparse rows minus on matched rows outside (same layer and answer position, "
+            "equal counts)")
 NOISE_DRAWS = 8
 #: docs/data file of each per-checkpoint table (what ``summarise --write`` keeps).
 SHIPPED = dict(circuit="circuit_circuit_per_checkpoint", roles="circuit_roles_per_checkpoint",
@@ -68,8 +72,7 @@ def _model_and_data(name: str, n: int):
 
 def run_one(name: str, out: Path, n: int) -> None:
     """Every per-checkpoint table of ``name`` into ``out``."""
-    from interp_norm.circuits.circuit_collapse import (
-        cell_sparsity, circuit_noise_cost, clean_patterns, collapse_by_role, role_family)
+    from interp_norm.circuits.circuit_collapse import cell_sparsity, clean_patterns, collapse_by_role, role_family
     from interp_norm.circuits.cell_roles import addition_circuit
 
     model, spec, data = _model_and_data(name, n)
@@ -79,7 +82,7 @@ def run_one(name: str, out: Path, n: int) -> None:
     tables = dict(circuit=circuit, verification=res["verification"], curve=res["curve"], roles=res["roles"],
                   sparsity=cell_sparsity(clean_patterns(model, data), data),
                   collapse_by_role=collapse_by_role(model, data, circuit, levels=LEVELS, n_draws=16),
-                  noise_cost=circuit_noise_cost(model, data, circuit, levels=LEVELS, n_draws=NOISE_DRAWS))
+                  noise_cost=noise_cost(model, data, circuit))
     out.mkdir(parents=True, exist_ok=True)
     for key, df in tables.items():
         df.assign(checkpoint=name).to_csv(out / f"{key}.csv", index=False)
@@ -101,18 +104,37 @@ def unpack(name: str, out: Path, data: Path = DATA) -> None:
             (out / "account.txt").write_text(str(a.loc[a["checkpoint"] == name, "account"].iloc[0]) + "\n")
 
 
+def noise_cost(model, data, circuit: pd.DataFrame, parts: tuple = ("row kind", "answer position")) -> pd.DataFrame:
+    """The noise-cost arms: the pair matched on layer and row kind with the references, and (``answer
+    position``) the pair matched on layer and answer position, renamed :data:`CIRCUIT_POS` / :data:`MATCHED_POS`."""
+    from interp_norm.circuits.circuit_collapse import circuit_noise_cost
+
+    out = []
+    if "row kind" in parts:
+        out.append(circuit_noise_cost(model, data, circuit, levels=LEVELS, n_draws=NOISE_DRAWS))
+    if "answer position" in parts:
+        t = circuit_noise_cost(model, data, circuit, levels=LEVELS, n_draws=NOISE_DRAWS, match_on="answer position")
+        t = t[t["rows"].isin([CIRCUIT, MATCHED])]
+        out.append(t.assign(rows=t["rows"].map({CIRCUIT: CIRCUIT_POS, MATCHED: MATCHED_POS})))
+    return pd.concat(out, ignore_index=True)
+
+
 def noise_cost_one(name: str, out: Path, n: int) -> bool:
-    """Recompute only ``out/noise_cost.csv`` from ``out/circuit.csv``; False if it is already current."""
-    from interp_norm.circuits.circuit_collapse import MATCHED_LAYER, circuit_noise_cost
+    """Recompute only the arms ``out/noise_cost.csv`` lacks, from ``out/circuit.csv``; False if none."""
+    from interp_norm.circuits.circuit_collapse import MATCHED_LAYER
 
     unpack(name, out)
     path = out / "noise_cost.csv"
-    if path.exists() and MATCHED_LAYER in set(pd.read_csv(path)["rows"]):
+    have = set(pd.read_csv(path)["rows"]) if path.exists() else set()
+    parts = tuple(p for p, arm in (("row kind", MATCHED_LAYER), ("answer position", MATCHED_POS)) if arm not in have)
+    if not parts:
         return False
     model, _, data = _model_and_data(name, n)
-    circuit = pd.read_csv(out / "circuit.csv")
-    cost = circuit_noise_cost(model, data, circuit, levels=LEVELS, n_draws=NOISE_DRAWS)
-    cost.assign(checkpoint=name).to_csv(path, index=False)
+    new = noise_cost(model, data, pd.read_csv(out / "circuit.csv"), parts).assign(checkpoint=name)
+    kept = pd.read_csv(path) if path.exists() else new.iloc[:0]
+    if "row kind" in parts:  # an older file: only its position-matched arms (if any) are still current
+        kept = kept[kept["rows"].isin([CIRCUIT_POS, MATCHED_POS])]
+    pd.concat([kept, new], ignore_index=True).to_csv(path, index=False)
     return True
 
 
@@ -154,6 +176,7 @@ def per_checkpoint(out: Path) -> pd.DataFrame:
         for level in LEVELS:
             m = k[np.isclose(k["level"], level)].groupby("rows")["drop"].mean()
             q.append((f"accuracy lost to {level:.0%} {COST}", "points", float(m[CIRCUIT] - m[MATCHED])))
+            q.append((f"accuracy lost to {level:.0%} {COST_POS}", "points", float(m[CIRCUIT_POS] - m[MATCHED_POS])))
         rows += [dict(**_ckpt_meta(name), quantity=qq, unit=u, value=val) for qq, u, val in q]
     return pd.DataFrame(rows)
 
@@ -181,7 +204,7 @@ def within_arm(per: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for a in ARMS:
         norm, cal = a.split("-")[0], "paper" if "cal" in a else "none"
-        for q in sorted({x for x in per["quantity"] if x.endswith(COST)}):
+        for q in sorted({x for x in per["quantity"] if x.endswith((COST, COST_POS))}):
             v = per[(per["attn_norm"] == norm) & (per["calibration"] == cal) & (per["quantity"] == q)]["value"].dropna()
             lo, hi = t_interval(v) if len(v) > 1 else (math.nan, math.nan)
             ok = len(v) > 1 and v.std() > 0
@@ -228,10 +251,12 @@ def _counts_markdown(cost: pd.DataFrame) -> list[str]:
     t = arm_counts(cost)
     levels = [c for c in t.columns if c.startswith("drop at")]
     out = ["", "Rows noised per run and accuracy lost per arm (means over draws, then seeds): the circuit arm and its "
-           "control noise equal counts of answer rows in every layer; `circuit (every sparse row)` and `matched "
-           "outside (layer only)` are the unmatched-kind reference (the control before row kinds were matched); "
+           "control noise equal counts of answer rows in every layer; the position-matched pair equal counts in "
+           "every layer and answer position; `circuit (every sparse row)` and `matched outside (layer only)` are "
+           "the unmatched-kind reference (the control before row kinds were matched); "
            "unmatched = circuit rows their control could not match (too few sparse rows outside the circuit in "
-           "that layer and row kind for the pair, in that layer for the reference):", "",
+           "that layer and row kind, or layer and answer position, for the pairs; in that layer for the "
+           "reference):", "",
            "| arm | rows | noised | of which answer rows | unmatched | " + " | ".join(f"lost {c[8:]} (points)" for c in levels)
            + " |", "|---|---|---|---|---|" + "---|" * len(levels)]
     t = t.assign(order=t["rows"].map({r: i for i, r in enumerate(ARM_ROWS)}), a=t["arm"].map(ARMS.index))
@@ -254,8 +279,9 @@ def markdown(comp: pd.DataFrame, within: pd.DataFrame, col: pd.DataFrame, cost: 
                    f"{_pv(r.p_value)} | {_pv(r.p_greater)} | {_pv(r.p_less)} | {_pv(r.p_holm)} |")
     out += ["", f"Noise (q/k, uniform, after any norm) on the circuit's sparse rows only minus on as many sparse answer "
             f"rows outside it, matched per layer and row kind (where a layer has fewer such rows than the circuit, "
-            f"as many circuit rows as it has, drawn at random; {NOISE_DRAWS} draws), accuracy points; t interval over "
-            "seeds, t-test against 0 (two-sided, in the Holm family; one-sided: the circuit costs more):", "",
+            f"as many circuit rows as it has, drawn at random; {cost['draw'].nunique()} draws), and the same matched per layer "
+            "and answer position (the finer control: other heads' rows at the same position), accuracy points; t interval "
+            "over seeds, t-test against 0 (two-sided, in the Holm family; one-sided: the circuit costs more):", "",
             "| arm | quantity | mean [95%] | p | p (circuit > matched) | Holm | per seed |",
             "|---|---|---|---|---|---|---|"]
     for r in within.itertuples():

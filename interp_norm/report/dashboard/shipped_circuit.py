@@ -20,7 +20,8 @@ from interp_norm.report.shipped_circuit import SOURCE
 
 ARMS = ("pre", "qkv", "pre-cal", "qkv-cal")
 #: Noise arms in the order shown: the matched pair, then the unmatched-kind reference.
-ROWS = ("circuit", "matched outside", "circuit (every sparse row)", "matched outside (layer only)")
+ROWS = ("circuit", "matched outside", "circuit (position-matched)", "matched outside (same position)",
+        "circuit (every sparse row)", "matched outside (layer only)")
 _SLOTS = ("sign", "10^4", "thousands", "hundreds", "tens", "units", "end")
 
 
@@ -163,9 +164,11 @@ def shipped_panels(T: dict, panel: Callable, csv: bool = True) -> list[Optional[
                           lambda: plot_noise_cost(T["shipped_circuit_noise_cost"]),
                           caption="q/k norm noise on the circuit's sparse rows only ('circuit') vs on as many sparse "
                                   "answer rows outside it in the same layer ('matched outside'; where a layer has too "
-                                  "few, as many circuit rows as it has); for reference every sparse circuit row, and "
-                                  "a control matched on the layer only (question and answer rows). Bars: mean over "
-                                  "seeds; dots: seeds (mean over 8 draws)." + src))
+                                  "few, as many circuit rows as it has); the same matched on the answer position too "
+                                  "('position-matched' vs 'same position': other heads' rows at the circuit's "
+                                  "positions); for reference every sparse circuit row, and a control matched on the "
+                                  "layer only (question and answer rows). Bars: mean over seeds; dots: seeds (mean "
+                                  "over 8 draws)." + src))
     if "shipped_circuit_noise_cost_seeds" in T:
         out.append(Panel("Shipped models: circuit minus matched control, over seeds", kind="table",
                          table=tests_view(T["shipped_circuit_noise_cost_seeds"]),
