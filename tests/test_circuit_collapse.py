@@ -21,6 +21,7 @@ from interp_norm.circuits.circuit_collapse import (
     collapse_by_role,
     matched_gate,
     role_family,
+    row_kinds,
     sparse_gates,
 )
 from interp_norm.core.defaults import SPARSE_THRESHOLD
@@ -186,3 +187,20 @@ def test_role_family():
     assert role_family("reads units digits", "units digits") == "operand digits"
     assert role_family("reads = and earlier answer", "=") == "="
     assert role_family("spread (most on [)", "[") == "spread"
+
+
+def test_row_kinds_follow_the_text(setup):
+    """Strata by row kind and by answer position, against a walk over each problem's text."""
+    model, data, _ = setup
+    H = model.cfg.n_heads
+    kind, pos = row_kinds(data, H), row_kinds(data, H, "answer position")
+    slots = list(data.slots)
+    for b, p in enumerate(data.problems):
+        rows = answer_rows(p.text)
+        for q in range(data.tokens.shape[1]):
+            want_kind = -1 if q == 0 or q >= len(p.text) else 0 if q in rows else 1
+            want_pos = -1 if want_kind < 0 else slots.index(rows[q]) if q in rows else len(slots)
+            assert (kind[b, :, q] == want_kind).all() and (pos[b, :, q] == want_pos).all(), (p.text, q)
+    assert (row_kinds(data, H, "layer")[kind >= 0] == 0).all()
+    with pytest.raises(PatchingError, match="match_on must be one of"):
+        row_kinds(data, H, "head")
