@@ -25,3 +25,23 @@ def test_circuit_section_is_current():
         sys.path.remove(str(scripts))
     assert _docs.block("CIRCUIT-TABLES", mod.PAGE) == mod.markdown_from_data(mod.DATA), \
         "run scripts/circuit_seeds.py summarise --write"
+
+
+def test_circuit_findings_cite_only_numbers_the_tables_hold():
+    """Every "mean [lo, hi]" and "p = x" of docs/results.md's addition-circuit section is a cell of
+    docs/findings-tables.md: the prose cannot drift from the tables."""
+    import re
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import _docs
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    prose = _docs.block("CIRCUIT-FINDINGS")
+    page = (ROOT / "docs" / "findings-tables.md").read_text(encoding="utf-8")
+    intervals = re.findall(r"-?\d+\.\d \[-?\d+\.\d, -?\d+\.\d\]", prose)
+    assert len(intervals) >= 20
+    assert not [x for x in intervals if x not in page], [x for x in intervals if x not in page]
+    cells = set(re.findall(r"\| (\d[\d.e-]*\d|\d)(?= \|)", page))  # adjacent cells share a "|"
+    p_values = re.findall(r"p = (\d[\d.e-]*\d|\d)", prose)
+    assert p_values and not [p for p in p_values if p not in cells], [p for p in p_values if p not in cells]

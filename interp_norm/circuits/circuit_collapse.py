@@ -10,19 +10,26 @@ itself) and padding are in no group.
 
 Choices (parameters): noise is q/k norm noise placed ``after_norm`` by default, so that a QKV-Norm
 model's per-head norm does not remove it by construction (on Pre-Norm both placements are the same
-hook); the matched control is drawn *per layer* (the same number of sparse rows in each layer as the
-circuit has there), from sparse rows of any group but the circuit's, so that a difference is not a
-difference between layers.
+hook). The matched control is drawn per *stratum*: the same layer and, by default, the same row kind
+(answer rows, or rows outside the answer), from sparse rows outside the circuit. Circuit rows are
+answer rows, while most sparse rows outside the circuit are question rows; matching only the layer
+would compare answer rows with question rows. Where a stratum's pool is shorter than the circuit's
+rows there (``shortfall``), ``"shrink"`` (the default) noises as many circuit rows as the pool has,
+drawn at random, so both arms noise equal counts in every stratum; ``"report"`` noises every circuit
+row and all of the pool, and the shortfall is reported. Equal counts are the default because a
+smaller control alone makes the circuit look costlier. Every run reports its rows noised per arm.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from interp_norm import theory
 from interp_norm.circuits._types import device, require_eval
@@ -35,6 +42,11 @@ from interp_norm.noise import NormNoise, collapse_decisions
 
 OUTSIDE_CIRCUIT, OUTSIDE_ANSWER = "outside the circuit", "outside the answer"
 CIRCUIT, MATCHED = "circuit", "matched outside"
+#: Reference arms: every sparse row of the circuit, and the control matched on the layer only.
+CIRCUIT_ALL, MATCHED_LAYER = "circuit (every sparse row)", "matched outside (layer only)"
+#: What the control is matched on besides the layer; how a short pool is handled.
+MATCH_ON, SHORTFALL = ("row kind", "answer position", "layer"), ("shrink", "report")
+ANSWER, OUTSIDE = 0, 1  # row kinds (:func:`row_kinds`)
 
 
 def role_family(role: str, top_class: str) -> str:
@@ -143,17 +155,64 @@ def collapse_by_role(model, data: CircuitData, circuit: pd.DataFrame, *, levels:
     return pd.DataFrame(out)
 
 
-def matched_gate(inside: dict[int, Tensor], pool: dict[int, Tensor], generator: torch.Generator) -> dict[int, Tensor]:
-    """Per layer as many rows drawn at random from ``pool`` as ``inside`` has there (all of the pool if it
-    has fewer)."""
-    out = {}
-    for l, g in inside.items():
-        idx = pool[l].flatten().nonzero().squeeze(-1)
-        take = idx[torch.randperm(len(idx), generator=generator)[: int(g.sum())]]
-        m = torch.zeros(pool[l].numel(), dtype=torch.bool)
-        m[take] = True
-        out[l] = m.view_as(pool[l])
+def row_kinds(data: CircuitData, n_heads: int, match_on: str = "row kind") -> Tensor:
+    """[batch, head, query] stratum of each row besides its layer (-1: a row that does not count).
+
+    ``row kind``: :data:`ANSWER` for answer rows, :data:`OUTSIDE` for rows before ``=`` and the closing
+    ``]``'s own row; ``answer position``: the answer position's index, and ``len(data.slots)`` outside
+    the answer; ``layer``: 0 for every row."""
+    if match_on not in MATCH_ON:
+        raise PatchingError(f"match_on must be one of {MATCH_ON}, got {match_on!r}")
+    slot = data.slot[:, None, :].expand(-1, n_heads, -1)
+    if match_on == "row kind":
+        kind = torch.where(slot >= 0, ANSWER, OUTSIDE)
+    elif match_on == "answer position":
+        kind = torch.where(slot >= 0, slot, len(data.slots))
+    else:
+        kind = torch.zeros_like(slot)
+    return torch.where(valid_rows(data, n_heads), kind, torch.full_like(kind, -1))
+
+
+@dataclass
+class MatchedRows:
+    """One draw of the matched control: the circuit rows noised, the control rows noised (per layer, as
+    ``NormNoise`` ``row_gate`` masks) and per (layer, stratum) the counts behind them."""
+
+    circuit: dict[int, Tensor]
+    control: dict[int, Tensor]
+    counts: pd.DataFrame
+
+
+def _take(mask: Tensor, k: int, generator: torch.Generator) -> Tensor:
+    """``k`` of the rows of ``mask`` drawn uniformly without replacement (a flat bool mask)."""
+    idx = mask.flatten().nonzero().squeeze(-1)
+    out = torch.zeros(mask.numel(), dtype=torch.bool)
+    out[idx[torch.randperm(len(idx), generator=generator)[:k]]] = True
     return out
+
+
+def matched_gate(inside: dict[int, Tensor], pool: dict[int, Tensor], generator: torch.Generator, *,
+                 strata: Optional[dict[int, Tensor]] = None, shortfall: str = "shrink") -> MatchedRows:
+    """Per layer and stratum (``strata[l]``: a label per row, -1 outside every stratum; ``None``: one per
+    layer) as many rows of ``pool`` as ``inside`` has there, drawn at random. Where the pool is short,
+    ``shrink`` draws as many of ``inside``'s rows as the pool has (equal counts), ``report`` keeps every
+    row of ``inside`` and takes all of the pool (``counts["shortfall"]`` says by how much it is short)."""
+    if shortfall not in SHORTFALL:
+        raise PatchingError(f"shortfall must be one of {SHORTFALL}, got {shortfall!r}")
+    circ, ctrl, rows = {}, {}, []
+    for l, g in inside.items():
+        lab = strata[l] if strata is not None else torch.zeros(g.shape, dtype=torch.long)
+        c, m = torch.zeros(g.numel(), dtype=torch.bool), torch.zeros(g.numel(), dtype=torch.bool)
+        for k in sorted(set(lab[g | pool[l]].tolist()) - {-1}):
+            n_in, n_pool = int((g & (lab == k)).sum()), int((pool[l] & (lab == k)).sum())
+            n = min(n_in, n_pool)
+            m |= _take(pool[l] & (lab == k), n, generator)
+            c |= _take(g & (lab == k), n if shortfall == "shrink" else n_in, generator)
+            rows.append(dict(layer=l, stratum=k, n_inside=n_in, n_pool=n_pool, n_circuit=int(n if shortfall == "shrink"
+                             else n_in), n_control=n, shortfall=max(0, n_in - n_pool)))
+        circ[l], ctrl[l] = c.view_as(g), m.view_as(g)
+    cols = ["layer", "stratum", "n_inside", "n_pool", "n_circuit", "n_control", "shortfall"]
+    return MatchedRows(circ, ctrl, pd.DataFrame(rows, columns=cols))
 
 
 @torch.no_grad()
@@ -163,11 +222,23 @@ def _accuracy(model, data: CircuitData, noise) -> float:
     return float(score_logits(data, logits[None])[0][0])
 
 
+def _noised(gate: dict[int, Tensor], kinds: Tensor) -> dict:
+    """Rows a gate noises: all, answer rows, rows outside the answer."""
+    n = sum(int(m.sum()) for m in gate.values())
+    n_answer = sum(int((m & (kinds == ANSWER)).sum()) for m in gate.values())
+    return dict(n_noised=n, n_answer_rows=n_answer, n_outside_answer=n - n_answer)
+
+
 def circuit_noise_cost(model, data: CircuitData, circuit: pd.DataFrame, *, levels: Sequence[float] = (0.11, 0.2),
-                       n_draws: int = 4, placement: str = "after_norm", seed: int = 0) -> pd.DataFrame:
+                       n_draws: int = 4, placement: str = "after_norm", seed: int = 0, match_on: str = "row kind",
+                       shortfall: str = "shrink") -> pd.DataFrame:
     """Accuracy lost (points, per-token on answer rows) to q/k norm noise on the circuit's sparse rows
-    only, vs on a matched count of sparse rows outside the circuit (:func:`matched_gate`; a fresh subset
-    per draw). One row per (level, rows, draw), with the number of rows noised per run."""
+    only, vs on as many sparse rows outside it in the same layer and ``match_on`` stratum
+    (:func:`matched_gate`, ``shortfall`` for short pools; a fresh draw each time); beside them, for
+    reference, :data:`CIRCUIT_ALL` (every sparse circuit row) and :data:`MATCHED_LAYER` (a control
+    matched on the layer only, as large as the pool allows). One row per (level, arm, draw): rows noised
+    (answer rows and others), the circuit rows its control could not match (``shortfall``) and the
+    accuracy."""
     require_eval(model)
     check_positive_int(n_draws, "n_draws", PatchingError)
     L, H = model.cfg.n_layers, model.cfg.n_heads
@@ -175,20 +246,27 @@ def circuit_noise_cost(model, data: CircuitData, circuit: pd.DataFrame, *, level
     gate = circuit_row_gate(data, circuit, L, H)
     inside = {l: gate[l] & sparse[l] for l in range(L)}
     pool = {l: sparse[l] & ~gate[l] for l in range(L)}
+    strata, kinds = row_kinds(data, H, match_on), row_kinds(data, H)
     clean = _accuracy(model, data, None)
     rows = []
-    for d in range(n_draws):
-        control = matched_gate(inside, pool, torch.Generator().manual_seed(seed * 1000 + d))
+    for d in tqdm(range(n_draws), desc="circuit noise cost", leave=False):
+        gen = torch.Generator().manual_seed(seed * 1000 + d)
+        m = matched_gate(inside, pool, gen, strata={l: strata for l in range(L)}, shortfall=shortfall)
+        ref = matched_gate(inside, pool, gen, shortfall="report")
+        short, ref_short = int(m.counts["shortfall"].sum()), int(ref.counts["shortfall"].sum())
+        arms = [(CIRCUIT, m.circuit, short), (MATCHED, m.control, short), (CIRCUIT_ALL, inside, ref_short),
+                (MATCHED_LAYER, ref.control, ref_short)]
         for level in levels:
-            for name, g in ((CIRCUIT, inside), (MATCHED, control)):
-                dev = {l: m.to(device(model)) for l, m in g.items()}
+            for name, g, short in arms:
+                dev = {l: x.to(device(model)) for l, x in g.items()}
                 noise = NormNoise(model, float(level), ("q", "k"), placement=placement, seed=seed * 1000 + d, row_gate=dev)
                 acc = _accuracy(model, data, noise)
-                rows.append(dict(level=float(level), rows=name, draw=d, n_noised=int(sum(int(m.sum()) for m in g.values())),
+                rows.append(dict(level=float(level), rows=name, draw=d, **_noised(g, kinds), shortfall=short,
                                  accuracy_clean=clean, accuracy=acc, drop=100 * (clean - acc)))
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows).assign(match_on=match_on, shortfall_rule=shortfall)
 
 
-__all__ = ["CIRCUIT", "MATCHED", "OUTSIDE_ANSWER", "OUTSIDE_CIRCUIT", "cell_sparsity", "circuit_noise_cost",
-           "circuit_row_gate", "clean_patterns", "collapse_by_role", "matched_gate", "role_family", "row_groups",
+__all__ = ["CIRCUIT", "CIRCUIT_ALL", "MATCHED", "MATCHED_LAYER", "MATCH_ON", "SHORTFALL", "MatchedRows",
+           "OUTSIDE_ANSWER", "OUTSIDE_CIRCUIT", "cell_sparsity", "circuit_noise_cost", "circuit_row_gate",
+           "clean_patterns", "collapse_by_role", "matched_gate", "role_family", "row_groups", "row_kinds",
            "sparse_gates", "valid_rows"]

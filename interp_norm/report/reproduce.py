@@ -396,6 +396,10 @@ def run_analyses(
             else:
                 run_in_workers(plan, todo, min(n_workers, len(todo)), collect, on_stage)
         _assemble(report, plan, evals, tables)
+        if checkpoints is None:  # the shipped set: its addition circuit from the kept 24-checkpoint tables
+            from interp_norm.report.shipped_circuit import shipped_circuit_tables
+
+            report.tables.update(shipped_circuit_tables())
         report.workers = n_workers
         report.timings["total"] = time.perf_counter() - t0
         return report

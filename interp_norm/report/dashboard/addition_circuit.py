@@ -1,12 +1,17 @@
 """The dashboard section "The addition circuit": per variant, the circuit's verification, its cells with
-their roles by layer and answer position, the size-vs-accuracy curve, and the generated account."""
+their roles by layer and answer position, the size-vs-accuracy curve, and the generated account; for the
+shipped set, the same from the kept 24-checkpoint tables with the circuit vs matched-control noise cost
+(:mod:`~interp_norm.report.dashboard.shipped_circuit`)."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import pandas as pd
 import plotly.graph_objects as go
 
 from interp_norm.report.dashboard.page import Panel, Section
+from interp_norm.report.dashboard.shipped_circuit import shipped_panels
 
 TITLE = "The addition circuit"
 INTRO = ("Cells are (layer, head, answer position): one head's output at the rows predicting the answer's sign, "
@@ -30,7 +35,7 @@ def plot_circuit_curve(curve: pd.DataFrame) -> go.Figure:
 
 
 def addition_circuit(T: dict, panel, csv: bool = True) -> list[Section]:
-    panels = []
+    panels: list[Optional[Panel]] = []
     if "addition_verification" in T:
         v = T["addition_verification"]
         cols = [c for c in ("variant", "checkpoint", "ablation", "cells", "n_cells", "share_of_cells", "accuracy_full",
@@ -52,8 +57,9 @@ def addition_circuit(T: dict, panel, csv: bool = True) -> list[Section]:
     if "addition_account" in T:
         a = T["addition_account"]
         panels.append(Panel("In plain words", kind="table", table=a[[k for k in ("checkpoint", "account") if k in a]]))
-    panels = [p for p in panels if p is not None]
-    return [Section(TITLE, INTRO, panels, anchor="addition-circuit")] if panels else []
+    panels += shipped_panels(T, panel, csv)
+    shown = [p for p in panels if p is not None]
+    return [Section(TITLE, INTRO, shown, anchor="addition-circuit")] if shown else []
 
 
 __all__ = ["addition_circuit", "plot_circuit_curve"]
