@@ -13,7 +13,7 @@ attributing nothing, in %), with the norms live or frozen; then Pre-Norm vs QKV-
     PYTHONPATH=. python scripts/attribution_error_budget.py --summarise DIR [--write]   # from DIR's budget.csv
 
 Writes ``budget.csv`` (every node), ``bridges.csv`` and the tables below into ``--out``; ``--write``
-also into docs/data (``attribution_error_*.csv``) and the ATTRIBUTION-ERROR block of
+also into data/seed_tables (``attribution_error_*.csv``) and the ATTRIBUTION-ERROR block of
 docs/findings-tables.md. ``--bridges``: tiny random TransformerBridges (EAP and EAP-IG on random
 token pairs differing at one position: the method on the architecture, not a trained circuit); an
 architecture the budget refuses is kept as a row saying why.
@@ -49,7 +49,7 @@ from interp_norm import load_with_info
 from interp_norm.training.checkpoints import list_pretrained
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "docs" / "data"
+DATA = ROOT / "data" / "seed_tables"
 PAGE = ROOT / "docs" / "findings-tables.md"
 BLOCK = "ATTRIBUTION-ERROR"
 ARMS = ("pre", "qkv", "qk", "none", "pre-cal", "qkv-cal")
@@ -275,7 +275,7 @@ def markdown(comp: pd.DataFrame, within: pd.DataFrame, pc: pd.DataFrame, br: pd.
 
 
 def markdown_from_data(data: Path = DATA) -> str:
-    """The block rebuilt from the tables kept in docs/data (what the docs test checks)."""
+    """The block rebuilt from the tables kept in data/seed_tables (what the docs test checks)."""
     return markdown(pd.read_csv(data / "attribution_error_seed_comparisons.csv"),
                     pd.read_csv(data / "attribution_error_within_arm.csv"),
                     pd.read_csv(data / "attribution_error_per_checkpoint.csv"),
@@ -315,7 +315,7 @@ def main() -> None:
     ap.add_argument("--per", choices=("pair", "mean"), default="pair",
                     help="a node's error: mean over pairs of |estimate - exact|, or |mean estimate - mean exact|")
     ap.add_argument("--summarise", type=Path, help="rebuild the tables from this folder's budget.csv (no model is run)")
-    ap.add_argument("--write", action="store_true", help="also write docs/data/attribution_error_*.csv and the page's block")
+    ap.add_argument("--write", action="store_true", help="also write data/seed_tables/attribution_error_*.csv and the page's block")
     args = ap.parse_args()
     if args.summarise is not None:
         print(summarise(args.summarise, args.write, json.loads((args.summarise / "run.json").read_text())))

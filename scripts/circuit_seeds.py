@@ -7,11 +7,11 @@ and tied to collapse.
         # in OUT/CHECKPOINT/ (a checkpoint already done is skipped, so the run can be resumed)
     .venv/bin/python scripts/circuit_seeds.py noise-cost [--out report-circuits] [--problems 256]
         # only the circuit vs matched-control noise cost, recomputed per checkpoint from the circuit in
-        # OUT/CHECKPOINT/circuit.csv; tables missing from OUT are first unpacked from docs/data (the
+        # OUT/CHECKPOINT/circuit.csv; tables missing from OUT are first unpacked from data/seed_tables (the
         # shipped run), so the seed summary can be rebuilt without relocating any circuit (resumable:
         # a checkpoint whose noise_cost.csv has the current arms is skipped)
     .venv/bin/python scripts/circuit_seeds.py summarise [--out report-circuits] [--write]
-        # the seed comparisons (docs/data/circuit_seed_*.csv with --write, and the section of
+        # the seed comparisons (data/seed_tables/circuit_seed_*.csv with --write, and the section of
         # docs/findings-tables.md between its CIRCUIT-TABLES markers)
 
 Statistics (:mod:`interp_norm.stats.inference`): per arm the mean and Student-t 95% interval over
@@ -35,7 +35,7 @@ from interp_norm.stats.inference import holm, permutation_test, t_interval, t_te
 from interp_norm.stats.seed_compare import PAIRS, compare_seeds
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "docs" / "data"
+DATA = ROOT / "data" / "seed_tables"
 PAGE = ROOT / "docs" / "findings-tables.md"
 START, END = "<!-- CIRCUIT-TABLES:start -->", "<!-- CIRCUIT-TABLES:end -->"
 ARMS = ("pre", "qkv", "pre-cal", "qkv-cal")
@@ -50,7 +50,7 @@ COST = "noise on the circuit's sparse rows minus on matched answer rows outside 
 COST_POS = ("noise on the circuit's sparse rows minus on matched rows outside (same layer and answer position, "
             "equal counts)")
 NOISE_DRAWS = 8
-#: docs/data file of each per-checkpoint table (what ``summarise --write`` keeps).
+#: data/seed_tables file of each per-checkpoint table (what ``summarise --write`` keeps).
 SHIPPED = dict(circuit="circuit_circuit_per_checkpoint", roles="circuit_roles_per_checkpoint",
                curve="circuit_curve_per_checkpoint", sparsity="circuit_sparsity_per_checkpoint",
                verification="circuit_verification", collapse_by_role="circuit_collapse_by_role",
@@ -300,7 +300,7 @@ def markdown(comp: pd.DataFrame, within: pd.DataFrame, col: pd.DataFrame, cost: 
 
 
 def markdown_from_data(data: Path = DATA) -> str:
-    """The section rebuilt from the tables kept in docs/data (what the docs test checks)."""
+    """The section rebuilt from the tables kept in data/seed_tables (what the docs test checks)."""
     return markdown(pd.read_csv(data / "circuit_seed_comparisons.csv"), pd.read_csv(data / "circuit_noise_cost_seeds.csv"),
                     pd.read_csv(data / "circuit_collapse_by_role.csv"), pd.read_csv(data / "circuit_noise_cost.csv"))
 

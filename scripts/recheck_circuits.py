@@ -3,10 +3,10 @@
     .venv/bin/python scripts/recheck_circuits.py [CHECKPOINT ...] [--problems 256] [--tolerance 2]
         # per checkpoint: accuracy with every cell outside the printed circuit resample-ablated
         # (printed vs recomputed) and the printed roles vs roles recomputed from attention masses;
-        # writes docs/data/circuit_recheck.csv, exits 1 if any accuracy differs by more than the tolerance
+        # writes data/seed_tables/circuit_recheck.csv, exits 1 if any accuracy differs by more than the tolerance
 
 It shares no code with ``interp_norm.circuits`` (whose ``cell_circuit`` / ``cell_roles`` printed the tables in
-docs/data/circuit_*): only the loader ``interp_norm.load``, the task (problems, tokens) of
+data/seed_tables/circuit_*): only the loader ``interp_norm.load``, the task (problems, tokens) of
 ``interp_norm.core.task`` and the hook names of ``interp_norm.core.hook_names``. The problems are
 ``scripts/circuit_seeds.py``'s: ``--problems`` ID problems drawn with seed 0, each resample source drawn
 with ``random.Random(1)`` as another problem of the same token layout (same terms, digits per term and
@@ -34,7 +34,7 @@ import pandas as pd
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "docs" / "data"
+DATA = ROOT / "data" / "seed_tables"
 ARMS = ("pre", "qkv", "pre-cal", "qkv-cal")
 CHECKPOINTS = tuple(n for a in ARMS for n in (a, *(f"{a}-s{s}" for s in range(1, 6))))
 PLACES = ("units", "tens", "hundreds", "thousands")

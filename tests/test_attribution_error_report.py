@@ -5,7 +5,7 @@
 * The section reads a report's own table, else the shipped one for a report of shipped checkpoints only.
 * The seed comparison's Holm family on constructed seeds: the adjusted p recomputed by hand; the identity
   (AtP = EAP) and the control stay out of it.
-* docs/findings-tables.md's ATTRIBUTION-ERROR block is what the script builds from docs/data, and every
+* docs/findings-tables.md's ATTRIBUTION-ERROR block is what the script builds from data/seed_tables, and every
   interval and p the results page cites from it is a cell of that block.
 """
 
@@ -162,7 +162,7 @@ def test_holm_family_on_constructed_seeds():
 def test_docs_block_is_current_and_the_results_cite_only_its_cells():
     mod, docs = _load_script()
     if not (mod.DATA / "attribution_error_seed_comparisons.csv").exists():
-        pytest.skip("no attribution error tables in docs/data")
+        pytest.skip("no attribution error tables in data/seed_tables")
     block = docs.block(mod.BLOCK, mod.PAGE)
     assert block == mod.markdown_from_data(mod.DATA), "run scripts/attribution_error_budget.py --write"
     results = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")

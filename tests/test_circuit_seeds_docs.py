@@ -1,4 +1,4 @@
-"""docs/findings-tables.md's circuit section is what scripts/circuit_seeds.py builds from docs/data."""
+"""docs/findings-tables.md's circuit section is what scripts/circuit_seeds.py builds from data/seed_tables."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_circuit_section_is_current():
     scripts = ROOT / "scripts"
-    if not (ROOT / "docs" / "data" / "circuit_seed_comparisons.csv").exists():
-        pytest.skip("no circuit seed tables in docs/data")
+    if not (ROOT / "data" / "seed_tables" / "circuit_seed_comparisons.csv").exists():
+        pytest.skip("no circuit seed tables in data/seed_tables")
     sys.path.insert(0, str(scripts))
     try:
         spec = importlib.util.spec_from_file_location("circuit_seeds", scripts / "circuit_seeds.py")

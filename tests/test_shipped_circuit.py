@@ -20,7 +20,7 @@ from interp_norm.report.shipped_circuit import SOURCE, TABLES, docs_data, shippe
 CHECKPOINTS = {f"{a}{s}" for a in ("pre", "qkv", "pre-cal", "qkv-cal") for s in ("", *(f"-s{i}" for i in range(1, 6)))}
 
 pytestmark = pytest.mark.skipif(not all((docs_data() / f).is_file() for f in TABLES.values()),
-                                reason="no kept circuit tables in docs/data")
+                                reason="no kept circuit tables in data/seed_tables")
 
 
 def rows(key: str) -> list[dict]:
@@ -99,4 +99,4 @@ def test_the_section_is_on_the_page_with_its_source():
                   "noise on the circuit vs a matched control", "circuit minus matched control, over seeds",
                   "Pre-Norm vs QKV-Norm circuits"):
         assert f"Shipped models: {title}" in page
-    assert SOURCE.split(":")[0] in page and "docs/data/circuit_*.csv" in page
+    assert SOURCE.split(":")[0] in page and "data/seed_tables/circuit_*.csv" in page

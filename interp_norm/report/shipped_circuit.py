@@ -2,7 +2,7 @@
 
 Locating the circuit of one checkpoint takes minutes, so ``make reproduce`` (3 minutes for everything)
 cannot compute it; ``scripts/circuit_seeds.py`` did, once, over the 24 checkpoints of ``pre``, ``qkv``,
-``pre-cal`` and ``qkv-cal`` (6 seeds each), and keeps its tables in ``docs/data/circuit_*.csv``. A run
+``pre-cal`` and ``qkv-cal`` (6 seeds each), and keeps its tables in ``data/seed_tables/circuit_*.csv``. A run
 on the shipped set puts those tables in its report under :data:`TABLES`' keys, so the default
 dashboard has the section "The addition circuit" with where its numbers come from.
 """
@@ -14,7 +14,7 @@ from typing import Optional
 
 import pandas as pd
 
-#: Report table key -> the file in docs/data it is read from.
+#: Report table key -> the file in data/seed_tables it is read from.
 TABLES: dict[str, str] = {
     "shipped_circuit_verification": "circuit_verification.csv",
     "shipped_circuit_cells": "circuit_circuit_per_checkpoint.csv",
@@ -24,13 +24,15 @@ TABLES: dict[str, str] = {
     "shipped_circuit_comparisons": "circuit_seed_comparisons.csv",
 }
 #: Where the tables come from (the dashboard's caption).
-SOURCE = ("not computed in this run: read from docs/data/circuit_*.csv, written by scripts/circuit_seeds.py over the "
+SOURCE = ("not computed in this run: read from data/seed_tables/circuit_*.csv, written by scripts/circuit_seeds.py over the "
           "24 checkpoints pre, qkv, pre-cal, qkv-cal (seeds 0-5 each), 256 ID problems per checkpoint")
 
 
 def docs_data() -> Path:
-    """The repository's docs/data folder (next to the package in a checkout or editable install)."""
-    return Path(__file__).resolve().parents[2] / "docs" / "data"
+    """Where the kept tables are: the shipped seed tables' folder (:func:`interp_norm.stats.shipped.seed_tables_dir`)."""
+    from interp_norm.stats.shipped import seed_tables_dir
+
+    return seed_tables_dir()
 
 
 def shipped_circuit_tables(folder: Optional[Path] = None) -> dict[str, pd.DataFrame]:

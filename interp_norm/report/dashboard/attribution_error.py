@@ -2,7 +2,7 @@
 
 The numbers come from ``scripts/attribution_error_budget.py`` (every shipped seed, about two minutes on one
 thread), not from ``reproduce``: a report whose checkpoints are all shipped ones (the same folders or the same weights) shows the shipped table
-(``docs/data/attribution_error_per_checkpoint.csv``) for its variants; a report that carries its own
+(``data/seed_tables/attribution_error_per_checkpoint.csv``) for its variants; a report that carries its own
 ``attribution_error_per_checkpoint`` table shows that one; any other report has no such section.
 """
 
@@ -14,13 +14,14 @@ from typing import Callable, Optional, Sequence
 import pandas as pd
 
 from interp_norm.report import plots
+from interp_norm.stats.shipped import seed_tables_dir
 from interp_norm.report.dashboard.page import Panel, Section
 
 __all__ = ["attribution_error_section", "budget_table", "SHIPPED", "KEY"]
 
 KEY = "attribution_error_per_checkpoint"
-#: The shipped table (in a checkout of the repository; absent from an installed wheel).
-SHIPPED = Path(__file__).resolve().parents[3] / "docs" / "data" / f"{KEY}.csv"
+#: The shipped table, among the seed tables of the data folder (:func:`interp_norm.stats.shipped.seed_tables_dir`).
+SHIPPED = seed_tables_dir() / f"{KEY}.csv"
 TITLE = "Attribution's error against exact patching"
 INTRO = ("How far attribution (AtP, AtP*, EAP, EAP-IG) is from exact activation patching, the ground truth, and "
          "which nonlinearity carries the error: per node the mean over pairs of |estimate − exact|, summed over every "
@@ -55,7 +56,7 @@ def attribution_error_section(T: dict, panel: Callable, csv: bool = True, shippe
     if table is None:
         return []
     source = "this report's attribution_error_per_checkpoint.csv" if KEY in T else (
-        "the shipped docs/data/attribution_error_per_checkpoint.csv, every shipped seed of these variants")
+        "the shipped data/seed_tables/attribution_error_per_checkpoint.csv, every shipped seed of these variants")
     panels = [panel("Error budget, every node", lambda: plots.plot_error_budget(table),
                     caption="Bars: the parts, mean over seeds; red bar: their sum, the live error; dots: each seed's "
                             "live (filled) and frozen-norm (open) error. Where freezing the norm makes the estimate "
