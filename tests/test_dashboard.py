@@ -163,10 +163,19 @@ def test_bad_problem_string_is_a_typed_error(ckpts):
 
 
 def _without_plotlyjs(html: str) -> str:
+    """The page without its plotly.js (embedded once, gzipped and base64-encoded: the packed text is the
+    gzip of plotly.py's own bundle)."""
+    import base64
+    import gzip
+
     from plotly.offline import get_plotlyjs
 
-    js = get_plotlyjs()
+    from interp_norm.report.dashboard.page import PLOTLY_ID, packed_plotlyjs
+
+    js = packed_plotlyjs()
     assert html.count(js) == 1, "plotly.js must be embedded exactly once"
+    assert gzip.decompress(base64.b64decode(js)).decode("utf-8") == get_plotlyjs()
+    assert f'<script type="application/octet-stream" id="{PLOTLY_ID}">{js}</script>' in html
     return html.replace(js, "")
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "page_title",
     "hf_model_names",
     "write_dashboard",
+    "report_from_folder",
 ]
 
 
@@ -85,6 +86,31 @@ def dashboard_html(report: Any, title: Optional[str] = None, strict: bool = Fals
                 f"norm noise and circuit collapse, and residual-stream geometry, on {on}.")
     return render_html(sections, title=title, subtitle=subtitle, facts=facts,
                        notes=[*report.notes, *[f"figure skipped: {p}" for p in problems]], csv_links=links)
+
+
+def report_from_folder(folder: Union[str, os.PathLike]) -> Any:
+    """A :class:`~interp_norm.report.reproduce.Report` read back from the folder ``reproduce`` wrote (every
+    ``<key>.csv`` a table; ``checkpoints.csv``, ``timings.csv`` and ``run.json``'s notes as they were), so its
+    dashboard can be drawn again without analysing anything (``scripts/dashboard_screenshot.py --report``)."""
+    import json
+
+    import pandas as pd
+
+    from interp_norm.report.reproduce import Report
+
+    folder = Path(folder)
+    if not (folder / "run.json").is_file():
+        raise OutputDirError(f"{str(folder)!r} is not a report folder (no run.json); give the folder "
+                             "'interp-norm reproduce --out' wrote")
+    special = {"checkpoints", "timings"}
+    tables = {p.stem: pd.read_csv(p) for p in sorted(folder.glob("*.csv")) if p.stem not in special}
+    ck = pd.read_csv(folder / "checkpoints.csv") if (folder / "checkpoints.csv").is_file() else pd.DataFrame()
+    timings: dict[str, float] = {}
+    if (folder / "timings.csv").is_file():
+        t = pd.read_csv(folder / "timings.csv")
+        timings = {str(k): float(v) for k, v in zip(t.iloc[:, 0], t.iloc[:, 1])}
+    notes = json.loads((folder / "run.json").read_text(encoding="utf-8")).get("notes", [])
+    return Report(tables=tables, checkpoints=ck, timings=timings, notes=list(notes))
 
 
 def write_dashboard(report: Any, path: Union[str, os.PathLike], **kwargs: Any) -> Path:
