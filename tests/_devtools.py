@@ -40,7 +40,7 @@ const GEOMETRY = (div) => {
   const R = (el) => { const r = el.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
   const fl = div._fullLayout || {}, svg = div.querySelector('svg.main-svg');
   const o = svg ? svg.getBoundingClientRect() : {left: 0, top: 0};
-  const g = {ticks: [], plots: [], colorbars: [], boxes: [], series: [], heatmaps: []};
+  const g = {ticks: [], plots: [], colorbars: [], boxes: [], subtitles: [], series: [], heatmaps: []};
   div.querySelectorAll('.xtick text, .ytick text').forEach((e) => {
     const r = R(e);
     if (r[2] - r[0] > 0.5) g.ticks.push({text: (e.textContent || '').slice(0, 20), box: r,
@@ -54,7 +54,14 @@ const GEOMETRY = (div) => {
     const fill = bg ? getComputedStyle(bg).fill : 'none';
     const m = /rgba?\(([^)]*)\)/.exec(fill || '');
     const alpha = m ? (m[1].split(',').length > 3 ? parseFloat(m[1].split(',')[3]) : 1) : 0;
-    if (alpha > 0.3) g.boxes.push({text: (e.textContent || '').slice(0, 60), box: R(bg)});
+    // where a data-anchored annotation points (a label of a point may sit over the lines leaving that point)
+    const a = (fl.annotations || [])[parseInt(e.getAttribute('data-index') || '-1', 10)] || {};
+    const xa = fl[String(a.xref || '').replace('x', 'xaxis')], ya = fl[String(a.yref || '').replace('y', 'yaxis')];
+    const anchor = xa && ya && xa.c2p && ya.c2p ? [o.left + xa._offset + xa.c2p(xa.d2c(a.x)), o.top + ya._offset + ya.c2p(ya.d2c(a.y))] : null;
+    if (alpha > 0.3) g.boxes.push({text: (e.textContent || '').slice(0, 60), box: R(bg), anchor: anchor});
+    // subplot titles: paper-anchored, sitting on top of their panel (make_subplots' annotations)
+    if (a.xref === 'paper' && a.yref === 'paper' && a.yanchor === 'bottom' && !a.showarrow)
+      g.subtitles.push({text: (e.textContent || '').slice(0, 60), box: R(e)});
   });
   (div._fullData || []).forEach((t) => {
     if (t.visible !== true) return;
@@ -82,7 +89,8 @@ const GEOMETRY = (div) => {
                    width: lines ? ((t.line && t.line.width) || 2) : 0, dash: lines ? String((t.line && t.line.dash) || 'solid') : '',
                    colour: String((lines ? t.line && t.line.color : t.marker && t.marker.color) || ''),
                    symbol: String((t.marker && t.marker.symbol) || ''),
-                   x: Array.from(t.x, (v) => (typeof v === 'number' ? v : String(v))), points: pts,
+                   x: Array.from(t.x, (v) => (typeof v === 'number' ? v : String(v))),
+                   y: Array.from(t.y, (v) => (typeof v === 'number' ? v : String(v))), points: pts,
                    sizes: Array.isArray(size) ? size : pts.map(() => size)});
   });
   return g;

@@ -172,6 +172,8 @@ def style_problems(page: PageLoad) -> tuple[list[str], int]:
 
 #: Smallest readable tick label (px); a colour bar never longer than this or its tallest plot (+ slack).
 MIN_TICK_PX, MAX_COLORBAR_PX = 10, 360
+#: A title closer than this to a tick label reads as one run of text.
+TEXT_GAP_PX = 4
 #: A heatmap may leave at most this share of its cells blank (a causal pattern's upper triangle not counted).
 MAX_BLANK = 1 / 3
 
@@ -202,8 +204,10 @@ def _samples(s: dict, step: float = 4.0) -> list:
 
 
 def defect_problems(page: PageLoad) -> list[str]:
-    """The figure defects a reader sees: tick labels under 10 px or running into a (subplot) title; a colour
-    bar longer than its plot; a note box covering a trace; dodged markers drawn over each other; a theory
+    """The figure defects a reader sees: tick labels under 10 px or running into a (subplot) title; a subplot
+    title running into a plot (the row above); a colour
+    bar longer than its plot; a note box covering a trace (a point's own label excepted); dodged markers drawn
+    over each other; a theory
     curve hidden under its measured curve; a heatmap mostly blank."""
     out = []
     for f in page.figures:
@@ -213,24 +217,32 @@ def defect_problems(page: PageLoad) -> list[str]:
             out.append(f"{name}: tick labels of {small} px at {w} px")
         titles = [t for t in f["texts"] if t["kind"] in ("title", "annotation")]
         for t in f["ticks"]:
+            near = [t["box"][0] - TEXT_GAP_PX, t["box"][1] - TEXT_GAP_PX, t["box"][2] + TEXT_GAP_PX, t["box"][3] + TEXT_GAP_PX]
             for a in titles:
-                if boxes_overlap(t["box"], a["box"], tol=1.5):
+                if boxes_overlap(near, a["box"], tol=0.5):
                     out.append(f"{name}: tick {t['text']!r} runs into {a['text'][:40]!r} at {w} px")
                     break
+        for t in f["subtitles"]:
+            if any(boxes_overlap(t["box"], b, tol=2) for b in f["plots"]):
+                out.append(f"{name}: subplot title {t['text'][:40]!r} runs into a plot at {w} px")
         tallest = max((b[3] - b[1] for b in f["plots"]), default=0)
         for c in f["colorbars"]:
             if c[3] - c[1] > max(MAX_COLORBAR_PX, tallest + 40):
                 out.append(f"{name}: colour bar {c[3] - c[1]:.0f} px long beside plots at most {tallest:.0f} px at {w} px")
+        marks = [q for s in f["series"] if "markers" in s["mode"] for q in s["points"] if q is not None]
         for b in f["boxes"]:
+            if b["anchor"] and any(math.hypot(b["anchor"][0] - q[0], b["anchor"][1] - q[1]) <= 3 for q in marks):
+                continue  # the label of a drawn point, beside it, may sit over the lines leaving it
             for s in f["series"]:
                 box = [b["box"][0] + 2, b["box"][1] + 2, b["box"][2] - 2, b["box"][3] - 2]
                 if any(box[0] <= q[0] <= box[2] and box[1] <= q[1] <= box[3] for q in _samples(s)):
                     out.append(f"{name}: note {b['text'][:40]!r} covers {s['name']!r} at {w} px")
-        dots = [(s, q, sz, x) for s in f["series"] if s["mode"] == "markers"
-                for q, sz, x in zip(s["points"], s["sizes"], s["x"]) if q is not None]
-        for i, (s1, q1, z1, x1) in enumerate(dots):
-            for s2, q2, z2, x2 in dots[i + 1:]:
-                if s1 is not s2 and x1 != x2 and math.hypot(q1[0] - q2[0], q1[1] - q2[1]) < 0.45 * (z1 + z2):
+        # markers set side by side (the same value, e.g. a "not reached" band, at dodged x) drawn over each other
+        dots = [(s, q, sz, x, y) for s in f["series"] if s["mode"] == "markers"
+                for q, sz, x, y in zip(s["points"], s["sizes"], s["x"], s["y"]) if q is not None]
+        for i, (s1, q1, z1, x1, y1) in enumerate(dots):
+            for s2, q2, z2, x2, y2 in dots[i + 1:]:
+                if s1 is not s2 and x1 != x2 and y1 == y2 and math.hypot(q1[0] - q2[0], q1[1] - q2[1]) < 0.45 * (z1 + z2):
                     out.append(f"{name}: markers of {s1['name']!r} and {s2['name']!r} overlap at {w} px")
         for t in f["series"]:
             if "theory" not in t["name"] or "lines" not in t["mode"]:
@@ -389,10 +401,11 @@ def test_no_figure_defects_at_1000_and_1280_px_with_screenshots(loads, browser, 
     assert problems == [], "\n".join(problems[:30])
     figs = [f for (kind, w), page in loads.items() if kind == "ours" and w in DEFECT_WIDTHS for f in page.figures]
     # the checks had work to do: tick labels, colour bars, traces, markers side by side, theory curves, heatmaps
-    assert sum(len(f["ticks"]) for f in figs) > 1000 and sum(len(f["colorbars"]) for f in figs) >= 6
+    assert sum(len(f["ticks"]) for f in figs) > 400 and sum(len(f["colorbars"]) for f in figs) >= 6
     assert sum(len(f["heatmaps"]) for f in figs) >= 10 and sum(len(f["plots"]) for f in figs) >= 80
-    assert sum(s["mode"] == "markers" for f in figs for s in f["series"]) >= 20
-    assert sum("theory" in s["name"] for f in figs for s in f["series"]) >= 8
+    assert sum(len(f["subtitles"]) for f in figs) >= 50 and sum(len(f["boxes"]) for f in figs) >= 20
+    assert sum(s["mode"] == "markers" for f in figs for s in f["series"]) >= 50
+    assert sum("theory" in s["name"] for f in figs for s in f["series"]) >= 20
 
 
 def test_the_defect_checks_catch_each_defect(browser, tmp_path):
@@ -400,8 +413,8 @@ def test_the_defect_checks_catch_each_defect(browser, tmp_path):
     from plotly.subplots import make_subplots
 
     # a three-line subplot title over a gap too small for it runs into the row above's tick labels
-    titles = make_subplots(rows=2, cols=1, vertical_spacing=0.04,
-                           subplot_titles=["top", "a title<br>wrapped to<br>three lines"])
+    long_title = "a title wrapped to three lines, each of them<br>long enough to cross<br>the tick labels of the row above"
+    titles = make_subplots(rows=2, cols=1, vertical_spacing=0.04, subplot_titles=["top", long_title])
     titles.add_trace(go.Scatter(x=[1, 2], y=[1, 2], mode="markers"), row=1, col=1)
     titles.add_trace(go.Scatter(x=[1, 2], y=[1, 2], mode="markers"), row=2, col=1)
     titles.update_layout(height=420)
@@ -414,8 +427,8 @@ def test_the_defect_checks_catch_each_defect(browser, tmp_path):
     # a note box over a line; two dodged markers drawn over each other; a dashed theory under its measured line
     covered = go.Figure([go.Scatter(x=[0, 1], y=[0, 1], mode="lines", name="measured A")])
     covered.add_annotation(x=0.5, y=0.5, text="a note over the line", showarrow=False, bgcolor="white")
-    crowd = go.Figure([go.Scatter(x=[0.0], y=[1], mode="markers", name="A", marker=dict(size=12)),
-                       go.Scatter(x=[0.01], y=[1], mode="markers", name="B", marker=dict(size=12))])
+    crowd = go.Figure([go.Scatter(x=[0.0, 4.0], y=[1, 2], mode="markers", name="A", marker=dict(size=12)),
+                       go.Scatter(x=[0.02, 4.02], y=[1, 3], mode="markers", name="B", marker=dict(size=12))])
     hidden = go.Figure([go.Scatter(x=[0, 1, 2], y=[0, 1, 3], mode="lines", name="A", legendgroup="A"),
                         go.Scatter(x=[0, 1, 2], y=[0, 1, 3], mode="lines", name="A: theory", legendgroup="A",
                                    line=dict(dash="dash", width=2))])
@@ -427,18 +440,19 @@ def test_the_defect_checks_catch_each_defect(browser, tmp_path):
     found = defect_problems(page)
     text = "\n".join(found)
     assert "panel 0: tick" in text and "runs into 'a title" in text, text
-    assert "panel 1: tick labels of [7.0] px" in text and "panel 1: colour bar" in text, text
+    assert "panel 0: subplot title 'a title wrapped" in text, text
+    assert "panel 1: tick labels of [7] px" in text and "panel 1: colour bar" in text, text
     assert "panel 2: note 'a note over the line' covers 'measured A'" in text, text
     assert "panel 3: markers of 'A' and 'B' overlap" in text, text
     assert "panel 4: theory 'A: theory' hidden under 'A'" in text, text
     assert "panel 5: heatmap 'mostly blank' 67% blank" in text, text
     # and the same figures drawn right pass
-    good = make_subplots(rows=2, cols=1, vertical_spacing=0.3, subplot_titles=["top", "a title<br>wrapped to<br>three lines"])
+    good = make_subplots(rows=2, cols=1, vertical_spacing=0.3, subplot_titles=["top", long_title])
     good.add_trace(go.Scatter(x=[1, 2], y=[1, 2], mode="markers"), row=1, col=1)
     good.add_trace(go.Scatter(x=[1, 2], y=[1, 2], mode="markers"), row=2, col=1)
     good.update_layout(height=600)
     hidden.update_traces(line=dict(width=9, dash="solid"), opacity=0.3, selector=dict(name="A: theory"))
-    crowd.update_traces(x=[0.3], selector=dict(name="B"))
+    crowd.update_traces(x=[0.3, 4.3], selector=dict(name="B"))
     page = browser.load(_page(tmp_path, [good, crowd, hidden], "fixed"), 1000)
     assert defect_problems(page) == []
 

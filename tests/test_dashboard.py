@@ -485,8 +485,9 @@ def test_attention_map_heatmap_is_the_hand_pivot_of_its_table():
     assert list(hm.y) == ["L0H3", "L1H2"] and list(hm.x) == ["ans.p0", "ans.p1", "eos"]
     z = np.array(hm.z, dtype=float)
     # by hand: L1H2 from ans.p0 attends to ans.sign in 50% (its most frequent key), from eos to ans.p1 in 12.5%
-    np.testing.assert_array_equal(z, [[np.nan, 0.75, np.nan], [0.5, np.nan, 0.125]])
-    assert hm.text[1][0] == "ans.sign" and hm.text[0][1] == "="
+    # a (head, position) the table does not list had no sparse event: 0%, marked "–" (not a blank cell)
+    np.testing.assert_array_equal(z, [[0, 0.75, 0], [0.5, 0, 0.125]])
+    assert hm.text[1][0] == "ans.sign" and hm.text[0][1] == "=" and hm.text[0][0] == hm.text[1][1] == "–"
 
 
 def test_faithfulness_bars_and_agreement_dots_show_the_table_values():

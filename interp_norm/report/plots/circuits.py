@@ -522,19 +522,21 @@ def plot_attention_map(table: pd.DataFrame, split: Optional[str] = None, cols: i
         g = df[df["variant"] == v]
         top = g.sort_values("frequency", ascending=False).drop_duplicates(["layer", "head", "query"])
         heads = heads_of[v]
-        z = np.full((len(heads), len(queries)), np.nan)
-        text = [["" for _ in queries] for _ in heads]
+        z = np.zeros((len(heads), len(queries)))  # a head the table does not list at a position: sparse in 0%
+        text = [["–" for _ in queries] for _ in heads]
         for rec in top.itertuples():
             a, b = heads.index((int(rec.layer), int(rec.head))), queries.index(rec.query)
             z[a, b] = rec.frequency
             text[a][b] = escape(rec.key)
         fig.add_trace(go.Heatmap(z=z, x=[escape(q) for q in queries], y=[f"L{l}H{h}" for l, h in heads], text=text,
-                                 texttemplate="%{text}", textfont=dict(size=9), coloraxis="coloraxis",
+                                 texttemplate="%{text}", textfont=dict(size=10), coloraxis="coloraxis",
                                  hovertemplate="%{y} from %{x}: attends to %{text} in %{z:.0%} of problems<extra></extra>"),
                       row=i // ncols + 1, col=i % ncols + 1)
-    fig.update_yaxes(autorange="reversed", tickfont=dict(size=9))
-    fig.update_xaxes(tickfont=dict(size=9))
+    fig.update_yaxes(autorange="reversed", tickfont=dict(size=10))
+    fig.update_xaxes(tickfont=dict(size=10))
     fig.update_layout(title=title or "Sparse attention from the answer positions: which head attends to which token"
-                      + (f" ({escape(split)} split)" if split else ""), height=height,
-                      coloraxis=dict(colorscale="Blues", cmin=0, cmax=1, colorbar=dict(title="share", tickformat=".0%")))
+                      + (f" ({escape(split)} split)" if split else "") + " (–: never sparse there)", height=height,
+                      coloraxis=dict(colorscale="Blues", cmin=0, cmax=1,
+                                     colorbar=dict(title="share", tickformat=".0%", lenmode="pixels",
+                                                   len=min(300, panel_h), yanchor="top", y=1, thickness=14)))
     return fig

@@ -157,7 +157,8 @@ def plot_collapse_vs_noise(
                       row=i + 1, col=j + 1, y=0.6)
             if target is not None:
                 fig.add_hline(y=target, line=dict(color="grey", width=1, dash="dot"), row=i + 1, col=j + 1,
-                              annotation_text=f"{target:.0%} collapse", annotation_position="top left")
+                              annotation_text=f"{target:.0%} collapse", annotation_position="top left",
+                              annotation=dict(xshift=6))  # clear of the y tick labels
     fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name="theory (wide pale line, the series' colour)",
                              opacity=THEORY_OPACITY, line=dict(color="#444", width=THEORY_WIDTH), legendgroup="theory"))
     where = "pooled over layers" if str(layer) == "all" else ("per layer" if layer is None else f"layer {layer}")
@@ -207,14 +208,15 @@ def plot_collapse_thresholds(thresholds: pd.DataFrame, title: Optional[str] = No
             g = panel[panel["variant"] == v]
             if not len(g):
                 continue
-            x = [xpos[str(l)] + dodge(i, len(series), 0.9 if len(series) > 4 else 0.7) for l in g["layer"]]
+            # series side by side within a layer, a quarter of a layer between layers; smaller marks for many series
+            x = [xpos[str(l)] + dodge(i, len(series), 0.75) for l in g["layer"]]
             st = line_style(v, size=9 if len(series) <= 6 else 7)
             for kind, col in (("measured", "level_measured"), ("theory", "level_predicted")):
                 y = g[col].astype(float)
                 reached = y.notna()
                 text = [f"{val:.1%}" if ok else f"not reached (≤ {target:.0%} collapse at {ceiling:.0%})"
                         for ok, val in zip(reached, y)]
-                dash = 14 if len(series) <= 6 else 6
+                dash = 14 if len(series) <= 4 else 10 if len(series) <= 6 else 6
                 marker = dict(st["marker"]) if kind == "measured" else dict(color=st["marker"]["color"], symbol="line-ew",
                                                                              size=dash, line=dict(color=st["marker"]["color"], width=2.5))
                 fig.add_trace(go.Scatter(

@@ -59,7 +59,7 @@ def _arm_traces(fig: go.Figure, vals: pd.DataFrame, r: pd.Series, x0: float, arm
     colour = _colour(d.iloc[0])
     n = len(d)
     for i, v in enumerate(d.itertuples()):
-        dx = (i - (n - 1) / 2) * 0.06
+        dx = (i - (n - 1) / 2) * 0.08  # 8 px markers of equal value stay apart in a 230 px panel
         name = f"seed {v.seed}"
         bound = getattr(v, "censored_above", math.nan)
         censored = pd.isna(v.value) and not pd.isna(bound)  # never reached: drawn open, at the largest level tested
