@@ -74,6 +74,18 @@ def test_the_other_sentences_quote_their_tables():
     assert lead("noise", {}) == lead("unknown anchor", {}) == ""
 
 
+def test_the_attention_seed_and_effective_head_sentences_count_by_hand():
+    # three query rows: (L0H1, q1) puts 0.97 on one key, (L0H1, q0) 1.0, (L1H0, q1) at most 0.6 -> 2 of 3 sparse
+    pat = pd.DataFrame(dict(model="m", problem=0, layer=[0, 0, 0, 1, 1], head=[1, 1, 1, 0, 0], query=[0, 1, 1, 1, 1],
+                            weight=[1.0, 0.97, 0.03, 0.6, 0.4]))
+    assert "66.7% of the 3 query rows shown" in lead("attention", {"attention_patterns": pat})
+    assert "most often in m, layer 0 head 1" in lead("attention", {"attention_patterns": pat})
+    comp = pd.DataFrame(dict(diff_lo=[0.5, -1.0, -3.0, np.nan], diff_hi=[2.0, 1.0, -0.1, np.nan]))
+    assert "2 of the 3 differences with an interval" in lead("seed-comparisons", {"seed_comparisons": comp})
+    th = pd.DataFrame(dict(layer=["all", "all", 0], definition="loose", effective_heads=[1.04, 2.96, 9.0]))
+    assert "rest on 1.0 to 3.0 heads'" in lead("controls-23", {"collapse_thresholds": th})
+
+
 # ----------------------------------------------------------------------------- the page
 
 

@@ -89,14 +89,13 @@ def dashboard_html(report: Any, title: Optional[str] = None, strict: bool = Fals
 
 
 def report_from_folder(folder: Union[str, os.PathLike]) -> Any:
-    """A :class:`~interp_norm.report.reproduce.Report` read back from the folder ``reproduce`` wrote (every
-    ``<key>.csv`` a table; ``checkpoints.csv``, ``timings.csv`` and ``run.json``'s notes as they were), so its
+    """The report ``reproduce`` wrote to ``folder``, read back as what :func:`dashboard_html` reads (``tables``:
+    every ``<key>.csv``; ``checkpoints.csv``, ``timings.csv`` and ``run.json``'s notes as they were), so its
     dashboard can be drawn again without analysing anything (``scripts/dashboard_screenshot.py --report``)."""
     import json
+    from types import SimpleNamespace
 
     import pandas as pd
-
-    from interp_norm.report.reproduce import Report
 
     folder = Path(folder)
     if not (folder / "run.json").is_file():
@@ -110,7 +109,7 @@ def report_from_folder(folder: Union[str, os.PathLike]) -> Any:
         t = pd.read_csv(folder / "timings.csv")
         timings = {str(k): float(v) for k, v in zip(t.iloc[:, 0], t.iloc[:, 1])}
     notes = json.loads((folder / "run.json").read_text(encoding="utf-8")).get("notes", [])
-    return Report(tables=tables, checkpoints=ck, timings=timings, notes=list(notes))
+    return SimpleNamespace(tables=tables, checkpoints=ck, timings=timings, notes=list(notes))
 
 
 def write_dashboard(report: Any, path: Union[str, os.PathLike], **kwargs: Any) -> Path:

@@ -159,10 +159,57 @@ def lead_real_models(T: dict) -> str:
             + _names(list(s.items())) + ".")
 
 
+def lead_attention(T: dict) -> str:
+    pat = T.get("attention_patterns")
+    if pat is None or not len(pat):
+        return ""
+    rows = pat.groupby(["model", "problem", "layer", "head", "query"], sort=False)["weight"].max()
+    sparse = rows[rows >= 0.95]
+    text = (f"Look for rows with one dark cell: {_pct(len(sparse) / len(rows))} of the {len(rows):,} query rows shown put "
+            "at least 95% of their attention on one token")
+    if len(sparse):
+        top = sparse.groupby(level=["model", "layer", "head"], sort=False).size().idxmax()
+        text += f", most often in {top[0]}, layer {top[1]} head {top[2]}"
+    return text + "."
+
+
+def lead_seed_comparisons(T: dict) -> str:
+    comp = T.get("seed_comparisons")
+    if comp is None or not len(comp) or "diff_lo" not in comp.columns:
+        return ""
+    c = comp[comp["diff_lo"].notna()]
+    apart = int(((c["diff_lo"] > 0) | (c["diff_hi"] < 0)).sum())
+    return (f"Look at whether the two arms' intervals overlap: {apart} of the {len(c)} differences with an interval have a "
+            "95% interval that excludes 0 (uncorrected; the verdicts apply Holm's adjustment).")
+
+
+def lead_controls_23(T: dict) -> str:
+    th = T.get("collapse_thresholds")
+    if th is None or "effective_heads" not in th.columns:
+        return ""
+    v = th[(th["layer"].astype(str) == "all") & (th["definition"] == "loose")]["effective_heads"].dropna()
+    if not len(v):
+        return ""
+    return (f"Look at effective_heads: the pooled 1% collapse levels rest on {v.min():.1f} to {v.max():.1f} heads' worth "
+            "of sparse rows (1 = one head carries them all).")
+
+
+def lead_addition_circuit(T: dict) -> str:
+    ver = T.get("addition_verification")
+    if ver is None or not len(ver) or "accuracy_kept" not in ver.columns:
+        return ""
+    v = ver[ver["ablation"] == "resample"] if "ablation" in ver.columns and (ver["ablation"] == "resample").any() else ver
+    return (f"Look at 'Circuit size and verification': the circuits keep {_pct(v['accuracy_kept'].min())}–"
+            f"{_pct(v['accuracy_kept'].max())} of per-token accuracy with {_pct(v['share_of_cells'].min())}–"
+            f"{_pct(v['share_of_cells'].max())} of the cells.")
+
+
 #: Lead sentence builder per section anchor.
 LEADS: dict[str, Callable[[dict], str]] = {
     "models": lead_models, "circuits": lead_circuits, "noise": lead_noise, "collapse": lead_collapse,
     "geometry": lead_geometry, "seeds": lead_seeds, "controls": lead_controls, "real-models": lead_real_models,
+    "attention": lead_attention, "seed-comparisons": lead_seed_comparisons, "controls-23": lead_controls_23,
+    "addition-circuit": lead_addition_circuit,
 }
 
 

@@ -249,6 +249,22 @@ _PORT = {"q": -0.22, "k": 0.0, "v": 0.22}
 _PORT_DROP = 0.18  # how far below its head a port sits (data units: a layer's attention and MLP rows are 0.6 apart)
 
 
+def _draw_ports(fig: go.Figure, edges: Any, pos: Any) -> None:
+    """The q / k / v ports the edges end at, drawn first (under the arrowheads), each tied to its head."""
+    ports = sorted({(receiver_node(r), receiver_input(r)) for _, r in edges if receiver_input(r) in _PORT})
+    for node, inp in ports:
+        x, y = pos(node)
+        fig.add_trace(go.Scatter(x=[x, x + _PORT[inp]], y=[y, y - _PORT_DROP], mode="lines", hoverinfo="skip",
+                                 line=dict(color="#999", width=1), showlegend=False))
+    if ports:
+        px, py = zip(*((pos(n)[0] + _PORT[i], pos(n)[1] - _PORT_DROP) for n, i in ports))
+        fig.add_trace(go.Scatter(
+            x=px, y=py, mode="markers+text", text=[i for _, i in ports], textposition="middle center",
+            textfont=dict(size=10, color="white"), hovertext=[f"{n}: {i} input" for n, i in ports], hoverinfo="text",
+            marker=dict(symbol="square", size=13, color=[INPUT_COLOURS[i] for _, i in ports], line=dict(width=0)),
+            showlegend=False, name="ports"))
+
+
 def draw_circuit(circuit: Any, title: Optional[str] = None) -> go.Figure:
     """A :class:`~interp_norm.circuits.Circuit` as a plotly figure: embed at the bottom, one row per
     attention layer and per MLP, logits on top.
@@ -276,19 +292,7 @@ def draw_circuit(circuit: Any, title: Optional[str] = None) -> go.Figure:
     fig = go.Figure()
     scores = [abs(v) for v in circuit.scores.values() if np.isfinite(v)]
     smax = max(scores) if scores else 1.0
-    # the q / k / v ports the edges end at, drawn first (under the arrowheads), each tied to its head
-    ports = sorted({(receiver_node(r), receiver_input(r)) for _, r in circuit.edges if receiver_input(r) in _PORT})
-    for node, inp in ports:
-        x, y = pos(node)
-        fig.add_trace(go.Scatter(x=[x, x + _PORT[inp]], y=[y, y - _PORT_DROP], mode="lines", hoverinfo="skip",
-                                 line=dict(color="#999", width=1), showlegend=False))
-    if ports:
-        px, py = zip(*((pos(n)[0] + _PORT[i], pos(n)[1] - _PORT_DROP) for n, i in ports))
-        fig.add_trace(go.Scatter(
-            x=px, y=py, mode="markers+text", text=[i for _, i in ports], textposition="middle center",
-            textfont=dict(size=9, color="white"), hovertext=[f"{n}: {i} input" for n, i in ports], hoverinfo="text",
-            marker=dict(symbol="square", size=13, color=[INPUT_COLOURS[i] for _, i in ports], line=dict(width=0)),
-            showlegend=False, name="ports"))
+    _draw_ports(fig, circuit.edges, pos)
     for u, r in sorted(circuit.edges):
         inp = receiver_input(r)
         (x0, y0), (x1, y1) = pos(u), pos(receiver_node(r))
