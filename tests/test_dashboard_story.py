@@ -34,6 +34,15 @@ def test_the_page_opens_with_the_verdicts_and_follows_the_papers_chain():
     assert PAGE_ORDER[0] == "verdicts" and ranks == sorted(ranks)
     assert PAGE_ORDER.index("attention") < PAGE_ORDER.index("noise")  # the circuits part holds attention
     assert PAGE_ORDER.index("addition-circuit") < PAGE_ORDER.index("noise")
+    # every anchor a panel builder or the seed sections use has its place (a new one would drift to the end)
+    import inspect
+    import re
+
+    from interp_norm.report.dashboard import addition_circuit, panels, sections
+
+    used = set(panels.SECTIONS) | {m for mod in (panels, sections, addition_circuit)
+                                   for m in re.findall(r'anchor="([a-z0-9-]+)"', inspect.getsource(mod))}
+    assert used - {"real-models"} <= set(PAGE_ORDER), used - set(PAGE_ORDER)
 
 
 def _noise_table() -> pd.DataFrame:
@@ -81,9 +90,12 @@ def test_the_attention_seed_and_effective_head_sentences_count_by_hand():
     assert "66.7% of the 3 query rows shown" in lead("attention", {"attention_patterns": pat})
     assert "most often in m, layer 0 head 1" in lead("attention", {"attention_patterns": pat})
     comp = pd.DataFrame(dict(diff_lo=[0.5, -1.0, -3.0, np.nan], diff_hi=[2.0, 1.0, -0.1, np.nan]))
-    assert "2 of the 3 differences with an interval" in lead("seed-comparisons", {"seed_comparisons": comp})
-    th = pd.DataFrame(dict(layer=["all", "all", 0], definition="loose", effective_heads=[1.04, 2.96, 9.0]))
+    assert "in 2 of the 3 differences with an interval" in lead("seed-comparisons", {"seed_comparisons": comp})
+    assert "no difference here has a 95% interval" in lead("seed-comparisons", {"seed_comparisons": comp.iloc[3:]})
+    th = pd.DataFrame(dict(layer=["all", "all", "all", 0], definition="loose", effective_heads=[1.04, 2.96, 7.0, 9.0],
+                           level_measured=[0.2, 0.3, np.nan, 0.1]))  # a level never reached rests on nothing
     assert "rest on 1.0 to 3.0 heads'" in lead("controls-23", {"collapse_thresholds": th})
+    assert lead("controls-23", {"collapse_thresholds": th.assign(level_measured=np.nan)}) == ""
 
 
 # ----------------------------------------------------------------------------- the page

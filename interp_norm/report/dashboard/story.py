@@ -178,17 +178,20 @@ def lead_seed_comparisons(T: dict) -> str:
     if comp is None or not len(comp) or "diff_lo" not in comp.columns:
         return ""
     c = comp[comp["diff_lo"].notna()]
+    if not len(c):
+        return "Look at the single dots: no difference here has a 95% interval (an arm needs two seeds for one)."
     apart = int(((c["diff_lo"] > 0) | (c["diff_hi"] < 0)).sum())
-    return (f"Look at whether the two arms' intervals overlap: {apart} of the {len(c)} differences with an interval have a "
-            "95% interval that excludes 0 (uncorrected; the verdicts apply Holm's adjustment).")
+    return (f"Look at whether the two arms' intervals overlap: in {apart} of the {len(c)} differences with an interval, "
+            "the 95% interval excludes 0 (uncorrected; the verdicts apply Holm's adjustment).")
 
 
 def lead_controls_23(T: dict) -> str:
     th = T.get("collapse_thresholds")
     if th is None or "effective_heads" not in th.columns:
         return ""
-    v = th[(th["layer"].astype(str) == "all") & (th["definition"] == "loose")]["effective_heads"].dropna()
-    if not len(v):
+    v = th[(th["layer"].astype(str) == "all") & (th["definition"] == "loose")]
+    v = v.loc[v["level_measured"].notna(), "effective_heads"].dropna() if "level_measured" in v.columns else v["effective_heads"].dropna()
+    if not len(v):  # no pooled level was reached: there is no level to rest on anything
         return ""
     return (f"Look at effective_heads: the pooled 1% collapse levels rest on {v.min():.1f} to {v.max():.1f} heads' worth "
             "of sparse rows (1 = one head carries them all).")
