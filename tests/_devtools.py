@@ -29,11 +29,78 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-__all__ = ["Browser", "PageLoad", "MEASURE_JS", "boxes_overlap", "inside"]
+__all__ = ["Browser", "PageLoad", "MEASURE_JS", "GEOMETRY_JS", "boxes_overlap", "inside"]
+
+#: Per figure, where its pieces landed on screen (page pixels): every tick label (box, font size), every
+#: subplot's plot area, every colour bar, every annotation with an opaque background, every trace's points
+#: (line traces sampled along their segments) with its name, mode, width and marker sizes, every visible
+#: heatmap's share of blank cells.
+GEOMETRY_JS = r"""
+const GEOMETRY = (div) => {
+  const R = (el) => { const r = el.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+  const fl = div._fullLayout || {}, svg = div.querySelector('svg.main-svg');
+  const o = svg ? svg.getBoundingClientRect() : {left: 0, top: 0};
+  const g = {ticks: [], plots: [], colorbars: [], boxes: [], subtitles: [], series: [], heatmaps: []};
+  div.querySelectorAll('.xtick text, .ytick text').forEach((e) => {
+    const r = R(e);
+    if (r[2] - r[0] > 0.5) g.ticks.push({text: (e.textContent || '').slice(0, 20), box: r,
+                                          size: parseFloat(getComputedStyle(e).fontSize)});
+  });
+  div.querySelectorAll('.draglayer .nsewdrag').forEach((e) => g.plots.push(R(e)));
+  div.querySelectorAll('.infolayer g.colorbar').forEach((e) => { const bg = e.querySelector('rect.cbbg');
+    g.colorbars.push(R(bg || e)); });
+  div.querySelectorAll('.infolayer g.annotation').forEach((e) => {
+    const bg = e.querySelector('rect.bg');
+    const fill = bg ? getComputedStyle(bg).fill : 'none';
+    const m = /rgba?\(([^)]*)\)/.exec(fill || '');
+    const alpha = m ? (m[1].split(',').length > 3 ? parseFloat(m[1].split(',')[3]) : 1) : 0;
+    // where a data-anchored annotation points (a label of a point may sit over the lines leaving that point)
+    const a = (fl.annotations || [])[parseInt(e.getAttribute('data-index') || '-1', 10)] || {};
+    const xa = fl[String(a.xref || '').replace('x', 'xaxis')], ya = fl[String(a.yref || '').replace('y', 'yaxis')];
+    const anchor = xa && ya && xa.c2p && ya.c2p ? [o.left + xa._offset + xa.c2p(xa.d2c(a.x)), o.top + ya._offset + ya.c2p(ya.d2c(a.y))] : null;
+    if (alpha > 0.3) g.boxes.push({text: (e.textContent || '').slice(0, 60), box: R(bg), anchor: anchor});
+    // subplot titles: paper-anchored, sitting on top of their panel (make_subplots' annotations)
+    if (a.xref === 'paper' && a.yref === 'paper' && a.yanchor === 'bottom' && !a.showarrow)
+      g.subtitles.push({text: (e.textContent || '').slice(0, 60), box: R(e)});
+  });
+  (div._fullData || []).forEach((t) => {
+    if (t.visible !== true) return;
+    if (t.type === 'heatmap') {
+      let n = 0, blank = 0;
+      const z = t._z || t.z || [], same = JSON.stringify(t.x) === JSON.stringify(t.y);
+      z.forEach((row, i) => (row || []).forEach((v, j) => { if (same && j > i) return; n += 1;
+        if (v === null || v === undefined || Number.isNaN(v)) blank += 1; }));
+      g.heatmaps.push({name: String(t.name || ''), cells: n, blank: blank});
+      return;
+    }
+    if (t.type !== 'scatter' || !t.x || !t.y) return;
+    const xa = fl[(t.xaxis || 'x').replace('x', 'xaxis')], ya = fl[(t.yaxis || 'y').replace('y', 'yaxis')];
+    if (!xa || !ya) return;
+    const pts = [];
+    for (let i = 0; i < t.x.length; i++) {
+      const xv = t.x[i], yv = t.y[i];
+      if (xv === null || yv === null || xv === undefined || yv === undefined) { pts.push(null); continue; }
+      const px = xa._offset + xa.c2p(xa.d2c(xv)), py = ya._offset + ya.c2p(ya.d2c(yv));
+      pts.push(Number.isFinite(px) && Number.isFinite(py) ? [o.left + px, o.top + py] : null);
+    }
+    const mode = String(t.mode || ''), lines = mode.indexOf('lines') >= 0;
+    const size = (t.marker && t.marker.size !== undefined) ? t.marker.size : 6;
+    g.series.push({name: String(t.name || ''), group: String(t.legendgroup || ''), mode: mode, axes: (t.xaxis || 'x') + (t.yaxis || 'y'),
+                   width: lines ? ((t.line && t.line.width) || 2) : 0, dash: lines ? String((t.line && t.line.dash) || 'solid') : '',
+                   colour: String((lines ? t.line && t.line.color : t.marker && t.marker.color) || ''),
+                   symbol: String((t.marker && t.marker.symbol) || ''),
+                   x: Array.from(t.x, (v) => (typeof v === 'number' ? v : String(v))),
+                   y: Array.from(t.y, (v) => (typeof v === 'number' ? v : String(v))), points: pts,
+                   sizes: Array.isArray(size) ? size : pts.map(() => size)});
+  });
+  return g;
+};
+"""
 
 #: Run in the page after every figure has rendered: returns one record per figure.
 MEASURE_JS = r"""
 (() => {
+""" + GEOMETRY_JS + r"""
   const R = (el) => { const r = el.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
   const out = [];
   document.querySelectorAll('div.figure[data-fig]').forEach((div) => {
@@ -62,6 +129,7 @@ MEASURE_JS = r"""
                        pattern: typeof pattern.shape === 'string' ? pattern.shape : '',
                        fillmode: pattern.fillmode || ''});
     });
+    Object.assign(rec, GEOMETRY(div));
     out.push(rec);
   });
   const st = document.getElementById('render-status');

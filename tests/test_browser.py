@@ -16,6 +16,7 @@ chromium a failure: ``make test`` installs it).
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -169,6 +170,96 @@ def style_problems(page: PageLoad) -> tuple[list[str], int]:
     return out, crowded
 
 
+#: Smallest readable tick label (px); a colour bar never longer than this or its tallest plot (+ slack).
+MIN_TICK_PX, MAX_COLORBAR_PX = 10, 360
+#: A title closer than this to a tick label reads as one run of text.
+TEXT_GAP_PX = 4
+#: A heatmap may leave at most this share of its cells blank (a causal pattern's upper triangle not counted).
+MAX_BLANK = 1 / 3
+
+
+def _dist_to_polyline(p: list, pts: list) -> float:
+    best = float("inf")
+    for a, b in zip(pts, pts[1:]):
+        if a is None or b is None:
+            continue
+        dx, dy = b[0] - a[0], b[1] - a[1]
+        t = 0.0 if dx == dy == 0 else max(0.0, min(1.0, ((p[0] - a[0]) * dx + (p[1] - a[1]) * dy) / (dx * dx + dy * dy)))
+        best = min(best, math.hypot(p[0] - a[0] - t * dx, p[1] - a[1] - t * dy))
+    return best
+
+
+def _samples(s: dict, step: float = 4.0) -> list:
+    """A series' points, and for a line every ``step`` px along each segment."""
+    pts = s["points"]
+    if "lines" not in s["mode"]:
+        return [q for q in pts if q is not None]
+    out = []
+    for a, b in zip(pts, pts[1:]):
+        if a is None or b is None:
+            continue
+        n = max(1, int(math.hypot(b[0] - a[0], b[1] - a[1]) / step))
+        out += [[a[0] + (b[0] - a[0]) * k / n, a[1] + (b[1] - a[1]) * k / n] for k in range(n)]
+    return out + [q for q in pts[-1:] if q is not None]
+
+
+def defect_problems(page: PageLoad) -> list[str]:
+    """The figure defects a reader sees: tick labels under 10 px or running into a (subplot) title; a subplot
+    title running into a plot (the row above); a colour
+    bar longer than its plot; a note box covering a trace (a point's own label excepted); dodged markers drawn
+    over each other; a theory
+    curve hidden under its measured curve; a heatmap mostly blank."""
+    out = []
+    for f in page.figures:
+        name, w = f["panel"], page.width
+        small = sorted({t["size"] for t in f["ticks"] if t["size"] < MIN_TICK_PX})
+        if small:
+            out.append(f"{name}: tick labels of {small} px at {w} px")
+        titles = [t for t in f["texts"] if t["kind"] in ("title", "annotation")]
+        for t in f["ticks"]:
+            near = [t["box"][0] - TEXT_GAP_PX, t["box"][1] - TEXT_GAP_PX, t["box"][2] + TEXT_GAP_PX, t["box"][3] + TEXT_GAP_PX]
+            for a in titles:
+                if boxes_overlap(near, a["box"], tol=0.5):
+                    out.append(f"{name}: tick {t['text']!r} runs into {a['text'][:40]!r} at {w} px")
+                    break
+        for t in f["subtitles"]:
+            if any(boxes_overlap(t["box"], b, tol=2) for b in f["plots"]):
+                out.append(f"{name}: subplot title {t['text'][:40]!r} runs into a plot at {w} px")
+        tallest = max((b[3] - b[1] for b in f["plots"]), default=0)
+        for c in f["colorbars"]:
+            if c[3] - c[1] > max(MAX_COLORBAR_PX, tallest + 40):
+                out.append(f"{name}: colour bar {c[3] - c[1]:.0f} px long beside plots at most {tallest:.0f} px at {w} px")
+        marks = [q for s in f["series"] if "markers" in s["mode"] for q in s["points"] if q is not None]
+        for b in f["boxes"]:
+            if b["anchor"] and any(math.hypot(b["anchor"][0] - q[0], b["anchor"][1] - q[1]) <= 3 for q in marks):
+                continue  # the label of a drawn point, beside it, may sit over the lines leaving it
+            for s in f["series"]:
+                box = [b["box"][0] + 2, b["box"][1] + 2, b["box"][2] - 2, b["box"][3] - 2]
+                if any(box[0] <= q[0] <= box[2] and box[1] <= q[1] <= box[3] for q in _samples(s)):
+                    out.append(f"{name}: note {b['text'][:40]!r} covers {s['name']!r} at {w} px")
+        # markers set side by side (the same value, e.g. a "not reached" band, at dodged x) drawn over each other
+        dots = [(s, q, sz, x, y) for s in f["series"] if s["mode"] == "markers"
+                for q, sz, x, y in zip(s["points"], s["sizes"], s["x"], s["y"]) if q is not None]
+        for i, (s1, q1, z1, x1, y1) in enumerate(dots):
+            for s2, q2, z2, x2, y2 in dots[i + 1:]:
+                if s1 is not s2 and x1 != x2 and y1 == y2 and math.hypot(q1[0] - q2[0], q1[1] - q2[1]) < 0.45 * (z1 + z2):
+                    out.append(f"{name}: markers of {s1['name']!r} and {s2['name']!r} overlap at {w} px")
+        for t in f["series"]:
+            if "theory" not in t["name"] or "lines" not in t["mode"]:
+                continue
+            for m in f["series"]:
+                if m is t or m["group"] != t["group"] or m["axes"] != t["axes"] or "lines" not in m["mode"] or "theory" in m["name"]:
+                    continue
+                pts = _samples(t)
+                under = sum(_dist_to_polyline(q, m["points"]) <= 2 for q in pts)
+                if pts and under >= 0.8 * len(pts) and t["width"] <= m["width"] + 2:
+                    out.append(f"{name}: theory {t['name']!r} hidden under {m['name']!r} at {w} px")
+        for h in f["heatmaps"]:
+            if h["cells"] and h["blank"] / h["cells"] > MAX_BLANK:
+                out.append(f"{name}: heatmap {h['name'][:30]!r} {h['blank'] / h['cells']:.0%} blank at {w} px")
+    return list(dict.fromkeys(out))
+
+
 # ----------------------------------------------------------------------------- the dashboards
 
 
@@ -210,9 +301,9 @@ def test_seeds_and_recipes_are_told_apart_by_dash_or_marker(loads):
 
 
 def test_the_page_text_is_escaped_and_names_what_it_shows(loads, dashboards):
-    from plotly.offline import get_plotlyjs
+    from interp_norm.report.dashboard.page import packed_plotlyjs
 
-    html = dashboards["ours"].read_text(encoding="utf-8").replace(get_plotlyjs(), "")
+    html = dashboards["ours"].read_text(encoding="utf-8").replace(packed_plotlyjs(), "")
     assert "<img" not in html and "&lt;img src=x onerror=alert(1)&gt;" in html  # shown as text, never as markup
     mixed, hf = dashboards["mixed"].read_text(encoding="utf-8"), dashboards["hf"].read_text(encoding="utf-8")
     for page in (mixed, hf):
@@ -290,3 +381,92 @@ def test_dashboard_screenshots_are_not_blank(browser, dashboards, tmp_path):
             pos += 12 + n
         raw = zlib.decompress(idat)
         assert len(set(raw[i:i + 3] for i in range(0, len(raw), 997))) > 50  # not one flat colour
+
+
+# ----------------------------------------------------------------------------- figure defects, page weight
+
+DEFECT_WIDTHS = (1000, 1280)
+
+
+def test_no_figure_defects_at_1000_and_1280_px_with_screenshots(loads, browser, dashboards, tmp_path):
+    """Every figure of every dashboard at 1000 and 1280 px passes :func:`defect_problems`; a PNG of each
+    figure of ours at both widths goes into the test's folder (printed: look at them)."""
+    problems = [p for (kind, w), page in loads.items() if w in DEFECT_WIDTHS for p in defect_problems(page)]
+    for w in DEFECT_WIDTHS:
+        folder = tmp_path / str(w)
+        folder.mkdir()
+        for f in browser.load(dashboards["ours"], w).figures:
+            browser.figure_screenshot(folder / f"{f['id']}.png", f["id"])
+    print(f"\nscreenshots of every figure at {DEFECT_WIDTHS} px in {tmp_path}")
+    assert problems == [], "\n".join(problems[:30])
+    figs = [f for (kind, w), page in loads.items() if kind == "ours" and w in DEFECT_WIDTHS for f in page.figures]
+    # the checks had work to do: tick labels, colour bars, traces, markers side by side, theory curves, heatmaps
+    assert sum(len(f["ticks"]) for f in figs) > 400 and sum(len(f["colorbars"]) for f in figs) >= 6
+    assert sum(len(f["heatmaps"]) for f in figs) >= 10 and sum(len(f["plots"]) for f in figs) >= 80
+    assert sum(len(f["subtitles"]) for f in figs) >= 50 and sum(len(f["boxes"]) for f in figs) >= 20
+    assert sum(s["mode"] == "markers" for f in figs for s in f["series"]) >= 50
+    assert sum("theory" in s["name"] for f in figs for s in f["series"]) >= 20
+
+
+def test_the_defect_checks_catch_each_defect(browser, tmp_path):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    # a three-line subplot title over a gap too small for it runs into the row above's tick labels
+    long_title = "a title wrapped to three lines, each of them<br>long enough to cross<br>the tick labels of the row above"
+    titles = make_subplots(rows=2, cols=1, vertical_spacing=0.04, subplot_titles=["top", long_title])
+    titles.add_trace(go.Scatter(x=[1, 2], y=[1, 2], mode="markers"), row=1, col=1)
+    titles.add_trace(go.Scatter(x=[1, 2], y=[1, 2], mode="markers"), row=2, col=1)
+    titles.update_layout(height=420)
+    # 7 px tick labels; one colour bar the length of four stacked heatmaps
+    heat = make_subplots(rows=4, cols=1)
+    for r in range(4):
+        heat.add_trace(go.Heatmap(z=[[r, 1], [1, 0]], x=["a", "b"], y=["c", "d"], coloraxis="coloraxis"), row=r + 1, col=1)
+    heat.update_layout(height=1400, coloraxis=dict(colorscale="RdBu"))
+    heat.update_xaxes(tickfont=dict(size=7))
+    # a note box over a line; two dodged markers drawn over each other; a dashed theory under its measured line
+    covered = go.Figure([go.Scatter(x=[0, 1], y=[0, 1], mode="lines", name="measured A")])
+    covered.add_annotation(x=0.5, y=0.5, text="a note over the line", showarrow=False, bgcolor="white")
+    crowd = go.Figure([go.Scatter(x=[0.0, 4.0], y=[1, 2], mode="markers", name="A", marker=dict(size=12)),
+                       go.Scatter(x=[0.02, 4.02], y=[1, 3], mode="markers", name="B", marker=dict(size=12))])
+    hidden = go.Figure([go.Scatter(x=[0, 1, 2], y=[0, 1, 3], mode="lines", name="A", legendgroup="A"),
+                        go.Scatter(x=[0, 1, 2], y=[0, 1, 3], mode="lines", name="A: theory", legendgroup="A",
+                                   line=dict(dash="dash", width=2))])
+    # a heatmap two-thirds blank
+    nan = float("nan")
+    blank = go.Figure(go.Heatmap(z=[[1, nan, nan], [nan, 1, nan], [nan, nan, 1]], x=["a", "b", "c"], y=["d", "e", "f"],
+                                 name="mostly blank"))
+    page = browser.load(_page(tmp_path, [titles, heat, covered, crowd, hidden, blank], "defects"), 1000)
+    found = defect_problems(page)
+    text = "\n".join(found)
+    assert "panel 0: tick" in text and "runs into 'a title" in text, text
+    assert "panel 0: subplot title 'a title wrapped" in text, text
+    assert "panel 1: tick labels of [7] px" in text and "panel 1: colour bar" in text, text
+    assert "panel 2: note 'a note over the line' covers 'measured A'" in text, text
+    assert "panel 3: markers of 'A' and 'B' overlap" in text, text
+    assert "panel 4: theory 'A: theory' hidden under 'A'" in text, text
+    assert "panel 5: heatmap 'mostly blank' 67% blank" in text, text
+    # and the same figures drawn right pass
+    good = make_subplots(rows=2, cols=1, vertical_spacing=0.3, subplot_titles=["top", long_title])
+    good.add_trace(go.Scatter(x=[1, 2], y=[1, 2], mode="markers"), row=1, col=1)
+    good.add_trace(go.Scatter(x=[1, 2], y=[1, 2], mode="markers"), row=2, col=1)
+    good.update_layout(height=600)
+    hidden.update_traces(line=dict(width=9, dash="solid"), opacity=0.3, selector=dict(name="A: theory"))
+    crowd.update_traces(x=[0.3, 4.3], selector=dict(name="B"))
+    page = browser.load(_page(tmp_path, [good, crowd, hidden], "fixed"), 1000)
+    assert defect_problems(page) == []
+
+
+#: The quick report's page: plotly.js packed (2.0 MB) and its figures. The reference report's page (10 checkpoints,
+#: full sizes) is 3.3 MB against the 4 MB target; this one has 4 checkpoints at --quick sizes, so its figures
+#: weigh less and the same target scales to 3 MB.
+QUICK_PAGE_BYTES = 3_000_000
+
+
+def test_the_page_weighs_less_than_its_budget(dashboards):
+    from interp_norm.report.dashboard.page import packed_plotlyjs
+
+    size = dashboards["ours"].stat().st_size
+    html = dashboards["ours"].read_text(encoding="utf-8")
+    assert html.count(packed_plotlyjs()) == 1  # plotly.js once
+    assert size <= QUICK_PAGE_BYTES, f"{size:,} bytes"

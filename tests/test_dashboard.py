@@ -163,10 +163,19 @@ def test_bad_problem_string_is_a_typed_error(ckpts):
 
 
 def _without_plotlyjs(html: str) -> str:
+    """The page without its plotly.js (embedded once, gzipped and base64-encoded: the packed text is the
+    gzip of plotly.py's own bundle)."""
+    import base64
+    import gzip
+
     from plotly.offline import get_plotlyjs
 
-    js = get_plotlyjs()
+    from interp_norm.report.dashboard.page import PLOTLY_ID, packed_plotlyjs
+
+    js = packed_plotlyjs()
     assert html.count(js) == 1, "plotly.js must be embedded exactly once"
+    assert gzip.decompress(base64.b64decode(js)).decode("utf-8") == get_plotlyjs()
+    assert f'<script type="application/octet-stream" id="{PLOTLY_ID}">{js}</script>' in html
     return html.replace(js, "")
 
 
@@ -476,8 +485,9 @@ def test_attention_map_heatmap_is_the_hand_pivot_of_its_table():
     assert list(hm.y) == ["L0H3", "L1H2"] and list(hm.x) == ["ans.p0", "ans.p1", "eos"]
     z = np.array(hm.z, dtype=float)
     # by hand: L1H2 from ans.p0 attends to ans.sign in 50% (its most frequent key), from eos to ans.p1 in 12.5%
-    np.testing.assert_array_equal(z, [[np.nan, 0.75, np.nan], [0.5, np.nan, 0.125]])
-    assert hm.text[1][0] == "ans.sign" and hm.text[0][1] == "="
+    # a (head, position) the table does not list had no sparse event: 0%, marked "–" (not a blank cell)
+    np.testing.assert_array_equal(z, [[0, 0.75, 0], [0.5, 0, 0.125]])
+    assert hm.text[1][0] == "ans.sign" and hm.text[0][1] == "=" and hm.text[0][0] == hm.text[1][1] == "–"
 
 
 def test_faithfulness_bars_and_agreement_dots_show_the_table_values():

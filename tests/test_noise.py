@@ -380,7 +380,14 @@ def test_plots_build(tokens):
         return [d for d in fig.data if d.x is not None and list(d.x) != [None]]
 
     fig = plot_collapse_vs_noise(curves)
-    assert len(drawn(fig)) == 4 and {d.line.dash or "solid" for d in drawn(fig)} == {"solid", "dash"}
+    from interp_norm.report.plots.noise import THEORY_WIDTH
+
+    # measured: solid; theory: a wide pale line drawn before (under) the measured one of its series
+    assert len(drawn(fig)) == 4 and {d.line.dash or "solid" for d in drawn(fig)} == {"solid"}
+    names = [d.name for d in drawn(fig)]
+    theory = [d for d in drawn(fig) if d.name.endswith(": theory")]
+    assert len(theory) == 2 and all(d.line.width == THEORY_WIDTH and d.opacity < 0.5 for d in theory)
+    assert all(names.index(d.name) < names.index(d.name[:-len(": theory")]) for d in theory)
     assert len(drawn(plot_collapse_vs_noise(curves, layer=None))) == 12
     assert len(drawn(plot_collapse_thresholds(N.collapse_thresholds(curves)))) == 4
 

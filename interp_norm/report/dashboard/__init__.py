@@ -33,6 +33,7 @@ __all__ = [
     "page_title",
     "hf_model_names",
     "write_dashboard",
+    "report_from_folder",
 ]
 
 
@@ -87,6 +88,30 @@ def dashboard_html(report: Any, title: Optional[str] = None, strict: bool = Fals
     return render_html(sections, title=title, subtitle=subtitle, facts=facts,
                        notes=[*report.notes, *filter(None, [verdict_note(report)]),
                               *[f"figure skipped: {p}" for p in problems]], csv_links=links)
+
+
+def report_from_folder(folder: Union[str, os.PathLike]) -> Any:
+    """The report ``reproduce`` wrote to ``folder``, read back as what :func:`dashboard_html` reads (``tables``:
+    every ``<key>.csv``; ``checkpoints.csv``, ``timings.csv`` and ``run.json``'s notes as they were), so its
+    dashboard can be drawn again without analysing anything (``scripts/dashboard_screenshot.py --report``)."""
+    import json
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    folder = Path(folder)
+    if not (folder / "run.json").is_file():
+        raise OutputDirError(f"{str(folder)!r} is not a report folder (no run.json); give the folder "
+                             "'interp-norm reproduce --out' wrote")
+    special = {"checkpoints", "timings"}
+    tables = {p.stem: pd.read_csv(p) for p in sorted(folder.glob("*.csv")) if p.stem not in special}
+    ck = pd.read_csv(folder / "checkpoints.csv") if (folder / "checkpoints.csv").is_file() else pd.DataFrame()
+    timings: dict[str, float] = {}
+    if (folder / "timings.csv").is_file():
+        t = pd.read_csv(folder / "timings.csv")
+        timings = {str(k): float(v) for k, v in zip(t.iloc[:, 0], t.iloc[:, 1])}
+    notes = json.loads((folder / "run.json").read_text(encoding="utf-8")).get("notes", [])
+    return SimpleNamespace(tables=tables, checkpoints=ck, timings=timings, notes=list(notes))
 
 
 def write_dashboard(report: Any, path: Union[str, os.PathLike], **kwargs: Any) -> Path:

@@ -1,7 +1,9 @@
 """The dashboard page: panels and sections rendered as one self-contained HTML file.
 
-Self-contained: plotly.js is embedded once (no CDN, no network), each figure's JSON sits in a
-``<script type="application/json">`` block, and a small script draws them. All user text
+Self-contained: plotly.js is embedded once (no CDN, no network), gzipped (the browser unpacks it,
+:func:`packed_plotlyjs`); each figure's JSON sits in a ``<script type="application/json">`` block, its
+numbers shrunk and the plotly template held once for all (:func:`compact_spec`), and a small script
+draws them. Tables of more than :data:`FOLD_ROWS` rows sit behind a closed "data" fold. All user text
 (checkpoint names, problem strings, table cells) is HTML-escaped; figure JSON has ``<``, ``>``
 and ``&`` escaped so no string can close its ``<script>`` block.
 
@@ -12,7 +14,9 @@ any script error or failed figure occurs (``window.onerror`` is installed before
 
 from __future__ import annotations
 
+import functools
 import html
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -21,7 +25,8 @@ from typing import Any, Optional, Sequence
 import pandas as pd
 import plotly.graph_objects as go
 
-__all__ = ["ERROR_MARKER", "Panel", "Section", "render_html", "table_html"]
+__all__ = ["ERROR_MARKER", "PLOTLY_ID", "Panel", "Section", "render_html", "table_html", "packed_plotlyjs",
+           "compact_spec"]
 
 ERROR_MARKER = "[JS ERROR]"
 
@@ -35,6 +40,13 @@ class Panel:
     table: Optional[pd.DataFrame] = None
     caption: str = ""
     kind: str = "figure"  # "figure", "table" or "attention" (the explorer with selectors)
+    #: Whether the table sits behind a closed "data" fold (None: when it has more than :data:`FOLD_ROWS` rows,
+    #: or when the panel also has a figure, which is what to read; the table is its data).
+    fold: Optional[bool] = None
+
+
+#: Tables longer than this are folded away (the page is read through its figures; the rows stay one click away).
+FOLD_ROWS = 12
 
 
 @dataclass
@@ -43,6 +55,8 @@ class Section:
     intro: str = ""
     panels: list[Panel] = field(default_factory=list)
     anchor: str = ""
+    #: One sentence of what to look at, read off the data shown (:mod:`interp_norm.report.dashboard.story`).
+    lead: str = ""
 
 
 def _esc(x: Any) -> str:
@@ -80,6 +94,8 @@ table.data th{background:#eef2f8} table.data td.s{text-align:left}
 .selectors label{margin-right:14px;font-size:14px} .selectors select{margin-left:4px}
 .note{color:#8a4b00;font-size:13px} footer{color:#666;font-size:12px;max-width:1280px;margin:0 auto;padding:0 24px 30px}
 #render-status{font-size:12px;color:#666}
+details.data{margin:6px 0} details.data summary{cursor:pointer;color:#1f3b63;font-size:13px}
+p.lead{font-size:15px;margin:6px 0 4px 0}
 """
 
 # Installed before plotly.js so errors while loading it are caught too.
@@ -99,11 +115,47 @@ window.addEventListener('error', function (e) { __markError((e && e.message) || 
 window.addEventListener('unhandledrejection', function (e) { __markError('unhandled rejection: ' + (e && e.reason)); });
 """ % {"marker": ERROR_MARKER}  # noqa: UP031 (the JavaScript is full of braces)
 
+#: The id of the ``<script>`` block holding plotly.js, gzipped and base64-encoded (:func:`packed_plotlyjs`).
+PLOTLY_ID = "plotly-js-gzip"
+
+# Unpacks plotly.js in the browser (DecompressionStream: no network, no library) and runs it;
+# the figures are drawn once it has run (window.__plotlyReady).
+_UNPACK_JS = """
+window.__plotlyReady = (function () {
+  var block = document.getElementById('%(id)s');
+  if (typeof DecompressionStream === 'undefined') return Promise.reject(new Error('this browser cannot unpack the embedded plotly.js (no DecompressionStream; use a current Chromium, Firefox or Safari)'));
+  var bin = atob(block.textContent), bytes = new Uint8Array(bin.length);
+  for (var i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
+  var stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream('gzip'));
+  return new Response(stream).text().then(function (code) {
+    var s = document.createElement('script'); s.textContent = code; document.head.appendChild(s);
+    if (typeof Plotly === 'undefined') throw new Error('plotly.js did not load');
+  });
+})();
+""" % {"id": PLOTLY_ID}  # noqa: UP031
+
+
+@functools.lru_cache(maxsize=1)
+def packed_plotlyjs() -> str:
+    """plotly.js gzipped and base64-encoded: 4.8 MB of JavaScript becomes 2.0 MB of page, unpacked by the
+    browser itself when the page opens (the page stays one offline file)."""
+    import base64
+    import gzip
+
+    from plotly.offline import get_plotlyjs
+
+    return base64.b64encode(gzip.compress(get_plotlyjs().encode("utf-8"), 9, mtime=0)).decode("ascii")
+
+
 _DRAW_JS = r"""
-(function () {
+window.__plotlyReady.then(function () {
   var figs = document.querySelectorAll('div.figure[data-fig]');
   var st = document.getElementById('render-status');
-  var done = 0, ok = 0;
+  var done = 0, ok = 0, templates = {};
+  function template(id) {  // each distinct plotly template is on the page once, parsed once
+    if (!(id in templates)) templates[id] = JSON.parse(document.getElementById(id).textContent);
+    return templates[id];
+  }
   st.setAttribute('data-expected', String(figs.length));
   function finish() {
     done += 1;
@@ -137,6 +189,8 @@ _DRAW_JS = r"""
   figs.forEach(function (div) {
     try {
       var spec = JSON.parse(document.getElementById(div.getAttribute('data-fig')).textContent);
+      var tid = div.getAttribute('data-template');
+      if (tid) spec.layout.template = template(tid);
       var cfg = {responsive: true, displaylogo: false, toImageButtonOptions: {format: 'png'}};
       Plotly.newPlot(div, spec.data, spec.layout, cfg).then(function () {
         var n = div.querySelectorAll('svg.main-svg').length;
@@ -189,14 +243,75 @@ _DRAW_JS = r"""
       });
     }
   }
-})();
+}, function (err) {
+  __markError('plotly.js: ' + (err && err.message || err));
+  var st = document.getElementById('render-status');
+  st.setAttribute('data-complete', '1'); st.textContent = 'figures not drawn: ' + (err && err.message || err);
+});
 """
 
 
-def _json_for_script(fig: go.Figure) -> str:
-    """Figure JSON that is safe inside <script>: no '<', '>' or '&' survive unescaped."""
-    s = fig.to_json()
+def _safe_json(obj: Any) -> str:
+    """JSON that is safe inside <script>: no '<', '>' or '&' survive unescaped."""
+    s = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     return s.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
+
+
+def _json_for_script(fig: go.Figure) -> str:
+    """The figure's JSON as :func:`compact_spec` shrinks it (template included), safe inside <script>."""
+    spec, template = compact_spec(fig)
+    if template is not None:
+        spec["layout"]["template"] = template
+    return _safe_json(spec)
+
+
+#: Significant digits kept of every number the page draws: a figure shows 3-4 (ticks, hover), so 6 lose nothing seen.
+DIGITS = 6
+
+
+def _shrink_array(a: dict) -> dict:
+    """A plotly typed array (``{"dtype", "bdata"[, "shape"]}``) in the smallest dtype that keeps its
+    values to :data:`DIGITS` significant digits: integers in the narrowest integer type, floats as float32
+    (7 digits; NaN stays NaN)."""
+    import base64
+
+    import numpy as np
+
+    v = np.frombuffer(base64.b64decode(a["bdata"]), dtype=np.dtype(a["dtype"]))
+    if v.dtype.kind == "f" and v.size and np.isfinite(v).all() and (v == np.round(v)).all() and np.abs(v).max() < 2 ** 31:
+        v = v.astype(np.int64)  # whole numbers (layers, steps) stored as floats
+    if v.dtype.kind in "iu" and v.size:
+        lo, hi = int(v.min()), int(v.max())
+        for t in ("i1", "u1", "i2", "u2", "i4", "u4"):
+            info = np.iinfo(t)
+            if info.min <= lo and hi <= info.max:
+                v = v.astype(t)
+                break
+    elif v.dtype == np.float64:
+        v = v.astype(np.float32)
+    out = dict(a, dtype=v.dtype.str.lstrip("<|="), bdata=base64.b64encode(v.tobytes()).decode("ascii"))
+    return out
+
+
+def _shrink(x: Any) -> Any:
+    """Every number of a figure's JSON to :data:`DIGITS` significant digits, typed arrays in their smallest dtype."""
+    if isinstance(x, dict):
+        if "bdata" in x and "dtype" in x:
+            return _shrink_array(x)
+        return {k: _shrink(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_shrink(v) for v in x]
+    if isinstance(x, float) and math.isfinite(x):
+        return float(f"{x:.{DIGITS}g}")
+    return x
+
+
+def compact_spec(fig: go.Figure) -> tuple[dict, Optional[dict]]:
+    """``({"data", "layout"}, template)``: the figure's JSON without its template (the page holds each
+    distinct template once; plotly.py repeats ~7 kB of it in every figure), numbers shrunk by :func:`_shrink`."""
+    spec = json.loads(fig.to_json())
+    template = spec.get("layout", {}).pop("template", None)
+    return {"data": _shrink(spec.get("data", [])), "layout": _shrink(spec.get("layout", {}))}, template
 
 
 def _fmt_cell(v: Any, col: str) -> tuple[str, bool]:
@@ -269,21 +384,20 @@ def render_html(
     csv_links: Sequence[str] = (),
 ) -> str:
     """The self-contained page: CSS, error hooks, plotly.js (once), figures as JSON, the draw script."""
-    from plotly.offline import get_plotlyjs
-
     body, nav, n = [], [], 0
+    templates: dict[str, str] = {}  # template JSON -> its id: each distinct template once on the page
     for si, sec in enumerate(sections):
         anchor = sec.anchor or f"section-{si}"
         nav.append(f'<a href="#{_esc(anchor)}">{_esc(sec.title)}</a>')
         parts = [f'<section id="{_esc(anchor)}"><h2>{_esc(sec.title)}</h2>']
+        if sec.lead:
+            parts.append(f'<p class="lead">{_esc(sec.lead)}</p>')
         if sec.intro:
             parts.append(f'<p class="caption">{_esc(sec.intro)}</p>')
         for p in sec.panels:
             if p is None:
                 continue
             parts.append(f'<div class="panel"><h3>{_esc(p.title)}</h3>')
-            if p.table is not None:
-                parts.append(table_html(p.table))
             if p.figure is not None:
                 n += 1
                 fid = f"fig-{n}"
@@ -291,8 +405,16 @@ def render_html(
                 if p.kind == "attention":
                     fig.layout.updatemenus = ()  # the page's selectors replace the notebook dropdown
                     parts.append(f'<div class="selectors" id="{fid}-selectors"></div>')
-                parts.append(f'<div class="figure" id="{fid}" data-fig="{fid}-json" data-kind="{_esc(p.kind)}"></div>')
-                parts.append(f'<script type="application/json" id="{fid}-json">{_json_for_script(fig)}</script>')
+                spec, template = compact_spec(fig)
+                tid = templates.setdefault(_safe_json(template), f"template-{len(templates) + 1}") if template else ""
+                parts.append(f'<div class="figure" id="{fid}" data-fig="{fid}-json" data-kind="{_esc(p.kind)}" '
+                             f'data-template="{tid}"></div>')
+                parts.append(f'<script type="application/json" id="{fid}-json">{_safe_json(spec)}</script>')
+            if p.table is not None:
+                fold = p.fold if p.fold is not None else (len(p.table) > FOLD_ROWS or p.figure is not None)
+                table = table_html(p.table)
+                parts.append(f'<details class="data"><summary>data: {len(p.table)} rows × {len(p.table.columns)} '
+                             f'columns</summary>{table}</details>' if fold else table)
             if p.caption:
                 parts.append(f'<p class="caption">{_esc(p.caption)}</p>')
             parts.append("</div>")
@@ -310,12 +432,14 @@ def render_html(
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{_esc(title)}</title>"
         f"<style>{_CSS}</style><script>{_ERROR_JS}</script>"
-        f"<script>{get_plotlyjs()}</script></head><body>"
+        f'<script type="application/octet-stream" id="{PLOTLY_ID}">{packed_plotlyjs()}</script>'
+        f"<script>{_UNPACK_JS}</script></head><body>"
         f"<header><h1>{_esc(title)}</h1><p>{_esc(subtitle)}</p><p>{fact_html}</p></header>"
         f"<nav>{''.join(nav)}<span id=\"render-status\" data-expected=\"{n}\" data-rendered=\"0\" data-errors=\"0\">"
         "rendering…</span></nav>"
         f"<main>{note_html}{''.join(body)}</main><footer>{links}<p>Generated by interp_norm "
         "(offline: plotly.js is embedded; no network access is needed).</p></footer>"
-        f"<script>{_DRAW_JS}</script></body></html>\n"
+        + "".join(f'<script type="application/json" id="{tid}">{t}</script>' for t, tid in templates.items())
+        + f"<script>{_DRAW_JS}</script></body></html>\n"
     )
 

@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 
 from interp_norm.report import plots
 from interp_norm.report.dashboard.page import Panel, Section, _esc, _escape_variants
+from interp_norm.report.plots.geometry import TICK_PX
 
 __all__ = ["SECTIONS", "section", "models", "attention", "circuits", "noise", "collapse", "forward_collapse",
            "temperature", "geometry", "noise_decomposition", "collapse_consequence", "models_finding"]
@@ -30,11 +31,14 @@ SECTIONS: dict[str, tuple[str, str]] = {
                  "activation restores the clean answer, 0 = no effect. The circuit keeps the strongest edges "
                  "by EAP-IG (attribution patching with integrated gradients); faithfulness is the share of the "
                  "metric it recovers when every other edge is ablated."),
-    "noise": ("Norm noise and circuit collapse",
-              "Multiplicative noise (1+κ) on the norms of queries, keys and values (all layers at once "
-              "for accuracy; each layer on its clean inputs for collapse). Under QKV-Norm the per-head norm "
-              "removes noise placed before it, so its curves stay flat; the 'noise after norm' series asks "
-              "how fragile its attention would be otherwise. Dashed: the theory's prediction."),
+    "noise": ("Norm noise",
+              "Multiplicative noise (1+κ) on the norms of queries, keys and values, in all layers at once. Under "
+              "QKV-Norm the per-head norm removes noise placed before it, so its curves stay flat; the 'noise after "
+              "norm' series asks how fragile its attention would be otherwise."),
+    "collapse": ("Circuit collapse",
+                 "A sparse attention row (max weight ≥ 95%) collapses when noise moves its argmax (loose) or drops "
+                 "its max below 95% (strict); each layer is noised on its clean inputs. Wide pale lines: the theory's "
+                 "prediction, computed from the clean scores alone."),
     "controls": ("Controls", "Tests of the collapse theory against something it does not compute itself, and "
                  "the mechanism behind the collapse level. The matched-count control is the fourth panel of "
                  "'Accuracy vs noise' above: noising as many non-sparse rows as there are sparse ones."),
@@ -60,7 +64,7 @@ def models(T: dict, panel: Build, csv: bool = True) -> list[Section]:
     """The model card (evaluation beside the paper's numbers), accuracy per split, training loss."""
     panels: list[Optional[Panel]] = []
     if "model_card" in T:
-        panels.append(Panel("Model card", table=_compact_card(T["model_card"]), kind="table",
+        panels.append(Panel("Model card", table=_compact_card(T["model_card"]), kind="table", fold=False,
                             caption="One column per checkpoint. Per-token accuracy (teacher-forced, answer tokens "
                                     "including ']'), exact match (greedy generation); paper_*: the paper's per-token "
                                     "accuracy." + (" Every field is in model_card.csv." if csv else "")))
@@ -150,7 +154,7 @@ def collapse(T: dict, panel: Build, csv: bool = True) -> list[Section]:
         top = float(T["collapse"]["level"].max()) if "collapse" in T and len(T["collapse"]) else None
         panels.append(panel("1% collapse levels", lambda: plots.plot_collapse_thresholds(_escape_variants(th),
                                                                                          max_level=top)))
-    out = section("noise", panels)
+    out = section("collapse", panels)
     th = T.get("collapse_thresholds")
     if th is not None and "effective_heads" in th.columns:
         v = th[(th["layer"].astype(str) == "all") & (th["definition"] == "loose")]
@@ -171,7 +175,7 @@ def forward_collapse(T: dict, panel: Build, csv: bool = True) -> list[Section]:
         _escape_variants(T["forward_collapse"]),
         title="Collapse seen in the real forward pass (all layers noised at once) vs the per-layer theory"),
         caption="Measured: sparse rows of the clean run whose argmax moved in the actual noisy run "
-                "(downstream layers see upstream noise). Dashed: the theory applied to each layer's clean "
+                "(downstream layers see upstream noise). Wide pale lines: the theory applied to each layer's clean "
                 "scores. A gap is evidence about the model (noise compounds across layers), not a bug.")])
 
 
@@ -216,6 +220,7 @@ def geometry(T: dict, panel: Build, csv: bool = True) -> list[Section]:
     geo = {k[len("geometry_"):]: v for k, v in T.items() if k.startswith("geometry_")}
     if not geo:
         return []
+    where = " (every checkpoint: geometry_{}.csv)." if csv else "."
     panels: list[Optional[Panel]] = []
     if "norm_spread" in geo:
         panels.append(panel("Norm spread by layer", lambda: plots.plot_norm_spread(
@@ -227,12 +232,14 @@ def geometry(T: dict, panel: Build, csv: bool = True) -> list[Section]:
         panels.append(panel("Orthogonal spheres", lambda: plots.plot_sphere_scores(
             _escape_variants(geo["sphere_scores"])).update_xaxes(tickmode="linear", dtick=1)))
     if "sphere_pairs" in geo:
-        sp = geo["sphere_pairs"]
+        sp, shown = _first_per_variant(geo["sphere_pairs"])
         layer = int(sp["layer"].max())
-        panels.append(panel("Component overlap", lambda: plots.plot_component_cosines(_escape_variants(sp), layer)))
+        panels.append(panel("Component overlap", lambda: plots.plot_component_cosines(_escape_variants(sp), layer),
+                            caption=shown + where.format("sphere_pairs")))
     if "subspace_angles" in geo:
-        sa = geo["subspace_angles"]
-        panels.append(panel("Subspace angles", lambda: plots.plot_subspace_angles(_escape_variants(sa))))
+        sa, shown = _first_per_variant(geo["subspace_angles"])
+        panels.append(panel("Subspace angles", lambda: plots.plot_subspace_angles(_escape_variants(sa)),
+                            caption=shown + where.format("subspace_angles")))
     if "interference" in geo:
         panels.append(panel("Direct interference", lambda: plots.plot_interference(_escape_variants(geo["interference"]))))
     if "ellipsoid_axes" in geo:
@@ -320,6 +327,22 @@ def _compact_card(card: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["field", *dict.fromkeys(card["checkpoint"].astype(str))])
 
 
+def _first_per_variant(df: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The rows of the first checkpoint of each variant (its other seeds and recipes repeat the picture at the
+    size of a page), and a sentence saying which are shown."""
+    from interp_norm.report.plots._style import base_variant
+
+    if "variant" not in df.columns:
+        return df, ""
+    names = list(dict.fromkeys(df["variant"].astype(str)))
+    keep = list({(base_variant(v) or v): v for v in reversed(names)}.values())[::-1]
+    keep = [v for v in names if v in set(keep)]
+    if len(keep) == len(names):
+        return df, ""
+    return df[df["variant"].astype(str).isin(keep)], ("One checkpoint per variant: " + ", ".join(keep)
+                                                      + f" (of {len(names)})")
+
+
 def _n_head_rows(heads: pd.DataFrame) -> int:
     if not {"layer", "head"} <= set(heads.columns):
         return 4
@@ -337,11 +360,11 @@ def _label_heatmap_axes(fig: go.Figure, row_height: int = 0) -> go.Figure:
         x = [str(v) for v in tr.x] if tr.x is not None else []
         y = [str(v) for v in tr.y] if tr.y is not None else []
         heads_on_x = bool(x) and all(v.startswith("H") for v in x)
-        xa.update(tickmode="array", tickvals=x, ticktext=x, tickfont=dict(size=8),
+        xa.update(tickmode="array", tickvals=x, ticktext=x, tickfont=dict(size=TICK_PX),
                   title=dict(text="head" if heads_on_x else "position (token·index)" if x != ["all"] else "",
                              font=dict(size=10)))
         per_head = bool(y) and all("H" in v for v in y)
-        ya.update(tickmode="array", tickvals=y, ticktext=y, tickfont=dict(size=8),
+        ya.update(tickmode="array", tickvals=y, ticktext=y, tickfont=dict(size=TICK_PX),
                   title=dict(text="layer·head" if per_head else "layer", font=dict(size=10)))
     if row_height:
         lay = fig.layout.to_plotly_json()

@@ -17,14 +17,16 @@ from interp_norm.report import plots
 from interp_norm.report.dashboard.attribution_error import attribution_error_section
 from interp_norm.report.dashboard.page import Panel, Section
 from interp_norm.report.dashboard.panels import models_finding
+from interp_norm.report.dashboard.story import lead
 from interp_norm.report.plots._style import fit_layout
 
 __all__ = ["figure_sections", "models_finding", "PAGE_ORDER"]
 
-#: Where each section sits on the page (anchors; sections a registered analysis adds come after these).
-PAGE_ORDER = ("verdicts", "models", "attention", "circuits", "attribution-error", "noise", "seeds", "controls", "controls-23",
-              "seed-comparisons",
-              "geometry")
+#: Where each section sits on the page (anchors; sections a registered analysis adds come after these, the
+#: real-model section last): what is established first, then the paper's chain models → circuits → noise →
+#: collapse → geometry, then the evidence over seeds and the controls.
+PAGE_ORDER = ("verdicts", "models", "attention", "circuits", "addition-circuit", "attribution-error", "noise",
+              "collapse", "geometry", "seeds", "seed-comparisons", "controls", "controls-23")
 
 
 def figure_sections(report: Any, strict: bool = False, csv: bool = True) -> tuple[list[Section], list[str]]:
@@ -70,6 +72,13 @@ def figure_sections(report: Any, strict: bool = False, csv: bool = True) -> tupl
     real = real_model_section(report, panel)
     if real is not None:
         sections.append(real)
+    for s in sections:
+        try:
+            s.lead = s.lead or lead(s.anchor, T)
+        except Exception as e:
+            if strict:
+                raise
+            problems.append(f"{s.title}: opening sentence: {type(e).__name__}: {e}")
     return sections, problems
 
 

@@ -200,6 +200,7 @@ _NO_LEGEND = frozenset({"heatmap", "heatmapgl", "contour", "histogram2d", "histo
 NARROW_PX = 920
 _CHAR_PX = 7.5  # mean width of a 12 px character (DejaVu Sans / system-ui), rounded up
 _TAG = re.compile(r"<[^>]+>")
+_SPACE_OUTSIDE_TAGS = re.compile(r" (?![^<]*>)")  # a line may break at a space, never inside <span style=...>
 
 
 def row_gap(rows: int, height: float, gap_px: float, cap: float) -> float:
@@ -229,7 +230,7 @@ def wrap(text: str, max_px: float, size: float = 12) -> str:
 
     for para in str(text).split("<br>"):
         line = ""
-        for word in (p for w in para.split(" ") for p in pieces(w)):
+        for word in (p for w in _SPACE_OUTSIDE_TAGS.split(para) for p in pieces(w)):
             if line and text_px(line + " " + word, size) > max_px:
                 lines.append(line)
                 line = word

@@ -46,18 +46,21 @@ def plot_patching_heatmap(
     panels = list(dict.fromkeys(zip(df["variant"], df["activation"], df["by"])))
     variants = list(dict.fromkeys(df["variant"]))
     acts = list(dict.fromkeys(zip(df["activation"], df["by"])))
-    height = max(340, 330 * len(variants))
+    # sized to the content: each row of panels as tall as its grid's rows need (24 px each, at least 150 px),
+    # plus the gap for the position labels and the next row's titles
+    n_y = max(len(set(_row_keys(g))) for _, g in df.groupby(["variant", "activation", "by"], sort=False))
+    plot_px, gap_px = max(150, 24 * n_y), 120
+    height = 110 + len(variants) * (plot_px + gap_px)
     fig = make_subplots(
         rows=len(variants), cols=len(acts), horizontal_spacing=0.06,
-        vertical_spacing=row_gap(len(variants), height, 110, 0.2),
+        vertical_spacing=row_gap(len(variants), height, gap_px, 0.5),
         subplot_titles=[
             (f"{escape(v)}: " if v else "") + f"{escape(a)}" + (f" ({escape(b)})" if b else "")
             for v in variants for a, b in acts
         ],
     )
     vals = df[value].to_numpy(dtype=float)
-    lim = float(np.nanmax(np.abs(vals))) if np.isfinite(vals).any() else 1.0
-    lim = lim if lim > 0 else 1.0
+    lo, hi = _colour_range(vals, unit=value == "normalized")
     for v, a, b in panels:
         g = df[(df["variant"] == v) & (df["activation"] == a) & (df["by"] == b)]
         has_pos = "pos" in g.columns and g["pos"].notna().any()
@@ -84,11 +87,48 @@ def plot_patching_heatmap(
         )
     fig.update_layout(
         title=title or f"Activation patching (clean → corrupted), {value}",
-        coloraxis=dict(colorscale="RdBu", cmid=0, cmin=-lim, cmax=lim, colorbar=dict(title=value)),
+        coloraxis=dict(colorscale=_diverging(lo, hi), cmin=lo, cmax=hi,
+                       colorbar=dict(title=value, lenmode="pixels", len=min(300, height - 120), yanchor="top", y=1,
+                                     thickness=14)),
         height=height,
     )
     fig.update_yaxes(autorange="reversed")
     return fig
+
+
+def _row_keys(g: pd.DataFrame) -> pd.Series:
+    """The row label of each patching result: ``L1H2`` for per-position head results, else ``L1``."""
+    lay = g["layer"].astype(int).astype(str).radd("L")
+    has_pos = "pos" in g.columns and g["pos"].notna().any()
+    if has_pos and "head" in g.columns and g["head"].notna().any():
+        return lay + g["head"].astype(int).astype(str).radd("H")
+    return lay
+
+
+def _colour_range(vals: np.ndarray, unit: bool) -> tuple[float, float]:
+    """The colour bar's range: the data's, widened to 0…1 for a normalised effect (0 = no effect, 1 =
+    clean restored), never a symmetric −1…1 for values that are mostly in 0…1."""
+    v = vals[np.isfinite(vals)]
+    lo, hi = (float(v.min()), float(v.max())) if len(v) else (0.0, 1.0)
+    lo, hi = min(lo, 0.0), max(hi, 1.0 if unit else 0.0)
+    return (lo, hi) if hi > lo else (lo - 1.0, hi + 1.0)
+
+
+def _diverging(lo: float, hi: float) -> list:
+    """RdBu's ends with white at 0 wherever 0 falls in [lo, hi]: blue = restores, red = the opposite,
+    each end as deep as its own extreme (|lo| and hi need not match)."""
+    red, white, blue = (178, 24, 43), (247, 247, 247), (33, 102, 172)
+    span = max(-lo, hi)
+
+    def mix(a: tuple, t: float) -> str:
+        return "rgb({},{},{})".format(*(round(w + (c - w) * t) for c, w in zip(a, white)))
+
+    z = -lo / (hi - lo)
+    if z <= 0:
+        return [[0, mix(blue, lo / span)], [1, mix(blue, 1.0)]]
+    if z >= 1:
+        return [[0, mix(red, 1.0)], [1, mix(red, -hi / span)]]
+    return [[0, mix(red, -lo / span)], [z, mix(red, 0.0)], [1, mix(blue, hi / span)]]
 
 
 def _node_layer(name: str) -> float:
@@ -206,6 +246,23 @@ def _layered_graph(
 INPUT_COLOURS: dict[str, str] = {"q": "#ff7f0e", "k": "#17becf", "v": "#8c564b", "mlp": "#7f7f7f", "logits": "#000000"}
 # where an edge into a head's q / k / v ends: three ports under the head, so k and v edges never overlap
 _PORT = {"q": -0.22, "k": 0.0, "v": 0.22}
+_PORT_DROP = 0.18  # how far below its head a port sits (data units: a layer's attention and MLP rows are 0.6 apart)
+
+
+def _draw_ports(fig: go.Figure, edges: Any, pos: Any) -> None:
+    """The q / k / v ports the edges end at, drawn first (under the arrowheads), each tied to its head."""
+    ports = sorted({(receiver_node(r), receiver_input(r)) for _, r in edges if receiver_input(r) in _PORT})
+    for node, inp in ports:
+        x, y = pos(node)
+        fig.add_trace(go.Scatter(x=[x, x + _PORT[inp]], y=[y, y - _PORT_DROP], mode="lines", hoverinfo="skip",
+                                 line=dict(color="#999", width=1), showlegend=False))
+    if ports:
+        px, py = zip(*((pos(n)[0] + _PORT[i], pos(n)[1] - _PORT_DROP) for n, i in ports))
+        fig.add_trace(go.Scatter(
+            x=px, y=py, mode="markers+text", text=[i for _, i in ports], textposition="middle center",
+            textfont=dict(size=10, color="white"), hovertext=[f"{n}: {i} input" for n, i in ports], hoverinfo="text",
+            marker=dict(symbol="square", size=13, color=[INPUT_COLOURS[i] for _, i in ports], line=dict(width=0)),
+            showlegend=False, name="ports"))
 
 
 def draw_circuit(circuit: Any, title: Optional[str] = None) -> go.Figure:
@@ -235,11 +292,12 @@ def draw_circuit(circuit: Any, title: Optional[str] = None) -> go.Figure:
     fig = go.Figure()
     scores = [abs(v) for v in circuit.scores.values() if np.isfinite(v)]
     smax = max(scores) if scores else 1.0
+    _draw_ports(fig, circuit.edges, pos)
     for u, r in sorted(circuit.edges):
         inp = receiver_input(r)
         (x0, y0), (x1, y1) = pos(u), pos(receiver_node(r))
         if inp in _PORT:
-            x1, y1 = x1 + _PORT[inp], y1 - 0.18
+            x1, y1 = x1 + _PORT[inp], y1 - _PORT_DROP
         else:
             y1 -= 0.12
         y0 += 0.1
@@ -468,19 +526,21 @@ def plot_attention_map(table: pd.DataFrame, split: Optional[str] = None, cols: i
         g = df[df["variant"] == v]
         top = g.sort_values("frequency", ascending=False).drop_duplicates(["layer", "head", "query"])
         heads = heads_of[v]
-        z = np.full((len(heads), len(queries)), np.nan)
-        text = [["" for _ in queries] for _ in heads]
+        z = np.zeros((len(heads), len(queries)))  # a head the table does not list at a position: sparse in 0%
+        text = [["–" for _ in queries] for _ in heads]
         for rec in top.itertuples():
             a, b = heads.index((int(rec.layer), int(rec.head))), queries.index(rec.query)
             z[a, b] = rec.frequency
             text[a][b] = escape(rec.key)
         fig.add_trace(go.Heatmap(z=z, x=[escape(q) for q in queries], y=[f"L{l}H{h}" for l, h in heads], text=text,
-                                 texttemplate="%{text}", textfont=dict(size=9), coloraxis="coloraxis",
+                                 texttemplate="%{text}", textfont=dict(size=10), coloraxis="coloraxis",
                                  hovertemplate="%{y} from %{x}: attends to %{text} in %{z:.0%} of problems<extra></extra>"),
                       row=i // ncols + 1, col=i % ncols + 1)
-    fig.update_yaxes(autorange="reversed", tickfont=dict(size=9))
-    fig.update_xaxes(tickfont=dict(size=9))
+    fig.update_yaxes(autorange="reversed", tickfont=dict(size=10))
+    fig.update_xaxes(tickfont=dict(size=10))
     fig.update_layout(title=title or "Sparse attention from the answer positions: which head attends to which token"
-                      + (f" ({escape(split)} split)" if split else ""), height=height,
-                      coloraxis=dict(colorscale="Blues", cmin=0, cmax=1, colorbar=dict(title="share", tickformat=".0%")))
+                      + (f" ({escape(split)} split)" if split else "") + " (–: never sparse there)", height=height,
+                      coloraxis=dict(colorscale="Blues", cmin=0, cmax=1,
+                                     colorbar=dict(title="share", tickformat=".0%", lenmode="pixels",
+                                                   len=min(300, panel_h), yanchor="top", y=1, thickness=14)))
     return fig

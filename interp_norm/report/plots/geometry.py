@@ -137,6 +137,20 @@ def _square(df: pd.DataFrame, value: str) -> pd.DataFrame:
     return full.pivot_table(index="a", columns="b", values=value, aggfunc="mean").reindex(index=names, columns=names)
 
 
+def _rect(df: pd.DataFrame, value: str) -> pd.DataFrame:
+    """The pair table as a matrix with no block left blank: rows are the subspaces that are compared with
+    every other (column ``a``: the residual components), columns every subspace (components first, then the
+    head read spaces, which are compared with the components only); a row or column with no value is dropped."""
+    mat = _square(df, value)
+    rows = [n for n in dict.fromkeys(df["a"]) if n in mat.index]
+    cols = rows + [n for n in mat.columns if n not in set(rows)]
+    return mat.reindex(index=rows, columns=cols).dropna(how="all", axis=0).dropna(how="all", axis=1)
+
+
+#: Smallest tick-label font of a heatmap (px): every row and column is labelled, so the rows get taller instead.
+TICK_PX = 10
+
+
 def _empty_block_note(mat: pd.DataFrame) -> Optional[tuple[str, str, str]]:
     """(x, y, text) for an annotation centred on the block of pairs the analysis did not compute."""
     empty = mat.isna().to_numpy().copy()
@@ -160,11 +174,12 @@ def _heatmap_grid(mats: Sequence[tuple[str, pd.DataFrame]], title: str, zrange: 
     titles on every panel, and blocks that were not computed marked as such."""
     rows = -(-len(mats) // cols)
     ncols = min(cols, len(mats))
-    height = max(420, (panel_height + 150) * rows + 60)
+    longest = max((len(str(n)) for _, m in mats for n in [*m.index, *m.columns]), default=4)
+    gap = 60 + 7 * longest  # the x tick labels (vertical) and axis title under each panel
+    height = max(300, panel_height * rows + gap * rows + 40)
     fig = make_subplots(rows=rows, cols=ncols, subplot_titles=[escape(v) for v, _ in mats],
-                        horizontal_spacing=0.16, vertical_spacing=row_gap(rows, height, 190, 0.3))
-    n_max = max(len(m) for _, m in mats)
-    font = 9 if n_max <= 24 else 8 if n_max <= 40 else 7
+                        horizontal_spacing=0.16, vertical_spacing=row_gap(rows, height, gap + 30, 0.3))
+    font = TICK_PX
     for i, (v, mat) in enumerate(mats):
         r, c = i // ncols + 1, i % ncols + 1
         x, y = [str(n) for n in mat.columns], [str(n) for n in mat.index]
@@ -180,7 +195,10 @@ def _heatmap_grid(mats: Sequence[tuple[str, pd.DataFrame]], title: str, zrange: 
             fig.add_annotation(x=note[0], y=note[1], xref=f"x{k}", yref=f"y{k}", text=note[2], showarrow=False,
                                font=dict(size=10, color="#444"), bgcolor="rgba(255,255,255,0.85)")
     fig.update_layout(title=title, height=height,
-                      coloraxis=dict(colorscale="Viridis", cmin=zrange[0], cmax=zrange[1], colorbar=dict(title=colour_title)))
+                      coloraxis=dict(colorscale="Viridis", cmin=zrange[0], cmax=zrange[1],
+                                     colorbar=dict(title=dict(text=colour_title, side="right"), lenmode="pixels",
+                                                   len=min(320, panel_height),
+                                                   yanchor="top", y=1, thickness=14)))
     return fig
 
 
@@ -194,19 +212,20 @@ def plot_component_cosines(pairs: pd.DataFrame, layer: int, variant: Optional[st
     n = max((len(m) for _, m in mats), default=0)
     return _heatmap_grid(mats, f"Mean |cos| between the residual components at the input of layer {layer} "
                          "(orthogonal spheres need ≈ 0 off the diagonal)", (0, 1), "mean |cos|",
-                         "residual component", panel_height=max(380, 200 + 14 * n))
+                         "residual component", panel_height=max(300, 40 + (TICK_PX + 4) * n))
 
 
 def plot_subspace_angles(angles: pd.DataFrame, value: str = "min_angle") -> go.Figure:
     """Heatmap of principal angles (degrees; ``min_angle``/``mean_angle``) or ``overlap`` between
     subspaces (residual components and each head's q/k/v read space), one panel per model."""
     df = _variant(angles)
-    mats = [(str(v), _square(g, value)) for v, g in df.groupby("variant", sort=False)]
+    mats = [(str(v), _rect(g, value)) for v, g in df.groupby("variant", sort=False)]
     rng = (0, 1) if value == "overlap" else (0, 90)
     what = {"min_angle": "smallest principal angle (°)", "mean_angle": "mean principal angle (°)"}.get(value, value)
     n = max((len(m) for _, m in mats), default=0)
-    return _heatmap_grid(mats, f"Subspaces of the residual stream: {what} between components and head q/k/v read spaces",
-                         rng, what.split(" (")[0], "subspace", panel_height=max(420, 220 + 13 * n))
+    return _heatmap_grid(mats, f"Subspaces of the residual stream: {what} between components (rows) and "
+                         "components or head q/k/v read spaces (columns)", rng, what.split(" (")[0], "subspace",
+                         cols=1, panel_height=max(160, 20 + (TICK_PX + 4) * n))
 
 
 def plot_interference(interference: pd.DataFrame, value: str = "mean_tv") -> go.Figure:
@@ -242,46 +261,56 @@ def plot_interference(interference: pd.DataFrame, value: str = "mean_tv") -> go.
 
 
 def plot_ellipsoid_axes(axes: pd.DataFrame) -> go.Figure:
-    """Semi-axis spectra of every norm's image ellipsoid (flat at √N for unit gains): one panel per
-    norm (``ln1:q`` ... ``ln_final``), colour = variant, marker = seed, dash = layer; a norm a variant does not have
-    (e.g. ln1 outside Pre-Norm, which normalises per head instead) is named on its panel."""
+    """Semi-axis spectra of every norm's image ellipsoid (flat at √N for unit gains) as small multiples: one
+    row per norm (``ln1:q`` ... ``ln2``), one column per layer (the final norm in its own column), one line per
+    series (colour = variant, dash and marker = seed). A norm only some variants have (ln1 is Pre-Norm's;
+    the others normalise per head instead) says so in its row's first title."""
     df = _variant(axes).copy()
     mod = df["module"].astype(str)
     df["layer"] = mod.str.extract(r"blocks\.(\d+)\.", expand=False).fillna("final")
     df["norm"] = mod.str.replace(r"^blocks\.\d+\.", "", regex=True) + np.where(df["gain_row"].astype(str) == "all", "",
                                                                               ":" + df["gain_row"].astype(str))
-    norms = list(dict.fromkeys(df["norm"]))
     variants = list(dict.fromkeys(df["variant"]))
-    layers = list(dict.fromkeys(df["layer"]))
-    dashes = dict(zip(layers, ("solid", "dot", "dash", "dashdot", "longdash", "longdashdot") * 8))
-    ncols = min(3, len(norms))
-    nrows = -(-len(norms) // ncols)
-    fig = make_subplots(rows=nrows, cols=ncols, subplot_titles=[escape(n) for n in norms], shared_yaxes=True,
-                        horizontal_spacing=0.05, vertical_spacing=row_gap(nrows, 330 * nrows + 120, 110, 0.14))
+    bases = list(dict.fromkeys(base_variant(v) or v for v in variants))
+    layers = list(dict.fromkeys(l for l in df["layer"] if l != "final"))
+    cols = layers + (["final"] if (df["layer"] == "final").any() else [])
+    norms = list(dict.fromkeys(df.loc[df["layer"] != "final", "norm"])) or ["final"]
+    slots: dict[tuple[int, int], tuple[str, str]] = {}
+    for r, n in enumerate(norms):
+        for c, l in enumerate(cols):
+            if l == "final":
+                if r == len(norms) - 1:  # the final norm sits at the end of the last row
+                    slots[(r, c)] = (str(df.loc[df["layer"] == "final", "norm"].iloc[0]), "final")
+            elif ((df["norm"] == n) & (df["layer"] == l)).any():
+                slots[(r, c)] = (n, l)
+    titles = []
+    for r, n in enumerate(norms):
+        have = list(dict.fromkeys(base_variant(v) or v for v in df.loc[df["norm"] == n, "variant"]))
+        only = f" ({', '.join(map(escape, have))} only)" if len(have) < len(bases) else ""
+        for c in range(len(cols)):
+            if (r, c) not in slots:
+                titles.append("")
+                continue
+            norm, l = slots[(r, c)]
+            titles.append(escape(norm) if l == "final" else f"{escape(norm)}, layer {l}" + (only if c == 0 else ""))
+    nrows, panel_px = len(norms), 190
+    height = 130 + nrows * (panel_px + 60)
+    fig = make_subplots(rows=nrows, cols=len(cols), subplot_titles=titles, shared_yaxes=True, shared_xaxes=True,
+                        horizontal_spacing=0.04, vertical_spacing=row_gap(nrows, height, 60, 0.14))
     shown: set = set()
-    for i, n in enumerate(norms):
-        r, c = i // ncols + 1, i % ncols + 1
-        g = df[df["norm"] == n]
-        for (v, l), h in g.groupby(["variant", "layer"], sort=False):
+    for (r, c), (n, l) in slots.items():
+        g = df[(df["norm"] == n) & (df["layer"] == l)]
+        for v, h in g.groupby("variant", sort=False):
             st = line_style(v, width=1.5, size=6)
-            st["line"]["dash"] = dashes[l]
             st["marker"]["maxdisplayed"] = 8
             fig.add_trace(go.Scatter(x=h["axis"], y=h["semi_axis"], mode="lines+markers", name=escape(v), legendgroup=str(v),
                                      showlegend=v not in shown, **st,
                                      hovertemplate=f"{escape(v)}, layer {l}, {escape(n)}: axis %{{x}}, %{{y:.3g}}<extra></extra>"),
-                          row=r, col=c)
+                          row=r + 1, col=c + 1)
             shown.add(v)
-        absent = list(dict.fromkeys(base_variant(v) or v for v in variants if v not in set(g["variant"])))
-        if absent:
-            fig.add_annotation(text="no such norm in<br>" + ", ".join(map(escape, absent)),
-                               xref="x domain", yref="y domain", x=0.5, y=0.95, showarrow=False, row=r, col=c,
-                               font=dict(size=10, color="#555"), bgcolor="rgba(255,255,255,0.8)")
-    for l in layers if len(layers) > 1 else ():
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"layer {l}" if l != "final" else "final norm", legendgroup="layers",
-                                 line=dict(color="#777", dash=dashes[l])))
     log_axis(fig, "y", df["semi_axis"])
-    fig.update_yaxes(title_text="semi-axis length", col=1)
+    fig.update_yaxes(title_text="semi-axis", col=1)
     fig.update_xaxes(title_text="axis (sorted)", row=nrows)
-    fig.update_layout(title="LayerNorm/RMSNorm image ellipsoids: semi-axis lengths (Riechers 2024); "
-                            "colour: model, marker: seed, dash: layer", height=330 * nrows + 120)
+    fig.update_layout(title="LayerNorm/RMSNorm image ellipsoids: semi-axis lengths (Riechers 2024), one panel per "
+                            "norm and layer", height=height, legend_title="model")
     return fig

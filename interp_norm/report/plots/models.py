@@ -8,16 +8,19 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from interp_norm.errors import ConfigError
 from interp_norm.report.plots._style import (
     PAPER_LINE,
     SPLITS,
+    base_variant,
     VARIANT_LABELS,
     dodge,
     escape,
     line_style,
     log_axis,
+    row_gap,
     variant_colour,
     variant_label,
 )
@@ -96,14 +99,25 @@ def plot_training_curves(curves: pd.DataFrame, value: str = "loss") -> go.Figure
     if not isinstance(curves, pd.DataFrame) or not {"checkpoint", value} <= set(curves.columns):
         raise ConfigError(f"plot_training_curves expects a DataFrame with columns 'checkpoint' and {value!r}")
     x = "examples" if "examples" in curves else "step"
-    fig = go.Figure()
     groups = [(variant_label(name, g["attn_norm"].iloc[0] if "attn_norm" in g else None), g)
               for name, g in curves.groupby("checkpoint", sort=False)]
+    # small multiples: one panel per variant, so its seeds and recipes are not drawn over the other variants'
+    panels = list(dict.fromkeys(base_variant(label) or label for label, _ in groups))
+    cols = 1 if len(panels) == 1 else 2
+    rows = -(-len(panels) // cols)
+    height = 120 + 230 * rows
+    fig = make_subplots(rows=rows, cols=cols, shared_xaxes=True, shared_yaxes=True, horizontal_spacing=0.05,
+                        vertical_spacing=row_gap(rows, height, 50, 0.12), subplot_titles=[escape(p) for p in panels])
     for label, g in groups:
+        k = panels.index(base_variant(label) or label)
         st = line_style(label, width=1.5)
         st["marker"].update(maxdisplayed=10, size=7)
-        fig.add_trace(go.Scatter(x=g[x], y=g[value], mode="lines+markers", name=escape(label), **st))
-    fig.update_layout(title=f"Training {value}", xaxis_title=x, yaxis_title=value, legend_title="checkpoint")
+        fig.add_trace(go.Scatter(x=g[x], y=g[value], mode="lines+markers", name=escape(label), **st),
+                      row=k // cols + 1, col=k % cols + 1)
+    fig.update_layout(title=f"Training {value}" + (", one panel per variant" if len(panels) > 1 else ""),
+                      legend_title="checkpoint", height=height)
+    fig.update_xaxes(title_text=x, row=rows)
+    fig.update_yaxes(title_text=value, col=1)
     if value == "loss":
         log_axis(fig, "y", curves[value])
     else:

@@ -20,6 +20,9 @@ from interp_norm.report.plots._style import dodge, escape, line_style, row_gap, 
 
 __all__ = ["plot_accuracy_vs_noise", "plot_collapse_vs_noise", "plot_collapse_thresholds", "plot_temperature"]
 
+#: The theory's curves: a wide pale line under the measured one (same colour), so both show where they agree.
+THEORY_WIDTH, THEORY_OPACITY = 9.0, 0.3
+
 _NOISED_NAME = {"all": "all rows", "sparse": "sparse rows only", "nonsparse": "non-sparse rows only",
                 "nonsparse_matched": "non-sparse, as many as sparse"}
 
@@ -102,7 +105,7 @@ def plot_collapse_vs_noise(
     title: Optional[str] = None,
 ) -> go.Figure:
     """Circuit-collapse probability vs noise level from :func:`noise.run_collapse`: measured
-    (solid, ± standard error) and the theory's prediction (dashed), per variant.
+    (solid, ± standard error) and the theory's prediction (a wide pale line under it), per variant.
 
     One panel per collapse definition (and one row per layer when ``layer`` is None); one colour
     per variant, one marker per seed ("noise after norm" series: crosses, see
@@ -140,20 +143,24 @@ def plot_collapse_vs_noise(
                 shown.add(series)
                 if not (g["measured"] > 0).any():
                     flat.append(str(series))
-            for series, g in groups:  # theory: dashed, drawn over the measured curves so it stays visible
+            for series, g in groups:  # theory: a wide pale band under the measured line, visible where they agree
                 fig.add_trace(go.Scatter(
                     x=g["level"], y=g["predicted"], mode="lines", name=f"{series}: theory", legendgroup=str(series),
-                    showlegend=False, opacity=0.85, line=dict(color=variant_colour(series), dash="dash", width=2.5),
+                    showlegend=False, opacity=THEORY_OPACITY, line=dict(color=variant_colour(series), width=THEORY_WIDTH),
+                    hovertemplate=f"{escape(series)}, theory: %{{y:.2%}}<extra></extra>",
                 ), row=i + 1, col=j + 1)
+            n_theory = len(groups)
+            fig.data = fig.data[:-2 * n_theory] + fig.data[-n_theory:] + fig.data[-2 * n_theory:-n_theory]
             if flat:
                 top = f"{max(panel['level']):.0%}" if len(panel) else ""
                 _note(fig, "no collapse at any tested level (≤ " + top + "):<br>" + "<br>".join(flat),
                       row=i + 1, col=j + 1, y=0.6)
             if target is not None:
                 fig.add_hline(y=target, line=dict(color="grey", width=1, dash="dot"), row=i + 1, col=j + 1,
-                              annotation_text=f"{target:.0%} collapse", annotation_position="top left")
-    fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name="theory (dashed, the series' colour)",
-                             line=dict(color="#444", dash="dash", width=2.5), legendgroup="theory"))
+                              annotation_text=f"{target:.0%} collapse", annotation_position="top left",
+                              annotation=dict(xshift=6))  # clear of the y tick labels
+    fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name="theory (wide pale line, the series' colour)",
+                             opacity=THEORY_OPACITY, line=dict(color="#444", width=THEORY_WIDTH), legendgroup="theory"))
     where = "pooled over layers" if str(layer) == "all" else ("per layer" if layer is None else f"layer {layer}")
     fig.update_layout(
         title=title or f"Circuit collapse of sparse attention under norm noise ({where})",
@@ -181,8 +188,9 @@ def plot_collapse_thresholds(thresholds: pd.DataFrame, title: Optional[str] = No
     target = float(df["target"].iloc[0]) if "target" in df.columns and len(df) else 0.01
     vals = pd.concat([df["level_measured"], df["level_predicted"]]).dropna()
     ceiling = max_level if max_level is not None else (float(vals.max()) if len(vals) else 0.5)
-    band = (ceiling * 1.08, ceiling * 1.3)
-    never_y = (band[0] + band[1]) / 2
+    band = (ceiling * 1.08, ceiling * 1.45)
+    # in the band: measured dots on one row, the theory's dashes on another, side by side (never stacked)
+    never_y = {"measured": band[0] + 0.5 * (band[1] - band[0]), "theory": band[0] + 0.2 * (band[1] - band[0])}
     fig = make_subplots(rows=1, cols=max(1, len(defs)), shared_yaxes=True, horizontal_spacing=0.04,
                         subplot_titles=[f"{d} collapse" for d in defs])
     series = list(dict.fromkeys(df["variant"]))
@@ -191,7 +199,7 @@ def plot_collapse_thresholds(thresholds: pd.DataFrame, title: Optional[str] = No
     shown: set = set()
     for j, d in enumerate(defs):
         panel = df[df["definition"] == d]
-        fig.add_hrect(y0=band[0], y1=band[1], fillcolor="#ddd", opacity=0.5, line_width=0, row=1, col=j + 1,
+        fig.add_hrect(y0=band[0], y1=band[1], fillcolor="#ddd", opacity=0.5, line_width=0, row=1, col=j + 1, layer="below",
                       exclude_empty_subplots=False)
         fig.add_annotation(text=f"not reached (&gt; {ceiling:.0%})", xref=f"x{'' if j == 0 else j + 1} domain",
                            yref=f"y{'' if j == 0 else j + 1}", x=0.01, y=band[1], xanchor="left", yanchor="top",
@@ -200,17 +208,19 @@ def plot_collapse_thresholds(thresholds: pd.DataFrame, title: Optional[str] = No
             g = panel[panel["variant"] == v]
             if not len(g):
                 continue
-            x = [xpos[str(l)] + dodge(i, len(series), 0.7) for l in g["layer"]]
-            st = line_style(v, size=9)
+            # series side by side within a layer, a quarter of a layer between layers; smaller marks for many series
+            x = [xpos[str(l)] + dodge(i, len(series), 0.75) for l in g["layer"]]
+            st = line_style(v, size=9 if len(series) <= 6 else 7)
             for kind, col in (("measured", "level_measured"), ("theory", "level_predicted")):
                 y = g[col].astype(float)
                 reached = y.notna()
                 text = [f"{val:.1%}" if ok else f"not reached (≤ {target:.0%} collapse at {ceiling:.0%})"
                         for ok, val in zip(reached, y)]
+                dash = 14 if len(series) <= 4 else 10 if len(series) <= 6 else 6
                 marker = dict(st["marker"]) if kind == "measured" else dict(color=st["marker"]["color"], symbol="line-ew",
-                                                                             size=14, line=dict(color=st["marker"]["color"], width=2.5))
+                                                                             size=dash, line=dict(color=st["marker"]["color"], width=2.5))
                 fig.add_trace(go.Scatter(
-                    x=x, y=y.fillna(never_y), mode="markers", marker=marker,
+                    x=x, y=y.fillna(never_y[kind]), mode="markers", marker=marker,
                     name=str(v) if kind == "measured" else f"{v}: theory", legendgroup=str(v),
                     showlegend=kind == "measured" and v not in shown, text=text,
                     hovertemplate=f"{escape(v)}, {kind}: %{{text}}<extra></extra>",
@@ -235,9 +245,15 @@ def plot_temperature(df: pd.DataFrame, layer: object = "all", title: Optional[st
     df = df[df["layer"].astype(str) == str(layer)]
     if not len(df):
         raise ConfigError(f"no rows for layer {layer!r} in the temperature table")
+    n_series = df["variant"].nunique()
+    missing = df[df["collapse_level_loose"].isna()].groupby("c")["variant"].nunique()
+    never = [f"c = {c:g} by {k} of {n_series} series" for c, k in missing.items()]
+    right = "noise level for 1% loose collapse"
+    if never:  # said under the panel's title, where it covers no line (hover a point for its series)
+        right += ("<br><span style='font-size:10px'>never reached (no sparse rows, or too few collapses at the "
+                  "largest level) at " + "; ".join(never) + "</span>")
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1,
-                        subplot_titles=["sparse rows (max attention ≥ 95%)", "noise level for 1% loose collapse"])
-    never = []
+                        subplot_titles=["sparse rows (max attention ≥ 95%)", right])
     for variant, g in df.groupby("variant", sort=False):
         g = g.sort_values("c")
         st = line_style(variant, width=1.8, size=7)
@@ -245,12 +261,6 @@ def plot_temperature(df: pd.DataFrame, layer: object = "all", title: Optional[st
                                  legendgroup=str(variant), **st), row=1, col=1)
         fig.add_trace(go.Scatter(x=g["c"], y=g["collapse_level_loose"], mode="lines+markers", name=str(variant),
                                  legendgroup=str(variant), showlegend=False, **st), row=1, col=2)
-        missing = g[g["collapse_level_loose"].isna()]["c"].tolist()
-        if missing:
-            never.append(f"{variant}: c = {', '.join(f'{x:g}' for x in missing)}")
-    if never:
-        _note(fig, "1% never reached (no sparse rows, or too few<br>collapses at the largest level):<br>"
-              + "<br>".join(never), row=1, col=2, y=0.85)
     fig.update_xaxes(title_text="score multiplier c", type="log", tickvals=sorted(df["c"].unique()))
     fig.update_yaxes(tickformat=".0%")
     fig.update_yaxes(title_text="fraction of rows", row=1, col=1)

@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from interp_norm.errors import ConfigError
-from interp_norm.report.plots._style import VARIANT_LABELS, escape, row_gap, variant_colour
+from interp_norm.report.plots._style import NARROW_PX, VARIANT_LABELS, escape, row_gap, variant_colour, wrap
 
 __all__ = ["plot_seed_comparisons", "plot_matched_id"]
 
@@ -59,7 +59,7 @@ def _arm_traces(fig: go.Figure, vals: pd.DataFrame, r: pd.Series, x0: float, arm
     colour = _colour(d.iloc[0])
     n = len(d)
     for i, v in enumerate(d.itertuples()):
-        dx = (i - (n - 1) / 2) * 0.06
+        dx = (i - (n - 1) / 2) * 0.08  # 8 px markers of equal value stay apart in a 230 px panel
         name = f"seed {v.seed}"
         bound = getattr(v, "censored_above", math.nan)
         censored = pd.isna(v.value) and not pd.isna(bound)  # never reached: drawn open, at the largest level tested
@@ -89,10 +89,18 @@ def _arm_traces(fig: go.Figure, vals: pd.DataFrame, r: pd.Series, x0: float, arm
 
 
 def _grid(n: int, cols: int, titles: list[str], height_per_row: int = 260) -> go.Figure:
+    """Panels in rows, each title wrapped to its panel's width at the narrowest page (as
+    :func:`~interp_norm.report.plots._style.fit_layout` will) and the gap above each row as tall as its titles
+    (11 px text, 15 px a line) plus the row above's tick labels, so no title runs into the row above."""
     rows = max(1, math.ceil(n / cols))
-    height = 80 + height_per_row * rows
-    return make_subplots(rows=rows, cols=cols, subplot_titles=titles, horizontal_spacing=0.08,
-                         vertical_spacing=row_gap(rows, height, 70, 0.12)).update_layout(height=height)
+    spacing = 0.08
+    panel_px = 0.9 * (1 - spacing * (cols - 1)) / cols * (NARROW_PX - 140)
+    titles = [wrap(t, max(110.0, panel_px), 11) for t in titles]
+    lines = max((t.count("<br>") + 1 for t in titles), default=1)
+    gap = 34 + 15 * lines
+    height = 80 + height_per_row * rows + gap * (rows - 1)
+    return make_subplots(rows=rows, cols=cols, subplot_titles=titles, horizontal_spacing=spacing,
+                         vertical_spacing=row_gap(rows, height, gap, 0.5)).update_layout(height=height)
 
 
 def plot_seed_comparisons(summary: pd.DataFrame, values: pd.DataFrame, scaling: Optional[str] = None,
