@@ -110,13 +110,14 @@ def test_section_reads_the_reports_table_else_the_shipped_one_for_shipped_checkp
     assert section.attribution_error_section({}, _panel, shipped=shipped) == []
 
 
-def test_section_sits_after_the_circuits_in_the_page_order():
+def test_section_sits_after_the_circuit_sections_and_before_the_noise():
     from interp_norm.report.dashboard.sections import PAGE_ORDER, figure_sections
 
     report = SimpleNamespace(tables={section.KEY: _table()}, checkpoints=pd.DataFrame(), timings={}, notes=[])
     sections, problems = figure_sections(report, strict=True)
     assert not problems and [s.anchor for s in sections] == ["attribution-error"]
-    assert PAGE_ORDER.index("attribution-error") == PAGE_ORDER.index("circuits") + 1
+    assert PAGE_ORDER.index("addition-circuit") + 1 == PAGE_ORDER.index("attribution-error") < PAGE_ORDER.index("noise")
+    assert sections[0].lead.startswith("Look at the red bars")
 
 
 def _seeds(values: dict) -> pd.DataFrame:

@@ -69,4 +69,17 @@ def attribution_error_section(T: dict, panel: Callable, csv: bool = True, shippe
     panels.append(Panel("Relative error per node kind (%)", kind="table", table=view,
                         caption="Mean over seeds of the relative error with the norms and patterns live, the norms "
                                 "frozen, and both frozen; z: a head's output, q/k/v: its inputs, mlp_out: an MLP."))
-    return [Section(TITLE, INTRO, [p for p in panels if p is not None], anchor="attribution-error")]
+    section = Section(TITLE, INTRO, [p for p in panels if p is not None], anchor="attribution-error")
+    section.lead = _lead(table)
+    return [section]
+
+
+def _lead(table: pd.DataFrame) -> str:
+    """What to look at: EAP-IG's relative error per variant with the norms live and frozen (mean over seeds)."""
+    rows = table[(table["activation"] == "all") & (table["method"] == "eap-ig")]
+    if not len(rows):
+        return ""
+    m = rows.groupby("arm", sort=False)[["rel_err_live", "rel_err_norm"]].mean()
+    parts = [f"{arm} {100 * r.rel_err_live:.0f}% live, {100 * r.rel_err_norm:.0f}% with the norms frozen"
+             for arm, r in m.iterrows()]
+    return "Look at the red bars, the live error, and at where freezing the norm moves it: EAP-IG " + "; ".join(parts) + "."

@@ -67,14 +67,23 @@ def _beside(v: pd.DataFrame) -> str:
 
 
 def _intro(v: pd.DataFrame, shipped: list[str]) -> str:
-    counts = v["verdict"].value_counts()
-    n_family = int(v.loc[v["identity"] == "", ["p_for", "p_against"]].notna().to_numpy().sum())
-    tally = ", ".join(f"{n} {kind}" for kind, n in counts.items())
+    member = v.loc[v["identity"] == ""]
+    n_for, n_against = int(member["p_for"].notna().sum()), int(member["p_against"].notna().sum())
     return (f"The paper's claims (Menary et al. 2024, §4) tested on {SOURCE}, not on this report's own analyses "
-            f"(of the checkpoints those tables describe, this report analyses {len(shipped)}). Read the verdict column first: {tally} "
-            f"(claim × scaling rows). Each claim has a one-sided or equivalence test for it and one against it; a "
-            f"verdict needs Holm-adjusted p < {ALPHA} over the family of all {n_family} such tests, and no verdict "
-            "rests on an interval's far end (rules and margins: interp_norm.stats.verdicts).")
+            f"(of the checkpoints those tables describe, this report analyses {len(shipped)}). Each claim has a "
+            "one-sided or equivalence test for it and one against it; a verdict needs Holm-adjusted p < "
+            f"{ALPHA} within its family (the {n_for} tests for, the {n_against} against), and no verdict rests on an "
+            "interval's far end (rules and margins: interp_norm.stats.verdicts).")
+
+
+def _lead(v: pd.DataFrame) -> str:
+    """What to look at: the tally, and the claims that are reproduced or contradicted."""
+    counts = v["verdict"].value_counts()
+    tally = ", ".join(f"{n} {kind}" for kind, n in counts.items())
+    decided = [f"{r.claim} ({r.scaling}): {r.verdict}" for r in v.itertuples()
+               if r.verdict in ("reproduced", "not reproduced", "not reproduced (reversed)")]
+    return (f"Read the verdict column first: of {len(v)} claim × scaling rows, {tally}"
+            + (f". Decided: {'; '.join(decided)}." if decided else "; none is decided either way."))
 
 
 def verdict_section(report: Any) -> Optional[Section]:
@@ -93,7 +102,9 @@ def verdict_section(report: Any) -> Optional[Section]:
     beside = _beside(v)
     if beside:
         panels[-1].caption += beside
-    return Section("What is established", _intro(v, shipped), anchor=ANCHOR, panels=panels)
+    section = Section("What is established", _intro(v, shipped), anchor=ANCHOR, panels=panels)
+    section.lead = _lead(v)
+    return section
 
 
 def verdict_note(report: Any) -> str:
