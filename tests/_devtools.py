@@ -57,7 +57,7 @@ const GEOMETRY = (div) => {
     // where a data-anchored annotation points (a label of a point may sit over the lines leaving that point)
     const a = (fl.annotations || [])[parseInt(e.getAttribute('data-index') || '-1', 10)] || {};
     const xa = fl[String(a.xref || '').replace('x', 'xaxis')], ya = fl[String(a.yref || '').replace('y', 'yaxis')];
-    const anchor = xa && ya && xa.c2p && ya.c2p ? [o.left + xa._offset + xa.c2p(xa.d2c(a.x)), o.top + ya._offset + ya.c2p(ya.d2c(a.y))] : null;
+    const anchor = xa && ya && xa.c2p && ya.c2p && xa.d2c && ya.d2c ? [o.left + xa._offset + xa.c2p(xa.d2c(a.x)), o.top + ya._offset + ya.c2p(ya.d2c(a.y))] : null;
     if (alpha > 0.3) g.boxes.push({text: (e.textContent || '').slice(0, 60), box: R(bg), anchor: anchor});
     // subplot titles: paper-anchored, sitting on top of their panel (make_subplots' annotations)
     if (a.xref === 'paper' && a.yref === 'paper' && a.yanchor === 'bottom' && !a.showarrow)
@@ -75,7 +75,7 @@ const GEOMETRY = (div) => {
     }
     if (t.type !== 'scatter' || !t.x || !t.y) return;
     const xa = fl[(t.xaxis || 'x').replace('x', 'xaxis')], ya = fl[(t.yaxis || 'y').replace('y', 'yaxis')];
-    if (!xa || !ya) return;
+    if (!xa || !ya || !xa.d2c || !ya.d2c || !xa.c2p || !ya.c2p) return;  // an axis plotly has not set up
     const pts = [];
     for (let i = 0; i < t.x.length; i++) {
       const xv = t.x[i], yv = t.y[i];

@@ -52,6 +52,8 @@ def test_the_first_section_is_the_verdicts(shipped_page):
     assert "make reproduce-seeds" in shipped_page[0].intro and "24 checkpoints" in shipped_page[0].intro
     html = D.dashboard_html(_report(), csv_links=False)
     assert html.startswith('<section id="verdicts">', html.index("<section", html.index("<main>")))
+    first = html[html.index('<section id="verdicts">'):html.index("</section>", html.index('<section id="verdicts">'))]
+    assert "<table" in first and "<details" not in first  # the verdicts are what the page opens on, not folded away
     rows = pd.concat([p.table for p in shipped_page[0].panels])
     assert len(rows) == 2 * len(V.CLAIMS)  # every claim at both score scalings
     assert {"claim", "verdict", "here (t 95% interval)", "rule", "raw p for / against", "Holm p for / against",

@@ -77,13 +77,16 @@ def _intro(v: pd.DataFrame, shipped: list[str]) -> str:
 
 
 def _lead(v: pd.DataFrame) -> str:
-    """What to look at: the tally, and the claims that are reproduced or contradicted."""
+    """What to look at: the tally, then the claims decided either way."""
     counts = v["verdict"].value_counts()
     tally = ", ".join(f"{n} {kind}" for kind, n in counts.items())
-    decided = [f"{r.claim} ({r.scaling}): {r.verdict}" for r in v.itertuples()
-               if r.verdict in ("reproduced", "not reproduced", "not reproduced (reversed)")]
-    return (f"Read the verdict column first: of {len(v)} claim × scaling rows, {tally}"
-            + (f". Decided: {'; '.join(decided)}." if decided else "; none is decided either way."))
+    parts = [f"Read the verdict column first: of {len(v)} claim × scaling rows, {tally}."]
+    for kind in ("reproduced", "not reproduced", "not reproduced (reversed)"):
+        rows = v[v["verdict"] == kind]
+        if len(rows):
+            parts.append(kind[0].upper() + kind[1:] + ": " + "; ".join(f"{r.claim} ({r.scaling})" for r in rows.itertuples())
+                         + ".")
+    return " ".join(parts)
 
 
 def verdict_section(report: Any) -> Optional[Section]:
@@ -97,7 +100,7 @@ def verdict_section(report: Any) -> Optional[Section]:
     caption = ("Intervals: Student-t 95% over seeds (Welch for A − B). 'not established': neither test survives "
                "Holm; 'not reproduced': the test against does.")
     panels = [Panel(f"{v.loc[g.index[0], 'arm_a']} vs {v.loc[g.index[0], 'arm_b']} ({scaling})", kind="table",
-                    table=g.drop(columns="scaling").reset_index(drop=True), caption=caption)
+                    table=g.drop(columns="scaling").reset_index(drop=True), caption=caption, fold=False)  # what the page opens on
               for scaling, g in table.groupby("scaling", sort=False)]
     beside = _beside(v)
     if beside:
