@@ -21,7 +21,8 @@ in that computation are exactly known without running them:
 The re-run is compared with the bridge's own forward (logits, hooked activations, block inputs) the
 first time per model and again whenever its weights change
 (:func:`~interp_norm.circuits.exact.engine.weights_key`); a bridge wired otherwise (an attention that
-ignores the cache, logits post-processed after the unembedding, ...) raises
+ignores the cache, logits post-processed after the unembedding, Gemma 4's per-layer inputs, which are
+made from the tokens and the moved embedding, ...) raises
 :class:`~interp_norm.errors.EngineRefusal` and :func:`~interp_norm.circuits.attribution.node_attribution`
 falls back to full forward passes. Never used when a hook is on the model.
 """
@@ -56,8 +57,9 @@ class _CleanRun(KVCacheEngine):
 
     def rerun(self, H: Tensor, examples: Tensor, p: int) -> Tensor:
         """Every block on rows ``H`` [rows, p..n, d] of ``examples``; positions before ``p`` from the clean run."""
+        shared: dict = {}  # KV sharing: the entries the re-run's storing layers write
         for l in range(self.L):
-            H = self._block(l, H, examples, p)
+            H = self._block(l, H, examples, p, shared)
         return H
 
 
@@ -222,6 +224,10 @@ def _clean_pass(model, inputs: AttributionInputs, cols: Tensor) -> _Prefix:
     if "out" not in held or ret is not held["out"]:
         raise EngineRefusal("the bridge changes the logits after its unembedding; use the full passes")
     run._captured()
+    if any(call.get("per_layer_input") is not None for call in run.calls):
+        # Gemma 4's per-layer inputs are computed from the tokens and the embedding the integration path
+        # moves: the re-run would feed the corrupted run the clean run's
+        raise EngineRefusal("the blocks take per-layer inputs made from the tokens; attribution runs full passes")
     # the block arguments the re-run slices become ordinary tensors (the backward may save them)
     run.calls = [{k: _ordinary(v) for k, v in call.items()} for call in run.calls]
     clean_acts = {nm: _to_positions(cc[nm], pos_all if cc[nm].shape[1] == ne else cols, ne) for nm in names}
