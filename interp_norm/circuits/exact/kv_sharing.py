@@ -50,15 +50,15 @@ class SharedKV:
         self.writes: dict[int, dict[str, tuple]] = dict(rec.writes)
         self.reads: dict[int, dict[str, int]] = dict(rec.reads)
         self.L = n_layers
-        for l, got in self.reads.items():
-            for key, src in got.items():
+        for l, read in self.reads.items():
+            for key, src in read.items():
                 if not 0 <= src < l:
                     raise EngineRefusal(
                         f"block {l} read shared keys/values {key!r} that no earlier block wrote; "
                         "method='kv-cache' cannot run this architecture -- use method='hooks'"
                     )
-        for l, got in self.writes.items():
-            for key, val in got.items():
+        for l, wrote in self.writes.items():
+            for key, val in wrote.items():
                 if len(val) != 2 or any(not isinstance(t, Tensor) or t.ndim != 4 for t in val):
                     raise EngineRefusal(
                         f"block {l} shared {key!r} as something other than (keys, values) [batch, heads, pos, d]; "
