@@ -125,6 +125,22 @@ def test_gemma4_runs_the_engine_and_equals_transformer_lens(gemmas, arch, act):
         assert (ref - ref.flatten()[0]).abs().max() > 1e-3
 
 
+def test_gemma4_other_residual_points_and_all_positions(gemmas):
+    """resid_mid / resid_post by position and z over all positions on the KV-sharing Gemma 4."""
+    gemma = gemmas["gemma4-shared"]
+    clean, corr = differing_tokens(gemma, n=8)
+    _, cache = gemma.run_with_cache(clean)
+    metric = ReadAt(6, 3, 8)
+    for act in ("resid_mid", "resid_post"):
+        ref = _tl(gemma, lambda m, x, c, f: patching.generic_activation_patch(
+            m, x, c, f, patching.layer_pos_patch_setter, act, index_axis_names=("layer", "pos")), corr, cache, metric)
+        ours = activation_patch(gemma, corr, cache, metric, act, method="kv-cache")
+        assert (ours.values - ref).abs().max() <= 1e-5 and (ref - ref.flatten()[0]).abs().max() > 1e-3
+    ref = _tl(gemma, patching.get_act_patch_attn_head_out_all_pos, corr, cache, metric)
+    ours = activation_patch(gemma, corr, cache, metric, "z", by="all", method="kv-cache")
+    assert (ours.values - ref).abs().max() <= 1e-5 and (ref - ref.flatten()[0]).abs().max() > 1e-3
+
+
 def test_gemma4_kv_sharing_is_read_from_the_model(gemmas):
     """Which layers store and which read shared keys/values is what the corrupted run did."""
     from interp_norm.circuits.exact.kv_patching import KVCacheEngine
