@@ -9,7 +9,11 @@ stacked copies of the corrupted examples through the bridge's own blocks ``l..L-
 ``p..`` (up to the last position the metric reads) only: the earlier positions' keys and values come
 from the corrupted run through the attention's key/value-cache interface (``update(k, v, layer)``),
 the mask, rotary embeddings and position ids are the corrupted run's, sliced to those positions, so
-RoPE, grouped k/v heads and masks stay the model's own code. A copy *enters* at its cell's layer and
+RoPE, grouped k/v heads and masks (Gemma 4's sliding windows) stay the model's own code. The cache is
+handed over under both names an attention may read it by (``layer_past``: TransformerLens's attention
+bridges; ``cache``: a Hugging Face attention run natively, Gemma 4's); Gemma 4's per-layer inputs are
+sliced like the positions, and its KV-shared layers get the shared key/value entries
+(:mod:`~interp_norm.circuits.exact.kv_sharing`). A copy *enters* at its cell's layer and
 is patched by a hook at the same hook name, on the same hook point, that ``transformer_lens.patching``
 uses. The final norm and the unembedding run only at the positions the metric reads.
 
