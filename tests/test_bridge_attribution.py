@@ -26,6 +26,7 @@ from transformer_lens.tools.analysis.attribution_patching import attribution_pat
 from _models import ReadAt, bridge_pairs
 from interp_norm.anatomy import random_tokens, tiny_bridge
 from interp_norm.circuits import PatchingPairs, edge_attribution, node_attribution
+from interp_norm.core.hook_names import act_name
 
 B, N = 3, 7
 
@@ -289,19 +290,27 @@ def test_gemma4_takes_the_re_run_and_equals_transformer_lens(shared, replays):
 
 
 @pytest.mark.parametrize("arch", ["gemma4", "gemma4-shared"])
-def test_gemma4_per_layer_inputs_fall_back_to_full_passes(arch, replays):
+@pytest.mark.parametrize("ig_steps", [1, 3])
+def test_gemma4_with_per_layer_inputs_takes_the_re_run(arch, ig_steps, replays):
     """Per-layer inputs are made from the tokens and the embedding the integration path moves: the
-    re-run (which would feed the clean run's) is refused, and the full passes give TransformerLens's."""
+    re-run makes each row's own. EAP equals TransformerLens's; EAP-IG equals the full passes."""
     bridge = tiny_bridge(arch, seed=5, **({"n_layers": 2} if arch == "gemma4" else {}))
     pairs = _pairs_from(bridge, [2, 4, 3])
     L, H = bridge.cfg.n_layers, bridge.cfg.n_heads
-    res = node_attribution(bridge, pairs, read_at(N - 1), ("z", "mlp_out"))
-    assert replays == [False]
+    res = node_attribution(bridge, pairs, read_at(N - 1), ("z", "mlp_out"), ig_steps=ig_steps)
+    assert replays == [True]
     z, mlp = _ours_per_pair(res, L, H)
-    for i in range(B):
-        tz, tm = _tl_scores(bridge, pairs, _tl_metric(read_at(N - 1)), i)
-        assert (z[..., i] - tz).abs().max() <= 1e-5 and (mlp[..., i] - tm).abs().max() <= 1e-5
-        assert tz.abs().max() > 1e-3
+    if ig_steps == 1:
+        for i in range(B):
+            tz, tm = _tl_scores(bridge, pairs, _tl_metric(read_at(N - 1)), i)
+            assert (z[..., i] - tz).abs().max() <= 1e-5 and (mlp[..., i] - tm).abs().max() <= 1e-5
+            assert tz.abs().max() > 1e-3
+        return
+    with bridge.hooks(fwd_hooks=[(act_name("resid_pre", 0), lambda act, hook: act)]):  # a hook: full passes
+        full = node_attribution(bridge, pairs, read_at(N - 1), ("z", "mlp_out"), ig_steps=ig_steps)
+    assert replays == [True]
+    fz, fm = _ours_per_pair(full, L, H)
+    assert (z - fz).abs().max() <= 1e-5 and (mlp - fm).abs().max() <= 1e-5 and fz.abs().max() > 1e-3
 
 
 def test_a_bridge_whose_blocks_ignore_the_cache_falls_back(replays, monkeypatch):

@@ -119,6 +119,8 @@ class KVCacheEngine:
             if not hasattr(model, name):
                 raise EngineRefusal(f"this bridge has no {name!r} component; use method='hooks'")
         self.model, self.activation = model, activation
+        #: per-layer inputs [rows, p.., layers, d'] of the rows being re-run, when not the captured run's
+        self.per_layer_rows: Optional[Tensor] = None
         self.L = model.cfg.n_layers
         if blocks is None or len(blocks) != self.L:
             raise EngineRefusal("method='kv-cache' needs the bridge's standard 'blocks' stack; use method='hooks'")
@@ -218,6 +220,8 @@ class KVCacheEngine:
                 continue
             if key == "use_cache":
                 out[key] = False
+            elif key == "per_layer_input" and self.per_layer_rows is not None:  # the rows' own (attribution)
+                out[key] = self.per_layer_rows[:, :, l]
             elif key in _SLICED_KW:
                 out[key] = self._slice(key, val, examples, p, q)
             elif torch.is_tensor(val) or (isinstance(val, (tuple, list)) and any(torch.is_tensor(t) for t in val)):
