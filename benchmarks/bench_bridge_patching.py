@@ -2,7 +2,11 @@
 
 For 12-layer random bridges shaped like GPT-2 small (d_model 768, 12 heads, MLP 3072, vocab 50 257),
 a Llama (d_model 768, 12 query / 4 key-value heads, gated MLP 2048, RoPE, vocab 32 000) and Qwen3-0.6B
-(d_model 1024, 16 / 8 heads of 128, per-head QK-Norm, MLP 3072, vocab 151 936), 8 pairs x 16 tokens:
+(d_model 1024, 16 / 8 heads of 128, per-head QK-Norm, MLP 3072, vocab 151 936) and Gemma 4 E2B
+(d_model 1536, 8 / 1 heads of 256, global layers' heads 512 wide with k = v, MLP 6144, vocab 262 144;
+sliding and full layers alternating, sliding window 8 (``--sliding-window``) so that it binds at 16
+tokens, the last half of the layers reading the keys and values of the last sliding and full layer
+before them, per-layer inputs of width 8), 8 pairs x 16 tokens:
 clean tokens random, the corrupted ones differ in one token (``--corrupt-pos``), the metric is the
 last position's logit difference between the pair's clean and corrupted token there (per example;
 ``.mean()`` for TransformerLens). For ``resid_pre``, ``attn_out``, ``mlp_out`` (layer x position) and
@@ -15,7 +19,7 @@ sampled cells and scales to the whole table (its cost is one forward pass per ce
 checked on those cells), for sizes where its full tables take too long.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_bridge_patching.py [--archs gpt2,llama,qwen3]
-        [--shrink 3 | --d-model 256 --vocab 8000] [--layers 12] [--pos 16] [--pairs 8] [--repeats 3] [--tl-sample 24]
+        [--shrink 3 | --d-model 256 --vocab 8000] [--layers 12] [--sliding-window 8] [--pos 16] [--pairs 8] [--repeats 3] [--tl-sample 24]
 """
 
 from __future__ import annotations
@@ -50,10 +54,11 @@ TL = {  # activation -> (TransformerLens function, its patch setter, axes)
 }
 #: real shapes (d_model, heads, kv heads, d_head, MLP, vocab)
 SHAPES = {"gpt2": (768, 12, 12, 64, 3072, 50257), "llama": (768, 12, 4, 64, 2048, 32000),
-          "qwen3": (1024, 16, 8, 128, 3072, 151936)}
+          "qwen3": (1024, 16, 8, 128, 3072, 151936), "gemma4": (1536, 8, 1, 256, 6144, 262144)}
 
 
-def build(arch: str, layers: int, n_ctx: int, d_model: int | None, vocab: int | None, shrink: float = 1.0, seed: int = 0):
+def build(arch: str, layers: int, n_ctx: int, d_model: int | None, vocab: int | None, shrink: float = 1.0, seed: int = 0,
+          sliding_window: int = 8):
     """A random bridge of ``arch``'s shape (``d_model``/``vocab`` shrink it, heads of the same width;
     ``shrink`` divides both, keeping the unembedding's share of a forward pass)."""
     import transformers as tf
@@ -65,17 +70,26 @@ def build(arch: str, layers: int, n_ctx: int, d_model: int | None, vocab: int | 
     if d_model:
         h, kvh, mlp, d = max(1, d_model // dh), max(1, d_model // dh // (h // kvh)), mlp * d_model // d, d_model
     v = vocab or v
-    cfg = tiny_config(arch, n_layers=layers, d_model=d if arch == "gpt2" else d, n_heads=h, n_kv_heads=kvh, d_head=dh,
-                      vocab=v, n_ctx=max(n_ctx, 64))
+    extra = dict(sliding_window=sliding_window) if arch == "gemma4" else {}
+    cfg = tiny_config("gemma4-shared" if arch == "gemma4" else arch, n_layers=layers, d_model=d, n_heads=h, n_kv_heads=kvh,
+                      d_head=dh, vocab=v, n_ctx=max(n_ctx, 64), **extra)
     if arch == "gpt2":
         cfg.n_inner = mlp
     else:
         cfg.intermediate_size = mlp
     cfg._attn_implementation = "eager"
-    cls = {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM, "qwen3": tf.Qwen3ForCausalLM}[arch]
+    cls = {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
+           "gemma4": getattr(tf, "Gemma4ForCausalLM", None)}[arch]
     torch.manual_seed(seed)
     hf = cls(cfg)
     _reinit(hf, seed)
+    if arch == "gemma4":
+        # Gemma 4 multiplies q.k by 1.0, trained q/k-norm gains setting the temperature; with random
+        # gains ~1 its softmaxes over 256/512-wide heads are near one-hot (score std 16-23) and amplify
+        # float32 rounding ~1000x. 1/sqrt(d_head), as the other random bridges have, keeps them soft.
+        for m in hf.modules():
+            if type(m).__name__ == "Gemma4TextAttention":
+                m.scaling = m.head_dim ** -0.5
     return bridge_from_hf(hf.eval(), name=f"random-{arch}"), (d, h, kvh, dh, mlp, v)
 
 
@@ -157,7 +171,8 @@ def scaling(args) -> None:
     for axis, values in axes.items():
         for val in (int(x) for x in values.split(",")):
             L, n = (val, args.pos) if axis == "layers" else (args.layers, val)
-            bridge, (d, h, kvh, dh, mlp, v) = build(arch, L, n, args.d_model, args.vocab, args.shrink)
+            bridge, (d, h, kvh, dh, mlp, v) = build(arch, L, n, args.d_model, args.vocab, args.shrink,
+                                                    sliding_window=args.sliding_window)
             clean, corr, at = pairs(v, args.pairs, n, args.corrupt_pos)
             r = table(bridge, clean, corr, LastLogitDiff(clean, corr, at), act, args.repeats, args.tl_sample, args.batch_size)
             est = "~" if r["sampled"] else " "
@@ -168,7 +183,8 @@ def scaling(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--archs", default="gpt2,llama,qwen3")
+    ap.add_argument("--archs", default="gpt2,llama,qwen3", help="any of gpt2, llama, qwen3, gemma4")
+    ap.add_argument("--sliding-window", type=int, default=8, help="Gemma 4's sliding window (binds below --pos)")
     ap.add_argument("--acts", default="resid_pre,attn_out,mlp_out,z")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--pos", type=int, default=16)
@@ -195,7 +211,8 @@ def main() -> None:
         return
     ratios = []
     for arch in args.archs.split(","):
-        bridge, (d, h, kvh, dh, mlp, v) = build(arch, args.layers, args.pos, args.d_model, args.vocab, args.shrink)
+        bridge, (d, h, kvh, dh, mlp, v) = build(arch, args.layers, args.pos, args.d_model, args.vocab, args.shrink,
+                                                sliding_window=args.sliding_window)
         clean, corr, at = pairs(v, args.pairs, args.pos, args.corrupt_pos)
         metric = LastLogitDiff(clean, corr, at)
         print(f"\n{arch}: {args.layers} layers, d_model {d}, heads {h} (k/v {kvh}) x {dh}, MLP {mlp}, vocab {v}; "

@@ -26,6 +26,7 @@ from transformer_lens.tools.analysis.attribution_patching import attribution_pat
 from _models import ReadAt, bridge_pairs
 from interp_norm.anatomy import random_tokens, tiny_bridge
 from interp_norm.circuits import PatchingPairs, edge_attribution, node_attribution
+from interp_norm.core.hook_names import act_name
 
 B, N = 3, 7
 
@@ -256,10 +257,69 @@ def test_other_per_position_activations_and_by_all_through_the_rerun(bridges, re
     assert (fast_all["z"].per_example - full_all["z"].per_example).abs().max() <= 1e-5
 
 
-def test_a_bridge_whose_blocks_ignore_the_cache_falls_back(replays):
-    """Gemma 4's attention does not take the key/value cache it is given: the re-run is refused and
-    the full passes give TransformerLens's scores."""
-    bridge = tiny_bridge("gemma4", seed=5, n_layers=2)
+def _gemma4_without_per_layer_inputs(shared: bool):
+    """Tiny Gemma 4 with no per-layer-input branch (as the 31B has none); ``shared``: with KV sharing."""
+    import transformers as tf
+
+    from interp_norm.anatomy import bridge_from_hf, tiny_config
+    from interp_norm.anatomy.build import _reinit
+
+    cfg = tiny_config("gemma4-shared" if shared else "gemma4", n_layers=4 if shared else 2)
+    cfg.hidden_size_per_layer_input = 0
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(5)
+    hf = tf.Gemma4ForCausalLM(cfg)
+    _reinit(hf, 5)
+    return bridge_from_hf(hf.eval())
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_gemma4_takes_the_re_run_and_equals_transformer_lens(shared, replays):
+    """Gemma 4 without per-layer inputs (sliding windows; KV-sharing layers, k = v layers) takes the
+    re-run, and its scores are TransformerLens's."""
+    bridge = _gemma4_without_per_layer_inputs(shared)
+    pairs = _pairs_from(bridge, [2, 4, 3])
+    L, H = bridge.cfg.n_layers, bridge.cfg.n_heads
+    res = node_attribution(bridge, pairs, read_at(N - 1), ("z", "mlp_out"))
+    assert replays == [True]
+    z, mlp = _ours_per_pair(res, L, H)
+    for i in range(B):
+        tz, tm = _tl_scores(bridge, pairs, _tl_metric(read_at(N - 1)), i)
+        assert (z[..., i] - tz).abs().max() <= 1e-5 and (mlp[..., i] - tm).abs().max() <= 1e-5
+        assert tz.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "gemma4-shared"])
+@pytest.mark.parametrize("ig_steps", [1, 3])
+def test_gemma4_with_per_layer_inputs_takes_the_re_run(arch, ig_steps, replays):
+    """Per-layer inputs are made from the tokens and the embedding the integration path moves: the
+    re-run makes each row's own. EAP equals TransformerLens's; EAP-IG equals the full passes."""
+    bridge = tiny_bridge(arch, seed=5, **({"n_layers": 2} if arch == "gemma4" else {}))
+    pairs = _pairs_from(bridge, [2, 4, 3])
+    L, H = bridge.cfg.n_layers, bridge.cfg.n_heads
+    res = node_attribution(bridge, pairs, read_at(N - 1), ("z", "mlp_out"), ig_steps=ig_steps)
+    assert replays == [True]
+    z, mlp = _ours_per_pair(res, L, H)
+    if ig_steps == 1:
+        for i in range(B):
+            tz, tm = _tl_scores(bridge, pairs, _tl_metric(read_at(N - 1)), i)
+            assert (z[..., i] - tz).abs().max() <= 1e-5 and (mlp[..., i] - tm).abs().max() <= 1e-5
+            assert tz.abs().max() > 1e-3
+        return
+    with bridge.hooks(fwd_hooks=[(act_name("resid_pre", 0), lambda act, hook: act)]):  # a hook: full passes
+        full = node_attribution(bridge, pairs, read_at(N - 1), ("z", "mlp_out"), ig_steps=ig_steps)
+    assert replays == [True]
+    fz, fm = _ours_per_pair(full, L, H)
+    assert (z - fz).abs().max() <= 1e-5 and (mlp - fm).abs().max() <= 1e-5 and fz.abs().max() > 1e-3
+
+
+def test_a_bridge_whose_blocks_ignore_the_cache_falls_back(replays, monkeypatch):
+    """An attention that ignores the key/value cache it is given (Gemma 4's without per-layer inputs, made to drop it): the
+    re-run is refused and the full passes give TransformerLens's scores."""
+    bridge = _gemma4_without_per_layer_inputs(False)
+    attn_cls = type(bridge.blocks[0].original_component.self_attn)
+    forward = attn_cls.forward
+    monkeypatch.setattr(attn_cls, "forward", lambda self, *a, **kw: forward(self, *a, **{**kw, "cache": None}))
     pairs = _pairs_from(bridge, [2, 4, 3])
     L, H = bridge.cfg.n_layers, bridge.cfg.n_heads
     res = node_attribution(bridge, pairs, read_at(N - 1), ("z", "mlp_out"))

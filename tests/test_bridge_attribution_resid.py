@@ -125,7 +125,7 @@ def test_resid_mid_eap_ig_through_both_paths_equals_the_hand_forward_at_alpha_ze
 
 
 def test_gemma4_resid_mid_eap_equals_a_finite_difference(replays):
-    """Gemma 4 (full passes: its attention ignores the key/value cache; no hand forward here): EAP at
+    """Gemma 4 (the re-run, with each row's per-layer inputs; no hand forward here): EAP at
     resid_mid equals (M(corrupted + eps (clean - corrupted) at one cell) - M(corrupted)) / eps, the
     step written in place into the hooked tensor (which is what the block carries on: checked for the
     other architectures in tests/test_circuits_resid_mid.py). Float64; the tolerance covers the
@@ -134,7 +134,7 @@ def test_gemma4_resid_mid_eap_equals_a_finite_difference(replays):
     pairs = _pairs(bridge)
     L = bridge.cfg.n_layers
     res = node_attribution(bridge, pairs, metric, ("resid_mid",))["resid_mid"]
-    assert replays == [False]
+    assert replays == [True]
     got = (res.per_example - res.baseline).view(L, N, B)
     eps = 1e-3
     with torch.no_grad():

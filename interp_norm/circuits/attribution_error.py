@@ -22,8 +22,9 @@ same estimate computed by different code (an identity the table shows).
 
 On a TransformerBridge the methods are EAP and EAP-IG (AtP / AtP* recompute attention with our
 model's own steps) and the activations those with one node per head (``k``/``v`` of grouped-query
-attention have one per k/v head and are refused); a bridge whose norms cannot be frozen (Gemma 4) is
-refused by :func:`~interp_norm.circuits.norm_modes.freeze_hooks`.
+attention have one per k/v head and are refused); a bridge whose norms or patterns cannot be frozen is
+refused by :func:`~interp_norm.circuits.norm_modes.freeze_hooks` (Gemma 4: its patterns, whose hook
+fires after the attention ran; its norms freeze).
 """
 
 from __future__ import annotations

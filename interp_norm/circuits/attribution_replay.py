@@ -21,7 +21,8 @@ in that computation are exactly known without running them:
 The re-run is compared with the bridge's own forward (logits, hooked activations, block inputs) the
 first time per model and again whenever its weights change
 (:func:`~interp_norm.circuits.exact.engine.weights_key`); a bridge wired otherwise (an attention that
-ignores the cache, logits post-processed after the unembedding, ...) raises
+ignores the cache, logits post-processed after the unembedding, Gemma 4's per-layer inputs, which are
+made from the tokens and the moved embedding, ...) raises
 :class:`~interp_norm.errors.EngineRefusal` and :func:`~interp_norm.circuits.attribution.node_attribution`
 falls back to full forward passes. Never used when a hook is on the model.
 """
@@ -54,11 +55,26 @@ class _CleanRun(KVCacheEngine):
         read[:, cols] = True
         self._setup(model, shape, dev, read, "resid_pre")
 
-    def rerun(self, H: Tensor, examples: Tensor, p: int) -> Tensor:
-        """Every block on rows ``H`` [rows, p..n, d] of ``examples``; positions before ``p`` from the clean run."""
-        for l in range(self.L):
-            H = self._block(l, H, examples, p)
+    def rerun(self, H: Tensor, examples: Tensor, p: int, per_layer: Optional[Tensor] = None) -> Tensor:
+        """Every block on rows ``H`` [rows, p..n, d] of ``examples``; positions before ``p`` from the clean run.
+        ``per_layer`` [rows, p..n, layers, d']: the rows' own per-layer inputs (Gemma 4), else the clean run's."""
+        shared: dict = {}  # KV sharing: the entries the re-run's storing layers write
+        self.per_layer_rows = per_layer
+        try:
+            for l in range(self.L):
+                H = self._block(l, H, examples, p, shared)
+        finally:
+            self.per_layer_rows = None
         return H
+
+
+def _per_layer_inputs(model, tokens: Tensor, embed: Tensor) -> Optional[Tensor]:
+    """Gemma 4's per-layer inputs [b, pos, layers, d'] of ``tokens`` whose (hooked) embedding is ``embed``,
+    by the text model's own ``get_per_layer_inputs`` / ``project_per_layer_inputs``; None without them."""
+    text = next((m for m in model.original_model.modules() if hasattr(m, "project_per_layer_inputs")), None)
+    if text is None or not getattr(text, "hidden_size_per_layer_input", 0):
+        return None
+    return text.project_per_layer_inputs(embed, text.get_per_layer_inputs(tokens, embed))
 
 
 class _Unembed(torch.autograd.Function):
@@ -144,6 +160,7 @@ class _Prefix:
     x_clean: Optional[Tensor]
     clean_acts: dict
     weight: Optional[Tensor]
+    per_layer: bool = False
 
 
 @dataclass
@@ -222,6 +239,7 @@ def _clean_pass(model, inputs: AttributionInputs, cols: Tensor) -> _Prefix:
     if "out" not in held or ret is not held["out"]:
         raise EngineRefusal("the bridge changes the logits after its unembedding; use the full passes")
     run._captured()
+    per_layer = _check_per_layer(model, run, clean[:, :ne], cc[embed])
     # the block arguments the re-run slices become ordinary tensors (the backward may save them)
     run.calls = [{k: _ordinary(v) for k, v in call.items()} for call in run.calls]
     clean_acts = {nm: _to_positions(cc[nm], pos_all if cc[nm].shape[1] == ne else cols, ne) for nm in names}
@@ -229,7 +247,23 @@ def _clean_pass(model, inputs: AttributionInputs, cols: Tensor) -> _Prefix:
     check_once(model, ("attribution re-run", sliced, len(run.tail)),
                lambda: _check(run, clean[:, :ne], clean_acts, held["x"], cols, sliced=sliced, weight=weight))
     return _Prefix(run, ne, p0, cols, sc=cols[cols >= p0], suffix=torch.arange(p0, ne, device=dev), e_clean=cc[embed],
-                   x_clean=held.pop("x"), clean_acts=clean_acts, weight=weight)
+                   x_clean=held.pop("x"), clean_acts=clean_acts, weight=weight, per_layer=per_layer)
+
+
+def _check_per_layer(model, run: _CleanRun, tokens: Tensor, embed: Tensor) -> bool:
+    """Whether the blocks take per-layer inputs (Gemma 4), which are made from the tokens and the embedding
+    the integration path moves, so the re-run makes the corrupted rows' own: then they must be what the
+    captured run's blocks got, from this run's tokens and embedding (else :class:`EngineRefusal`)."""
+    got = [call.get("per_layer_input") for call in run.calls]
+    if all(g is None for g in got):
+        return False
+    with torch.no_grad():
+        want = _per_layer_inputs(model, tokens, embed)
+    if want is None or any(g is None or g.shape != want[:, :, l].shape or not torch.equal(g, want[:, :, l])
+                           for l, g in enumerate(got)):
+        raise EngineRefusal("the blocks' per-layer inputs are not the text model's project_per_layer_inputs of the "
+                            "tokens and embedding; attribution runs full passes")
+    return True
 
 
 def _store(act: Tensor, hook: Any, cc: dict, nm: str) -> None:
@@ -252,9 +286,11 @@ def _integration_chunk(model, inputs: AttributionInputs, pre: _Prefix, sums: _Su
 
     with torch.no_grad(), model.hooks(fwd_hooks=[(inputs.embed, embed_hook)] if bool(al.any()) else []):
         h0 = model(corr[:, :ne].repeat(m, 1), stop_at_layer=0)[:, p0:]  # alpha = 0: the corrupted input
+        # Gemma 4: the rows' own per-layer inputs (per position: of their tokens and moved embedding)
+        ple = _per_layer_inputs(model, corr[:, p0:ne].repeat(m, 1), h0) if pre.per_layer else None
     seen: dict[str, tuple] = {}
     with torch.enable_grad(), model.hooks(fwd_hooks=[(nm, partial(_keep, seen=seen, nm=nm)) for nm in names]):
-        H = pre.run.rerun(h0, ex, p0)
+        H = pre.run.rerun(h0, ex, p0, per_layer=ple)
         xs = model.ln_final(H.index_select(1, sc - p0))  # [rows, len(sc), d]
         first = sums.buf is None
         if first:

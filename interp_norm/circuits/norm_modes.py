@@ -20,14 +20,21 @@ different tensor at a norm's ``hook_scale`` is what the norm divides by
 normalisation bridge's ``hook_scale`` (pre- and post-norms, Qwen3's and OLMo-2's q/k norms, the
 final norm): TransformerLens 4 rebuilds a norm's output from an edited scale (``x_centred / scale``
 times the gain), which is checked once per model by doubling each scale and seeing the logits
-move. A bridge whose norms have no ``hook_scale`` (Gemma 4) is refused with a typed error, and so
-are frozen patterns where a ``hook_pattern`` edit does not reach the logits.
+move. Norms that have no ``hook_scale`` (Gemma 4's RMSNorms: their scale runs inside the Hugging
+Face module) are frozen between the component's ``hook_in`` and ``hook_out``: the output keeps its
+value and its gradient is ``g * w / s`` with ``s`` the detached RMS of the input (``y.detach() + (x -
+x.detach()) * w / s``), after checking once per model that each such norm computes ``x * w / s``
+and that its ``hook_out`` reaches the logits. Gemma 4's ``per_layer_projection_norm``, which the
+bridge does not wrap, stays live: it reads only the embedding, so no node after it sees its
+gradient. Other norms without ``hook_scale`` are refused with a typed error, and so are frozen
+patterns where a ``hook_pattern`` edit does not reach the logits.
 """
 
 from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -77,8 +84,14 @@ def freeze_hooks(model, norm: str = "live", pattern: str = "live", tokens: Optio
     if not ours and tokens is None:
         raise PatchingError("freezing norms or patterns on a TransformerBridge needs tokens to check the hooks with")
     names = []
+    hooks: list[tuple[str, Callable]] = []
     if norm == "frozen":
-        names = norm_scale_names(model) if ours else _bridge_scale_names(model, tokens)  # type: ignore[arg-type]
+        if ours:
+            names = norm_scale_names(model)
+        elif _scale_hooks(model):
+            names = _bridge_scale_names(model, tokens)  # type: ignore[arg-type]  # not None: checked above
+        else:
+            hooks = _rms_freezers(model, tokens)  # type: ignore[arg-type]
     if pattern == "frozen":
         pats = [act_name("pattern", l) for l in range(model.cfg.n_layers)]
         if not ours:
@@ -87,18 +100,19 @@ def freeze_hooks(model, norm: str = "live", pattern: str = "live", tokens: Optio
             check_hooks(model, pats)
             check_pattern_hooks_act(model, tokens, pats)  # type: ignore[arg-type]  # not None: checked above
         names += pats
-    return [(nm, _detach) for nm in names]
+    return hooks + [(nm, _detach) for nm in names]
+
+
+def _scale_hooks(model) -> list[str]:
+    suffix = "." + act_name("scale").rsplit(".", 1)[-1]
+    return [nm for nm in getattr(model, "hook_dict", {}) if nm.endswith(suffix) or nm == act_name("scale")]
 
 
 def _bridge_scale_names(model, tokens: Tensor) -> list[str]:
     """Every normalisation ``hook_scale`` of a bridge, each checked once to reach the logits when edited."""
     from interp_norm.circuits.exact.engine import check_once
 
-    suffix = "." + act_name("scale").rsplit(".", 1)[-1]
-    names = [nm for nm in getattr(model, "hook_dict", {}) if nm.endswith(suffix) or nm == act_name("scale")]
-    if not names:
-        raise PatchingError("this bridge's norms have no hook_scale (their scale runs inside the Hugging Face module, "
-                            "e.g. Gemma 4); use norm='live'")
+    names = _scale_hooks(model)
 
     def check() -> None:
         probe = tokens[:1, : min(tokens.shape[1], 4)]
@@ -112,6 +126,77 @@ def _bridge_scale_names(model, tokens: Tensor) -> list[str]:
 
     check_once(model, ("norm scales take effect", tuple(names)), check)
     return names
+
+
+def _rms_norms(model) -> list[tuple[str, str, Any]]:
+    """(hook_in name, hook_out name, Hugging Face module) of every RMSNorm component of a bridge."""
+    out = []
+    for m in model.modules():
+        hf = getattr(m, "original_component", None)
+        hin, hout = getattr(m, "hook_in", None), getattr(m, "hook_out", None)
+        if type(hf).__name__.endswith("RMSNorm") and hasattr(hf, "variance_epsilon") and hin is not None and hout is not None:
+            out.append((hin.name, hout.name, hf))
+    return out
+
+
+def _gain_over_scale(hf: Any, x: Tensor) -> Tensor:
+    """``w / s`` of an RMSNorm ``x * w / s``, ``s = sqrt(mean(x^2) + eps)`` over the last axis (float32 or wider)."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    inv = (xf.pow(2).mean(-1, keepdim=True) + hf.variance_epsilon).pow(-0.5)
+    w = getattr(hf, "weight", None) if getattr(hf, "with_scale", True) else None
+    return inv if w is None else inv * w.detach().to(xf.dtype)
+
+
+def _rms_freezers(model, tokens: Tensor) -> list[tuple[str, Callable]]:
+    """Hooks freezing the scale of every RMSNorm component without ``hook_scale``, each checked once
+    to compute ``x * w / s`` and to reach the logits when its output is edited."""
+    from interp_norm.circuits.exact.engine import check_once
+
+    norms = _rms_norms(model)
+    if not norms:
+        raise PatchingError("this bridge's norms have neither a hook_scale nor an RMSNorm component with hook_in and "
+                            "hook_out to freeze them at; use norm='live'")
+    seen: dict[str, Tensor] = {}
+
+    def keep(act: Tensor, hook: Any, nm: str) -> Tensor:
+        seen[nm] = act
+        return act
+
+    def freeze(act: Tensor, hook: Any, nm: str, hf: Any) -> Tensor:
+        x = seen.pop(nm)
+        ratio = _gain_over_scale(hf, x.detach())
+        return act.detach() + ((x - x.detach()) * ratio).to(act.dtype)
+
+    check_once(model, ("rms norms freeze", tuple(n for n, _, _ in norms)), lambda: _check_rms(model, tokens, norms))
+    hooks: list[tuple[str, Callable]] = []
+    for hin, hout, hf in norms:
+        hooks += [(hin, partial(keep, nm=hin)), (hout, partial(freeze, nm=hin, hf=hf))]
+    return hooks
+
+
+def _check_rms(model, tokens: Tensor, norms: list) -> None:
+    """Each norm's output is ``x * w / s`` of its input (to float32 rounding) and editing it moves the logits."""
+    probe = tokens[:1, : min(tokens.shape[1], 4)]
+    got: dict[str, Tensor] = {}
+
+    def rec(act: Tensor, hook: Any, nm: str) -> None:
+        got[nm] = act.detach().clone()
+
+    with torch.no_grad():
+        base = model.run_with_hooks(probe, fwd_hooks=[(nm, partial(rec, nm=nm)) for hin, hout, _ in norms for nm in (hin, hout)])
+        for hin, hout, hf in norms:
+            x, y = got.get(hin), got.get(hout)
+            if x is None or y is None or x.shape != y.shape:
+                raise PatchingError(f"{hout!r} does not hold the output of the norm whose input {hin!r} holds; "
+                                    "its scale cannot be frozen -- use norm='live'")
+            want = x.to(torch.float32) * _gain_over_scale(hf, x)
+            if float((want - y.float()).abs().max()) > 64 * torch.finfo(torch.float32).eps * (float(want.abs().max()) + 1):
+                raise PatchingError(f"the norm at {hout!r} does not compute x * w / sqrt(mean(x^2) + eps); "
+                                    "its scale cannot be frozen -- use norm='live'")
+            with model.hooks(fwd_hooks=[(hout, _double)]):
+                if torch.equal(model(probe), base):
+                    raise PatchingError(f"editing {hout!r} does not change this bridge's output, so its norm cannot "
+                                        "be frozen there; use norm='live'")
 
 
 def _double(act: Tensor, hook: Any) -> Tensor:

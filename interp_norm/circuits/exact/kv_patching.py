@@ -9,7 +9,11 @@ stacked copies of the corrupted examples through the bridge's own blocks ``l..L-
 ``p..`` (up to the last position the metric reads) only: the earlier positions' keys and values come
 from the corrupted run through the attention's key/value-cache interface (``update(k, v, layer)``),
 the mask, rotary embeddings and position ids are the corrupted run's, sliced to those positions, so
-RoPE, grouped k/v heads and masks stay the model's own code. A copy *enters* at its cell's layer and
+RoPE, grouped k/v heads and masks (Gemma 4's sliding windows) stay the model's own code. The cache is
+handed over under both names an attention may read it by (``layer_past``: TransformerLens's attention
+bridges; ``cache``: a Hugging Face attention run natively, Gemma 4's); Gemma 4's per-layer inputs are
+sliced like the positions, and its KV-shared layers get the shared key/value entries
+(:mod:`~interp_norm.circuits.exact.kv_sharing`). A copy *enters* at its cell's layer and
 is patched by a hook at the same hook name, on the same hook point, that ``transformer_lens.patching``
 uses. The final norm and the unembedding run only at the positions the metric reads.
 
@@ -33,14 +37,22 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from interp_norm.circuits._types import MetricFn, metric_per_copy
+from interp_norm.circuits.exact.kv_sharing import SHARED_KW, SharedKV, recording_shares
 from interp_norm.errors import EngineRefusal, PatchingError
 from interp_norm.core.hook_names import act_name
 
 #: Activations the engine patches: per-position residual-stream tensors and per-head ``z``.
 KV_ACTIVATIONS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "z")
 #: Keyword arguments of a block call: replaced (hidden, caches) or sliced to the recomputed positions.
-_CACHE_KW = ("cache", "past_key_values", "past_key_value", "layer_past")
-_SLICED_KW = ("attention_mask", "position_embeddings", "position_ids", "cache_position")
+_CACHE_KW = ("cache", "past_key_values", "past_key_value", "layer_past", SHARED_KW)
+_SLICED_KW = ("attention_mask", "position_embeddings", "position_ids", "cache_position", "per_layer_input")
+#: The replay check's tolerance, relative to the largest value compared. The replay multiplies the same
+#: float32 numbers as the forward in other groupings (the query rows p.. alone, keys from the cache), so
+#: it differs by rounding times the model's amplification: measured <= 5e-7 on the GPT-2 and Llama bench
+#: shapes, 1.4e-5 on the Gemma 4 E2B one, exactly 0 in float64; a block wired otherwise (a cache
+#: ignored, a wrong mask or shared key/value entry) is off by O(1). A model so sharp that rounding
+#: alone exceeds it (Gemma 4's score scale 1.0 with random q/k-norm gains: 1.2e-3) is refused.
+CHECK_RTOL = 1e-4
 #: Bytes of logits handed to the metric at once (stacked copies x examples x positions x vocab).
 METRIC_BYTES = 2**27
 
@@ -60,6 +72,11 @@ class _PastKV:
             return k, v
         assert self.v is not None  # keys and values are cached together
         return torch.cat([self.k, k], dim=-2), torch.cat([self.v, v], dim=-2)
+
+
+def _close(got: Tensor, want: Tensor) -> bool:
+    """Equal up to :data:`CHECK_RTOL` of the largest value compared (and of 1)."""
+    return got.numel() == 0 or float((got - want).abs().max()) <= CHECK_RTOL * (float(want.abs().max()) + 1.0)
 
 
 def _first(out: Any) -> Tensor:
@@ -102,6 +119,8 @@ class KVCacheEngine:
             if not hasattr(model, name):
                 raise EngineRefusal(f"this bridge has no {name!r} component; use method='hooks'")
         self.model, self.activation = model, activation
+        #: per-layer inputs [rows, p.., layers, d'] of the rows being re-run, when not the captured run's
+        self.per_layer_rows: Optional[Tensor] = None
         self.L = model.cfg.n_layers
         if blocks is None or len(blocks) != self.L:
             raise EngineRefusal("method='kv-cache' needs the bridge's standard 'blocks' stack; use method='hooks'")
@@ -130,6 +149,7 @@ class KVCacheEngine:
         self.calls: list[Any] = [None] * self.L
         self.resid: list[Any] = [None] * self.L
         self.kv: list[Any] = [None] * self.L
+        self._rec_shares: Any = None  # the recording shared key/value dict, if the blocks take one
         handles = [blk.register_forward_pre_hook(self._capture(l), with_kwargs=True) for l, blk in enumerate(self.blocks)]
         handles.append(self.blocks[-1].register_forward_hook(lambda m, a, out: self.resid.append(_first(out))))
         return handles
@@ -142,16 +162,19 @@ class KVCacheEngine:
 
     def _captured(self) -> None:
         """After the captured pass: every attention used the cache it was given; keys and values."""
+        self.shares = None if self._rec_shares is None else SharedKV(self._rec_shares, self.L)
         for l, rec in enumerate(self.kv):
-            if rec is None or rec.calls != 1:
+            want = 0 if self.shares is not None and self.shares.reads_shared(l) else 1  # a KV-shared layer computes none
+            if rec is None or rec.calls != want:
                 raise EngineRefusal(
                     f"block {l}'s attention did not use the key/value cache it was given ({0 if rec is None else rec.calls} "
                     "calls); method='kv-cache' cannot run this architecture -- use method='hooks'"
                 )
         if len(self.resid) != self.L + 1:
             raise EngineRefusal("the bridge's last block did not return its output; use method='hooks'")
-        self.keys = [rec.new[0] for rec in self.kv]  # [b, kv_heads, n, d_head], as the attention used them
-        self.values = [rec.new[1] for rec in self.kv]
+        # [b, kv_heads, n, d_head], as the attention used them (None: a KV-shared layer)
+        self.keys = [None if rec.new is None else rec.new[0] for rec in self.kv]
+        self.values = [None if rec.new is None else rec.new[1] for rec in self.kv]
         self.rows_computed = self.b * self.n * self.L
 
     # -- the corrupted run -------------------------------------------------------------------
@@ -167,9 +190,27 @@ class KVCacheEngine:
             self.resid[l] = bound.pop(hidden_name)
             self.calls[l] = bound
             self.kv[l] = rec = _PastKV()
-            return args, {**kwargs, "layer_past": rec}
+            new = {**kwargs, **self._cache_kwargs(l, rec)}
+            names = list(self._params[l].parameters)
+            if "cache" in new and names.index("cache") < len(args):  # passed positionally (GPT-2)
+                i = names.index("cache")
+                args = args[:i] + (new.pop("cache"),) + args[i + 1 :]
+            if SHARED_KW in bound:
+                if SHARED_KW not in kwargs:
+                    raise EngineRefusal(f"block {l} takes {SHARED_KW!r} positionally; use method='hooks'")
+                if self._rec_shares is None:
+                    self._rec_shares = recording_shares(kwargs[SHARED_KW])
+                self._rec_shares.layer = l
+                new[SHARED_KW] = self._rec_shares
+            return args, new
 
         return hook
+
+    def _cache_kwargs(self, l: int, past: _PastKV) -> dict:
+        """The key/value cache under the names block ``l``'s attention may read it: ``layer_past``
+        (TransformerLens's attention bridges) and, where the block takes one, ``cache`` (a Hugging
+        Face attention run natively, e.g. Gemma 4's); each call is counted, so a double use shows."""
+        return {"layer_past": past, **({"cache": past} if "cache" in self._params[l].parameters else {})}
 
     def _call_kwargs(self, l: int, examples: Tensor, p: int, q: int, past: _PastKV) -> dict:
         """Block ``l``'s keyword arguments for rows of ``examples`` at positions ``p..q-1``."""
@@ -179,6 +220,8 @@ class KVCacheEngine:
                 continue
             if key == "use_cache":
                 out[key] = False
+            elif key == "per_layer_input" and self.per_layer_rows is not None:  # the rows' own (attribution)
+                out[key] = self.per_layer_rows[:, :, l]
             elif key in _SLICED_KW:
                 out[key] = self._slice(key, val, examples, p, q)
             elif torch.is_tensor(val) or (isinstance(val, (tuple, list)) and any(torch.is_tensor(t) for t in val)):
@@ -188,7 +231,7 @@ class KVCacheEngine:
                 )
             else:
                 out[key] = val
-        out["layer_past"] = past
+        out.update(self._cache_kwargs(l, past))
         return out
 
     def _slice(self, key: str, val: Any, examples: Tensor, p: int, ne: int) -> Any:
@@ -200,6 +243,8 @@ class KVCacheEngine:
             return val[p:ne]
         if key == "position_ids":
             return self._rows(val[..., p:ne], examples)
+        if key == "per_layer_input":  # [batch, pos, d]: Gemma 4's per-layer input of each position
+            return self._rows(val[:, p:ne], examples)
         if val.ndim != 4 or val.shape[-1] != self.n or val.shape[-2] != self.n:  # attention_mask
             raise EngineRefusal(
                 f"the attention mask has shape {tuple(val.shape)}, not [batch, 1, pos, pos]; "
@@ -211,13 +256,20 @@ class KVCacheEngine:
         return t if t.shape[0] == 1 else t.index_select(0, examples)
 
     # -- re-runs ------------------------------------------------------------------------------
-    def _block(self, l: int, H: Tensor, examples: Tensor, p: int) -> Tensor:
+    def _block(self, l: int, H: Tensor, examples: Tensor, p: int, shared: Optional[dict] = None) -> Tensor:
         """Block ``l`` on rows ``H`` [rows, positions p.., d] of ``examples``, the positions before ``p``
         read from the corrupted run's keys and values. In the last block (``slice_tail``) the query
         projection, the attention's output projection and the MLP run at the read positions only:
-        the other positions' keys and values are still computed, their outputs are never read."""
+        the other positions' keys and values are still computed, their outputs are never read.
+        ``shared``: the shared key/value entries of ``H``'s rows (KV sharing), updated with what the
+        block writes."""
         q = p + H.shape[1]
-        past = _PastKV(self.keys[l][..., :p, :].index_select(0, examples), self.values[l][..., :p, :].index_select(0, examples))
+        k, v = self.keys[l], self.values[l]
+        past = _PastKV() if k is None or v is None else _PastKV(k[..., :p, :].index_select(0, examples),
+                                                                 v[..., :p, :].index_select(0, examples))
+        kwargs = self._call_kwargs(l, examples, p, q, past)
+        if self.shares is not None:
+            kwargs[SHARED_KW] = box = self.shares.call_dict(shared)
         handles = []
         if l == self.L - 1 and self.slice_tail and self.tail:
             keep = self.cols[(self.cols >= p) & (self.cols < q)] - p
@@ -226,12 +278,15 @@ class KVCacheEngine:
                     handles.append(m.register_forward_pre_hook(self._slice_in(keep, q - p), with_kwargs=True))
                     handles.append(m.register_forward_hook(self._scatter_out(keep, q - p)))
         try:
-            out = _first(self.blocks[l](H, **self._call_kwargs(l, examples, p, q, past)))
+            out = _first(self.blocks[l](H, **kwargs))
         finally:
             for h in handles:
                 h.remove()
-        if past.calls != 1:
+        if past.calls != (k is not None):
             raise EngineRefusal(f"block {l}'s attention did not use the key/value cache; use method='hooks'")
+        if self.shares is not None and shared is not None:
+            shared.clear()
+            shared.update(box)
         return out
 
     @staticmethod
@@ -278,12 +333,13 @@ class KVCacheEngine:
 
         with torch.inference_mode(), self.model.hooks(fwd_hooks=[(nm, record(l)) for l, nm in enumerate(self.names)]):
             H = self.resid[0][:, p : self.n_eff]
+            shared: dict = {}
             for l in range(self.L):
-                H = self._block(l, H, ex, p)
+                H = self._block(l, H, ex, p, shared)
             cols, lg = self._head(H, p)
         ref = self.logits.index_select(1, cols)
         err = float((lg - ref).abs().max()) if len(cols) else 0.0
-        if not err <= 1e-4 * (float(ref.abs().max()) + 1.0):
+        if not _close(lg, ref):
             raise EngineRefusal(
                 f"replaying the bridge's blocks from a key/value cache disagrees with its forward by {err:.3g}; "
                 "method='kv-cache' cannot run this architecture -- use method='hooks'"
@@ -297,11 +353,23 @@ class KVCacheEngine:
                 want = want.index_select(1, keep)
                 if got is not None and got.shape[1] == self.n_eff - p:
                     got = got.index_select(1, keep)
-            if got is None or got.shape != want.shape or not torch.allclose(got, want, atol=1e-4, rtol=1e-4):
+            if got is None or got.shape != want.shape or not _close(got, want):
+                what = "other values" if got is not None and got.shape == want.shape else None if got is None else tuple(got.shape)
                 raise EngineRefusal(
-                    f"the hook {self.names[l]!r} holds {None if got is None else tuple(got.shape)} when its block is re-run, "
+                    f"the hook {self.names[l]!r} holds {what} when its block is re-run, "
                     f"not the corrupted run's {tuple(want.shape)}; use method='hooks'"
                 )
+
+    def _shared_rows(self, before: int, examples: Tensor, ne: int) -> Optional[dict]:
+        """The corrupted run's shared key/value entries as block ``before`` finds them (rows ``examples``,
+        positions ``..ne``); None without KV sharing."""
+        return None if self.shares is None else self.shares.corrupted(before, examples, ne)
+
+    def _extend_shared(self, shared: dict, before: int, examples: Tensor) -> dict:
+        """``shared`` with rows ``examples`` appended, entering before block ``before``."""
+        if self.shares is None:
+            return shared
+        return SharedKV.extend(shared, self.shares.corrupted(before, examples, self.n_eff))
 
     def _patch_hook(self, rows: Tensor, examples: Tensor, pos: Optional[Tensor], heads: Optional[Tensor],
                     clean: Tensor, *, p: int, state: dict):
@@ -361,31 +429,37 @@ class KVCacheEngine:
                     r, examples[s:e], None if pos is None else pos[s:e], None if heads is None else heads[s:e], clean_acts[l], p=p,
                     state=state)))
         H: Optional[Tensor] = None
+        shared: dict = {}  # KV sharing: the shared key/value entries of H's rows
         with self.model.hooks(fwd_hooks=hooks):
             for l in range(lay[0], self.L):
                 s, e = int(bounds[l]), int(bounds[l + 1])
                 if single:
                     if H is not None:
-                        H = self._block(l, H, examples[: len(H)], p)
+                        H = self._block(l, H, examples[: len(H)], p, shared)
                         self.rows_computed += H.shape[0] * H.shape[1]
                     if e > s:
                         ex = examples[s:e]
                         state["on"] = True
+                        # the patch follows this layer's attention input: its keys and values, and
+                        # those it shares, are the corrupted run's
                         try:
-                            row = self._block(l, self.resid[l].index_select(0, ex)[:, p : p + 1], ex, p)
+                            row = self._block(l, self.resid[l].index_select(0, ex)[:, p : p + 1], ex, p,
+                                              self._shared_rows(l, ex, p + 1))
                         finally:
                             state["on"] = False
                         new = torch.cat([row, self.resid[l + 1].index_select(0, ex)[:, p + 1 : self.n_eff]], 1)
                         H = new if H is None else torch.cat([H, new])
+                        shared = self._extend_shared(shared, l + 1, ex)
                         self.rows_computed += e - s
                     continue
                 if e > s:
                     new = self.resid[l].index_select(0, examples[s:e])[:, p : self.n_eff]
                     H = new if H is None else torch.cat([H, new])
+                    shared = self._extend_shared(shared, l, examples[s:e])
                 state["on"] = e > s
                 assert H is not None  # the first patched layer starts the rows
                 try:
-                    H = self._block(l, H, examples[: len(H)], p)
+                    H = self._block(l, H, examples[: len(H)], p, shared)
                 finally:
                     state["on"] = False
                 self.rows_computed += H.shape[0] * H.shape[1]
