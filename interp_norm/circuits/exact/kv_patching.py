@@ -25,7 +25,7 @@ full forward passes). Sweeps are batched like :mod:`interp_norm.circuits.exact.p
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from interp_norm.circuits._types import MetricFn, metric_per_copy
+from interp_norm.circuits.exact.read_probe import ReadOutsideProbe
 from interp_norm.errors import EngineRefusal, PatchingError
 from interp_norm.core.hook_names import act_name
 
@@ -71,10 +72,14 @@ class KVCacheEngine:
 
     ``read_mask`` [batch, pos]: the logits the metric reads (None: all). ``activation``: the one
     patched (:data:`KV_ACTIVATIONS`). ``logits`` and ``acts[l]`` are the corrupted run's (the
-    bridge's own forward, as ``run_with_cache`` gives them).
+    bridge's own forward, as ``run_with_cache`` gives them). ``find_read``: without a ``read_mask``,
+    a function of those logits giving the positions read ([pos] bool, None: all), found by probing the
+    metric (:mod:`~interp_norm.circuits.exact.read_probe`); ``probed`` then says the metric gets NaN
+    at the other positions, so that a read there shows.
     """
 
-    def __init__(self, model, tokens: Tensor, read_mask: Optional[Tensor], activation: str):
+    def __init__(self, model, tokens: Tensor, read_mask: Optional[Tensor], activation: str,
+                 find_read: Optional[Callable[[Tensor], Optional[Tensor]]] = None):
         self._setup(model, tokens.shape, tokens.device, read_mask, activation)
         handles = self._capture_hooks()
         try:
@@ -87,6 +92,25 @@ class KVCacheEngine:
                 h.remove()
         self.acts = [cache[nm] for nm in self.names]
         self._captured()
+        self.probed = False
+        if read_mask is None and find_read is not None:
+            found = find_read(self.logits)
+            if found is not None and not bool(found.all()):
+                self._set_read(found.to(self.logits.device).expand(self.b, self.n))
+                self.probed = True
+        self._check()
+
+    def _set_read(self, read: Tensor) -> None:
+        """The positions the metric reads ([batch, pos] bool): only these are unembedded, nothing
+        after the last is recomputed."""
+        self.cols = read.to(torch.bool).any(0).nonzero().flatten()
+        self.n_eff = int(self.cols.max()) + 1 if len(self.cols) else self.n
+
+    def read_everywhere(self) -> None:
+        """Drop a probed read set: every position is recomputed and unembedded (the safe fallback
+        when the metric read outside it); re-checks the replay."""
+        self._set_read(torch.ones(self.b, self.n, dtype=torch.bool, device=self.logits.device))
+        self.probed = False
         self._check()
 
     def _setup(self, model, shape: tuple, dev: torch.device, read_mask: Optional[Tensor], activation: str) -> None:
@@ -108,9 +132,7 @@ class KVCacheEngine:
         self.blocks = list(blocks)
         self.b, self.n = shape
         read = torch.ones(self.b, self.n, dtype=torch.bool, device=dev) if read_mask is None else read_mask
-        read = read.to(dev, torch.bool).expand(self.b, self.n)
-        self.cols = read.any(0).nonzero().flatten()  # positions the metric reads
-        self.n_eff = int(self.cols.max()) + 1 if len(self.cols) else self.n
+        self._set_read(read.to(dev, torch.bool).expand(self.b, self.n))
         self.names = [act_name(activation, l) for l in range(self.L)]
         try:
             self._params = [inspect.signature(blk.original_component.forward) for blk in self.blocks]
@@ -435,6 +457,12 @@ def kv_patch_cells(engine: KVCacheEngine, cells: Tensor, differs: Tensor, clean_
     per = max(1, METRIC_BYTES // max(1, b * n * V * base.element_size()))  # copies per metric call
     buf = base.repeat(min(per, max(len(c) for c in chunks)), 1, 1)
     cols = engine.cols
+    ref_val: Optional[Tensor] = None
+    if engine.probed:  # the probe's contract, checked: NaN where it found no read shows in the values
+        unread_pos = torch.ones(n, dtype=torch.bool, device=dev)
+        unread_pos[cols] = False
+        buf[:, unread_pos] = float("nan")
+        ref_val = metric_per_copy(metric, base, 1, b)
     result: Optional[Tensor] = None
     for chunk in (tqdm(chunks, desc=desc) if progress else chunks):
         idx = torch.tensor(chunk)
@@ -455,6 +483,11 @@ def kv_patch_cells(engine: KVCacheEngine, cells: Tensor, differs: Tensor, clean_
             m = ((k_of >= s) & (k_of < s + kk)).to(dev)
             view[(k_of.to(dev)[m] - s).unsqueeze(1), e_of.to(dev)[m].unsqueeze(1), rc.unsqueeze(0)] = new[m]
             vals = metric_per_copy(metric, buf[: kk * b], kk, b)
+            if ref_val is not None and bool((torch.isnan(vals) & ~torch.isnan(ref_val)).any()):
+                raise ReadOutsideProbe(
+                    "the metric read logits at a position its probe found unread (NaN there came back); "
+                    "give the metric a read_mask [batch, pos] of the positions it reads"
+                )
             if result is None:
                 result = torch.zeros((len(cells),) + tuple(vals.shape[1:]), dtype=torch.float64)
             result[idx[s : s + kk]] = vals.to(torch.float64).cpu()
