@@ -77,7 +77,7 @@ def _load_hf_model(folder: str | os.PathLike, *, dtype: torch.dtype | str = torc
         concrete = getattr(transformers, architecture, None)  # from_pretrained(None, state_dict=) needs the class
         plain = device_map is None and getattr(concrete, "config_class", None) is type(config)
         converted = _converted_weights(folder, dtype, concrete) if plain else None
-        if converted is not None:  # the stored copy is never held: see safetensors_read
+        if converted is not None and concrete is not None:  # the stored copy is never held: see safetensors_read
             model = concrete.from_pretrained(None, config=config, state_dict=converted, dtype=dtype,
                                              attn_implementation="eager")
             del converted
