@@ -50,6 +50,12 @@ def test_probe_finds_exactly_the_positions_read():
     assert probe_read_positions(lambda lg: torch.zeros(len(lg)), logits, 3) is None  # reads nothing visible: all
     assert probe_read_positions(lambda lg: lg[:, 0, 0] / 0.0 * 0.0, logits, 3) is None  # not finite: all
 
+    def strict(lg):
+        assert torch.isfinite(lg).all()
+        return lg[:, 2, 0]
+
+    assert probe_read_positions(strict, logits, 3) is None  # refuses the probe: all
+
 
 def last_diff(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, 4, 5] - logits[:, 4, 6]
