@@ -142,12 +142,12 @@ def _wired(model, parts: list, seen: dict) -> bool:
 
 
 def _through_norm(norm: torch.nn.Module, x: Tensor, vecs: Tensor) -> Tensor:
-    """``J_norm(x)^T v`` for each of ``vecs`` [k, rows, n, d] (autograd through the model's norm)."""
-    k = vecs.shape[0]
-    xs = x.detach().unsqueeze(0).expand(k, *x.shape).reshape(k * x.shape[0], *x.shape[1:]).requires_grad_()
-    with torch.enable_grad():
-        (g,) = torch.autograd.grad(norm(xs), xs, vecs.reshape(xs.shape).to(x.dtype))
-    return g.view(vecs.shape)
+    """``J_norm(x)^T v`` for each of ``vecs`` [k, rows, n, d]: the model's norm run once at ``x``, its
+    vector-Jacobian product mapped over the k vectors."""
+    with torch.enable_grad(), quiet():
+        _, vjp = torch.func.vjp(norm, x.detach())
+        (g,) = torch.func.vmap(vjp)(vecs.to(x.dtype))
+    return g
 
 
 def _assemble(model, runner, parts: list, seen: dict, grads: dict) -> Tensor:

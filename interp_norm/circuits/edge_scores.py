@@ -69,12 +69,8 @@ def edge_attribution(
         frozen = freeze_hooks(runner.run_model, norm, pattern, tokens=clean)
     alphas = ig_alphas(ig_steps)
     b, n = clean.shape
-    _, s_clean = runner.sender_cache(clean)
-    _, s_corr = runner.sender_cache(corr)
-    with torch.no_grad():
-        embed = act_name("embed")
-        e_clean = runner.model.run_with_cache(clean, names_filter=lambda nm: nm == embed)[1][embed]
-        e_corr = runner.model.run_with_cache(corr, names_filter=lambda nm: nm == embed)[1][embed]
+    s_clean, e_clean = _senders_and_embedding(runner, clean)
+    s_corr, e_corr = _senders_and_embedding(runner, corr)
     # rows per pass: every example costs ~3*n_heads residual copies (split q/k/v inputs) or
     # 1 + 3*n_heads batch copies; chunk the examples too when the metric can be split
     A = runner.graph.n_attn_receivers
@@ -113,6 +109,15 @@ def edge_attribution(
     return edge_frame(runner.graph, scores, runner.valid, method=method)
 
 
+def _senders_and_embedding(runner: EdgeRunner, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """(senders [U, b, n, d], token embedding [b, n, d]) of one plain run."""
+    embed = act_name("embed")
+    names = {embed, act_name("pos_embed")} | {act_name(a, l) for l in range(runner.L) for a in ("z", "mlp_out")}
+    with torch.no_grad():
+        _, cache = runner.model.run_with_cache(tokens, names_filter=lambda nm: nm in names)
+    return runner.senders_from_cache(cache), cache[embed]
+
+
 def _copies_grads(runner: EdgeRunner, frozen: list, tokens: Tensor, embed_mix: tuple, metric: MetricFn, br: int) -> Tensor:
     """[R, m*br, n, d] receiver gradients from one pass of the runner's receiver copies (leaves)."""
     m = len(embed_mix[2])
@@ -128,10 +133,21 @@ def _copies_grads(runner: EdgeRunner, frozen: list, tokens: Tensor, embed_mix: t
 def _pass_scores(runner: EdgeRunner, d: Tensor, g: Tensor, m: int) -> Tensor:
     """[U, R] sum over one pass's rows of ``d . g``: sender differences [U, br, n, d] against receiver
     gradients [R, m*br, n, d] (m integration points); post-norm heads' differences go through the
-    norm's Jacobian at each row's point of the pass."""
+    norm's Jacobian at each row's point of the pass. Only valid edges (a receiver's block of senders
+    before it) and positions where some sender differs (elsewhere ``d`` is exactly 0) are summed."""
     if runner.has_post_norms:
         return torch.einsum("ubnd,rbnd->ur", runner.linearised(d.repeat(1, m, 1, 1), runner.last_sums), g).cpu()
-    return torch.einsum("ubnd,rbnd->ur", d, g.view(g.shape[0], m, d.shape[1], *g.shape[2:]).sum(1)).cpu()
+    g = g.view(g.shape[0], m, *d.shape[1:]).sum(1)
+    keep = d.ne(0).any(-1).any(1).any(0).nonzero().flatten()
+    d, g = d.index_select(2, keep).flatten(1), g.index_select(2, keep).flatten(1)  # [U, .], [R, .]
+    graph, out = runner.graph, d.new_zeros(d.shape[0], g.shape[0])
+    A = graph.n_attn_receivers
+    for l in range(runner.L):
+        r0, ua, um = graph.receiver_index(l, "head"), graph.n_senders_before(l, "attn"), graph.n_senders_before(l, "mlp")
+        out[:ua, r0 : r0 + A] = d[:ua] @ g[r0 : r0 + A].T
+        out[:um, r0 + A] = d[:um] @ g[r0 + A]
+    out[:, -1] = d @ g[-1]
+    return out.cpu()
 
 
 def _parse_node(name: str) -> tuple[Optional[int], Optional[int]]:
