@@ -362,9 +362,10 @@ class KVCacheEngine:
         positions from the corrupted run. Returns (read positions >= p, logits [rows, cols, vocab])."""
         lay = layer.tolist()
         single = pos is not None and self.activation != "resid_pre"
-        # a whole-sequence patch of z / mlp_out in the last block writes every position of a hook
-        # that the read-position slicing shortens: run that block whole
-        self.slice_tail = not (pos is None and self.activation in ("z", "mlp_out") and lay[-1] == self.L - 1)
+        # a whole-sequence patch of z / mlp_out (or resid_mid, where it is the MLP's input: OLMo-2) in
+        # the last block writes every position of a hook that the read-position slicing shortens: run
+        # that block whole
+        self.slice_tail = not (pos is None and self.activation in ("z", "mlp_out", "resid_mid") and lay[-1] == self.L - 1)
         try:
             return self._run_chunk(p, lay, examples, pos, heads, clean_acts, single=single)
         finally:
