@@ -145,7 +145,7 @@ def _through_norm(norm: torch.nn.Module, x: Tensor, vecs: Tensor) -> Tensor:
     """``J_norm(x)^T v`` for each of ``vecs`` [k, rows, n, d]: the model's norm run once at ``x``, its
     vector-Jacobian product mapped over the k vectors."""
     with torch.enable_grad(), quiet():
-        _, vjp = torch.func.vjp(norm, x.detach())
+        vjp = torch.func.vjp(norm, x.detach())[1]
         (g,) = torch.func.vmap(vjp)(vecs.to(x.dtype))
     return g
 
