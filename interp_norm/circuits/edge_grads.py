@@ -142,12 +142,41 @@ def _wired(model, parts: list, seen: dict) -> bool:
 
 
 def _through_norm(norm: torch.nn.Module, x: Tensor, vecs: Tensor) -> Tensor:
-    """``J_norm(x)^T v`` for each of ``vecs`` [k, rows, n, d]: the model's norm run once at ``x``, its
-    vector-Jacobian product mapped over the k vectors."""
+    """``J_norm(x)^T v`` for each of ``vecs`` [k, rows, n, d]. A LayerNorm or RMSNorm by its closed
+    form, checked on the first vector against autograd through the model's norm; otherwise (or if the
+    check fails: another gain convention, say) the norm run once and its vector-Jacobian product
+    mapped over the k vectors."""
     with torch.enable_grad(), quiet():
         vjp = torch.func.vjp(norm, x.detach())[1]
+        closed = _closed_form(norm, x.detach(), vecs)
+        if closed is not None:
+            (ref,) = vjp(vecs[0].to(x.dtype))
+            if torch.allclose(closed[0], ref, rtol=1e-4, atol=1e-6 * float(ref.abs().max())):
+                return closed
         (g,) = torch.func.vmap(vjp)(vecs.to(x.dtype))
     return g
+
+
+def _closed_form(norm: torch.nn.Module, x: Tensor, vecs: Tensor) -> Optional[Tensor]:
+    """The transposed Jacobian of ``w * (x - mean) / std + b`` (LayerNorm) or ``w * x / rms`` (RMSNorm)
+    at ``x`` applied to ``vecs``, read from the wrapped module's weight and epsilon; None if it has
+    neither."""
+    mod = getattr(norm, "original_component", norm)
+    w = getattr(mod, "weight", None)
+    eps = getattr(mod, "eps", getattr(mod, "variance_epsilon", None))
+    if not isinstance(w, Tensor) or not isinstance(eps, float):
+        return None
+    xf = x.float()
+    if isinstance(mod, torch.nn.LayerNorm) or getattr(mod, "bias", None) is not None:
+        xc = xf - xf.mean(-1, keepdim=True)
+        r = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+        xh = xc * r
+        u = vecs.float() * w.float()
+        return (r * (u - u.mean(-1, keepdim=True) - xh * (u * xh).mean(-1, keepdim=True))).to(x.dtype)
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xh = xf * r
+    u = vecs.float() * w.float()
+    return (r * (u - xh * (u * xh).mean(-1, keepdim=True))).to(x.dtype)
 
 
 def _assemble(model, runner, parts: list, seen: dict, grads: dict) -> Tensor:
