@@ -56,3 +56,35 @@ def test_post_norm_and_frozen_modes_keep_the_copies(monkeypatch):
         warnings.simplefilter("ignore")
         edge_attribution(gpt2, bridge_pairs(gpt2, 3, 6), metric, norm="frozen")
     assert called == []
+
+
+class _OnePlusGain(torch.nn.Module):
+    """An RMSNorm whose gain is ``1 + weight`` (Gemma's convention): the closed form, which reads
+    ``weight`` as the gain, is wrong for it and must be caught by its check."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(d) * 0.5)
+        self.eps = 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms", "one_plus_gain"])
+def test_norm_transposed_jacobian_equals_autograd_one_vector_at_a_time(norm):
+    """Each vector's ``J^T v`` against a separate autograd backward through the norm (brute force)."""
+    from interp_norm.circuits.edge_grads import _through_norm
+
+    torch.manual_seed(0)
+    d = 32
+    mod = {"layer": torch.nn.LayerNorm(d), "rms": torch.nn.RMSNorm(d, eps=1e-6), "one_plus_gain": _OnePlusGain(d)}[norm]
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    x, vecs = torch.randn(2, 5, d) * 2 + 0.5, torch.randn(4, 2, 5, d)
+    got = _through_norm(mod, x, vecs)
+    for k in range(4):
+        xk = x.clone().requires_grad_()
+        (ref,) = torch.autograd.grad(mod(xk), xk, vecs[k])
+        assert torch.allclose(got[k], ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max())), (norm, k)
