@@ -15,7 +15,12 @@ own ``cache_activation_and_gradient`` once per pair and integration point with t
 moved along the corrupted -> clean line by a hook (checked equal the same way).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_bridge_attribution.py [--archs gpt2,llama,qwen3]
-        [--layers 12] [--pos 16] [--pairs 8] [--repeats 3] [--ig-steps 0] [--shrink 1] [--breakdown]
+        [--layers 12] [--pos 16] [--pairs 8] [--repeats 3] [--ig-steps 0] [--shrink 1] [--breakdown] [--edges]
+
+``--edges`` adds edge EAP (``edge_attribution``: every sender -> q/k/v/MLP/logits receiver, summed over
+positions, mean over pairs) against TransformerLens's ``attribution_patch(granularity="edge")`` per pair
+(checked equal first; it refuses grouped k/v heads, so Llama and Qwen3 get ours only) and the ratio of
+ours's edge pass to ours's node pass (target <= 2x).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from transformer_lens.tools.analysis.attribution_patching import (  # noqa: E402
+    EdgeAttributionConfig,
     Node,
     attribution_patch,
     cache_activation_and_gradient,
@@ -42,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_bridge_patching import LastLogitDiff, build, pairs  # noqa: E402
 from bench_patching import cpu_time, matmul_profile, peak_gmacs, peak_mb  # noqa: E402
 
-from interp_norm.circuits import PatchingPairs, node_attribution  # noqa: E402
+from interp_norm.circuits import PatchingPairs, edge_attribution, node_attribution  # noqa: E402
 
 TOL = 1e-5
 
@@ -82,6 +88,57 @@ def tl_eap_ig(bridge, clean, corr, metric: LastLogitDiff, steps: int) -> list[di
                 total[nm] = total[nm] + gc.gradients[nm]
         out.append({nm: ((cg.activations[nm] - xg.activations[nm]) * total[nm] / steps).sum(-1)[0] for nm in names})
     return out
+
+
+def _edge_name(node: Node, reader: bool) -> str:
+    """Ours's name of a TransformerLens edge end (its q/k/v/mlp input, or the head/MLP writing)."""
+    if node.kind in ("embed", "logits"):
+        return node.kind
+    if node.kind in ("mlp_out", "mlp_in"):
+        return f"m{node.layer}"
+    head = f"a{node.layer}.h{node.head}"
+    return f"{head}.{node.kind[0]}" if reader else head
+
+
+def tl_edges(bridge, clean, corr, metric: LastLogitDiff) -> dict:
+    """TransformerLens 4.3's edge attribution per pair (its edges per position summed per (sender,
+    receiver)), the mean over pairs: what ours's ``edge_attribution`` scores."""
+    out: dict = {}
+    for i in range(len(clean)):
+        a, c = int(metric.a[i]), int(metric.c[i])
+        ref = attribution_patch(bridge, clean[i : i + 1], corr[i : i + 1], lambda lg, a=a, c=c: lg[0, -1, a] - lg[0, -1, c],
+                                EdgeAttributionConfig(granularity="edge")).edge_scores
+        for (w, r), v in ref.items():
+            key = (_edge_name(w, False), _edge_name(r, True))
+            out[key] = out.get(key, 0.0) + v / len(clean)
+    return out
+
+
+def edge_row(bridge, clean, corr, metric, repeats: int) -> dict:
+    """Edge EAP: ours vs TransformerLens (where it scores the architecture: not grouped k/v heads), and
+    ours's edge pass over ours's node pass, timed alternately."""
+    pp = PatchingPairs(clean, corr, score_mask=metric.read_mask)
+    ours = lambda: edge_attribution(bridge, pp, metric)  # noqa: E731
+    node = lambda: node_attribution(bridge, pp, metric, ("z", "mlp_out"))  # noqa: E731
+    tl = lambda: quiet(tl_edges, bridge, clean, corr, metric)  # noqa: E731
+    node(), ours()  # warm-up
+    grouped = bridge.cfg.n_key_value_heads not in (None, bridge.cfg.n_heads)
+    times: dict = {"ours": [], "node": [], "tl": []}
+    diff = float("nan")
+    for r in range(repeats):
+        t, res = cpu_time(ours)
+        times["ours"].append(t)
+        times["node"].append(cpu_time(node)[0])
+        if not grouped:
+            t, ref = cpu_time(tl)
+            times["tl"].append(t)
+            if r == 0:
+                got = res.set_index(["sender", "receiver"])["score"]
+                assert set(ref) == set(got.index), "edge sets differ from TransformerLens's"
+                diff = max(abs(ref[k] - got[k]) for k in ref)
+                assert diff <= TOL, f"edges differ from TransformerLens by {diff}"
+    med = {k: statistics.median(v) if v else float("nan") for k, v in times.items()}
+    return dict(diff=diff, edges=len(res), **med)
 
 
 def as_tensors(ref: list, L: int, n: int, H: int, ig: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +196,8 @@ def main() -> None:
     ap.add_argument("--ig-steps", type=int, default=0, help="also an EAP-IG row with this many steps (0: none)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also profile one run of each side: matrix products' multiply-accumulates, rate and share of CPU time")
+    ap.add_argument("--edges", action="store_true",
+                    help="also edge EAP: ours vs TransformerLens per pair (where it scores the model) and vs ours's node pass")
     args = ap.parse_args()
     torch.set_num_threads(1)
     w0, c0 = time.perf_counter(), time.process_time()
@@ -161,6 +220,12 @@ def main() -> None:
             for side, p in r.get("profile", {}).items():
                 print(f"      {side:<16} matrix products {p['gmac']:6.1f} GMAC in {p['mm_ms']:6.0f} ms ({p['gmac'] / p['mm_ms'] * 1e3:4.0f} GMAC/s), "
                       f"{100 * p['mm_ms'] / p['ms']:3.0f}% of {p['ms']:.0f} ms in ops (profiled run)")
+        if args.edges:
+            e = edge_row(bridge, clean, corr, metric, args.repeats)
+            tl_ratio = f"{e['tl'] / e['ours']:.1f}x" if e["tl"] == e["tl"] else "TransformerLens refuses grouped k/v"
+            print(f"   edge EAP ({e['edges']} edges): max|diff| {e['diff']:.1e}, TransformerLens {e['tl']:.2f} s, ours "
+                  f"{e['ours']:.2f} s ({tl_ratio}); ours node EAP {e['node']:.2f} s: edge / node {e['ours'] / e['node']:.1f}x "
+                  "(target <= 2x)", flush=True)
         del bridge
     if args.breakdown:
         print(f"\none large matrix product (512 x 768 x 3072) on this machine: {peak_gmacs():.0f} GMAC/s")

@@ -9,7 +9,8 @@ tokens, the last half of the layers reading the keys and values of the last slid
 before them, per-layer inputs of width 8), 8 pairs x 16 tokens:
 clean tokens random, the corrupted ones differ in one token (``--corrupt-pos``), the metric is the
 last position's logit difference between the pair's clean and corrupted token there (per example;
-``.mean()`` for TransformerLens). For ``resid_pre``, ``attn_out``, ``mlp_out`` (layer x position) and
+``.mean()`` for TransformerLens; ``--metric plain`` passes it to ours as a bare function, declaring no
+read positions, so the engine finds them by probing it). For ``resid_pre``, ``attn_out``, ``mlp_out`` (layer x position) and
 ``z`` (layer x position x head), both tables are computed and checked equal cell by cell (max |diff|
 <= 1e-5) first; then TransformerLens and ours run alternately in each round (the machine is shared,
 so load hits both alike) and the table prints the median CPU time of each, the ratio (target >= 5x)
@@ -123,7 +124,8 @@ def pairs(vocab: int, b: int, n: int, corrupt_pos: int, seed: int = 1):
     return clean, corr, at
 
 
-def table(bridge, clean, corr, metric, act: str, repeats: int, tl_sample: int, batch_size: int, memory: bool = True) -> dict:
+def table(bridge, clean, corr, metric, act: str, repeats: int, tl_sample: int, batch_size: int, memory: bool = True,
+          plain: bool = False) -> dict:
     fn, setter, axes = TL[act]
     _, cache = bridge.run_with_cache(clean)
     L, n, H = bridge.cfg.n_layers, clean.shape[1], bridge.cfg.n_heads
@@ -139,11 +141,13 @@ def table(bridge, clean, corr, metric, act: str, repeats: int, tl_sample: int, b
         return quiet(patching.generic_activation_patch, bridge, corr, cache, metric.mean, patch_setter=setter,
                      activation_name=act, index_df=sample)
 
+    ours_metric = metric if not plain else (lambda lg: metric(lg))  # a plain function: nothing declared
+
     def ours():
-        return activation_patch(bridge, corr, cache, metric, act, method="kv-cache", batch_size=batch_size)
+        return activation_patch(bridge, corr, cache, ours_metric, act, method="kv-cache", batch_size=batch_size)
 
     warm = grid[grid["pos"] == clean.shape[1] - 1].iloc[:4]  # warm-up on a few cells: the allocator, first calls
-    activation_patch(bridge, corr, cache, metric, act, method="kv-cache", batch_size=batch_size, cells=warm)
+    activation_patch(bridge, corr, cache, ours_metric, act, method="kv-cache", batch_size=batch_size, cells=warm)
     t_tl, ref = cpu_time(tl)
     t_ours, res = cpu_time(ours)
     diff = float((res.values.reshape(-1)[rows] - ref).abs().max())
@@ -198,6 +202,8 @@ def main() -> None:
     ap.add_argument("--tl-sample", type=int, default=24,
                     help="time TransformerLens on this many sampled cells, scaled to the table (0: all; a full z table at real size is ~15 CPU min)")
     ap.add_argument("--batch-size", type=int, default=1024, help="activation_patch's batch_size")
+    ap.add_argument("--metric", default="declared",
+                    help="'declared' (read_mask), 'plain' (a bare function: positions found by probing) or 'declared,plain'")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory column (it re-runs ours under the profiler)")
     ap.add_argument("--scaling", default="",
                     help="instead of the tables: how the ratio grows, e.g. 'layers=3,6,12;pos=8,16,32' "
@@ -217,14 +223,16 @@ def main() -> None:
         metric = LastLogitDiff(clean, corr, at)
         print(f"\n{arch}: {args.layers} layers, d_model {d}, heads {h} (k/v {kvh}) x {dh}, MLP {mlp}, vocab {v}; "
               f"{args.pairs} pairs x {args.pos} tokens, corrupted at position {args.corrupt_pos}; CPU s, median of {args.repeats}")
-        print(f"   {'activation':<11}{'cells':>6}{'max|diff|':>11}{'max|effect|':>12}{'TransformerLens':>17}{'ours':>9}"
+        print(f"   {'activation':<11}{'metric':<9}{'cells':>6}{'max|diff|':>11}{'max|effect|':>12}{'TransformerLens':>17}{'ours':>9}"
               f"{'ratio':>8}{'ours fwd':>9}{'ours MB':>9}{'TL MB':>8}")
         for act in args.acts.split(","):
-            r = table(bridge, clean, corr, metric, act, args.repeats, args.tl_sample, args.batch_size, not args.no_memory)
-            ratios.append(r["tl"] / r["ours"])
-            est = "~" if r["sampled"] else " "
-            print(f"   {act:<11}{r['cells']:>6}{r['diff']:>11.1e}{r['effect']:>12.3g}{est}{r['tl']:>16.2f}{r['ours']:>9.2f}"
-                  f"{ratios[-1]:>7.1f}x{r['fwd']:>9.2f}{r['mb']:>9.0f}{r['tl_mb']:>8.0f}", flush=True)
+            for kind in args.metric.split(","):
+                r = table(bridge, clean, corr, metric, act, args.repeats, args.tl_sample, args.batch_size, not args.no_memory,
+                          plain=kind == "plain")
+                ratios.append(r["tl"] / r["ours"])
+                est = "~" if r["sampled"] else " "
+                print(f"   {act:<11}{kind:<9}{r['cells']:>6}{r['diff']:>11.1e}{r['effect']:>12.3g}{est}{r['tl']:>16.2f}"
+                      f"{r['ours']:>9.2f}{ratios[-1]:>7.1f}x{r['fwd']:>9.2f}{r['mb']:>9.0f}{r['tl_mb']:>8.0f}", flush=True)
         del bridge
     print(f"\nSPEED RATIO (TransformerLens / ours, CPU time): min {min(ratios):.1f}x, median {statistics.median(ratios):.1f}x "
           f"over {len(ratios)} tables (target >= 5x each); ~ = TransformerLens timed on --tl-sample cells, scaled up")

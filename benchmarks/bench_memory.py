@@ -4,7 +4,9 @@ Hugging Face folder, over the size of its weights (target <= 1.5x).
 The folder: a random ``Qwen3ForCausalLM`` of Qwen3-0.6B's shape (28 layers, d_model 1024, 16 query /
 8 key-value heads of 128, gated MLP 3072, vocabulary 151 936, tied embeddings: 596M parameters,
 2.4 GB in float32), written once with ``save_pretrained`` into ``--cache`` in float32 and in
-bfloat16 (the stored dtype each run loads: no conversion at load time). Nothing is downloaded.
+bfloat16; each run loads one in its stored dtype, or ``float32:bfloat16`` loads the float32 folder
+with ``--dtype bfloat16`` (converted at load; the ratio is then over the bfloat16 weights). Nothing is
+downloaded.
 
 Each command runs in its own child process (``python -m interp_norm.cli``, ``nice -n 5``, one torch
 thread), and its peak resident memory is the kernel's high-water mark of that child
@@ -63,6 +65,9 @@ def build_folder(folder: Path, dtype: str) -> Path:
     return folder
 
 
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def weight_bytes(folder: Path) -> int:
     from safetensors import safe_open
 
@@ -92,7 +97,7 @@ def run(command: str, folder: Path, dtype: str, size: tuple[int, int], wb: int, 
     chunked = ["--window-batch", str(wb or windows)] if command != "noise" else []  # 0: every window in one pass
     argv = [sys.executable, "-m", "interp_norm.cli", command, str(folder), "--dtype", dtype, "--windows",
             str(windows), "--n-ctx", str(n_ctx), "--threads",
-            str(args.threads), "--no-progress", "--force", "--out", str(out / f"{command}-{dtype}-{windows}x{n_ctx}-{wb}"),
+            str(args.threads), "--no-progress", "--force", "--out", str(out / f"{command}-{dtype}-{windows}x{n_ctx}-{wb}-{folder.name}"),
             *COMMANDS[command], *chunked]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
     res = subprocess.run([sys.executable, "-c", WAITER, "nice", "-n", "5", *argv], env=env, capture_output=True,
@@ -114,7 +119,8 @@ def _size(text: str) -> tuple[int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "interp_norm_bench_memory"))
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float32:bfloat16"],
+                    help="the folder's stored dtype, or STORED:RUN to convert at load (float32:bfloat16)")
     ap.add_argument("--commands", nargs="+", default=list(COMMANDS), choices=list(COMMANDS))
     ap.add_argument("--sizes", nargs="+", type=_size, default=[(2, 128), (8, 256)],
                     help="WINDOWSxTOKENS per run (default: 2x128 8x256)")
@@ -126,20 +132,21 @@ def main() -> None:
     args = ap.parse_args()
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
-    folders = {d: build_folder(cache / f"qwen3-0.6b-shaped-{d}", d) for d in args.dtypes}
+    folders = {d: build_folder(cache / f"qwen3-0.6b-shaped-{d.split(':')[0]}", d.split(":")[0]) for d in args.dtypes}
     if args.build_only:
         print(json.dumps({d: str(f) for d, f in folders.items()}))
         return
     out = Path(tempfile.mkdtemp(prefix="bench_memory_"))
     print(f"Qwen3-0.6B-shaped random folder; noise --batch-size 1; {args.threads} thread(s); "
           "window batch 0 = every window in one pass")
-    print(f"{'windows x tokens':<18}{'command':<10}{'dtype':<10}{'weights GB':>11}"
+    print(f"{'windows x tokens':<18}{'command':<10}{'dtype':<18}{'weights GB':>11}"
           + "".join(f"{f'wb {wb}: peak GB':>16}{'ratio':>7}{'s':>7}" for wb in args.window_batch))
     for size in args.sizes:
-        for dtype, folder in folders.items():
-            w = weight_bytes(folder) / 1e9
+        for spec, folder in folders.items():
+            stored, dtype = spec.split(":")[0], spec.split(":")[-1]  # STORED:RUN converts at load
+            w = weight_bytes(folder) / 1e9 * _BYTES[dtype] / _BYTES[stored]  # the weights in the run's dtype
             for command in args.commands:
-                line = f"{f'{size[0]} x {size[1]}':<18}{command:<10}{dtype:<10}{w:>11.2f}"
+                line = f"{f'{size[0]} x {size[1]}':<18}{command:<10}{spec.replace(':', '>'):<18}{w:>11.2f}"
                 for wb in (args.window_batch if command != "noise" else args.window_batch[:1]):
                     r = run(command, folder, dtype, size, wb, args, out)
                     line += f"{r['peak_gb']:>16.2f}{r['peak_gb'] / w:>7.2f}{r['seconds']:>7.1f}"

@@ -74,8 +74,16 @@ def _load_hf_model(folder: str | os.PathLike, *, dtype: torch.dtype | str = torc
         raise ArchitectureError(f"{str(folder)!r}: TransformerLens has no bridge for this model ({e})") from None
     try:
         placement = {} if device_map is None else {"device_map": device_map}
-        model = model_class.from_pretrained(folder, config=config, local_files_only=True, dtype=dtype,
-                                            attn_implementation="eager", **placement)
+        concrete = getattr(transformers, architecture, None)  # from_pretrained(None, state_dict=) needs the class
+        plain = device_map is None and getattr(concrete, "config_class", None) is type(config)
+        converted = _converted_weights(folder, dtype, concrete) if plain else None
+        if converted is not None and concrete is not None:  # the stored copy is never held: see safetensors_read
+            model = concrete.from_pretrained(None, config=config, state_dict=converted, dtype=dtype,
+                                             attn_implementation="eager")
+            del converted
+        else:
+            model = model_class.from_pretrained(folder, config=config, local_files_only=True, dtype=dtype,
+                                                attn_implementation="eager", **placement)
     except (OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"cannot load the weights in {str(folder)!r}: {e}") from None
     if device_map is None:
@@ -98,6 +106,18 @@ def _load_hf_model(folder: str | os.PathLike, *, dtype: torch.dtype | str = torc
             "tokenizer_config.json into the folder to work with text"), stacklevel=_outside_stacklevel())
         refuse_text_without_tokenizer(bridge)
     return bridge
+
+
+def _converted_weights(folder: Path, dtype: Any, concrete: Any) -> Optional[dict]:
+    """The folder's weights read in ``dtype`` block by block, when it stores floats in another dtype
+    (``from_pretrained`` would hold the stored copy mapped while converting); else None."""
+    from interp_norm.anatomy.safetensors_read import read_converted, stored_float_dtypes
+
+    if not isinstance(dtype, torch.dtype) or not stored_float_dtypes(folder) - {dtype}:
+        return None
+    if any(getattr(concrete, a, None) for a in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")):
+        return None  # it keeps some weights in float32: they must be read as stored
+    return read_converted(folder, dtype)
 
 
 def _outside_stacklevel() -> int:

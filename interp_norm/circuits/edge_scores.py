@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from interp_norm.circuits import edge_grads
 from interp_norm.circuits._types import MetricFn, device, ig_alphas, metric_values
 from interp_norm.core import nodes
 from interp_norm.circuits.edges import EdgeGraph, EdgeRunner
@@ -52,6 +53,8 @@ def edge_attribution(
     ``norm`` / ``pattern`` = ``"frozen"``: the norms' scales / the attention patterns held constant in
     the backward pass at their values in the run differentiated (:mod:`~interp_norm.circuits.norm_modes`;
     bridges as there); edges into queries and keys then score 0 with frozen patterns.
+    On a Pre-Norm bridge (``backend="auto"``) every receiver's gradient comes from one plain backward
+    pass (:mod:`~interp_norm.circuits.edge_grads`); ``backend="copies"`` forces the receiver copies.
     Grouped k/v heads: one k and one v receiver per k/v head. Post-norm heads (OLMo-2): the sender's
     difference is taken through the norm's Jacobian at the run differentiated (each integration
     point for EAP-IG; :mod:`~interp_norm.circuits.edge_post_norm`); ``norm="frozen"`` is refused there.
@@ -66,12 +69,8 @@ def edge_attribution(
         frozen = freeze_hooks(runner.run_model, norm, pattern, tokens=clean)
     alphas = ig_alphas(ig_steps)
     b, n = clean.shape
-    _, s_clean = runner.sender_cache(clean)
-    _, s_corr = runner.sender_cache(corr)
-    with torch.no_grad():
-        embed = act_name("embed")
-        e_clean = runner.model.run_with_cache(clean, names_filter=lambda nm: nm == embed)[1][embed]
-        e_corr = runner.model.run_with_cache(corr, names_filter=lambda nm: nm == embed)[1][embed]
+    s_clean, e_clean = _senders_and_embedding(runner, clean)
+    s_corr, e_corr = _senders_and_embedding(runner, corr)
     # rows per pass: every example costs ~3*n_heads residual copies (split q/k/v inputs) or
     # 1 + 3*n_heads batch copies; chunk the examples too when the metric can be split
     A = runner.graph.n_attn_receivers
@@ -90,6 +89,10 @@ def edge_attribution(
                             "implemented; use norm='live' on this model")
     delta = (s_clean - s_corr).double()  # [U, b, n, d]
     scores = torch.zeros(delta.shape[0], len(runner.graph.receivers), dtype=torch.float64)
+    fast = backend == "auto" and edge_grads.applies(model, runner, norm, pattern)
+    if fast:  # one plain pass per chunk: the receivers' rows are the rows themselves
+        per_pass = max(per_pass * cost, b)
+        chunks = [list(range(b))]
     work = [(rows, s0) for rows in chunks for s0 in range(0, ig_steps, max(1, per_pass // len(rows)))]
     for rows, s0 in tqdm(work, disable=not progress, desc="edge attribution"):
         br = len(rows)
@@ -97,26 +100,54 @@ def edge_attribution(
         al = alphas[s0 : s0 + max(1, per_pass // br)].to(dev)
         m = len(al)
         idx = torch.tensor(rows, device=dev)
-        with torch.enable_grad(), runner.run_model.hooks(fwd_hooks=frozen), quiet():
-            logits, leaf = runner.run(corr[idx].repeat(m, 1), leaves=True, embed_mix=(e_corr[idx], e_clean[idx], al))
-            total = metric_values(sub, logits, br).sum()
-            grads = torch.autograd.grad(total, list(leaf.values()), allow_unused=bool(frozen))
-        # with frozen patterns nothing reaches the query and key inputs: their gradient is 0
-        filled = [torch.zeros_like(x) if g is None else g for x, g in zip(leaf.values(), grads)]
-        g = runner.receiver_grads(leaf, filled).double()  # [R, m*br, n, d]
-        scores += _pass_scores(runner, delta[:, idx.cpu()].to(g.device), g, m)
+        g = edge_grads.fast_receivers(model, runner, corr[idx], (e_corr[idx], e_clean[idx], al), sub, br) if fast else None
+        if g is None:  # the copies backend, or a block the one-pass path cannot read
+            g = _copies_grads(runner, frozen, corr[idx], (e_corr[idx], e_clean[idx], al), sub, br)
+        scores += _pass_scores(runner, delta[:, idx.cpu()].to(g.device), g.double(), m)
     scores = scores / (b * ig_steps) * runner.valid
     method = ("eap" if ig_steps == 1 else f"eap-ig{ig_steps}") + mode_label(norm, pattern)
     return edge_frame(runner.graph, scores, runner.valid, method=method)
 
 
+def _senders_and_embedding(runner: EdgeRunner, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """(senders [U, b, n, d], token embedding [b, n, d]) of one plain run."""
+    embed = act_name("embed")
+    names = {embed, act_name("pos_embed")} | {act_name(a, l) for l in range(runner.L) for a in ("z", "mlp_out")}
+    with torch.no_grad():
+        _, cache = runner.model.run_with_cache(tokens, names_filter=lambda nm: nm in names)
+    return runner.senders_from_cache(cache), cache[embed]
+
+
+def _copies_grads(runner: EdgeRunner, frozen: list, tokens: Tensor, embed_mix: tuple, metric: MetricFn, br: int) -> Tensor:
+    """[R, m*br, n, d] receiver gradients from one pass of the runner's receiver copies (leaves)."""
+    m = len(embed_mix[2])
+    with torch.enable_grad(), runner.run_model.hooks(fwd_hooks=frozen), quiet():
+        logits, leaf = runner.run(tokens.repeat(m, 1), leaves=True, embed_mix=embed_mix)
+        total = metric_values(metric, logits, br).sum()
+        grads = torch.autograd.grad(total, list(leaf.values()), allow_unused=bool(frozen))
+    # with frozen patterns nothing reaches the query and key inputs: their gradient is 0
+    filled = [torch.zeros_like(x) if g is None else g for x, g in zip(leaf.values(), grads)]
+    return runner.receiver_grads(leaf, filled)
+
+
 def _pass_scores(runner: EdgeRunner, d: Tensor, g: Tensor, m: int) -> Tensor:
     """[U, R] sum over one pass's rows of ``d . g``: sender differences [U, br, n, d] against receiver
     gradients [R, m*br, n, d] (m integration points); post-norm heads' differences go through the
-    norm's Jacobian at each row's point of the pass."""
+    norm's Jacobian at each row's point of the pass. Only valid edges (a receiver's block of senders
+    before it) and positions where some sender differs (elsewhere ``d`` is exactly 0) are summed."""
     if runner.has_post_norms:
         return torch.einsum("ubnd,rbnd->ur", runner.linearised(d.repeat(1, m, 1, 1), runner.last_sums), g).cpu()
-    return torch.einsum("ubnd,rbnd->ur", d, g.view(g.shape[0], m, d.shape[1], *g.shape[2:]).sum(1)).cpu()
+    g = g.view(g.shape[0], m, *d.shape[1:]).sum(1)
+    keep = d.ne(0).any(-1).any(1).any(0).nonzero().flatten()
+    d, g = d.index_select(2, keep).flatten(1), g.index_select(2, keep).flatten(1)  # [U, .], [R, .]
+    graph, out = runner.graph, d.new_zeros(d.shape[0], g.shape[0])
+    A = graph.n_attn_receivers
+    for l in range(runner.L):
+        r0, ua, um = graph.receiver_index(l, "head"), graph.n_senders_before(l, "attn"), graph.n_senders_before(l, "mlp")
+        out[:ua, r0 : r0 + A] = d[:ua] @ g[r0 : r0 + A].T
+        out[:um, r0 + A] = d[:um] @ g[r0 + A]
+    out[:, -1] = d @ g[-1]
+    return out.cpu()
 
 
 def _parse_node(name: str) -> tuple[Optional[int], Optional[int]]:

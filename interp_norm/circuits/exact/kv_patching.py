@@ -29,14 +29,12 @@ full forward passes). Sweeps are batched like :mod:`interp_norm.circuits.exact.p
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
-from interp_norm.circuits._types import MetricFn, metric_per_copy
 from interp_norm.circuits.exact.kv_sharing import SHARED_KW, SharedKV, recording_shares
 from interp_norm.errors import EngineRefusal, PatchingError
 from interp_norm.core.hook_names import act_name
@@ -88,10 +86,14 @@ class KVCacheEngine:
 
     ``read_mask`` [batch, pos]: the logits the metric reads (None: all). ``activation``: the one
     patched (:data:`KV_ACTIVATIONS`). ``logits`` and ``acts[l]`` are the corrupted run's (the
-    bridge's own forward, as ``run_with_cache`` gives them).
+    bridge's own forward, as ``run_with_cache`` gives them). ``find_read``: without a ``read_mask``,
+    a function of those logits giving the positions read ([pos] bool, None: all), found by probing the
+    metric (:mod:`~interp_norm.circuits.exact.read_probe`); ``probed`` then says the metric gets NaN
+    at the other positions, so that a read there shows.
     """
 
-    def __init__(self, model, tokens: Tensor, read_mask: Optional[Tensor], activation: str):
+    def __init__(self, model, tokens: Tensor, read_mask: Optional[Tensor], activation: str,
+                 find_read: Optional[Callable[[Tensor], Optional[Tensor]]] = None):
         self._setup(model, tokens.shape, tokens.device, read_mask, activation)
         handles = self._capture_hooks()
         try:
@@ -104,6 +106,25 @@ class KVCacheEngine:
                 h.remove()
         self.acts = [cache[nm] for nm in self.names]
         self._captured()
+        self.probed = False
+        if read_mask is None and find_read is not None:
+            found = find_read(self.logits)
+            if found is not None and not bool(found.all()):
+                self._set_read(found.to(self.logits.device).expand(self.b, self.n))
+                self.probed = True
+        self._check()
+
+    def _set_read(self, read: Tensor) -> None:
+        """The positions the metric reads ([batch, pos] bool): only these are unembedded, nothing
+        after the last is recomputed."""
+        self.cols = read.to(torch.bool).any(0).nonzero().flatten()
+        self.n_eff = int(self.cols.max()) + 1 if len(self.cols) else self.n
+
+    def read_everywhere(self) -> None:
+        """Drop a probed read set: every position is recomputed and unembedded (the safe fallback
+        when the metric read outside it); re-checks the replay."""
+        self._set_read(torch.ones(self.b, self.n, dtype=torch.bool, device=self.logits.device))
+        self.probed = False
         self._check()
 
     def _setup(self, model, shape: tuple, dev: torch.device, read_mask: Optional[Tensor], activation: str) -> None:
@@ -127,9 +148,7 @@ class KVCacheEngine:
         self.blocks = list(blocks)
         self.b, self.n = shape
         read = torch.ones(self.b, self.n, dtype=torch.bool, device=dev) if read_mask is None else read_mask
-        read = read.to(dev, torch.bool).expand(self.b, self.n)
-        self.cols = read.any(0).nonzero().flatten()  # positions the metric reads
-        self.n_eff = int(self.cols.max()) + 1 if len(self.cols) else self.n
+        self._set_read(read.to(dev, torch.bool).expand(self.b, self.n))
         self.names = [act_name(activation, l) for l in range(self.L)]
         try:
             self._params = [inspect.signature(blk.original_component.forward) for blk in self.blocks]
@@ -408,9 +427,10 @@ class KVCacheEngine:
         positions from the corrupted run. Returns (read positions >= p, logits [rows, cols, vocab])."""
         lay = layer.tolist()
         single = pos is not None and self.activation != "resid_pre"
-        # a whole-sequence patch of z / mlp_out in the last block writes every position of a hook
-        # that the read-position slicing shortens: run that block whole
-        self.slice_tail = not (pos is None and self.activation in ("z", "mlp_out") and lay[-1] == self.L - 1)
+        # a whole-sequence patch of z / mlp_out (or resid_mid, where it is the MLP's input: OLMo-2) in
+        # the last block writes every position of a hook that the read-position slicing shortens: run
+        # that block whole
+        self.slice_tail = not (pos is None and self.activation in ("z", "mlp_out", "resid_mid") and lay[-1] == self.L - 1)
         try:
             return self._run_chunk(p, lay, examples, pos, heads, clean_acts, single=single)
         finally:
@@ -466,74 +486,4 @@ class KVCacheEngine:
             assert H is not None
             return self._head(H, p)
 
-def kv_patch_cells(engine: KVCacheEngine, cells: Tensor, differs: Tensor, clean_acts: list, metric: MetricFn, *,
-                   batch_size: int, columns: tuple[Optional[int], Optional[int]], progress: bool = False,
-                   desc: str = "patching") -> Tensor:
-    """Metric values ``[n_cells, batch]`` (or ``[n_cells]`` for a scalar metric) of ``cells`` (live
-    ones, in any order): copies of the examples that differ in the cell (``differs`` [cells, batch])
-    are recomputed; the rest keep the corrupted logits. Chunks share the cell position (all
-    positions: 0) and hold at most ``batch_size`` rows (copies x examples). ``columns``: which cell
-    column holds the (destination) position and which the head (None: the cells have none)."""
-    row_col, head_col = columns
-    b, n = engine.b, engine.n
-    dev = engine.logits.device
-    if row_col is not None and engine.activation != "resid_pre":
-        # after the attention of the last block a position reaches only its own logits: a cell there
-        # at a position the metric does not read cannot change it (the corrupted baseline)
-        unread = (cells[:, 0] == engine.L - 1) & ~torch.isin(cells[:, row_col], engine.cols.cpu())
-        if bool(unread.any()):
-            base_val = metric_per_copy(metric, engine.logits, 1, b)[0].to(torch.float64).cpu()
-            out = torch.zeros((len(cells),) + tuple(base_val.shape), dtype=torch.float64)
-            out[unread] = base_val
-            keep = (~unread).nonzero().flatten()
-            if len(keep):
-                out[keep] = kv_patch_cells(engine, cells[keep], differs[keep], clean_acts, metric,
-                                           batch_size=batch_size, columns=columns, progress=progress, desc=desc)
-            return out
-    starts = cells[:, row_col] if row_col is not None else torch.zeros(len(cells), dtype=torch.long)
-    order = np.lexsort((cells[:, 0].numpy(), starts.numpy()))
-    chunks: list[list[int]] = []
-    cur: list[int] = []
-    rows = 0
-    for i in order:  # consecutive cells of one start position, at most batch_size rows each
-        w = int(differs[i].sum())
-        if cur and (int(starts[i]) != int(starts[cur[0]]) or rows + w > batch_size):
-            chunks.append(cur)
-            cur, rows = [], 0
-        cur.append(int(i))
-        rows += w
-    if cur:
-        chunks.append(cur)
-    base = engine.logits  # [b, n, vocab]
-    V = base.shape[-1]
-    per = max(1, METRIC_BYTES // max(1, b * n * V * base.element_size()))  # copies per metric call
-    buf = base.repeat(min(per, max(len(c) for c in chunks)), 1, 1)
-    cols = engine.cols
-    result: Optional[Tensor] = None
-    for chunk in (tqdm(chunks, desc=desc) if progress else chunks):
-        idx = torch.tensor(chunk)
-        cc, live = cells[idx], differs[idx]  # [K, axes], [K, b]
-        k_of, e_of = live.nonzero(as_tuple=True)  # rows: (copy, example), copies in layer order
-        lay = cc[k_of, 0]
-        srt = torch.argsort(lay, stable=True)
-        k_of, e_of, lay = k_of[srt], e_of[srt], lay[srt]
-        p = int(starts[chunk[0]])
-        pos = None if row_col is None else cc[k_of, row_col].to(dev)
-        heads = None if head_col is None else cc[k_of, head_col].to(dev)
-        rc, new = engine.run_chunk(p, lay, e_of.to(dev), pos, heads, clean_acts)
-        K = len(chunk)
-        for s in range(0, K, per):  # the metric on the corrupted logits with the recomputed rows replaced
-            kk = min(per, K - s)
-            view = buf[: kk * b].view(kk, b, n, V)
-            view[:, :, cols] = base[:, cols]
-            m = ((k_of >= s) & (k_of < s + kk)).to(dev)
-            view[(k_of.to(dev)[m] - s).unsqueeze(1), e_of.to(dev)[m].unsqueeze(1), rc.unsqueeze(0)] = new[m]
-            vals = metric_per_copy(metric, buf[: kk * b], kk, b)
-            if result is None:
-                result = torch.zeros((len(cells),) + tuple(vals.shape[1:]), dtype=torch.float64)
-            result[idx[s : s + kk]] = vals.to(torch.float64).cpu()
-    assert result is not None  # callers pass at least one cell
-    return result
-
-
-__all__ = ["KVCacheEngine", "KV_ACTIVATIONS", "kv_patch_cells"]
+__all__ = ["KVCacheEngine", "KV_ACTIVATIONS", "METRIC_BYTES"]

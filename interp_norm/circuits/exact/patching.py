@@ -8,28 +8,22 @@ cell, and the metric is read per copy. Two methods compute those copies:
   :class:`~interp_norm.circuits.exact.engine.IncrementalEngine` recomputes, with the model's block steps
   (or fused kernels equal to them up to rounding), only the rows a patch can change and the metric
   can see.
-* ``method="kv-cache"`` (a TransformerLens 4 ``TransformerBridge``, the default there for
-  ``resid_pre/mid/post``, ``attn_out``, ``mlp_out`` and ``z``): the
-  :class:`~interp_norm.circuits.exact.kv_patching.KVCacheEngine` re-runs the bridge's own blocks from the
-  patched layer on, at the positions from the patched one on, the earlier positions' keys and values
-  taken from the corrupted run through the attention's cache interface; it refuses architectures
-  whose blocks it cannot replay exactly (``auto`` then uses hooks).
+* ``method="kv-cache"`` (a TransformerLens 4 bridge, its default for ``resid_*``, ``attn_out``,
+  ``mlp_out``, ``z``): :class:`~interp_norm.circuits.exact.kv_patching.KVCacheEngine` re-runs the
+  bridge's own blocks from the patched layer and position on, earlier keys and values from the
+  corrupted run's cache; it refuses blocks it cannot replay exactly (``auto`` then uses hooks).
 * ``method="hooks"`` (any TransformerLens-protocol model, e.g. a ``TransformerBridge``): full
   forward passes of the stacked batch with one hook per activation name that writes each copy's
   clean slice in place, as TransformerLens's setters do (a bridge's ``hook_resid_mid`` tensor is also
   the residual its block carries on; for our model each pass starts at the patched layer:
   ``model(resid, start_at_layer=l)``).
 
-Cells that cannot change the metric are the corrupted baseline without a forward pass: the clean
-and corrupted activations agree in the cell for every example, or (incremental engine) the position
-comes after the last one the metric reads. Agreement is exact: positions before an example's first
-differing input (known from the clean tokens, or the clean cache's layer-0 residual) agree by
-causality, and so do the layer-0 activations before attention at positions whose input agrees
-(each is a function of its own input row); without either,
-the engine reproduces the clean cache's arithmetic bit for bit and the activations are compared.
-
-Both equal ``transformer_lens.patching`` on the same model, inputs and metric (tests check
-every cell to 1e-5). ``benchmarks/bench_patching.py`` measures the speed-up.
+Cells that cannot change the metric are the corrupted baseline without a forward pass: the clean and
+corrupted activations agree in the cell for every example (exactly: by causality before an example's
+first differing input, known from the clean tokens or the clean cache's layer-0 residual, and at layer
+0 before attention where the input row agrees; else the engine reproduces the clean cache bit for bit
+and compares), or the position comes after the last one the metric reads. All equal
+``transformer_lens.patching`` (tests check every cell to 1e-5); ``benchmarks/`` measure the speed-up.
 """
 
 from __future__ import annotations
@@ -58,7 +52,9 @@ from interp_norm.circuits._types import (
     require_eval,
 )
 from interp_norm.circuits.exact.engine import IncrementalEngine
-from interp_norm.circuits.exact.kv_patching import KV_ACTIVATIONS, KVCacheEngine, kv_patch_cells
+from interp_norm.circuits.exact.kv_cells import kv_patch_cells
+from interp_norm.circuits.exact.kv_patching import KV_ACTIVATIONS, KVCacheEngine
+from interp_norm.circuits.exact.read_probe import ReadOutsideProbe, probe_read_positions
 from interp_norm.circuits.metrics import LogitDiff
 from interp_norm.circuits.pairs import PatchingPairs
 from interp_norm.circuits.exact.patch_cells import (
@@ -85,10 +81,8 @@ from interp_norm.core.specs import with_overrides
 _PRE_ATTENTION = ("resid_pre", "q", "k", "v")
 _METHODS = ("auto", "incremental", "kv-cache", "hooks")
 #: The incremental engine's chunk holds at most ``ENGINE_CHUNK_VALUES // d_model`` whole sequences'
-#: rows (fewer if batch_size asks): its per-group copies of keys and values then stay in the CPU's
-#: cache. Measured on z patching (32 pairs, 1024 sequences against smaller chunks): d_model 64
-#: (the cpu preset) within ~5% at 256-1024; d_model 256, 6 layers: 1.4x faster at 256; the paper's
-#: d_model 512: 1.5x faster at 64-256.
+#: rows (fewer if batch_size asks), so its per-group keys and values stay in the CPU's cache (z
+#: patching, 32 pairs: d_model 64 within ~5% at 256-1024 sequences, 256 and 512 1.4-1.5x faster).
 ENGINE_CHUNK_VALUES = 2**16
 
 
@@ -202,8 +196,10 @@ def _make_kv_engine(req: _Request) -> Optional[KVCacheEngine]:
         return None
     if method == "auto" and not capabilities(model).hf_original:
         return None
+    b = req.corrupted.shape[0]
+    find_read = None if req.read is not None else (lambda logits: probe_read_positions(req.metric, logits, b))
     try:
-        return KVCacheEngine(model, req.corrupted, req.read, activation)
+        return KVCacheEngine(model, req.corrupted, req.read, activation, find_read=find_read)
     except EngineRefusal as e:
         if method == "kv-cache":
             raise
@@ -438,7 +434,25 @@ def _run_chunks(req: _Request, run: _CorruptedRun, chunks: list, differs: Tensor
         store[idx] = vals.to(torch.float64).cpu()
 
 
-# ----------------------------------------------------------------------------- main entry
+def _sweep(req: _Request, run: _CorruptedRun, out: tuple, progress: bool) -> None:
+    """Every cell's metric values into ``out`` = (store, baseline): dead cells are the baseline, the
+    live ones are patched in chunks ordered by (layer, first affected row)."""
+    store, baseline = out
+    differs, live = _dead_cells(req, run)
+    order = np.lexsort((req.row_keys(), req.cells.numpy()[:, 0]))
+    dead = order[~live[order]]
+    if len(dead):
+        store[torch.from_numpy(dead)] = baseline.to(torch.float64).cpu()
+        order = order[live[order]]
+    if run.kv is not None:  # chunks of one position, cells of any layer
+        if len(order):
+            idx = torch.from_numpy(order)
+            store[idx] = kv_patch_cells(run.kv, req.cells[idx], differs[idx], req.clean_acts, req.metric,
+                                        batch_size=req.batch_size, columns=(req.row_col, req.head_col),
+                                        progress=progress, desc=f"patching {req.activation}")
+    else:
+        _run_chunks(req, run, _plan_chunks(req, run, order, differs), differs, (store, baseline), progress)
+
 
 
 @torch.no_grad()
@@ -459,16 +473,17 @@ def activation_patch(
     ``corrupted_tokens`` may be a :class:`PatchingPairs` (then the clean cache, and by default
     the logit-difference metric, come from it). ``metric`` maps logits ``[batch, pos, vocab]``
     to ``[batch]`` (per-example; a scalar-valued metric also works but gives no per-example
-    values). Options (``by``, ``cells``, ``method``, ``batch_size``): :class:`PatchSpec`, ``spec`` and/or its
+    values). A metric with ``read_mask`` [batch, pos] declares the positions it reads; for one without,
+    the ``kv-cache`` engine finds them once by probing it (:mod:`~interp_norm.circuits.exact.read_probe`):
+    which positions it reads must not depend on the logits' values (a read elsewhere returns NaN and the
+    sweep is redone over every position, with a warning). Options (``by``, ``cells``, ``method``, ``batch_size``): :class:`PatchSpec`, ``spec`` and/or its
     fields as keywords. ``batch_size`` bounds the work per forward pass and with
     it the memory: ``batch_size`` rows (copies x examples) for the hooks method; for the incremental
     engine, which keeps only the positions a patch changes, as many changed positions as
     ``batch_size`` whole sequences have, at most ``ENGINE_CHUNK_VALUES // d_model`` (cache-sized;
     one pass may then hold cells of several layers); for the bridges' ``kv-cache`` engine, at most
-    ``batch_size`` (copy, example) rows per pass.
-
-    Steps: :func:`_prepare` (validate), :func:`_corrupted_run`, :func:`_dead_cells`,
-    :func:`_plan_chunks`, :func:`_run_chunks`.
+    ``batch_size`` (copy, example) rows per pass. Steps: :func:`_prepare` (validate),
+    :func:`_corrupted_run`, :func:`_sweep` (:func:`_dead_cells`, :func:`_plan_chunks`, :func:`_run_chunks`).
     """
     spec = with_overrides(PatchSpec, spec, overrides, who="activation_patch", error=PatchingError)
     req = _prepare(model, corrupted_tokens, clean_cache, metric, activation, spec=spec, clean_tokens=clean_tokens)
@@ -482,21 +497,13 @@ def activation_patch(
     n_cells = len(req.cells)
     store = torch.zeros((n_cells,) if scalar_metric else (n_cells, b), dtype=torch.float64)
 
-    differs, live = _dead_cells(req, run)
-    # order cells by (layer, first affected row) so chunks share a start layer and a tight row range
-    order = np.lexsort((req.row_keys(), req.cells.numpy()[:, 0]))
-    dead = order[~live[order]]
-    if len(dead):
-        store[torch.from_numpy(dead)] = baseline.to(torch.float64).cpu()
-        order = order[live[order]]
-    if run.kv is not None:  # chunks of one position, cells of any layer
-        if len(order):
-            idx = torch.from_numpy(order)
-            store[idx] = kv_patch_cells(run.kv, req.cells[idx], differs[idx], req.clean_acts, req.metric,
-                                        batch_size=req.batch_size, columns=(req.row_col, req.head_col),
-                                        progress=progress, desc=f"patching {activation}")
-    else:
-        _run_chunks(req, run, _plan_chunks(req, run, order, differs), differs, (store, baseline), progress)
+    try:
+        _sweep(req, run, (store, baseline), progress)
+    except ReadOutsideProbe as e:  # the probed read set was wrong: every position, from the start
+        assert run.kv is not None
+        warnings.warn(f"{e}; recomputing every position", RuntimeWarning, stacklevel=2)
+        run.kv.read_everywhere()
+        _sweep(req, run, (store, baseline), progress)
 
     mean = store if scalar_metric else store.mean(-1)
     values = mean if req.flat else mean.view(*[req.sizes[a] for a in req.axes])

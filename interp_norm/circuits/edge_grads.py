@@ -1,0 +1,201 @@
+"""Every edge receiver's gradient from one plain backward pass of a Pre-Norm bridge.
+
+EAP scores edge ``u -> r`` with ``dM/d(input of r)``, the gradient at receiver ``r``'s own copy of the
+residual. The ``copies`` backend of :class:`~interp_norm.circuits.edges.EdgeRunner` gets it by running
+``1 + 3 x n_heads`` copies of every row through the whole model (37x the rows on GPT-2 small), though a
+copy is read only by its own head's q, k or v projection. Here one pass of the rows themselves does:
+in a Pre-Norm block a head's q input is ``W_Q[h] . norm(x)`` (x the block's residual), so
+
+    dM/d(q input of head h) = J_norm(x)^T  W_Q[h]^T  dM/d(q_h)
+
+with ``dM/d(q_h)`` the gradient at the q projection's output (before any q/k norm or rotation: those
+stay inside the backward), ``W_Q[h]`` the projection's rows of head ``h`` and ``J_norm(x)^T`` applied
+by autograd through the block's own norm module on a batch of the receivers' vectors. Likewise a
+k/v head's k and v inputs, the MLP's (its norm, the gradient at the MLP's input) and the logits'
+(the final norm, the gradient at the unembedding's input).
+
+It applies where that identity is what the model computes; :func:`fast_receivers` checks each
+block on the pass itself (the projection input equals the norm of the residual, the projection
+is affine with the weight read here) and returns None otherwise -- post-norm heads (OLMo-2),
+frozen norms or patterns, a hook on the model -- and the copies backend runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from interp_norm.anatomy import capabilities
+from interp_norm.circuits._types import metric_values
+from interp_norm.circuits.exact.block_steps import _has_hooks
+from interp_norm.circuits.norm_modes import quiet
+from interp_norm.core.hook_names import act_name
+from interp_norm.core.nodes import QKV
+
+
+def _parts(model) -> Optional[list]:
+    """Per block: (pre-attention norm, (q, k, v) projection modules, pre-MLP norm), or None if the
+    bridge is not laid out so."""
+    out = []
+    for blk in model.blocks:
+        attn = getattr(blk, "attn", None)
+        projs = [getattr(attn, j, None) for j in QKV]
+        norms = (getattr(blk, "ln1", None), getattr(blk, "ln2", None))
+        if any(not isinstance(m, torch.nn.Module) for m in (*projs, *norms, getattr(blk, "mlp", None))):
+            return None
+        if any(not isinstance(getattr(getattr(p, "original_component", None), "weight", None), Tensor) for p in projs):
+            return None
+        out.append((norms[0], projs, norms[1]))
+    return out if isinstance(getattr(model, "ln_final", None), torch.nn.Module) else None
+
+
+def applies(model, runner, norm: str, pattern: str) -> bool:
+    """Can :func:`fast_receivers` replace the copies backend here (it still checks each pass)?"""
+    if norm != "live" or pattern != "live" or runner.backend != "copies" or runner.has_post_norms:
+        return False
+    if not capabilities(model).hf_original or _has_hooks(model):
+        return False
+    return _parts(model) is not None
+
+
+def fast_receivers(model, runner, tokens: Tensor, embed_mix: tuple[Tensor, Tensor, Tensor], metric: Any,
+                   br: int) -> Optional[Tensor]:
+    """``[R, rows, n, d]`` gradients of ``metric`` (summed over rows) at every receiver's input, in
+    :attr:`EdgeGraph.receivers` order, for the corrupted ``tokens`` [br, n] at the integration points
+    of ``embed_mix``; None where a block is not what this module assumes."""
+    parts = _parts(model)
+    assert parts is not None
+    e_corr, e_clean, al = embed_mix
+    m = len(al)
+    seen: dict[str, Tensor] = {}
+
+    def embed(x: Tensor, hook: Any) -> Tensor:
+        mix = e_corr.unsqueeze(0) + al.view(m, 1, 1, 1).to(e_corr.dtype) * (e_clean - e_corr).unsqueeze(0)
+        return mix.reshape(x.shape)
+
+    handles = _capture(model, parts, seen)
+    try:
+        with torch.enable_grad(), quiet():
+            logits = model.run_with_hooks(tokens.repeat(m, 1), fwd_hooks=[(act_name("embed"), embed)])
+    finally:
+        for h in handles:
+            h.remove()
+    if not _wired(model, parts, seen):
+        return None
+    keys = [f"{j}.{l}" for l in range(len(parts)) for j in QKV] + [f"mlp.{l}" for l in range(len(parts))] + ["yf"]
+    with torch.enable_grad():
+        total = metric_values(metric, logits, br).sum()
+        got = torch.autograd.grad(total, [seen[k] for k in keys], allow_unused=True)
+    if any(g is None for g in got):  # a captured tensor the model did not go on with
+        return None
+    return _assemble(model, runner, parts, seen, dict(zip(keys, got)))
+
+
+def _capture(model, parts: list, seen: dict) -> list:
+    """Module hooks recording, in the next pass, each norm's input and output, each projection's
+    input and output and the MLP's and unembedding's inputs (the tensors the model goes on with)."""
+
+    def out_hook(key_in: str, key_out: str):
+        def hook(module, args, out):
+            seen[key_in], seen[key_out] = args[0] if args else None, out
+
+        return hook
+
+    def in_hook(key: str):
+        def hook(module, args):
+            seen[key] = args[0] if args else None
+
+        return hook
+
+    handles = [model.ln_final.register_forward_hook(out_hook("xf", "yf")),
+               model.unembed.register_forward_pre_hook(in_hook("uin"))]
+    for l, (ln1, projs, ln2) in enumerate(parts):
+        handles += [ln1.register_forward_hook(out_hook(f"x1.{l}", f"y1.{l}")),
+                    ln2.register_forward_hook(out_hook(f"x2.{l}", f"y2.{l}")),
+                    model.blocks[l].mlp.register_forward_pre_hook(in_hook(f"mlp.{l}"))]
+        handles += [p.register_forward_hook(out_hook(f"{j}in.{l}", f"{j}.{l}")) for j, p in zip(QKV, projs)]
+    return handles
+
+
+def _wired(model, parts: list, seen: dict) -> bool:
+    """Each block's q/k/v projections read its first norm's output, its MLP its second norm's, the
+    unembedding the final norm's (the same tensors, or equal), and every hook fired."""
+    need = ["xf", "yf", "uin"] + [f"{k}.{l}" for l in range(len(parts))
+                                  for k in ("x1", "y1", "x2", "y2", "mlp", "q", "k", "v", "qin", "kin", "vin")]
+    if any(k not in seen or not torch.is_tensor(seen[k]) for k in need) or not torch.equal(seen["uin"], seen["yf"]):
+        return False
+    with torch.no_grad():
+        for l in range(len(parts)):
+            y1 = seen[f"y1.{l}"]
+            if any(not torch.equal(seen[f"{j}in.{l}"], y1) for j in QKV):
+                return False
+            if not torch.equal(seen[f"y2.{l}"], seen[f"mlp.{l}"]):
+                return False
+            for j, proj in zip(QKV, parts[l][1]):  # the projection is the affine map of the weight read here
+                lin, out = proj.original_component, seen[f"{j}.{l}"]
+                want = torch.nn.functional.linear(y1, lin.weight, getattr(lin, "bias", None))
+                if out.numel() != want.numel() or not torch.allclose(out.reshape(want.shape), want, rtol=1e-4, atol=1e-5):
+                    return False
+        return True
+
+
+def _through_norm(norm: torch.nn.Module, x: Tensor, vecs: Tensor) -> Tensor:
+    """``J_norm(x)^T v`` for each of ``vecs`` [k, rows, n, d]. A LayerNorm or RMSNorm by its closed
+    form, checked on the first vector against autograd through the model's norm; otherwise (or if the
+    check fails: another gain convention, say) the norm run once and its vector-Jacobian product
+    mapped over the k vectors."""
+    with torch.enable_grad(), quiet():
+        vjp = torch.func.vjp(norm, x.detach())[1]
+        closed = _closed_form(norm, x.detach(), vecs)
+        if closed is not None:
+            (ref,) = vjp(vecs[0].to(x.dtype))
+            if torch.allclose(closed[0], ref.detach(), rtol=1e-4, atol=1e-6 * float(ref.detach().abs().max())):
+                return closed
+        (g,) = torch.func.vmap(vjp)(vecs.to(x.dtype))
+    return g
+
+
+def _closed_form(norm: torch.nn.Module, x: Tensor, vecs: Tensor) -> Optional[Tensor]:
+    """The transposed Jacobian of ``w * (x - mean) / std + b`` (LayerNorm) or ``w * x / rms`` (RMSNorm)
+    at ``x`` applied to ``vecs``, read from the wrapped module's weight and epsilon; None if it has
+    neither."""
+    mod = getattr(norm, "original_component", norm)
+    w = getattr(mod, "weight", None)
+    eps = getattr(mod, "eps", getattr(mod, "variance_epsilon", None))
+    if not isinstance(w, Tensor) or not isinstance(eps, float):
+        return None
+    xf = x.float()
+    if isinstance(mod, torch.nn.LayerNorm) or getattr(mod, "bias", None) is not None:
+        xc = xf - xf.mean(-1, keepdim=True)
+        r = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+        xh = xc * r
+        u = vecs.float() * w.float()
+        return (r * (u - u.mean(-1, keepdim=True) - xh * (u * xh).mean(-1, keepdim=True))).to(x.dtype)
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xh = xf * r
+    u = vecs.float() * w.float()
+    return (r * (u - xh * (u * xh).mean(-1, keepdim=True))).to(x.dtype)
+
+
+def _assemble(model, runner, parts: list, seen: dict, grads: dict) -> Tensor:
+    """The receivers' gradients in :attr:`EdgeGraph.receivers` order: per layer its attention
+    receivers (:meth:`EdgeGraph.attn_slots`) and its MLP, then the logits."""
+    out = []
+    for l, (ln1, projs, ln2) in enumerate(parts):
+        per_input = []
+        for j, proj in enumerate(projs):
+            W = proj.original_component.weight  # [heads * d_head, d_model]
+            dh = model.cfg.d_head
+            g = grads[f"{QKV[j]}.{l}"]  # [rows, n, heads * d_head] or [rows, n, heads, d_head]
+            g = g.reshape(*g.shape[:2], W.shape[0] // dh, dh)
+            per_input.append(torch.einsum("bnhe,hed->hbnd", g, W.view(-1, dh, W.shape[-1]).to(g.dtype)))
+        vecs = torch.stack([per_input[j][i] for j, i in runner.graph.attn_slots()])  # [A, rows, n, d]
+        out.append(_through_norm(ln1, seen[f"x1.{l}"], vecs))
+        out.append(_through_norm(ln2, seen[f"x2.{l}"], grads[f"mlp.{l}"].unsqueeze(0)))
+    out.append(_through_norm(runner.model.ln_final, seen["xf"], grads["yf"].unsqueeze(0)))
+    return torch.cat(out)
+
+
+__all__ = ["applies", "fast_receivers"]
