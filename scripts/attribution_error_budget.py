@@ -242,7 +242,8 @@ def _bridge_rows(br: pd.DataFrame) -> list[str]:
             out.append(f"| {arch} | — | {g['status'].iloc[0].replace('|', '/')} | | | | |")
             continue
         for r in g[g["activation"] == "all"].itertuples():
-            parts = " | ".join(f"{100 * getattr(r, c) / r.exact_size:.1f}" for c in ("removed_by_norm", "removed_by_pattern", "rest"))
+            parts = " | ".join("not available" if pd.isna(getattr(r, c)) else f"{100 * getattr(r, c) / r.exact_size:.1f}"
+                               for c in ("removed_by_norm", "removed_by_pattern", "rest"))
             out.append(f"| {arch} | {LABEL[r.method]} | {100 * r.rel_err_live:.1f} | {100 * r.rel_err_norm:.1f} | {parts} |")
     return out
 
@@ -270,7 +271,8 @@ def markdown(comp: pd.DataFrame, within: pd.DataFrame, pc: pd.DataFrame, br: pd.
         "negative part: freezing made the estimate worse). The error with the norm frozen = the last two parts.", "",
         *_arm_rows(pc), "",
         "Tiny random bridges (random weights and tokens: the method on the architecture, not a trained circuit; "
-        "EAP and EAP-IG; grouped-query models without k and v):", "",
+        "EAP and EAP-IG; grouped-query models without k and v; 'not available': the model's attention pattern is "
+        "read after attention ran, so patterns cannot be frozen):", "",
         *_bridge_rows(br)])
 
 

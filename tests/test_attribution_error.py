@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -108,3 +109,22 @@ def test_bridges_get_eap_and_eap_ig_and_grouped_kv_is_refused():
     assert bridge.cfg.n_key_value_heads < bridge.cfg.n_heads  # the tiny Llama groups its k/v heads
     with pytest.raises(PatchingError, match="grouped-query attention"):
         attribution_error_budget(bridge, pp, metric, BudgetSpec(activations=("k",), ig_steps=2))
+
+
+def test_a_model_whose_patterns_cannot_be_frozen_gets_the_norm_part_and_no_pattern_part():
+    """Gemma 4's pattern hook fires after attention ran: freezing patterns is refused there, so the budget
+    reports the error with the norms live and frozen and leaves the patterns' part and the rest NaN (not 0)."""
+    from interp_norm.anatomy import random_tokens, tiny_bridge
+    from interp_norm.circuits.pairs import PatchingPairs
+
+    bridge = tiny_bridge("gemma4")
+    clean = random_tokens(bridge, 4, 8, seed=0, low=3)
+    corr = clean.clone()
+    corr[:, 3] = (corr[:, 3] + 9) % 120 + 3
+    pairs = PatchingPairs(clean, corr, score_mask=torch.ones_like(clean, dtype=torch.bool))
+    df = attribution_error_budget(bridge, pairs, lambda lg: lg[:, -1, 5] - lg[:, -1, 6],
+                                  BudgetSpec(methods=("eap",), activations=("z",), ig_steps=2))
+    assert df[["err_live", "err_norm", "removed_by_norm"]].notna().all().all()
+    assert df[["err_both", "removed_by_pattern", "rest"]].isna().all().all()
+    total = budget_summary(df, by=("method",)).iloc[0]
+    assert total["err_live"] == pytest.approx(df["err_live"].sum()) and np.isnan(total["removed_by_pattern"])

@@ -93,6 +93,19 @@ def _estimate(model, pairs: PatchingPairs, metric, method: str, activation: str,
     return _per_pair(r)
 
 
+def _estimate_or_nan(model, pairs: PatchingPairs, metric, method: str, activation: str, *, spec: BudgetSpec,
+                     modes: tuple, like: Tensor) -> Tensor:
+    """:func:`_estimate`; where the model's attention patterns cannot be frozen (its pattern hook is read
+    after attention ran, e.g. Gemma 4: a typed refusal) the frozen-pattern estimate is NaN, so the error with
+    the norms live and frozen is still reported and the patterns' part and the rest are "not available"."""
+    try:
+        return _estimate(model, pairs, metric, method, activation, spec=spec, modes=modes)
+    except PatchingError as e:
+        if modes[1] != "frozen" or "attention pattern" not in str(e):
+            raise
+        return torch.full_like(like, float("nan"))
+
+
 def _node_names(activation: str, L: int, H: int) -> list[str]:
     if activation == "mlp_out":
         return [nodes.mlp(l) for l in range(L)]
@@ -136,7 +149,8 @@ def attribution_error_budget(model, pairs: PatchingPairs, metric=None, spec: Opt
         if activation not in exact:
             exact[activation] = _per_pair(activation_patch(model, pairs, None, metric, activation, by="all"))
         ex = exact[activation]
-        est = {k: _estimate(model, pairs, metric, method, activation, spec=spec, modes=modes) for k, modes in MODES.items()}
+        est = {k: _estimate_or_nan(model, pairs, metric, method, activation, spec=spec, modes=modes, like=ex)
+               for k, modes in MODES.items()}
         err = {k: _error(v, ex, spec.per) for k, v in est.items()}
         names = _node_names(activation, L, H)
         if len(names) != ex.shape[0]:
@@ -159,7 +173,7 @@ def budget_summary(budget: pd.DataFrame, by: tuple = ("method", "activation")) -
     effect as 0 (``exact_size``): 1 is no better than attributing nothing."""
     cols = ["err_live", "err_norm", "err_both", "removed_by_norm", "removed_by_pattern", "rest", "exact_size"]
     grouped = budget.groupby(list(by), sort=False)
-    g = grouped[cols].sum().assign(n_nodes=grouped.size())
+    g = grouped[cols].sum(min_count=1).assign(n_nodes=grouped.size())  # a part not available stays NaN, not 0
     out = g.assign(**{f"share_{c}": g[c] / g["err_live"] for c in ("removed_by_norm", "removed_by_pattern", "rest")})
     for mode in MODES:
         out[f"rel_err_{mode}"] = g[f"err_{mode}"] / g["exact_size"]
