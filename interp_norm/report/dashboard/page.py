@@ -90,7 +90,7 @@ section{margin-top:26px} section h2{border-bottom:2px solid #1f3b63;padding-bott
 table.data{border-collapse:collapse;font-size:12px;max-width:100%}
 table.data th,table.data td{border:1px solid #ddd;padding:3px 6px;text-align:right}
 table.data td{white-space:nowrap} table.data th{white-space:normal;overflow-wrap:anywhere;vertical-align:bottom}
-table.data th{background:#eef2f8} table.data td.s{text-align:left}
+table.data th{background:#eef2f8} table.data td.s{text-align:left;white-space:normal;min-width:7em;max-width:26em}
 .selectors label{margin-right:14px;font-size:14px} .selectors select{margin-left:4px}
 .note{color:#8a4b00;font-size:13px} footer{color:#666;font-size:12px;max-width:1280px;margin:0 auto;padding:0 24px 30px}
 #render-status{font-size:12px;color:#666}
