@@ -163,7 +163,9 @@ def test_edge_circuit_from_attribution_and_drawing(setup):
     f = faithfulness(model, pairs, c)
     assert list(f.ablation) == ["resample", "mean", "zero"] and f.faithfulness.notna().all()
     fig = draw_circuit(c)
-    assert len(fig.data) == len(c) + 1 + 5  # one line per edge, the nodes, the legend
+    # one line per edge, the nodes, the legend, then a stub per q/k/v port an edge ends at and the ports' markers
+    ports = {tuple(r.rsplit(".", 1)) for _, r in c.edges if r.count(".") == 2 and r.endswith((".q", ".k", ".v"))}
+    assert len(fig.data) == len(c) + 1 + 5 + len(ports) + bool(ports)
     assert {a.text for a in fig.layout.annotations} == c.nodes  # node labels are annotations above the edges
 
 

@@ -141,3 +141,15 @@ def test_a_report_seed_table_with_other_checkpoints_keeps_its_own():
     assert "make reproduce-seeds" not in section.intro
     fig = section.panels[0].figure
     assert all(a == b == 2 for a, b in _seed_points(fig).values())
+
+
+def test_the_seed_sections_opening_sentence_reads_the_six_seed_tables_it_draws(shipped_page):
+    """The opening sentence counts the differences of the tables drawn (the shipped 6-seed ones), not the
+    report's own 2-seed comparisons."""
+    from interp_norm.stats.shipped import shipped_seed_tables
+
+    comp = shipped_seed_tables()["seed_comparisons"]
+    c = comp[comp["diff_lo"].notna()]
+    apart = int(((c["diff_lo"] > 0) | (c["diff_hi"] < 0)).sum())
+    section = next(s for s in shipped_page if s.anchor == "seed-comparisons")
+    assert f"in {apart} of the {len(c)} differences" in section.lead

@@ -139,6 +139,25 @@ def test_evaluated_only_checkpoints_report_accuracy_and_nothing_else():
     assert (rows["value"] == 50.0).all()
 
 
+def _recording_workers():
+    """(calls, a run_checkpoint that raises KeyboardInterrupt at the second checkpoint, one that only counts):
+    both record the checkpoint names they are given in ``calls``."""
+    real = worker.run_checkpoint
+    calls: list = []
+
+    def interrupted_after_one(job, *a, **kw):
+        calls.append(job.name)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return real(job, *a, **kw)
+
+    def counted(job, *a, **kw):
+        calls.append(job.name)
+        return real(job, *a, **kw)
+
+    return calls, interrupted_after_one, counted
+
+
 def test_an_interrupted_reproduce_keeps_finished_checkpoints_and_a_rerun_does_only_the_rest(
         tiny_checkpoints, tmp_path, monkeypatch):
     """Ctrl-C after the first checkpoint: its tables are on disk; the same run again analyses only the
@@ -147,15 +166,7 @@ def test_an_interrupted_reproduce_keeps_finished_checkpoints_and_a_rerun_does_on
 
     specs = [str(tiny_checkpoints["pre"]), str(tiny_checkpoints["qkv"])]
     settings = R.Settings.quick(analyses=("evaluate", "collapse"), workers=1)
-    real = worker.run_checkpoint
-    calls = []
-
-    def interrupted_after_one(job, *a, **kw):
-        calls.append(job.name)
-        if len(calls) > 1:
-            raise KeyboardInterrupt
-        return real(job, *a, **kw)
-
+    calls, interrupted_after_one, counted = _recording_workers()
     out = tmp_path / "rep"
     monkeypatch.setattr(worker, "run_checkpoint", interrupted_after_one)
     with pytest.raises(KeyboardInterrupt):
@@ -167,7 +178,7 @@ def test_an_interrupted_reproduce_keeps_finished_checkpoints_and_a_rerun_does_on
     assert set(pd.read_csv(kept / "evaluation.csv")["checkpoint"]) == {first}
 
     calls.clear()
-    monkeypatch.setattr(worker, "run_checkpoint", lambda job, *a, **kw: (calls.append(job.name), real(job, *a, **kw))[1])
+    monkeypatch.setattr(worker, "run_checkpoint", counted)
     R.reproduce(out, specs, settings=settings, progress=False)
     assert len(calls) == 1 and calls[0] != first  # only the rest
     assert not PartialStore(out).folder.exists()  # the report is whole: nothing left to resume
@@ -185,15 +196,7 @@ def test_an_interrupted_dashboard_keeps_finished_checkpoints_and_a_rerun_does_on
 
     specs = [str(tiny_checkpoints["pre"]), str(tiny_checkpoints["qkv"])]
     settings = R.Settings.quick(analyses=("evaluate", "collapse"), workers=1)
-    real = worker.run_checkpoint
-    calls = []
-
-    def interrupted_after_one(job, *a, **kw):
-        calls.append(job.name)
-        if len(calls) > 1:
-            raise KeyboardInterrupt
-        return real(job, *a, **kw)
-
+    calls, interrupted_after_one, counted = _recording_workers()
     page = tmp_path / "dash" / "dashboard.html"
     monkeypatch.setattr(worker, "run_checkpoint", interrupted_after_one)
     with pytest.raises(KeyboardInterrupt):
@@ -201,7 +204,7 @@ def test_an_interrupted_dashboard_keeps_finished_checkpoints_and_a_rerun_does_on
     first = calls[0]
     assert (PartialStore(page.parent).path(first) / "fingerprint.json").exists() and not page.exists()
     calls.clear()
-    monkeypatch.setattr(worker, "run_checkpoint", lambda job, *a, **kw: (calls.append(job.name), real(job, *a, **kw))[1])
+    monkeypatch.setattr(worker, "run_checkpoint", counted)
     R.make_dashboard(specs, page, settings=settings, progress=False)
     assert len(calls) == 1 and calls[0] != first and page.exists()
     assert not PartialStore(page.parent).folder.exists()
