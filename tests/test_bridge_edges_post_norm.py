@@ -4,8 +4,7 @@ sender's path (:mod:`interp_norm.circuits.edge_post_norm`).
 Edge attribution is a first-order estimate, so it must equal the derivative of exact single-edge
 patching in the patch size, estimated here by a central finite difference in float64. Exact edge
 patching itself is checked against a plain hook: patching every edge out of one head at once is
-patching that head's ``z``. Gemma 4 (a per-layer-input term and a layer scalar on the residual)
-keeps a typed refusal.
+patching that head's ``z``. Gemma 4's post-norm heads: tests/test_bridge_edges_gemma4.py.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from interp_norm.anatomy import tiny_bridge
 from interp_norm.circuits import edge_attribution, exact_edge_patch
 from interp_norm.circuits.edges import EdgeRunner
 from interp_norm.core.hook_names import act_name
-from interp_norm.errors import PatchingError
 
 from _models import bridge_pairs
 
@@ -75,9 +73,3 @@ def test_patching_every_edge_out_of_a_post_norm_head_is_patching_its_z(olmo2):
 
         ref = plain(olmo2.run_with_hooks(pairs.corrupted_tokens, fwd_hooks=[(act_name("z", 0), put)]))
         assert (ours - ref).abs().max() <= 1e-9 and (ref - base).abs().max() > 1e-3
-
-
-def test_gemma4_edges_refuse_with_the_reason():
-    bridge = tiny_bridge("gemma4", seed=2)
-    with pytest.raises(PatchingError, match="per-layer-input"):
-        edge_attribution(bridge, bridge_pairs(bridge, B, N), plain)

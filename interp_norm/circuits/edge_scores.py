@@ -112,7 +112,7 @@ def edge_attribution(
 def _senders_and_embedding(runner: EdgeRunner, tokens: Tensor) -> tuple[Tensor, Tensor]:
     """(senders [U, b, n, d], token embedding [b, n, d]) of one plain run."""
     embed = act_name("embed")
-    names = {embed, act_name("pos_embed")} | {act_name(a, l) for l in range(runner.L) for a in ("z", "mlp_out")}
+    names = runner.sender_names
     with torch.no_grad():
         _, cache = runner.model.run_with_cache(tokens, names_filter=lambda nm: nm in names)
     return runner.senders_from_cache(cache), cache[embed]

@@ -20,6 +20,9 @@ Because the residual stream is a sum, a receiver's input is the sum of the sende
   main copy's ``hook_k/v`` (``[.., n_kv_heads, d_head]``) take k/v head ``g`` from its copy: the
   grouped weights are used as they are.
 
+Gemma 4's per-layer-input branch is part of its layer's MLP node (sender and receiver;
+:mod:`~interp_norm.circuits.edge_layer_input`, which also decides which bridges have edges).
+
 A head's output is ``z_h W_O[h]`` through the block's update calibration (models with
 ``cfg.calibration == "paper"`` scale what attention adds to the residual), so the head outputs
 sum to ``hook_attn_out`` minus the scaled bias.
@@ -38,6 +41,7 @@ from torch import Tensor
 from interp_norm.core import nodes
 from interp_norm.anatomy import capabilities
 from interp_norm.circuits._types import device, require_eval
+from interp_norm.circuits.edge_layer_input import Branch, check_hf_bridge
 from interp_norm.circuits.edge_post_norm import linearised_head_deltas, post_attention_norms, single_head_changes
 from interp_norm.errors import PatchingError
 from interp_norm.core.hook_names import act_name
@@ -143,11 +147,12 @@ def prune_edges(edges: set) -> set:
         edges = keep
 
 
-def _resid_mid_feeds_mlp_only(model) -> bool:
+def _resid_mid_feeds_mlp_only(model, branch: Branch = None) -> bool:
     """Probe: does a change written at layer 0's ``hook_resid_mid`` reach the residual stream?
 
     In our models it does (the hook sits on the residual); in a TransformerBridge the name is an
-    alias of ``ln2.hook_in`` and only the MLP sees the change.
+    alias of ``ln2.hook_in`` and only the MLP sees the change. ``branch``: layer 0 also adds a
+    per-layer-input term (Gemma 4), part of what the MLP node writes.
     """
     tokens = torch.arange(min(3, model.cfg.d_vocab, model.cfg.n_ctx), device=device(model)).unsqueeze(0)
     seen: dict[str, Tensor] = {}
@@ -165,8 +170,8 @@ def _resid_mid_feeds_mlp_only(model) -> bool:
 
     model.run_with_hooks(tokens, fwd_hooks=[
         (act_name("resid_mid", 0), mid), (act_name("mlp_out", 0), keep("mlp")), (act_name("resid_post", 0), keep("post")),
-    ])
-    residual = seen["post"] - seen["mlp"]
+    ] + ([(branch[1], keep("branch"))] if branch else []))
+    residual = seen["post"] - seen["mlp"] - (seen["branch"] if branch else 0)
     if torch.allclose(residual, seen["mid"] + 1.0, atol=1e-4):
         return False
     if torch.allclose(residual, seen["mid"], atol=1e-4):
@@ -184,49 +189,6 @@ def _fires(model, name: str) -> bool:
     return name in cache
 
 
-def _check_hf_bridge(model) -> tuple[Optional[int], Any]:
-    """(k/v head count, attention anatomy) of a Hugging Face bridge whose edges are defined; a typed error where not.
-
-    Read from the attention anatomy (:func:`interp_norm.anatomy.anatomy`). Refused, because a
-    per-sender edge into these layers is undefined: a layer that reads another layer's keys and
-    values (Gemma 4 KV sharing) or whose values are its keys (``v_from_k``) has no k/v input of its
-    own; k/v head counts that differ between layers have no single receiver layout; a block that
-    writes a third term into the residual (Gemma 4's per-layer-input branch) or rescales the whole
-    stream (its ``layer_scalar``) makes the residual not a sum of the senders. Grouped k/v heads
-    get receivers per k/v head; post-norms are part of the sender's path
-    (:mod:`~interp_norm.circuits.edge_post_norm`).
-    """
-    if getattr(model, "original_model", None) is None or capabilities(model).full_vocabulary:
-        return None, None
-    from interp_norm.anatomy import ArchitectureError, anatomy, original
-
-    try:
-        anat = anatomy(model)
-    except ArchitectureError:
-        return None, None  # not a Hugging Face architecture the anatomy knows (e.g. boot_native): a plain Pre-Norm sum
-    extra = [l for l in range(len(anat.layers)) if getattr(original(model.blocks[l]), "hidden_size_per_layer_input", 0)
-             or hasattr(original(model.blocks[l]), "layer_scalar")]
-    if extra:
-        raise PatchingError(
-            f"{anat.architecture} layers {extra} add a per-layer-input term to the residual and/or rescale it "
-            "(layer_scalar), so the residual is not the sum of the head and MLP senders and edges are undefined; "
-            "use the node-level attribution_patch or activation_patch"
-        )
-    shared = [la.layer for la in anat.layers if la.shares_kv or la.v_from_k]
-    if shared:
-        raise PatchingError(
-            f"{anat.architecture} layers {shared} read keys/values that are not their own k and v inputs (KV sharing or "
-            "v = k), so edges into them are undefined; use the node-level attribution_patch or activation_patch"
-        )
-    kv = {la.n_kv_heads for la in anat.layers}
-    if len(kv) > 1:
-        raise PatchingError(
-            f"edge receivers need one k/v head count for every layer, but {anat.architecture} has {sorted(kv)}; "
-            "use the node-level attribution_patch or activation_patch"
-        )
-    return kv.pop(), anat
-
-
 class EdgeRunner:
     """Forward passes with per-receiver interventions (see module docstring for the backends)."""
 
@@ -235,7 +197,7 @@ class EdgeRunner:
         cfg = model.cfg
         self.model = model
         self.L, self.H = cfg.n_layers, cfg.n_heads
-        n_kv, anat = _check_hf_bridge(model)
+        n_kv, anat, self.branch = check_hf_bridge(model)  # branch: Gemma 4's per-layer-input term, part of m{l}
         self.post_norms = [None] * self.L if anat is None else post_attention_norms(model, anat)
         self.graph = EdgeGraph(self.L, self.H, None if n_kv in (None, self.H) else n_kv)
         self.valid = self.graph.valid()
@@ -263,7 +225,7 @@ class EdgeRunner:
         self.last_sums: dict[int, Tensor] = {}  # post-norm layers' pre-norm attention outputs in the last run
         # what attention adds to the residual is attn.out(z) through the block's update calibration
         self.update_calib = [getattr(blk, "calib_attn_out", None) for blk in model.blocks]
-        self.mid_feeds_mlp_only = _resid_mid_feeds_mlp_only(self.run_model)
+        self.mid_feeds_mlp_only = _resid_mid_feeds_mlp_only(self.run_model, self.branch[0])
         # rotary models (a Llama/Qwen3 bridge) never fire hook_pos_embed: the embed sender is the token embedding
         self.has_pos = ours or _fires(self.run_model, act_name("pos_embed"))
 
@@ -273,8 +235,15 @@ class EdgeRunner:
         outs = [cache[act_name("embed")] + cache[act_name("pos_embed")] if self.has_pos else cache[act_name("embed")]]
         for l in range(self.L):
             outs += list(self.head_outputs(l, cache[act_name("z", l)]))
-            outs.append(cache[act_name("mlp_out", l)])
+            b = self.branch[l]
+            outs.append(cache[act_name("mlp_out", l)] + cache[b[1]] if b else cache[act_name("mlp_out", l)])
         return torch.stack(outs)
+
+    @property
+    def sender_names(self) -> set[str]:
+        """The hooks :meth:`senders_from_cache` reads."""
+        names = {act_name("embed"), act_name("pos_embed")} | {act_name(a, l) for l in range(self.L) for a in ("z", "mlp_out")}
+        return names | {b[1] for b in self.branch if b}
 
     def head_outputs(self, layer: int, z: Tensor) -> Tensor:
         """[H, b, n, d]: what each head of ``layer`` adds to the residual stream, from its ``z``."""
@@ -299,9 +268,7 @@ class EdgeRunner:
 
     def sender_cache(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """(logits, senders [U, b, n, d]) of a plain run."""
-        names = {act_name("embed"), act_name("pos_embed")} | {act_name("z", l) for l in range(self.L)} | {
-            act_name("mlp_out", l) for l in range(self.L)
-        }
+        names = self.sender_names
         with torch.no_grad():
             logits, cache = self.model.run_with_cache(tokens, names_filter=lambda nm: nm in names)
         return logits, self.senders_from_cache(cache)
@@ -378,6 +345,7 @@ class _EdgePass:
         self.leaf: dict[str, Tensor] = {}
         self.attn_corr: dict[int, Optional[Tensor]] = {}  # split backend: layer -> [H, 3, B, n, d], once per layer
         self.mlp_shift: dict[int, Optional[Tensor]] = {}  # layer -> the MLP receiver's shift, undone at resid_post
+        self.mlp_now: dict[int, Tensor] = {}  # layer -> its MLP's output, until its per-layer-input branch adds to it
         self.sums: dict[int, Tensor] = {}  # post-norm layer -> its pre-norm attention output (detached)
 
     def hooks(self) -> list[tuple[str, Callable]]:
@@ -400,6 +368,9 @@ class _EdgePass:
                 (act_name("mlp_out", l), partial(self.h_mlp_out, l=l)),
                 (act_name("resid_post", l), partial(self.h_resid_post, l=l)),
             ]
+            b = self.runner.branch[l]
+            if b:
+                hooks += [(b[0], partial(self.h_branch_in, l=l)), (b[1], partial(self.h_branch_out, l=l))]
         return hooks
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -523,7 +494,19 @@ class _EdgePass:
         return self.shift_main(x, shift)
 
     def h_mlp_out(self, x: Tensor, hook: Any, *, l: int) -> Tensor:
-        self.put(self.graph.sender_index(l, "mlp"), self.main(x))
+        if self.runner.branch[l]:  # the sender is complete once the per-layer-input branch has written
+            self.mlp_now[l] = self.main(x)
+        else:
+            self.put(self.graph.sender_index(l, "mlp"), self.main(x))
+        return x
+
+    def h_branch_in(self, x: Tensor, hook: Any, *, l: int) -> Tensor:
+        """The per-layer-input branch reads the MLP receiver's input: the same shift as the MLP's (where the
+        shift at ``hook_resid_mid`` reached only the MLP, as on a TransformerBridge)."""
+        return self.shift_main(x, self.mlp_shift.get(l)) if self.runner.mid_feeds_mlp_only else x
+
+    def h_branch_out(self, x: Tensor, hook: Any, *, l: int) -> Tensor:
+        self.put(self.graph.sender_index(l, "mlp"), self.mlp_now.pop(l) + self.main(x))
         return x
 
     def h_resid_post(self, x: Tensor, hook: Any, *, l: int) -> Tensor:

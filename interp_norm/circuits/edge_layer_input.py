@@ -1,0 +1,93 @@
+"""Which Hugging Face bridges have an edge graph, and Gemma 4's per-layer-input branch inside it.
+
+A Gemma 4 decoder layer adds a third term to the residual after its MLP: the per-layer-input
+branch ``N_pl(P(act(G r2) * p_l))``, which reads the residual ``r2 = r1 + mlp_out`` (``r1`` the
+residual after attention) and the layer's per-layer input ``p_l`` (a function of the tokens and
+their embedding). It reads and writes the residual like an MLP, so its write is not a constant
+bias. Choice: the branch is part of the layer's MLP node. The sender ``m{l}`` writes
+``mlp_out + N_pl(...)`` (everything the layer adds after attention) and the receiver ``m{l}``
+reads ``r1``: an edge into ``m{l}`` shifts the input of the MLP *and* of the branch
+(``r1 + shift + mlp(r1 + shift)``), while the residual the layer passes on keeps ``r1``
+unshifted. ``p_l`` is a side input of the node, like a position: no edge carries it, and exact
+edge patching keeps it at the run's own value (EAP-IG's interpolated embedding moves it along,
+since the model projects the embedding into it: part of the integration path). The layer
+scalar (``hidden *= layer_scalar``) is supported only where it is 1 (the residual is then a sum
+of the senders); KV sharing and ``v = k`` leave a layer without k/v inputs of its own and the
+mixture-of-experts block reads the residual through a second norm outside the MLP's input, so
+those stay refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from interp_norm.errors import PatchingError
+
+_NODE_LEVEL = "use the node-level attribution_patch or activation_patch"
+
+
+def branch_hooks(block: Any) -> Optional[tuple[str, str]]:
+    """(hook on the per-layer-input branch's input ``r1 + mlp_out`` -- the gate projection's input --,
+    hook on what the branch adds to the residual -- its norm's output) of a bridge block, or None."""
+    from interp_norm.anatomy.bridge_anatomy import _hook
+
+    names = (_hook(getattr(block, "per_layer_input_gate", None), "hook_in"),
+             _hook(getattr(block, "post_per_layer_input_norm", None), "hook_out"))
+    return (names[0], names[1]) if names[0] is not None and names[1] is not None else None
+
+
+Branch = Optional[tuple[str, str]]
+
+
+def check_hf_bridge(model) -> tuple[Optional[int], Any, list[Branch]]:
+    """(k/v head count, attention anatomy, per layer: its per-layer-input branch's hooks
+    (:func:`branch_hooks`) or None) of a Hugging Face bridge whose edges are defined; a typed error
+    where not (see the module docstring)."""
+    from interp_norm.anatomy import ArchitectureError, anatomy, capabilities, original
+
+    none: tuple[Optional[int], Any, list[Branch]] = (None, None, [None] * model.cfg.n_layers)
+    if getattr(model, "original_model", None) is None or capabilities(model).full_vocabulary:
+        return none
+    try:
+        anat = anatomy(model)
+    except ArchitectureError:
+        return none  # not a Hugging Face architecture the anatomy knows (e.g. boot_native): a plain Pre-Norm sum
+    layers = [original(model.blocks[l]) for l in range(len(anat.layers))]
+    scaled = [l for l, m in enumerate(layers) if isinstance(getattr(m, "layer_scalar", None), torch.Tensor)
+              and not bool((m.layer_scalar == 1).all())]
+    if scaled:
+        raise PatchingError(
+            f"{anat.architecture} layers {scaled} rescale the whole residual stream (layer_scalar != 1), so the "
+            f"residual is not the sum of the head and MLP senders and edges are undefined; {_NODE_LEVEL}"
+        )
+    moe = [l for l, m in enumerate(layers) if getattr(m, "enable_moe_block", False)]
+    if moe:
+        raise PatchingError(
+            f"{anat.architecture} layers {moe} have a mixture-of-experts block that reads the residual through its own "
+            f"norm, not through the MLP's input, so the MLP receiver is undefined; {_NODE_LEVEL}"
+        )
+    has = [bool(getattr(m, "hidden_size_per_layer_input", 0)) for m in layers]
+    branch = [branch_hooks(model.blocks[l]) if b else None for l, b in enumerate(has)]
+    missing = [l for l, b in enumerate(has) if b and branch[l] is None]
+    if missing:
+        raise PatchingError(
+            f"{anat.architecture} layers {missing} add a per-layer-input term to the residual but the bridge has no "
+            f"hooks on that branch (per_layer_input_gate.hook_in, post_per_layer_input_norm.hook_out), so edges into "
+            f"it cannot be applied; {_NODE_LEVEL}"
+        )
+    shared = [la.layer for la in anat.layers if la.shares_kv or la.v_from_k]
+    if shared:
+        raise PatchingError(
+            f"{anat.architecture} layers {shared} read keys/values that are not their own k and v inputs (KV sharing or "
+            f"v = k), so edges into them are undefined; {_NODE_LEVEL}"
+        )
+    kv = {la.n_kv_heads for la in anat.layers}
+    if len(kv) > 1:
+        raise PatchingError(f"edge receivers need one k/v head count for every layer, but {anat.architecture} has "
+                            f"{sorted(kv)}; {_NODE_LEVEL}")
+    return kv.pop(), anat, branch
+
+
+__all__ = ["Branch", "branch_hooks", "check_hf_bridge"]

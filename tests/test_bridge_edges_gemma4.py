@@ -1,0 +1,124 @@
+"""Edges on a tiny Gemma 4 bridge: post-attention norms on the heads' path, grouped k/v heads and
+the per-layer-input branch as part of each layer's MLP node
+(:mod:`interp_norm.circuits.edge_layer_input`).
+
+Edge attribution is a first-order estimate, so it must equal the derivative of exact single-edge
+patching in the patch size (a five-point finite difference in float64). That check shares the edge
+runner's wiring with the estimate, so the MLP node's meaning is checked separately against plain
+hooks on the model: patching an edge into ``m0`` shifts the input of the MLP *and* of the
+per-layer-input branch, and patching every edge out of ``m0`` is the residual after layer 0
+carrying the clean write of both.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from interp_norm.anatomy import original, tiny_bridge
+from interp_norm.circuits import edge_attribution, exact_edge_patch
+from interp_norm.circuits.edges import EdgeRunner
+from interp_norm.core.hook_names import act_name
+from interp_norm.errors import PatchingError
+
+from _models import bridge_pairs
+
+B, N = 3, 6
+
+
+def plain(logits: torch.Tensor) -> torch.Tensor:
+    return logits[:, -1, 5] - logits[:, -1, 6]
+
+
+@pytest.fixture(scope="module")
+def gemma4():
+    return tiny_bridge("gemma4", seed=5).double()
+
+
+def test_gemma4_edge_eap_equals_the_finite_difference_of_exact_patching(gemma4):
+    """Five-point stencil at eps = 1e-2: truncation ~ eps^4 |M^(5)| / 30; Gemma 4's RMSNorm computes in
+    float32 inside the float64 model, roundoff ~ 1.5 * 6e-8 |M| / eps ~ 1e-5 |M|; both under 1e-4.
+    (A central difference at eps = 1e-2 is off by 1.9e-4, shrinking as eps^2: its truncation.)"""
+    pairs = bridge_pairs(gemma4, B, N)
+    eap = edge_attribution(gemma4, pairs, plain).set_index(["sender", "receiver"])["score"]
+    edges = list(eap.index)
+    kinds = {r.split(".")[-1] for _, r in edges}
+    assert {"q", "k", "v", "m0", "m1", "logits"} <= kinds and any(u == "m0" for u, _ in edges)
+    eps = 1e-2
+
+    def patched(scale: float):
+        return exact_edge_patch(gemma4, pairs, plain, edges=edges, scale=scale).set_index(["sender", "receiver"])["score"]
+
+    fd = (8 * (patched(eps) - patched(-eps)) - (patched(2 * eps) - patched(-2 * eps))) / (12 * eps)
+    assert max(abs(fd[e] - eap[e]) for e in edges) <= 1e-4
+    assert max(abs(eap[e]) for e in edges if e[0] == "m0") > 1e-2  # the MLP node's out-edges carry signal
+    assert max(abs(eap[e]) for e in edges if e[1] == "m0") > 1e-2
+
+
+@torch.no_grad()
+def test_an_edge_into_the_mlp_node_feeds_the_mlp_and_the_per_layer_input_branch(gemma4):
+    """embed -> m0 with the clean embedding: the MLP and the branch read ``r1 - (e_corr - e_clean)``."""
+    pairs = bridge_pairs(gemma4, B, N)
+    runner = EdgeRunner(gemma4)
+    _, s_clean = runner.sender_cache(pairs.clean_tokens)
+    _, s_corr = runner.sender_cache(pairs.corrupted_tokens)
+    w = torch.zeros_like(runner.valid)
+    w[runner.graph.sender_index(0, "embed"), runner.graph.receiver_index(0, "mlp")] = True
+    ours = plain(runner.run(pairs.corrupted_tokens, weights=w.unsqueeze(0), ablated=s_clean)[0])
+    shift = s_clean[0] - s_corr[0]  # the token embeddings' difference
+
+    def move(x, hook):
+        return x + shift
+
+    mlp_in = (act_name("resid_mid", 0), move)  # hook_resid_mid is the MLP norm's input on a bridge
+    gate_in = "blocks.0.per_layer_input_gate.hook_in"  # the branch's first projection reads r1 + mlp_out
+    ref = plain(gemma4.run_with_hooks(pairs.corrupted_tokens, fwd_hooks=[mlp_in, (gate_in, move)]))
+    mlp_only = plain(gemma4.run_with_hooks(pairs.corrupted_tokens, fwd_hooks=[mlp_in]))
+    assert (ours - ref).abs().max() <= 1e-9
+    assert (ref - mlp_only).abs().max() > 1e-3  # the branch's input matters
+    assert (ref - plain(gemma4(pairs.corrupted_tokens))).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_edges_out_of_the_mlp_node_carry_the_mlp_and_the_branch(gemma4):
+    pairs = bridge_pairs(gemma4, B, N)
+    runner = EdgeRunner(gemma4)
+    _, s_clean = runner.sender_cache(pairs.clean_tokens)
+    w = torch.zeros_like(runner.valid)
+    u = runner.graph.sender_index(0, "mlp")
+    w[u] = runner.valid[u]
+    ours = plain(runner.run(pairs.corrupted_tokens, weights=w.unsqueeze(0), ablated=s_clean)[0])
+    branch_out = "blocks.0.post_per_layer_input_norm.hook_out"
+    names = {act_name("resid_mid", 0), act_name("resid_post", 0), branch_out}
+    _, cc = gemma4.run_with_cache(pairs.clean_tokens, names_filter=lambda nm: nm in names)
+    write_clean = cc[act_name("resid_post", 0)] - cc[act_name("resid_mid", 0)]
+    seen = {}
+
+    def mid(x, hook):
+        seen["r1"] = x.clone()
+        return x
+
+    def post(x, hook):
+        return seen["r1"] + write_clean
+
+    ref = plain(gemma4.run_with_hooks(pairs.corrupted_tokens, fwd_hooks=[(act_name("resid_mid", 0), mid), (act_name("resid_post", 0), post)]))
+    assert (ours - ref).abs().max() <= 1e-9
+    assert (ref - plain(gemma4(pairs.corrupted_tokens))).abs().max() > 1e-3
+    assert cc[branch_out].abs().max() > 1e-3  # the branch writes something
+
+
+def test_gemma4_kv_sharing_is_refused_with_the_reason():
+    bridge = tiny_bridge("gemma4-shared", seed=2)
+    with pytest.raises(PatchingError, match="KV sharing"):
+        edge_attribution(bridge, bridge_pairs(bridge, B, N), plain)
+
+
+def test_a_layer_scalar_other_than_one_is_refused_with_the_reason():
+    bridge = tiny_bridge("gemma4", seed=2)
+    original(bridge.blocks[1]).layer_scalar.fill_(0.5)
+    with pytest.raises(PatchingError, match="layer_scalar"):
+        edge_attribution(bridge, bridge_pairs(bridge, B, N), plain)
