@@ -122,3 +122,16 @@ def test_a_layer_scalar_other_than_one_is_refused_with_the_reason():
     original(bridge.blocks[1]).layer_scalar.fill_(0.5)
     with pytest.raises(PatchingError, match="layer_scalar"):
         edge_attribution(bridge, bridge_pairs(bridge, B, N), plain)
+
+
+def test_a_mixture_of_experts_block_is_refused_with_the_reason():
+    import transformers as tf
+
+    from interp_norm.anatomy import bridge_from_hf, tiny_config
+
+    cfg = tiny_config("gemma4")
+    cfg.enable_moe_block, cfg.num_experts, cfg.top_k_experts, cfg.moe_intermediate_size = True, 2, 1, 32
+    torch.manual_seed(0)
+    bridge = bridge_from_hf(tf.Gemma4ForCausalLM(cfg).eval())
+    with pytest.raises(PatchingError, match="mixture-of-experts"):
+        EdgeRunner(bridge)
