@@ -5,8 +5,9 @@ single-edge patching effect (:func:`interp_norm.circuits.exact_edge_patch`), on 
 differing at one position and the logit difference of two fixed tokens at the last position.
 AUROC: |attribution| as a classifier of the top ``--top`` fraction of edges by |exact effect|
 (ties averaged, Mann-Whitney); Spearman: rank correlation of the signed scores. Random weights, so
-the numbers describe the estimator on the architecture, not a trained circuit. Gemma 4 is refused
-by edge attribution (its residual is not a sum of the senders) and reported as such.
+the numbers describe the estimator on the architecture, not a trained circuit. Gemma 4 without KV
+sharing is scored (its per-layer-input branch is part of each layer's MLP node); an architecture
+edge attribution refuses is reported as such.
 
     PYTHONPATH=. python scripts/edge_attribution_auroc.py [--archs gpt2 llama qwen3 olmo2 gemma4]
         [--seeds 0 1 2] [--layers 2] [--ig-steps 8] [--top 0.1]
