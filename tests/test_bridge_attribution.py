@@ -45,7 +45,7 @@ def plain(logits: torch.Tensor) -> torch.Tensor:
 def bridges():
     return {"gpt2": tiny_bridge("gpt2", seed=5, n_layers=3), "llama": tiny_bridge("llama", seed=5, n_layers=3),
             "qwen3": tiny_bridge("qwen3", seed=5, n_layers=3), "llama-mha": tiny_bridge("llama", seed=5, n_layers=2, n_kv_heads=4),
-            "olmo2": tiny_bridge("olmo2", seed=5, n_layers=2)}
+            "olmo2": tiny_bridge("olmo2", seed=5, n_layers=2), "gemma4-mha": tiny_bridge("gemma4", seed=5, n_kv_heads=4)}
 
 
 def _tl_metric(metric):
@@ -146,9 +146,10 @@ def test_edge_eap_equals_transformer_lens_edges(bridges, arch):
 
 
 def test_transformer_lens_refuses_edges_where_ours_has_them(bridges):
-    """TransformerLens's edge attribution refuses post-norm and grouped-k/v models (ValueError); ours
-    scores them (checked in tests/test_bridge_edges_grouped.py and tests/test_bridge_edges_post_norm.py)."""
-    for arch in ("olmo2", "llama"):
+    """TransformerLens's edge attribution refuses post-norm and grouped-k/v models (ValueError), Gemma 4
+    even with ungrouped heads; ours scores them (checked in tests/test_bridge_edges_grouped.py,
+    tests/test_bridge_edges_post_norm.py and tests/test_bridge_edges_gemma4.py)."""
+    for arch in ("olmo2", "llama", "gemma4-mha"):
         bridge = bridges[arch]
         pairs = bridge_pairs(bridge, B, N)
         assert len(edge_attribution(bridge, pairs, plain)) > 0
