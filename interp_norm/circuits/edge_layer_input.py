@@ -11,10 +11,12 @@ reads ``r1``: an edge into ``m{l}`` shifts the input of the MLP *and* of the bra
 unshifted. ``p_l`` is a side input of the node, like a position: no edge carries it, and exact
 edge patching keeps it at the run's own value (EAP-IG's interpolated embedding moves it along,
 since the model projects the embedding into it: part of the integration path). The layer
-scalar (``hidden *= layer_scalar``) is supported only where it is 1 (the residual is then a sum
-of the senders); KV sharing and ``v = k`` leave a layer without k/v inputs of its own and the
-mixture-of-experts block reads the residual through a second norm outside the MLP's input, so
-those stay refused.
+scalar (``hidden *= layer_scalar``, the whole residual after the layer) is folded into the paths:
+sender ``u`` of layer ``l`` reaches a receiver of layer ``l'`` as ``s_l ... s_{l'-1}`` times its
+output (the embedding from layer 0; the logits read after the last layer), so an edge's
+correction and its score carry that product (:func:`scalar_paths`). KV sharing and ``v = k``
+leave a layer without k/v inputs of its own, and the mixture-of-experts block reads the residual
+through a second norm outside the MLP's input, so those stay refused.
 """
 
 from __future__ import annotations
@@ -55,13 +57,6 @@ def check_hf_bridge(model) -> tuple[Optional[int], Any, list[Branch]]:
     except ArchitectureError:
         return none  # not a Hugging Face architecture the anatomy knows (e.g. boot_native): a plain Pre-Norm sum
     layers = [original(model.blocks[l]) for l in range(len(anat.layers))]
-    scaled = [l for l, m in enumerate(layers) if isinstance(getattr(m, "layer_scalar", None), torch.Tensor)
-              and not bool((m.layer_scalar == 1).all())]
-    if scaled:
-        raise PatchingError(
-            f"{anat.architecture} layers {scaled} rescale the whole residual stream (layer_scalar != 1), so the "
-            f"residual is not the sum of the head and MLP senders and edges are undefined; {_NODE_LEVEL}"
-        )
     moe = [l for l, m in enumerate(layers) if getattr(m, "enable_moe_block", False)]
     if moe:
         raise PatchingError(
@@ -90,4 +85,27 @@ def check_hf_bridge(model) -> tuple[Optional[int], Any, list[Branch]]:
     return kv.pop(), anat, branch
 
 
-__all__ = ["Branch", "branch_hooks", "check_hf_bridge"]
+def layer_scalars(model) -> Optional[list[float]]:
+    """Each layer's ``layer_scalar`` (1 where it has none), or None if every one is 1."""
+    from interp_norm.anatomy import original
+
+    if getattr(model, "original_model", None) is None:
+        return None
+    out = []
+    for blk in model.blocks:
+        sc = getattr(original(blk), "layer_scalar", None)
+        out.append(float(sc.reshape(-1)[0]) if isinstance(sc, torch.Tensor) and sc.numel() == 1 else 1.0)
+    return None if all(v == 1.0 for v in out) else out
+
+
+def scalar_paths(graph: Any, scalars: list[float]) -> torch.Tensor:
+    """[U, R] float64: the product of the layer scalars between sender ``u``'s write and receiver
+    ``r``'s read (``s_l ... s_{l'-1}``; 1 within a layer), the factor on edge ``u -> r``."""
+    L, A = graph.n_layers, graph.n_attn_receivers
+    start = [0] + [l for l in range(L) for _ in range(graph.n_heads + 1)]  # the layer each sender writes in
+    read = [l for l in range(L) for _ in range(A + 1)] + [L]  # the layer each receiver reads in
+    sc = torch.tensor(scalars, dtype=torch.float64)
+    return torch.tensor([[float(sc[a:b].prod()) for b in read] for a in start], dtype=torch.float64)
+
+
+__all__ = ["Branch", "branch_hooks", "check_hf_bridge", "layer_scalars", "scalar_paths"]

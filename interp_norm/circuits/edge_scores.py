@@ -105,6 +105,8 @@ def edge_attribution(
             g = _copies_grads(runner, frozen, corr[idx], (e_corr[idx], e_clean[idx], al), sub, br)
         scores += _pass_scores(runner, delta[:, idx.cpu()].to(g.device), g.double(), m)
     scores = scores / (b * ig_steps) * runner.valid
+    if runner.scale is not None:  # the layer scalars on each edge's path
+        scores = scores * runner.scale.to(scores.dtype)
     method = ("eap" if ig_steps == 1 else f"eap-ig{ig_steps}") + mode_label(norm, pattern)
     return edge_frame(runner.graph, scores, runner.valid, method=method)
 

@@ -41,7 +41,7 @@ from torch import Tensor
 from interp_norm.core import nodes
 from interp_norm.anatomy import capabilities
 from interp_norm.circuits._types import device, require_eval
-from interp_norm.circuits.edge_layer_input import Branch, check_hf_bridge
+from interp_norm.circuits.edge_layer_input import Branch, check_hf_bridge, layer_scalars, scalar_paths
 from interp_norm.circuits.edge_post_norm import linearised_head_deltas, post_attention_norms, single_head_changes
 from interp_norm.errors import PatchingError
 from interp_norm.core.hook_names import act_name
@@ -147,12 +147,12 @@ def prune_edges(edges: set) -> set:
         edges = keep
 
 
-def _resid_mid_feeds_mlp_only(model, branch: Branch = None) -> bool:
+def _resid_mid_feeds_mlp_only(model, branch: Branch = None, scalar: float = 1.0) -> bool:
     """Probe: does a change written at layer 0's ``hook_resid_mid`` reach the residual stream?
 
     In our models it does (the hook sits on the residual); in a TransformerBridge the name is an
     alias of ``ln2.hook_in`` and only the MLP sees the change. ``branch``: layer 0 also adds a
-    per-layer-input term (Gemma 4), part of what the MLP node writes.
+    per-layer-input term (Gemma 4), part of what the MLP node writes; ``scalar``: its ``layer_scalar``.
     """
     tokens = torch.arange(min(3, model.cfg.d_vocab, model.cfg.n_ctx), device=device(model)).unsqueeze(0)
     seen: dict[str, Tensor] = {}
@@ -171,7 +171,7 @@ def _resid_mid_feeds_mlp_only(model, branch: Branch = None) -> bool:
     model.run_with_hooks(tokens, fwd_hooks=[
         (act_name("resid_mid", 0), mid), (act_name("mlp_out", 0), keep("mlp")), (act_name("resid_post", 0), keep("post")),
     ] + ([(branch[1], keep("branch"))] if branch else []))
-    residual = seen["post"] - seen["mlp"] - (seen["branch"] if branch else 0)
+    residual = seen["post"] / scalar - seen["mlp"] - (seen["branch"] if branch else 0)
     if torch.allclose(residual, seen["mid"] + 1.0, atol=1e-4):
         return False
     if torch.allclose(residual, seen["mid"], atol=1e-4):
@@ -201,6 +201,8 @@ class EdgeRunner:
         self.post_norms = [None] * self.L if anat is None else post_attention_norms(model, anat)
         self.graph = EdgeGraph(self.L, self.H, None if n_kv in (None, self.H) else n_kv)
         self.valid = self.graph.valid()
+        scalars = layer_scalars(model)  # Gemma 4's layer_scalar: each edge's factor (None: all 1)
+        self.scale = None if scalars is None else scalar_paths(self.graph, scalars)
         if backend not in ("auto", "split", "copies"):
             raise PatchingError(f"backend must be 'auto', 'split' or 'copies', got {backend!r}")
         ours = capabilities(model).full_vocabulary  # our config rebuilds a twin with per-head q/k/v inputs
@@ -225,7 +227,7 @@ class EdgeRunner:
         self.last_sums: dict[int, Tensor] = {}  # post-norm layers' pre-norm attention outputs in the last run
         # what attention adds to the residual is attn.out(z) through the block's update calibration
         self.update_calib = [getattr(blk, "calib_attn_out", None) for blk in model.blocks]
-        self.mid_feeds_mlp_only = _resid_mid_feeds_mlp_only(self.run_model, self.branch[0])
+        self.mid_feeds_mlp_only = _resid_mid_feeds_mlp_only(self.run_model, self.branch[0], 1.0 if scalars is None else scalars[0])
         # rotary models (a Llama/Qwen3 bridge) never fire hook_pos_embed: the embed sender is the token embedding
         self.has_pos = ours or _fires(self.run_model, act_name("pos_embed"))
 
@@ -383,7 +385,10 @@ class _EdgePass:
             return None
         assert self.diffs is not None  # every sender before a receiver ran earlier in the pass
         d = self.diffs[:u_avail]
-        return torch.einsum("gur,ugbnd->rgbnd", w.to(d.dtype), d).reshape(w.shape[-1], self.B, self.n, -1)
+        wd = w.to(d.dtype)
+        if self.runner.scale is not None:  # the layer scalars on each edge's path
+            wd = wd * self.runner.scale[:u_avail, r_slice].to(d.device, d.dtype)
+        return torch.einsum("gur,ugbnd->rgbnd", wd, d).reshape(w.shape[-1], self.B, self.n, -1)
 
     def put(self, u: int, now: Tensor, diff: bool = False) -> None:
         """Record sender u's output in this pass (only needed when there are corrections); ``diff``:
