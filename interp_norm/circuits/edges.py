@@ -38,6 +38,7 @@ from torch import Tensor
 from interp_norm.core import nodes
 from interp_norm.anatomy import capabilities
 from interp_norm.circuits._types import device, require_eval
+from interp_norm.circuits.edge_senders import block_or_final, capture_hooks, run_until
 from interp_norm.circuits.edge_post_norm import linearised_head_deltas, post_attention_norms, single_head_changes
 from interp_norm.errors import PatchingError
 from interp_norm.core.hook_names import act_name
@@ -163,9 +164,9 @@ def _resid_mid_feeds_mlp_only(model) -> bool:
 
         return f
 
-    model.run_with_hooks(tokens, fwd_hooks=[
+    run_until(model, tokens, [  # block 0 alone: the rest of the pass tells nothing here
         (act_name("resid_mid", 0), mid), (act_name("mlp_out", 0), keep("mlp")), (act_name("resid_post", 0), keep("post")),
-    ])
+    ], block_or_final(model, 1))
     residual = seen["post"] - seen["mlp"]
     if torch.allclose(residual, seen["mid"] + 1.0, atol=1e-4):
         return False
@@ -176,12 +177,13 @@ def _resid_mid_feeds_mlp_only(model) -> bool:
 
 @torch.no_grad()
 def _fires(model, name: str) -> bool:
-    """Whether hook ``name`` fires on a forward pass (a rotary bridge has ``hook_pos_embed`` but never calls it)."""
+    """Whether embedding-stage hook ``name`` fires before the first block (a rotary bridge has ``hook_pos_embed`` but never calls it)."""
     if name not in getattr(model, "hook_dict", {}):
         return False
     tokens = torch.arange(min(3, model.cfg.d_vocab, model.cfg.n_ctx), device=device(model)).unsqueeze(0)
-    _, cache = model.run_with_cache(tokens, names_filter=lambda n: n == name)
-    return name in cache
+    seen: dict = {}
+    run_until(model, tokens, capture_hooks([name], seen), block_or_final(model, 0))
+    return name in seen
 
 
 def _check_hf_bridge(model) -> tuple[Optional[int], Any]:
