@@ -122,7 +122,10 @@ def _score_passes(runner: EdgeRunner, tokens: tuple[Tensor, Tensor], metric: Met
             g = edge_grads.fast_receivers(model, runner, corr[idx], (e_corr[idx], e_clean[idx], al), sub, br, capture=seen)
         if delta is None:  # the one-pass route's first pass: its senders, unless it fell back
             read = g is not None and seen is not None and all(nm in seen for nm in edge_senders.sender_names(runner))
-            delta = s_clean.sub_(runner.senders_from_cache(seen) if read else edge_senders.sender_run(runner, corr)[0])
+            if read:
+                delta = edge_senders.subtract_senders(runner, s_clean, seen)  # type: ignore[arg-type]  # read: not None
+            else:
+                delta = s_clean.sub_(edge_senders.sender_run(runner, corr)[0])
         if g is None:  # the copies backend, or a block the one-pass path cannot read
             g = _copies_grads(runner, frozen, corr[idx], (e_corr[idx], e_clean[idx], al), sub, br)
         d = delta if br == b else delta[:, idx.to(delta.device)]

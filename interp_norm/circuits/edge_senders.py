@@ -79,6 +79,18 @@ def _module(model, name: str) -> Optional[torch.nn.Module]:
     return mod if isinstance(mod, torch.nn.Module) else None
 
 
+def subtract_senders(runner, into: Tensor, cache: dict) -> Tensor:
+    """``into`` [U, b, n, d] minus the senders read in ``cache`` (as :meth:`EdgeRunner.senders_from_cache`
+    orders them), in place, one layer at a time: no second stack of the senders' size."""
+    emb = cache[act_name("embed")]
+    into[0].sub_(emb + cache[act_name("pos_embed")] if runner.has_pos else emb)
+    for l in range(runner.L):
+        h0 = runner.graph.sender_index(l, "head")
+        into[h0 : h0 + runner.H].sub_(runner.head_outputs(l, cache[act_name("z", l)]))
+        into[runner.graph.sender_index(l, "mlp")].sub_(cache[act_name("mlp_out", l)])
+    return into
+
+
 def sender_run(runner, tokens: Tensor) -> tuple[Tensor, Tensor]:
     """(senders [U, b, n, d], token embedding [b, n, d]) of a pass of ``tokens`` stopped at the final norm."""
     model = runner.model
@@ -92,4 +104,5 @@ def embedding(runner, tokens: Tensor) -> Tensor:
     return _run_until(model, tokens, [act_name("embed")], block_or_final(model, 0))[act_name("embed")]
 
 
-__all__ = ["sender_names", "capture_hooks", "run_until", "block_or_final", "sender_run", "embedding"]
+__all__ = ["sender_names", "capture_hooks", "run_until", "block_or_final", "subtract_senders",
+           "sender_run", "embedding"]
