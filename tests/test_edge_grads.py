@@ -138,3 +138,31 @@ def test_sender_runs_stop_early_and_equal_a_full_cached_run():
     senders, emb = sender_run(runner, tokens)
     assert torch.equal(senders, runner.senders_from_cache(cache))
     assert torch.equal(emb, cache["hook_embed"]) and torch.equal(embedding(runner, tokens), cache["hook_embed"])
+
+
+class _LastDiff:
+    """The last position's logit difference, declaring that it reads only that position."""
+
+    def __init__(self, b: int, n: int):
+        self.read_mask = torch.zeros(b, n, dtype=torch.bool)
+        self.read_mask[:, -1] = True
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return metric(logits)
+
+
+def test_a_metric_declaring_its_read_positions_unembeds_only_those_and_scores_the_same():
+    """With ``read_mask`` the one-pass route unembeds the last position alone (counted at the
+    unembedding's input) and still equals the copies backend (same tolerance as above)."""
+    bridge = tiny_bridge("gpt2", seed=3, n_layers=2)
+    pairs = bridge_pairs(bridge, 3, 6)
+    widths = []
+    h = bridge.unembed.register_forward_hook(lambda mod, args, out: widths.append(args[0].shape[1]))
+    try:
+        fast = edge_attribution(bridge, pairs, _LastDiff(3, 6)).set_index(["sender", "receiver"])["score"]
+    finally:
+        h.remove()
+    assert widths == [1]  # the gradient pass's unembedding read one position (the sender runs stop before it)
+    ref = edge_attribution(bridge, pairs, metric, backend="copies").set_index(["sender", "receiver"])["score"]
+    scale = float(ref.abs().max())
+    assert scale > 1e-2 and float((fast - ref.reindex(fast.index)).abs().max()) <= 1e-6 * scale

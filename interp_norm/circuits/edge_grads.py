@@ -29,6 +29,7 @@ from torch import Tensor
 
 from interp_norm.anatomy import capabilities
 from interp_norm.circuits._types import metric_values
+from interp_norm.circuits.attribution import _logits_at, _read_columns
 from interp_norm.circuits.edge_senders import capture_hooks, sender_names
 from interp_norm.circuits.exact.block_steps import _has_hooks
 from interp_norm.circuits.norm_modes import quiet
@@ -83,9 +84,10 @@ def fast_receivers(model, runner, tokens: Tensor, embed_mix: tuple[Tensor, Tenso
     hooks: list[tuple[str, Any]] = [(act_name("embed"), embed)]
     if capture is not None:
         hooks += capture_hooks(sender_names(runner)[1:], capture, rows=br)
-    handles = _capture(model, parts, seen)
+    handles = _capture(model, parts, seen)  # before _logits_at's hooks: "uin" is the whole unembedding input
+    cols, n = _read_columns(model, metric, br, tokens.shape[1], full=True)
     try:
-        with torch.enable_grad(), quiet():
+        with torch.enable_grad(), quiet(), _logits_at(model, cols, n, n):  # unembed the read positions only
             logits = model.run_with_hooks(tokens.repeat(m, 1), fwd_hooks=hooks)
     finally:
         for h in handles:
