@@ -88,3 +88,81 @@ def test_norm_transposed_jacobian_equals_autograd_one_vector_at_a_time(norm):
         xk = x.clone().requires_grad_()
         (ref,) = torch.autograd.grad(mod(xk), xk, vecs[k])
         assert torch.allclose(got[k], ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max())), (norm, k)
+
+
+@pytest.mark.parametrize("blocks,unchanged", [(False, [0, 1]), (True, [0, 1]), (True, [2])])
+def test_float32_score_product_is_within_its_rounding_bound_of_a_float64_loop(blocks, unchanged):
+    """The score product (float32 matrix products over valid edges and changed positions) against an
+    explicit float64 loop over every valid (sender, receiver), with the receiver gradients given whole
+    (copies backend) or as per-layer blocks (one-pass route), the unchanged positions a prefix (a run of
+    positions is read as views) or not (selected). Tolerance: the m integration points are
+    added, then K = rows x changed positions x d_model products summed, so each score is within
+    gamma_{K+m} x sum |d| |g| of exact (product_bound); invalid edges stay exactly 0."""
+    from interp_norm.circuits.edge_scores import _pass_scores, product_bound
+    from interp_norm.circuits.edges import EdgeRunner
+
+    runner = EdgeRunner(tiny_bridge("gpt2", seed=3, n_layers=2))
+    U, R = runner.valid.shape
+    b, n, m, dd = 3, 5, 2, runner.model.cfg.d_model
+    gen = torch.Generator().manual_seed(0)
+    d = torch.randn(U, b, n, dd, generator=gen)
+    d[:, :, unchanged] = 0  # positions no sender changes: skipped, exactly as if summed
+    g = torch.randn(R, m * b, n, dd, generator=gen) * torch.logspace(-3, 1, R).view(R, 1, 1, 1)
+    A = runner.graph.n_attn_receivers
+    given: object = g
+    if blocks:
+        given = [blk for r0 in range(0, R - 1, A + 1) for blk in (g[r0 : r0 + A], g[r0 + A : r0 + A + 1])] + [g[-1:]]
+    got = _pass_scores(runner, d, given, m)
+    gs = g.double().view(R, m, b, n, dd)
+    for u in range(U):
+        for r in range(R):
+            if not runner.valid[u, r]:
+                assert got[u, r] == 0
+                continue
+            exact = float((d[u].double() * gs[r].sum(0)).sum())
+            size = float((d[u].double().abs() * gs[r].abs().sum(0)).sum())
+            K = b * (n - len(unchanged)) * dd
+            assert abs(float(got[u, r]) - exact) <= product_bound(K + m, torch.float32) * size, (u, r)
+
+
+def test_sender_runs_stop_early_and_equal_a_full_cached_run():
+    """The sender run stopped at the final norm and the embedding stopped at the first block read the
+    same activations, bit for bit, as a whole ``run_with_cache``."""
+    from interp_norm.circuits.edge_senders import embedding, sender_names, sender_run
+    from interp_norm.circuits.edges import EdgeRunner
+
+    bridge = tiny_bridge("gpt2", seed=3, n_layers=2)
+    runner = EdgeRunner(bridge)
+    tokens = bridge_pairs(bridge, 3, 6).clean_tokens
+    _, cache = bridge.run_with_cache(tokens, names_filter=lambda nm: nm in set(sender_names(runner)))
+    senders, emb = sender_run(runner, tokens)
+    assert torch.equal(senders, runner.senders_from_cache(cache))
+    assert torch.equal(emb, cache["hook_embed"]) and torch.equal(embedding(runner, tokens), cache["hook_embed"])
+
+
+class _LastDiff:
+    """The last position's logit difference, declaring that it reads only that position."""
+
+    def __init__(self, b: int, n: int):
+        self.read_mask = torch.zeros(b, n, dtype=torch.bool)
+        self.read_mask[:, -1] = True
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return metric(logits)
+
+
+def test_a_metric_declaring_its_read_positions_unembeds_only_those_and_scores_the_same():
+    """With ``read_mask`` the one-pass route unembeds the last position alone (counted at the
+    unembedding's input) and still equals the copies backend (same tolerance as above)."""
+    bridge = tiny_bridge("gpt2", seed=3, n_layers=2)
+    pairs = bridge_pairs(bridge, 3, 6)
+    widths = []
+    h = bridge.unembed.register_forward_hook(lambda mod, args, out: widths.append(args[0].shape[1]))
+    try:
+        fast = edge_attribution(bridge, pairs, _LastDiff(3, 6)).set_index(["sender", "receiver"])["score"]
+    finally:
+        h.remove()
+    assert widths == [1]  # the gradient pass's unembedding read one position (the sender runs stop before it)
+    ref = edge_attribution(bridge, pairs, metric, backend="copies").set_index(["sender", "receiver"])["score"]
+    scale = float(ref.abs().max())
+    assert scale > 1e-2 and float((fast - ref.reindex(fast.index)).abs().max()) <= 1e-6 * scale

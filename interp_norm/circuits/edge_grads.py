@@ -22,13 +22,15 @@ frozen norms or patterns, a hook on the model -- and the copies backend runs.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor
 
 from interp_norm.anatomy import capabilities
 from interp_norm.circuits._types import metric_values
+from interp_norm.circuits.attribution import _logits_at, _read_columns
+from interp_norm.circuits.edge_senders import capture_hooks, sender_names
 from interp_norm.circuits.exact.block_steps import _has_hooks
 from interp_norm.circuits.norm_modes import quiet
 from interp_norm.core.hook_names import act_name
@@ -61,10 +63,12 @@ def applies(model, runner, norm: str, pattern: str) -> bool:
 
 
 def fast_receivers(model, runner, tokens: Tensor, embed_mix: tuple[Tensor, Tensor, Tensor], metric: Any,
-                   br: int) -> Optional[Tensor]:
-    """``[R, rows, n, d]`` gradients of ``metric`` (summed over rows) at every receiver's input, in
-    :attr:`EdgeGraph.receivers` order, for the corrupted ``tokens`` [br, n] at the integration points
-    of ``embed_mix``; None where a block is not what this module assumes."""
+                   br: int, *, capture: Optional[dict] = None) -> Optional[Iterator[Tensor]]:
+    """Gradients of ``metric`` (summed over rows) at every receiver's input, in
+    :attr:`EdgeGraph.receivers` order as blocks of ``[receivers, rows, n, d]`` (:func:`_assemble`), for the corrupted ``tokens`` [br, n] at the integration points
+    of ``embed_mix``; None where a block is not what this module assumes. ``capture``: filled with the
+    sender activations (:func:`~interp_norm.circuits.edge_senders.sender_names`) of the first
+    integration point's rows -- the corrupted run itself where that point is 0."""
     parts = _parts(model)
     assert parts is not None
     e_corr, e_clean, al = embed_mix
@@ -73,12 +77,18 @@ def fast_receivers(model, runner, tokens: Tensor, embed_mix: tuple[Tensor, Tenso
 
     def embed(x: Tensor, hook: Any) -> Tensor:
         mix = e_corr.unsqueeze(0) + al.view(m, 1, 1, 1).to(e_corr.dtype) * (e_clean - e_corr).unsqueeze(0)
+        if capture is not None:
+            capture[act_name("embed")] = mix[0].detach()
         return mix.reshape(x.shape)
 
-    handles = _capture(model, parts, seen)
+    hooks: list[tuple[str, Any]] = [(act_name("embed"), embed)]
+    if capture is not None:
+        hooks += capture_hooks(sender_names(runner)[1:], capture, rows=br)
+    handles = _capture(model, parts, seen)  # before _logits_at's hooks: "uin" is the whole unembedding input
+    cols, n = _read_columns(model, metric, br, tokens.shape[1], full=True)
     try:
-        with torch.enable_grad(), quiet():
-            logits = model.run_with_hooks(tokens.repeat(m, 1), fwd_hooks=[(act_name("embed"), embed)])
+        with torch.enable_grad(), quiet(), _logits_at(model, cols, n, n):  # unembed the read positions only
+            logits = model.run_with_hooks(tokens.repeat(m, 1), fwd_hooks=hooks)
     finally:
         for h in handles:
             h.remove()
@@ -134,32 +144,37 @@ def _wired(model, parts: list, seen: dict) -> bool:
             if not torch.equal(seen[f"y2.{l}"], seen[f"mlp.{l}"]):
                 return False
             for j, proj in zip(QKV, parts[l][1]):  # the projection is the affine map of the weight read here
-                lin, out = proj.original_component, seen[f"{j}.{l}"]
-                want = torch.nn.functional.linear(y1, lin.weight, getattr(lin, "bias", None))
-                if out.numel() != want.numel() or not torch.allclose(out.reshape(want.shape), want, rtol=1e-4, atol=1e-5):
+                lin, out = proj.original_component, seen[f"{j}.{l}"]  # (on the first row: a map, not the data)
+                want = torch.nn.functional.linear(y1[:1], lin.weight, getattr(lin, "bias", None))
+                if out.shape[0] != y1.shape[0] or out[:1].numel() != want.numel() or not torch.allclose(
+                        out[:1].reshape(want.shape), want, rtol=1e-4, atol=1e-5):
                     return False
         return True
 
 
-def _through_norm(norm: torch.nn.Module, x: Tensor, vecs: Tensor) -> Tensor:
+def _through_norm(norm: torch.nn.Module, x: Tensor, vecs: Tensor, own: bool = False) -> Tensor:
     """``J_norm(x)^T v`` for each of ``vecs`` [k, rows, n, d]. A LayerNorm or RMSNorm by its closed
     form, checked on the first vector against autograd through the model's norm; otherwise (or if the
     check fails: another gain convention, say) the norm run once and its vector-Jacobian product
-    mapped over the k vectors."""
+    mapped over the k vectors. ``own``: ``vecs`` is the caller's to overwrite (no copy of its size)."""
     with torch.enable_grad(), quiet():
         vjp = torch.func.vjp(norm, x.detach())[1]
-        closed = _closed_form(norm, x.detach(), vecs)
-        if closed is not None:
+        first = _closed_form(norm, x.detach(), vecs[:1].clone())
+        if first is not None:
             (ref,) = vjp(vecs[0].to(x.dtype))
-            if torch.allclose(closed[0], ref.detach(), rtol=1e-4, atol=1e-6 * float(ref.detach().abs().max())):
-                return closed
+            if torch.allclose(first[0], ref.detach(), rtol=1e-4, atol=1e-6 * float(ref.detach().abs().max())):
+                mine = vecs if own and vecs.dtype == torch.float32 else vecs.to(torch.float32, copy=True)
+                closed = _closed_form(norm, x.detach(), mine)
+                assert closed is not None
+                return closed.to(x.dtype)
         (g,) = torch.func.vmap(vjp)(vecs.to(x.dtype))
     return g
 
 
-def _closed_form(norm: torch.nn.Module, x: Tensor, vecs: Tensor) -> Optional[Tensor]:
+def _closed_form(norm: torch.nn.Module, x: Tensor, u: Tensor) -> Optional[Tensor]:
     """The transposed Jacobian of ``w * (x - mean) / std + b`` (LayerNorm) or ``w * x / rms`` (RMSNorm)
-    at ``x`` applied to ``vecs``, read from the wrapped module's weight and epsilon; None if it has
+    at ``x`` applied to ``u`` [k, rows, n, d] (float32, overwritten: a few passes over it, no
+    temporaries of its size), read from the wrapped module's weight and epsilon; None if it has
     neither."""
     mod = getattr(norm, "original_component", norm)
     w = getattr(mod, "weight", None)
@@ -167,35 +182,38 @@ def _closed_form(norm: torch.nn.Module, x: Tensor, vecs: Tensor) -> Optional[Ten
     if not isinstance(w, Tensor) or not isinstance(eps, float):
         return None
     xf = x.float()
-    if isinstance(mod, torch.nn.LayerNorm) or getattr(mod, "bias", None) is not None:
-        xc = xf - xf.mean(-1, keepdim=True)
-        r = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
-        xh = xc * r
-        u = vecs.float() * w.float()
-        return (r * (u - u.mean(-1, keepdim=True) - xh * (u * xh).mean(-1, keepdim=True))).to(x.dtype)
-    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    xh = xf * r
-    u = vecs.float() * w.float()
-    return (r * (u - xh * (u * xh).mean(-1, keepdim=True))).to(x.dtype)
+    layer = isinstance(mod, torch.nn.LayerNorm) or getattr(mod, "bias", None) is not None
+    xc = xf - xf.mean(-1, keepdim=True) if layer else xf
+    r = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    xh = xc * r
+    u.mul_(w.detach().float())
+    proj = torch.einsum("kbnd,bnd->kbn", u, xh).div_(u.shape[-1]).unsqueeze(-1)  # mean(u * xh)
+    if layer:
+        u.sub_(u.mean(-1, keepdim=True))
+    return u.addcmul_(xh, proj, value=-1).mul_(r)
 
 
-def _assemble(model, runner, parts: list, seen: dict, grads: dict) -> Tensor:
-    """The receivers' gradients in :attr:`EdgeGraph.receivers` order: per layer its attention
-    receivers (:meth:`EdgeGraph.attn_slots`) and its MLP, then the logits."""
-    out = []
+def _head_vectors(model, runner, projs: list, grads: list[Tensor]) -> Tensor:
+    """[A, rows, n, d]: each attention receiver's ``W[h]^T dM/d(out_h)`` (its head's rows of its
+    projection's weight), in :meth:`EdgeGraph.attn_slots` order, as one batched product."""
+    dh = model.cfg.d_head
+    gs = [g.reshape(*g.shape[:2], -1, dh) for g in grads]  # [rows, n, heads, d_head] per input
+    Ws = [p.original_component.weight.detach() for p in projs]  # [heads * d_head, d_model]
+    slots = runner.graph.attn_slots()
+    G = torch.stack([gs[j][:, :, i] for j, i in slots])  # [A, rows, n, d_head]
+    W = torch.stack([Ws[j][i * dh : (i + 1) * dh] for j, i in slots]).to(G.dtype)  # [A, d_head, d_model]
+    return torch.bmm(G.flatten(1, 2), W).view(*G.shape[:3], -1)
+
+
+def _assemble(model, runner, parts: list, seen: dict, grads: dict) -> Iterator[Tensor]:
+    """The receivers' gradients in :attr:`EdgeGraph.receivers` order, one block at a time (so that a
+    block is scored while it is in cache): per layer its attention receivers
+    (:meth:`EdgeGraph.attn_slots`) [A, rows, n, d], its MLP [1, ...]; then the logits [1, ...]."""
     for l, (ln1, projs, ln2) in enumerate(parts):
-        per_input = []
-        for j, proj in enumerate(projs):
-            W = proj.original_component.weight  # [heads * d_head, d_model]
-            dh = model.cfg.d_head
-            g = grads[f"{QKV[j]}.{l}"]  # [rows, n, heads * d_head] or [rows, n, heads, d_head]
-            g = g.reshape(*g.shape[:2], W.shape[0] // dh, dh)
-            per_input.append(torch.einsum("bnhe,hed->hbnd", g, W.view(-1, dh, W.shape[-1]).to(g.dtype)))
-        vecs = torch.stack([per_input[j][i] for j, i in runner.graph.attn_slots()])  # [A, rows, n, d]
-        out.append(_through_norm(ln1, seen[f"x1.{l}"], vecs))
-        out.append(_through_norm(ln2, seen[f"x2.{l}"], grads[f"mlp.{l}"].unsqueeze(0)))
-    out.append(_through_norm(runner.model.ln_final, seen["xf"], grads["yf"].unsqueeze(0)))
-    return torch.cat(out)
+        vecs = _head_vectors(model, runner, projs, [grads[f"{j}.{l}"] for j in QKV])
+        yield _through_norm(ln1, seen[f"x1.{l}"], vecs, own=True)
+        yield _through_norm(ln2, seen[f"x2.{l}"], grads[f"mlp.{l}"].unsqueeze(0))
+    yield _through_norm(runner.model.ln_final, seen["xf"], grads["yf"].unsqueeze(0))
 
 
 __all__ = ["applies", "fast_receivers"]

@@ -9,7 +9,8 @@ receiver ``r`` seeing sender ``u``'s clean output. Edges and the intervening pas
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import itertools
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from interp_norm.circuits import edge_grads
+from interp_norm.circuits import edge_grads, edge_senders
 from interp_norm.circuits._types import MetricFn, device, ig_alphas, metric_values
 from interp_norm.core import nodes
 from interp_norm.circuits.edges import EdgeGraph, EdgeRunner
@@ -25,7 +26,6 @@ from interp_norm.circuits.metrics import LogitDiff
 from interp_norm.circuits.norm_modes import freeze_hooks, mode_label, quiet
 from interp_norm.circuits.pairs import PatchingPairs, as_pairs
 from interp_norm.errors import PatchingError
-from interp_norm.core.hook_names import act_name
 
 
 #: Rough memory for one forward/backward pass of edge attribution when ``batch_size`` is not given.
@@ -69,8 +69,6 @@ def edge_attribution(
         frozen = freeze_hooks(runner.run_model, norm, pattern, tokens=clean)
     alphas = ig_alphas(ig_steps)
     b, n = clean.shape
-    s_clean, e_clean = _senders_and_embedding(runner, clean)
-    s_corr, e_corr = _senders_and_embedding(runner, corr)
     # rows per pass: every example costs ~3*n_heads residual copies (split q/k/v inputs) or
     # 1 + 3*n_heads batch copies; chunk the examples too when the metric can be split
     A = runner.graph.n_attn_receivers
@@ -87,23 +85,12 @@ def edge_attribution(
     if norm == "frozen" and runner.has_post_norms:
         raise PatchingError("norm='frozen' edge attribution through post-norm heads (the norm after attention) is not "
                             "implemented; use norm='live' on this model")
-    delta = (s_clean - s_corr).double()  # [U, b, n, d]
-    scores = torch.zeros(delta.shape[0], len(runner.graph.receivers), dtype=torch.float64)
     fast = backend == "auto" and edge_grads.applies(model, runner, norm, pattern)
     if fast:  # one plain pass per chunk: the receivers' rows are the rows themselves
         per_pass = max(per_pass * cost, b)
         chunks = [list(range(b))]
     work = [(rows, s0) for rows in chunks for s0 in range(0, ig_steps, max(1, per_pass // len(rows)))]
-    for rows, s0 in tqdm(work, disable=not progress, desc="edge attribution"):
-        br = len(rows)
-        sub = metric if len(chunks) == 1 else metric.select(rows)  # type: ignore[attr-defined]  # chunked: it has one
-        al = alphas[s0 : s0 + max(1, per_pass // br)].to(dev)
-        m = len(al)
-        idx = torch.tensor(rows, device=dev)
-        g = edge_grads.fast_receivers(model, runner, corr[idx], (e_corr[idx], e_clean[idx], al), sub, br) if fast else None
-        if g is None:  # the copies backend, or a block the one-pass path cannot read
-            g = _copies_grads(runner, frozen, corr[idx], (e_corr[idx], e_clean[idx], al), sub, br)
-        scores += _pass_scores(runner, delta[:, idx.cpu()].to(g.device), g.double(), m)
+    scores = _score_passes(runner, (clean, corr), metric, (alphas, per_pass, len(chunks)), work, frozen, fast=fast, progress=progress)
     scores = scores / (b * ig_steps) * runner.valid
     if runner.scale is not None:  # the layer scalars on each edge's path
         scores = scores * runner.scale.to(scores.dtype)
@@ -111,13 +98,41 @@ def edge_attribution(
     return edge_frame(runner.graph, scores, runner.valid, method=method)
 
 
-def _senders_and_embedding(runner: EdgeRunner, tokens: Tensor) -> tuple[Tensor, Tensor]:
-    """(senders [U, b, n, d], token embedding [b, n, d]) of one plain run."""
-    embed = act_name("embed")
-    names = runner.sender_names
-    with torch.no_grad():
-        _, cache = runner.model.run_with_cache(tokens, names_filter=lambda nm: nm in names)
-    return runner.senders_from_cache(cache), cache[embed]
+def _score_passes(runner: EdgeRunner, tokens: tuple[Tensor, Tensor], metric: MetricFn, plan: tuple, work: list,
+                  frozen: list, *, fast: bool, progress: bool) -> Tensor:
+    """[U, R] summed scores of the passes in ``work`` ((rows, first integration step) each; ``plan`` =
+    (alphas, rows per pass, number of row chunks)). On the one-pass route the corrupted senders are
+    read off its first pass (integration point 0 is the corrupted input), the embedding alone run
+    before it; else (or if that pass falls back to the copies) a corrupted sender run."""
+    (clean, corr), (alphas, per_pass, n_chunks) = tokens, plan
+    model, dev, b = runner.model, corr.device, clean.shape[0]
+    s_clean, e_clean = edge_senders.sender_run(runner, clean)
+    if fast:
+        e_corr, delta = edge_senders.embedding(runner, corr), None
+    else:
+        s_corr, e_corr = edge_senders.sender_run(runner, corr)
+        delta = s_clean.sub_(s_corr)  # [U, b, n, d]
+    scores = torch.zeros(len(runner.graph.senders), len(runner.graph.receivers), dtype=torch.float64)
+    for rows, s0 in tqdm(work, disable=not progress, desc="edge attribution"):
+        br = len(rows)
+        sub = metric if n_chunks == 1 else metric.select(rows)  # type: ignore[attr-defined]  # chunked: it has one
+        al = alphas[s0 : s0 + max(1, per_pass // br)].to(dev)
+        idx = torch.tensor(rows, device=dev)
+        seen: Optional[dict] = {} if delta is None and s0 == 0 and br == b else None
+        g: Union[Tensor, Iterator[Tensor], None] = None
+        if fast:
+            g = edge_grads.fast_receivers(model, runner, corr[idx], (e_corr[idx], e_clean[idx], al), sub, br, capture=seen)
+        if delta is None:  # the one-pass route's first pass: its senders, unless it fell back
+            read = g is not None and seen is not None and all(nm in seen for nm in edge_senders.sender_names(runner))
+            if read:
+                delta = edge_senders.subtract_senders(runner, s_clean, seen)  # type: ignore[arg-type]  # read: not None
+            else:
+                delta = s_clean.sub_(edge_senders.sender_run(runner, corr)[0])
+        if g is None:  # the copies backend, or a block the one-pass path cannot read
+            g = _copies_grads(runner, frozen, corr[idx], (e_corr[idx], e_clean[idx], al), sub, br)
+        d = delta if br == b else delta[:, idx.to(delta.device)]
+        scores += _pass_scores(runner, d, g, len(al))
+    return scores
 
 
 def _copies_grads(runner: EdgeRunner, frozen: list, tokens: Tensor, embed_mix: tuple, metric: MetricFn, br: int) -> Tensor:
@@ -132,43 +147,71 @@ def _copies_grads(runner: EdgeRunner, frozen: list, tokens: Tensor, embed_mix: t
     return runner.receiver_grads(leaf, filled)
 
 
-def _pass_scores(runner: EdgeRunner, d: Tensor, g: Tensor, m: int) -> Tensor:
+def _pass_scores(runner: EdgeRunner, d: Tensor, g: Union[Tensor, Iterable[Tensor]], m: int) -> Tensor:
     """[U, R] sum over one pass's rows of ``d . g``: sender differences [U, br, n, d] against receiver
-    gradients [R, m*br, n, d] (m integration points); post-norm heads' differences go through the
-    norm's Jacobian at each row's point of the pass. Only valid edges (a receiver's block of senders
-    before it) and positions where some sender differs (elsewhere ``d`` is exactly 0) are summed."""
-    if runner.has_post_norms:
-        return torch.einsum("ubnd,rbnd->ur", runner.linearised(d.repeat(1, m, 1, 1), runner.last_sums), g).cpu()
-    g = g.view(g.shape[0], m, *d.shape[1:]).sum(1)
-    keep = d.ne(0).any(-1).any(1).any(0).nonzero().flatten()
-    d, g = d.index_select(2, keep).flatten(1), g.index_select(2, keep).flatten(1)  # [U, .], [R, .]
-    graph, out = runner.graph, d.new_zeros(d.shape[0], g.shape[0])
-    A = graph.n_attn_receivers
-    for l in range(runner.L):
-        r0, ua, um = graph.receiver_index(l, "head"), graph.n_senders_before(l, "attn"), graph.n_senders_before(l, "mlp")
-        out[:ua, r0 : r0 + A] = d[:ua] @ g[r0 : r0 + A].T
-        out[:um, r0 + A] = d[:um] @ g[r0 + A]
-    out[:, -1] = d @ g[-1]
-    return out.cpu()
+    gradients [R, m*br, n, d] (m integration points; or their blocks in receiver order, per layer its
+    attention receivers and its MLP, then the logits: :func:`edge_grads.fast_receivers`); post-norm
+    heads' differences go through the norm's Jacobian at each row's point of the pass. Only valid
+    edges (a receiver's block of senders before it) and positions where some sender differs
+    (elsewhere ``d`` is exactly 0) are summed. The products run in float32 (float64 for a float64
+    model), within :func:`product_bound` of exact."""
+    graph = runner.graph
+    if isinstance(g, Tensor):
+        if runner.has_post_norms:
+            return torch.einsum("ubnd,rbnd->ur", runner.linearised(d.double().repeat(1, m, 1, 1), runner.last_sums),
+                                g.double()).cpu()
+        A = graph.n_attn_receivers
+        g = [blk for r0 in range(0, g.shape[0] - 1, A + 1) for blk in (g[r0 : r0 + A], g[r0 + A : r0 + A + 1])] + [g[-1:]]
+    blocks = iter(g)
+    first = next(blocks)
+    dt = torch.promote_types(first.dtype, torch.float32)
+    keep = d.ne(0).any(-1).any(1).any(0).nonzero().flatten().tolist()
+    out, r0 = torch.zeros(d.shape[0], len(graph.receivers), dtype=dt, device=d.device), 0
+    if not keep:
+        return out.double().cpu()
+    if keep[-1] - keep[0] + 1 == len(keep):  # a run of positions (a causal model: from the first change on): views
+        pick: Callable[[Tensor], Tensor] = lambda t: t[:, :, keep[0] : keep[-1] + 1]  # noqa: E731
+    else:
+        pick = lambda t: t.index_select(2, torch.tensor(keep, device=t.device))  # noqa: E731
+    dsel = pick(d.to(dt))
+    rows = [dsel[:, i].flatten(1) for i in range(d.shape[1])]  # per row [U, positions * d]: no copy of d
+    for k, blk in enumerate(itertools.chain([first], blocks)):
+        u = graph.n_senders_before(k // 2, "mlp" if k % 2 else "attn") if k < 2 * runner.L else d.shape[0]
+        gk = pick(blk.to(dt) if m == 1 else blk.to(dt).view(blk.shape[0], m, -1, *blk.shape[2:]).sum(1))
+        acc = out[:u, r0 : r0 + len(gk)]
+        for i, di in enumerate(rows):
+            acc.addmm_(di[:u], gk[:, i].flatten(1).T)
+        r0 += len(gk)
+    return out.double().cpu()
 
 
-def _parse_node(name: str) -> tuple[Optional[int], Optional[int]]:
-    n = nodes.parse(name)
-    return n.layer, n.head
+def product_bound(terms: int, dtype: torch.dtype) -> float:
+    """``gamma_K = K u / (1 - K u)``: a sum of ``K`` products in ``dtype`` (unit roundoff ``u``) is within
+    ``gamma_K * sum |d_k g_k|`` of the exact sum (Higham, *Accuracy and Stability*, eq. 3.5), whatever
+    order the matrix product adds them in."""
+    ku = terms * torch.finfo(dtype).eps / 2
+    return ku / (1 - ku)
+
+
+def _node_columns(names: list[str], prefix: str) -> dict[str, np.ndarray]:
+    """Per node name its ``{prefix}_layer`` / ``{prefix}_head`` (NaN where it has none)."""
+    parsed = [nodes.parse(nm) for nm in names]
+    nan = float("nan")
+    return {f"{prefix}_layer": np.array([nan if p.layer is None else p.layer for p in parsed], dtype=float),
+            f"{prefix}_head": np.array([nan if p.head is None else p.head for p in parsed], dtype=float)}
 
 
 def edge_frame(graph: EdgeGraph, scores: Tensor, valid: Tensor, method: str) -> pd.DataFrame:
-    S, R = graph.senders, graph.receivers
+    """One row per valid (sender, receiver) with its names, layers, heads and score; sorted by ``abs_score``."""
+    S, R = np.array(graph.senders, dtype=object), np.array(graph.receivers, dtype=object)
     ui, ri = np.nonzero(valid.numpy())
-    vals = scores.detach().cpu().numpy()[ui, ri]
-    rows = []
-    for u, r, v in zip(ui, ri, vals):
-        s, rc = S[u], R[r]
-        sl, sh = _parse_node(s)
-        rl, rh = _parse_node(rc)
-        rows.append(dict(sender=s, receiver=rc, receiver_node=nodes.receiver_node(rc), input=nodes.receiver_input(rc),
-                         sender_layer=sl, sender_head=sh, receiver_layer=rl, receiver_head=rh, score=float(v)))
-    df = pd.DataFrame(rows)
+    vals = scores.detach().cpu().double().numpy()[ui, ri]
+    sc, rc = _node_columns(list(S), "sender"), _node_columns(list(R), "receiver")
+    r_node = np.array([nodes.receiver_node(r) for r in R], dtype=object)
+    r_input = np.array([nodes.receiver_input(r) for r in R], dtype=object)
+    df = pd.DataFrame(dict(sender=S[ui], receiver=R[ri], receiver_node=r_node[ri], input=r_input[ri],
+                           sender_layer=sc["sender_layer"][ui], sender_head=sc["sender_head"][ui],
+                           receiver_layer=rc["receiver_layer"][ri], receiver_head=rc["receiver_head"][ri], score=vals))
     df["abs_score"] = df["score"].abs()
     df["method"] = method
     return df.sort_values("abs_score", ascending=False, kind="stable").reset_index(drop=True)
@@ -234,4 +277,4 @@ def exact_edge_patch(
     return edge_frame(graph, scores, mask, method="exact" if scale == 1.0 else f"exact-scale{scale:g}")
 
 
-__all__ = ["edge_attribution", "exact_edge_patch", "edge_frame"]
+__all__ = ["edge_attribution", "exact_edge_patch", "edge_frame", "product_bound"]

@@ -42,6 +42,7 @@ from interp_norm.core import nodes
 from interp_norm.anatomy import capabilities
 from interp_norm.circuits._types import device, require_eval
 from interp_norm.circuits.edge_layer_input import Branch, check_hf_bridge, layer_scalars, scalar_paths
+from interp_norm.circuits.edge_senders import block_or_final, capture_hooks, run_until
 from interp_norm.circuits.edge_post_norm import linearised_head_deltas, post_attention_norms, single_head_changes
 from interp_norm.errors import PatchingError
 from interp_norm.core.hook_names import act_name
@@ -168,9 +169,9 @@ def _resid_mid_feeds_mlp_only(model, branch: Branch = None, scalar: float = 1.0)
 
         return f
 
-    model.run_with_hooks(tokens, fwd_hooks=[
+    run_until(model, tokens, [  # block 0 alone: the rest of the pass tells nothing here
         (act_name("resid_mid", 0), mid), (act_name("mlp_out", 0), keep("mlp")), (act_name("resid_post", 0), keep("post")),
-    ] + ([(branch[1], keep("branch"))] if branch else []))
+    ] + ([(branch[1], keep("branch"))] if branch else []), block_or_final(model, 1))
     residual = seen["post"] / scalar - seen["mlp"] - (seen["branch"] if branch else 0)
     if torch.allclose(residual, seen["mid"] + 1.0, atol=1e-4):
         return False
@@ -181,12 +182,13 @@ def _resid_mid_feeds_mlp_only(model, branch: Branch = None, scalar: float = 1.0)
 
 @torch.no_grad()
 def _fires(model, name: str) -> bool:
-    """Whether hook ``name`` fires on a forward pass (a rotary bridge has ``hook_pos_embed`` but never calls it)."""
+    """Whether embedding-stage hook ``name`` fires before the first block (a rotary bridge has ``hook_pos_embed`` but never calls it)."""
     if name not in getattr(model, "hook_dict", {}):
         return False
     tokens = torch.arange(min(3, model.cfg.d_vocab, model.cfg.n_ctx), device=device(model)).unsqueeze(0)
-    _, cache = model.run_with_cache(tokens, names_filter=lambda n: n == name)
-    return name in cache
+    seen: dict = {}
+    run_until(model, tokens, capture_hooks([name], seen), block_or_final(model, 0))
+    return name in seen
 
 
 class EdgeRunner:

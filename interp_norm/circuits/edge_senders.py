@@ -1,0 +1,111 @@
+"""The sender outputs edge attribution differences, read without the work it does not need.
+
+Edge EAP needs every sender's output (the embedding, each head's ``z W_O``, each MLP's output) on the
+clean and the corrupted rows, and the token embedding of both for EAP-IG's line. A plain
+``run_with_cache`` also runs the final norm and the unembedding -- on GPT-2 small 16 x 50 257 logits
+per row, a sixth of the pass -- whose output nothing reads, so :func:`sender_run` stops the pass at
+the final norm and :func:`embedding` at the first block. :func:`capture_hooks` reads the corrupted
+rows' senders off the gradient pass itself (its first integration point is the corrupted input), so
+the one-pass route of :mod:`~interp_norm.circuits.edge_grads` needs no corrupted sender run at all.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from interp_norm.core.hook_names import act_name
+
+
+class _Stop(Exception):
+    """Raised by the forward pre-hook that ends a pass early (caught in :func:`_run_until`)."""
+
+
+def sender_names(runner) -> list[str]:
+    """Hook names the senders are read from (:meth:`EdgeRunner.senders_from_cache`)."""
+    names = [act_name("embed")] + ([act_name("pos_embed")] if runner.has_pos else [])
+    names += [act_name(a, l) for l in range(runner.L) for a in ("z", "mlp_out")]
+    return names + [b[1] for b in runner.branch if b]  # Gemma 4's per-layer-input branch: part of the MLP sender
+
+
+def capture_hooks(names: list[str], into: dict, rows: Optional[int] = None) -> list[tuple[str, Callable]]:
+    """Forward hooks storing each named activation (its first ``rows`` rows, detached) in ``into``."""
+
+    def keep(name: str) -> Callable:
+        def hook(x: Tensor, hook: Any) -> Tensor:
+            into[name] = (x if rows is None or x.shape[0] == 1 else x[:rows]).detach()
+            return x
+
+        return hook
+
+    return [(nm, keep(nm)) for nm in names]
+
+
+def run_until(model, tokens: Tensor, fwd_hooks: list, stop_at: Optional[torch.nn.Module]) -> None:
+    """One no-grad pass of ``tokens`` with ``fwd_hooks``, ended before module ``stop_at`` runs (the
+    whole pass where it is None): for what the hooks see, not the output."""
+
+    def stop(module, args):
+        raise _Stop
+
+    handle = stop_at.register_forward_pre_hook(stop) if stop_at is not None else None
+    try:
+        with torch.no_grad():
+            model.run_with_hooks(tokens, fwd_hooks=fwd_hooks)
+    except _Stop:
+        pass
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def block_or_final(model, layer: int) -> Optional[torch.nn.Module]:
+    """Block ``layer``'s module, the final norm past the last block (None if the model has neither)."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, torch.nn.ModuleList) and layer < len(blocks):
+        return blocks[layer]
+    return _module(model, "ln_final")
+
+
+def _run_until(model, tokens: Tensor, names: list[str], stop_at: Optional[torch.nn.Module]) -> dict:
+    seen: dict[str, Tensor] = {}
+    run_until(model, tokens, capture_hooks(names, seen), stop_at)
+    return seen
+
+
+def _module(model, name: str) -> Optional[torch.nn.Module]:
+    mod = getattr(model, name, None)
+    return mod if isinstance(mod, torch.nn.Module) else None
+
+
+def subtract_senders(runner, into: Tensor, cache: dict) -> Tensor:
+    """``into`` [U, b, n, d] minus the senders read in ``cache`` (as :meth:`EdgeRunner.senders_from_cache`
+    orders them), in place, one layer at a time: no second stack of the senders' size."""
+    emb = cache[act_name("embed")]
+    into[0].sub_(emb + cache[act_name("pos_embed")] if runner.has_pos else emb)
+    for l in range(runner.L):
+        h0 = runner.graph.sender_index(l, "head")
+        into[h0 : h0 + runner.H].sub_(runner.head_outputs(l, cache[act_name("z", l)]))
+        mlp = into[runner.graph.sender_index(l, "mlp")].sub_(cache[act_name("mlp_out", l)])
+        if runner.branch[l]:
+            mlp.sub_(cache[runner.branch[l][1]])
+    return into
+
+
+def sender_run(runner, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """(senders [U, b, n, d], token embedding [b, n, d]) of a pass of ``tokens`` stopped at the final norm."""
+    model = runner.model
+    seen = _run_until(model, tokens, sender_names(runner), _module(model, "ln_final"))
+    return runner.senders_from_cache(seen), seen[act_name("embed")]
+
+
+def embedding(runner, tokens: Tensor) -> Tensor:
+    """The token embedding [b, n, d] of ``tokens``: the pass stopped at the first block."""
+    model = runner.model
+    return _run_until(model, tokens, [act_name("embed")], block_or_final(model, 0))[act_name("embed")]
+
+
+__all__ = ["sender_names", "capture_hooks", "run_until", "block_or_final", "subtract_senders",
+           "sender_run", "embedding"]
