@@ -11,7 +11,7 @@ the one-pass route of :mod:`~interp_norm.circuits.edge_grads` needs no corrupted
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -80,17 +80,24 @@ def _module(model, name: str) -> Optional[torch.nn.Module]:
     return mod if isinstance(mod, torch.nn.Module) else None
 
 
-def subtract_senders(runner, into: Tensor, cache: dict) -> Tensor:
-    """``into`` [U, b, n, d] minus the senders read in ``cache`` (as :meth:`EdgeRunner.senders_from_cache`
-    orders them), in place, one layer at a time: no second stack of the senders' size."""
+def sender_blocks(runner, cache: dict) -> Iterator[tuple[slice, Tensor]]:
+    """The senders read in ``cache``, block by block in the graph's order: (rows of the [U, ...] sender
+    stack, their outputs [k, b, n, d]). The embedding (with the positional one where it fires), each
+    layer's heads (``z W_O``) and its MLP (with Gemma 4's per-layer-input branch, part of the MLP sender)."""
     emb = cache[act_name("embed")]
-    into[0].sub_(emb + cache[act_name("pos_embed")] if runner.has_pos else emb)
+    yield slice(0, 1), (emb + cache[act_name("pos_embed")] if runner.has_pos else emb)[None]
     for l in range(runner.L):
-        h0 = runner.graph.sender_index(l, "head")
-        into[h0 : h0 + runner.H].sub_(runner.head_outputs(l, cache[act_name("z", l)]))
-        mlp = into[runner.graph.sender_index(l, "mlp")].sub_(cache[act_name("mlp_out", l)])
-        if runner.branch[l]:
-            mlp.sub_(cache[runner.branch[l][1]])
+        h0, m = runner.graph.sender_index(l, "head"), runner.graph.sender_index(l, "mlp")
+        yield slice(h0, h0 + runner.H), runner.head_outputs(l, cache[act_name("z", l)])
+        mlp = cache[act_name("mlp_out", l)]
+        yield slice(m, m + 1), (mlp + cache[runner.branch[l][1]] if runner.branch[l] else mlp)[None]
+
+
+def subtract_senders(runner, into: Tensor, cache: dict) -> Tensor:
+    """``into`` [U, b, n, d] minus the senders read in ``cache`` (:func:`sender_blocks`), in place, one
+    block at a time: no second stack of the senders' size."""
+    for rows, out in sender_blocks(runner, cache):
+        into[rows].sub_(out)
     return into
 
 
@@ -107,5 +114,5 @@ def embedding(runner, tokens: Tensor) -> Tensor:
     return _run_until(model, tokens, [act_name("embed")], block_or_final(model, 0))[act_name("embed")]
 
 
-__all__ = ["sender_names", "capture_hooks", "run_until", "block_or_final", "subtract_senders",
+__all__ = ["sender_names", "sender_blocks", "capture_hooks", "run_until", "block_or_final", "subtract_senders",
            "sender_run", "embedding"]

@@ -42,7 +42,7 @@ from interp_norm.core import nodes
 from interp_norm.anatomy import capabilities
 from interp_norm.circuits._types import device, require_eval
 from interp_norm.circuits.edge_layer_input import Branch, check_hf_bridge, layer_scalars, scalar_paths
-from interp_norm.circuits.edge_senders import block_or_final, capture_hooks, run_until
+from interp_norm.circuits.edge_senders import block_or_final, capture_hooks, run_until, sender_blocks, sender_names
 from interp_norm.circuits.edge_post_norm import linearised_head_deltas, post_attention_norms, single_head_changes
 from interp_norm.errors import PatchingError
 from interp_norm.core.hook_names import act_name
@@ -236,18 +236,12 @@ class EdgeRunner:
     # -- sender outputs --------------------------------------------------------------------
     def senders_from_cache(self, cache) -> Tensor:
         """[U, b, n, d] sender outputs from an ActivationCache of a plain run."""
-        outs = [cache[act_name("embed")] + cache[act_name("pos_embed")] if self.has_pos else cache[act_name("embed")]]
-        for l in range(self.L):
-            outs += list(self.head_outputs(l, cache[act_name("z", l)]))
-            b = self.branch[l]
-            outs.append(cache[act_name("mlp_out", l)] + cache[b[1]] if b else cache[act_name("mlp_out", l)])
-        return torch.stack(outs)
+        return torch.cat([out for _, out in sender_blocks(self, cache)])
 
     @property
     def sender_names(self) -> set[str]:
         """The hooks :meth:`senders_from_cache` reads."""
-        names = {act_name("embed"), act_name("pos_embed")} | {act_name(a, l) for l in range(self.L) for a in ("z", "mlp_out")}
-        return names | {b[1] for b in self.branch if b}
+        return set(sender_names(self))
 
     def head_outputs(self, layer: int, z: Tensor) -> Tensor:
         """[H, b, n, d]: what each head of ``layer`` adds to the residual stream, from its ``z``."""
