@@ -20,7 +20,7 @@ import pandas as pd
 from _docs import RESULTS, replace_block
 
 from interp_norm.stats.shipped import seed_tables_dir, seed_values
-from interp_norm.stats.verdicts import ALPHA, family_table, fmt_p, verdicts
+from interp_norm.stats.verdicts import ALPHA, family_sizes, family_table, fmt_p, verdicts
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -37,8 +37,7 @@ def _seeds_line(v: pd.DataFrame) -> str:
 def readme_block(values: pd.DataFrame) -> str:
     v = verdicts(values)
     scalings = list(dict.fromkeys(v["scaling"]))
-    member = v.loc[v["identity"] == ""]
-    n_for, n_against = int(member["p_for"].notna().sum()), int(member["p_against"].notna().sum())
+    n_for, n_against = family_sizes(v)
     lines = [f"The paper's claims against the shipped seeds, {_seeds_line(v)} ([tables](docs/findings-tables.md), "
              "[reasoning and controls](docs/results.md#findings)). Each claim has a one-sided or equivalence test "
              "for it and one against it (rules and margins in `interp_norm/stats/verdicts.py`); the verdict is decided on "

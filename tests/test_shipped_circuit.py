@@ -15,16 +15,17 @@ import pytest
 from interp_norm.report import reproduce as R
 from interp_norm.report.dashboard import dashboard_html
 from interp_norm.report.dashboard.shipped_circuit import plot_noise_cost, plot_role_map, verification_view
-from interp_norm.report.shipped_circuit import SOURCE, TABLES, docs_data, shipped_circuit_tables
+from interp_norm.report.shipped_circuit import SOURCE, TABLES, shipped_circuit_tables
+from interp_norm.stats.shipped import seed_tables_dir
 
 CHECKPOINTS = {f"{a}{s}" for a in ("pre", "qkv", "pre-cal", "qkv-cal") for s in ("", *(f"-s{i}" for i in range(1, 6)))}
 
-pytestmark = pytest.mark.skipif(not all((docs_data() / f).is_file() for f in TABLES.values()),
+pytestmark = pytest.mark.skipif(not all((seed_tables_dir() / f).is_file() for f in TABLES.values()),
                                 reason="no kept circuit tables in data/seed_tables")
 
 
 def rows(key: str) -> list[dict]:
-    with open(docs_data() / TABLES[key], newline="", encoding="utf-8") as f:
+    with open(seed_tables_dir() / TABLES[key], newline="", encoding="utf-8") as f:
         return list(csv.DictReader(f))
 
 
@@ -38,7 +39,7 @@ def test_the_kept_tables_cover_the_24_checkpoints():
 
 def test_a_missing_table_gives_none(tmp_path):
     for f in list(TABLES.values())[1:]:
-        shutil.copy(docs_data() / f, tmp_path / f)
+        shutil.copy(seed_tables_dir() / f, tmp_path / f)
     assert shipped_circuit_tables(tmp_path) == {}
 
 

@@ -14,6 +14,8 @@ from typing import Optional
 
 import pandas as pd
 
+from interp_norm.stats.shipped import seed_tables_dir
+
 #: Report table key -> the file in data/seed_tables it is read from.
 TABLES: dict[str, str] = {
     "shipped_circuit_verification": "circuit_verification.csv",
@@ -28,21 +30,14 @@ SOURCE = ("not computed in this run: read from data/seed_tables/circuit_*.csv, w
           "24 checkpoints pre, qkv, pre-cal, qkv-cal (seeds 0-5 each), 256 ID problems per checkpoint")
 
 
-def docs_data() -> Path:
-    """Where the kept tables are: the shipped seed tables' folder (:func:`interp_norm.stats.shipped.seed_tables_dir`)."""
-    from interp_norm.stats.shipped import seed_tables_dir
-
-    return seed_tables_dir()
-
-
 def shipped_circuit_tables(folder: Optional[Path] = None) -> dict[str, pd.DataFrame]:
     """The kept tables under their report keys; empty when the folder lacks any of them (an install
     without the repository's docs), so a report never shows part of the section."""
-    folder = docs_data() if folder is None else Path(folder)
+    folder = seed_tables_dir() if folder is None else Path(folder)
     paths = {k: folder / f for k, f in TABLES.items()}
     if not all(p.is_file() for p in paths.values()):
         return {}
     return {k: pd.read_csv(p) for k, p in paths.items()}
 
 
-__all__ = ["SOURCE", "TABLES", "docs_data", "shipped_circuit_tables"]
+__all__ = ["SOURCE", "TABLES", "shipped_circuit_tables"]

@@ -21,7 +21,7 @@ import pandas as pd
 from interp_norm.stats.seed_compare import compare_seeds
 from interp_norm.training.checkpoints import data_dir, pretrained_dir
 
-__all__ = ["SEED_TABLES", "is_shipped_checkpoint", "seed_tables_dir", "read_seed_table", "seed_values", "shipped_in", "shipped_seed_tables"]
+__all__ = ["SEED_TABLES", "is_shipped_checkpoint", "shipped_checkpoints", "seed_tables_dir", "read_seed_table", "seed_values", "shipped_in", "shipped_seed_tables"]
 
 #: The folder under the data folder that holds the shipped seed tables.
 SEED_TABLES = "seed_tables"
@@ -69,15 +69,21 @@ def is_shipped_checkpoint(name: str, path: object) -> bool:
     return mine is not None and mine == _weights_hash(shipped)
 
 
-def shipped_in(checkpoints: Optional[pd.DataFrame]) -> list[str]:
+def shipped_checkpoints(checkpoints: Optional[pd.DataFrame]) -> list[str]:
     """The report's checkpoints (its ``checkpoints`` table: ``checkpoint`` and ``path``) that are shipped
-    checkpoints the shipped seed tables cover; empty for a report of other checkpoints."""
+    checkpoints (:func:`is_shipped_checkpoint`); empty for a report of other checkpoints."""
+    if checkpoints is None or not len(checkpoints) or "path" not in checkpoints.columns:
+        return []
+    return [str(n) for n, p in zip(checkpoints["checkpoint"], checkpoints["path"]) if is_shipped_checkpoint(str(n), p)]
+
+
+def shipped_in(checkpoints: Optional[pd.DataFrame]) -> list[str]:
+    """:func:`shipped_checkpoints` that the shipped seed tables cover."""
     values = read_seed_table("seed_values")
-    if values is None or checkpoints is None or not len(checkpoints) or "path" not in checkpoints.columns:
+    if values is None:
         return []
     covered = set(values["checkpoint"].astype(str))
-    return [str(n) for n, p in zip(checkpoints["checkpoint"], checkpoints["path"])
-            if str(n) in covered and is_shipped_checkpoint(str(n), p)]
+    return [n for n in shipped_checkpoints(checkpoints) if n in covered]
 
 
 def shipped_seed_tables() -> dict[str, pd.DataFrame]:

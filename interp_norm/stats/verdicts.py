@@ -57,7 +57,7 @@ from interp_norm.stats.inference import (holm, permutation_test, t_interval, t_t
 from interp_norm.stats.seed_compare import PAIRS
 
 __all__ = ["ALPHA", "MIN_SEEDS", "RULES", "PAR_MARGIN", "ABOVE_MARGIN", "NEAR_MARGIN", "Claim", "CLAIMS",
-           "claim_tests", "verdicts", "family_table", "fmt_num", "fmt_p", "smallest_adjusted_order_p"]
+           "claim_tests", "verdicts", "family_table", "fmt_num", "fmt_p", "smallest_adjusted_order_p", "family_sizes"]
 
 ALPHA = 0.05
 MIN_SEEDS = 3
@@ -258,6 +258,13 @@ def verdicts(values: pd.DataFrame, claims: Sequence[Claim] = CLAIMS) -> pd.DataF
     t["verdict"] = [_verdict(r) for r in t.itertuples()]
     t["evidence"] = [_evidence(r) for r in t.itertuples()]
     return t
+
+
+def family_sizes(v: pd.DataFrame) -> tuple[int, int]:
+    """(tests for, tests against) in the two families of :func:`verdicts`' table (identities and
+    tests that could not be run left out)."""
+    member = v.loc[v["identity"] == ""]
+    return int(member["p_for"].notna().sum()), int(member["p_against"].notna().sum())
 
 
 def smallest_adjusted_order_p(n_a: int, n_b: int, family_size: int) -> float:

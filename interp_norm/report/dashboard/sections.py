@@ -59,11 +59,12 @@ def figure_sections(report: Any, strict: bool = False, csv: bool = True) -> tupl
             else:
                 by_anchor[s.anchor] = s
     from interp_norm.report.dashboard.verdicts import seed_tables_for, verdict_section
+    from interp_norm.stats.shipped import shipped_checkpoints
 
     seed_T, seed_source = seed_tables_for(report)  # the shipped 6-seed tables for the shipped checkpoints
     verdicts = verdict_section(report)  # "What is established", first on the page
     for s in (_spread_sections(T, csv) + _seed_sections(seed_T, panel, seed_source)
-              + attribution_error_section(T, panel, csv, _shipped_checkpoints(report)) + ([verdicts] if verdicts else [])):
+              + attribution_error_section(T, panel, csv, shipped_checkpoints(getattr(report, "checkpoints", None))) + ([verdicts] if verdicts else [])):
         by_anchor[s.anchor] = s
     rank = {a: i for i, a in enumerate(PAGE_ORDER)}
     sections = sorted(by_anchor.values(), key=lambda s: rank.get(s.anchor, len(rank)))
@@ -80,16 +81,6 @@ def figure_sections(report: Any, strict: bool = False, csv: bool = True) -> tupl
                 raise
             problems.append(f"{s.title}: opening sentence: {type(e).__name__}: {e}")
     return sections, problems
-
-
-def _shipped_checkpoints(report: Any) -> list[str]:
-    """The report's checkpoints that are shipped ones (same folder or same weights)."""
-    from interp_norm.stats.shipped import is_shipped_checkpoint
-
-    ck = getattr(report, "checkpoints", None)
-    if ck is None or not len(ck) or "path" not in ck.columns:
-        return []
-    return [str(n) for n, p in zip(ck["checkpoint"], ck["path"]) if is_shipped_checkpoint(str(n), p)]
 
 
 def _spread_sections(T: dict, csv: bool = True) -> list[Section]:

@@ -17,7 +17,7 @@ import pandas as pd
 
 from interp_norm.report.dashboard.page import Panel, Section
 from interp_norm.stats.shipped import seed_tables_dir, seed_values, shipped_in, shipped_seed_tables
-from interp_norm.stats.verdicts import ALPHA, fmt_num, fmt_p, verdicts
+from interp_norm.stats.verdicts import ALPHA, family_sizes, fmt_num, fmt_p, verdicts
 
 __all__ = ["ANCHOR", "SOURCE", "verdict_table", "verdict_section", "verdict_note", "seed_tables_for"]
 
@@ -67,8 +67,7 @@ def _beside(v: pd.DataFrame) -> str:
 
 
 def _intro(v: pd.DataFrame, shipped: list[str]) -> str:
-    member = v.loc[v["identity"] == ""]
-    n_for, n_against = int(member["p_for"].notna().sum()), int(member["p_against"].notna().sum())
+    n_for, n_against = family_sizes(v)
     return (f"The paper's claims (Menary et al. 2024, §4) tested on {SOURCE}, not on this report's own analyses "
             f"(of the checkpoints those tables describe, this report analyses {len(shipped)}). Each claim has a "
             "one-sided or equivalence test for it and one against it; a verdict needs Holm-adjusted p < "
