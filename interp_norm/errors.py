@@ -46,6 +46,11 @@ class HookNameError(PatchingError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class PatternNotEditable(PatchingError):
+    """Writing into this model's ``hook_pattern`` changes nothing: the hook fires after attention ran
+    (Gemma 4 under TransformerLens 4), so attention patterns can be neither patched nor frozen."""
+
+
 class EngineRefusal(PatchingError):
     """A fast patching engine cannot run this model or hook exactly (a block wired otherwise, an
     attention that ignores the key/value cache, ...). ``activation_patch(method="auto")`` falls back
@@ -101,6 +106,7 @@ def check_positive_int(value: object, name: str, error: type[InterpNormError] = 
 
 
 __all__ = [
+    "PatternNotEditable",
     "check_positive_int",
     "InterpNormError",
     "ProblemStringError",

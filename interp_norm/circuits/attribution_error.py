@@ -42,7 +42,7 @@ from interp_norm.circuits.exact.patching import activation_patch
 from interp_norm.circuits.metrics import LogitDiff
 from interp_norm.circuits.pairs import PatchingPairs, as_pairs
 from interp_norm.core import nodes
-from interp_norm.errors import PatchingError
+from interp_norm.errors import PatchingError, PatternNotEditable
 
 #: (norm, pattern) modes, in the order of the split
 MODES = {"live": ("live", "live"), "norm": ("frozen", "live"), "both": ("frozen", "frozen")}
@@ -100,8 +100,8 @@ def _estimate_or_nan(model, pairs: PatchingPairs, metric, method: str, activatio
     the norms live and frozen is still reported and the patterns' part and the rest are "not available"."""
     try:
         return _estimate(model, pairs, metric, method, activation, spec=spec, modes=modes)
-    except PatchingError as e:
-        if modes[1] != "frozen" or "attention pattern" not in str(e):
+    except PatternNotEditable:
+        if modes[1] != "frozen":
             raise
         return torch.full_like(like, float("nan"))
 

@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from interp_norm.errors import HookNameError, PatchingError
+from interp_norm.errors import HookNameError, PatchingError, PatternNotEditable
 from interp_norm.core.hook_names import act_name
 
 
@@ -195,7 +195,7 @@ def check_hooks(model, names: Sequence[str]) -> None:
 
 @torch.no_grad()
 def check_pattern_hooks_act(model, tokens: Tensor, names: Sequence[str]) -> None:
-    """A :class:`PatchingError` if writing into the ``hook_pattern`` tensors ``names`` leaves the
+    """A :class:`~interp_norm.errors.PatternNotEditable` (a :class:`PatchingError`) if writing into the ``hook_pattern`` tensors ``names`` leaves the
     logits unchanged: the hook then fires after the attention has used its pattern (a bridge whose
     attention runs inside the Hugging Face module, e.g. Gemma 4), and every patch would be the baseline."""
     def halve(act: Tensor, hook) -> Tensor:
@@ -206,7 +206,7 @@ def check_pattern_hooks_act(model, tokens: Tensor, names: Sequence[str]) -> None
     with model.hooks(fwd_hooks=[(nm, halve) for nm in names]):
         changed = model(tokens[:1])
     if torch.equal(base, changed):
-        raise PatchingError(
+        raise PatternNotEditable(
             f"writing into {names[0]!r} does not change this model's output: its attention pattern is read "
             "after the attention ran (TransformerLens fires it post hoc), so patching it changes nothing; "
             "patch 'q', 'k' or 'z' instead"
