@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from interp_norm.anatomy import tiny_bridge
+from interp_norm.anatomy import original, tiny_bridge
 from interp_norm.circuits import attribution_patch, edge_attribution, exact_edge_patch
 from interp_norm.core.hook_names import act_name
 
@@ -183,8 +183,8 @@ def test_fully_frozen_edge_eap_equals_exact_edge_patching_of_the_pinned_linear_m
     model's own, the frozen ones and the pins), so ~1e3 rounding steps of relative size eps64 per
     path: 1e4 * eps64 of the largest effect. The live estimate differs by far more."""
     bridge = tiny_bridge("olmo2", seed=5, n_layers=2).double()
-    for blk in bridge.original_model.model.layers:
-        blk.mlp.act_fn = _Ones().eval()
+    for blk in bridge.blocks:
+        original(blk.mlp).act_fn = _Ones().eval()
     for m in bridge.original_model.modules():
         if type(m).__name__ == "Olmo2RMSNorm":
             m.forward = types.MethodType(_float64_rms, m)
@@ -221,3 +221,18 @@ def test_frozen_edge_eap_ig_out_edges_add_up_to_frozen_node_scores(request, arch
     assert float(want.abs().max()) > 1e-2
     live = attribution_patch(bridge, pairs, plain, "z", by="all", ig_steps=3).effect().reshape(got.shape).double()
     assert float((live - want).abs().max()) > 1e-3
+
+
+def test_a_post_norm_that_is_not_w_x_over_s_is_refused_when_frozen():
+    """A post-attention norm with a ``1 + w`` gain (as Gemma 1-3 compute it) has no held-scale map of the
+    form read from its weight: a typed error naming it, not a wrong score."""
+    from interp_norm.errors import PatchingError
+
+    bridge = tiny_bridge("olmo2", seed=5, n_layers=2).double()
+    norm = bridge.blocks[0].ln1_post.original_component  # the Hugging Face module the bridge wraps
+    forward = norm.forward
+    norm.forward = lambda x: forward(x) + (x.double() / _rms(x, norm.variance_epsilon)).to(x.dtype)
+    pairs = bridge_pairs(bridge, B, N)
+    edge_attribution(bridge, pairs, plain)  # live: the norm's own Jacobian, whatever it computes
+    with pytest.raises(PatchingError, match="post-norm Olmo2RMSNorm does not compute"):
+        edge_attribution(bridge, pairs, plain, norm="frozen")
