@@ -15,7 +15,8 @@ RMSNorm), linear in its input, so the sender's difference becomes ``w * P(c_h' -
 (:func:`held_scale_head_deltas`). Choice: ``s`` is the scale of ``S``, the pre-norm sum of the very
 pass whose backward the freeze hooks detach -- the run differentiated, each integration point's rows
 for EAP-IG -- computed as they compute it (``sqrt(mean(P(S)^2) + eps)``, in float32 or wider), so the
-sender's path and the receivers' gradients hold one and the same scale.
+sender's path and the receivers' gradients hold one and the same scale. ``S`` is the edge runner's
+own ``sum_h z_h W_O[h] + b_O``, equal to the norm's input in that pass up to the rounding of the sum.
 """
 
 from __future__ import annotations
