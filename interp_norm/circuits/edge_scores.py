@@ -55,9 +55,11 @@ def edge_attribution(
     bridges as there); edges into queries and keys then score 0 with frozen patterns.
     On a Pre-Norm bridge (``backend="auto"``) every receiver's gradient comes from one plain backward
     pass (:mod:`~interp_norm.circuits.edge_grads`); ``backend="copies"`` forces the receiver copies.
-    Grouped k/v heads: one k and one v receiver per k/v head. Post-norm heads (OLMo-2): the sender's
-    difference is taken through the norm's Jacobian at the run differentiated (each integration
-    point for EAP-IG; :mod:`~interp_norm.circuits.edge_post_norm`); ``norm="frozen"`` is refused there.
+    Grouped k/v heads: one k and one v receiver per k/v head. Post-norm heads (OLMo-2, Gemma 4): the
+    sender's difference is taken through the norm's Jacobian at the run differentiated (each
+    integration point for EAP-IG; :mod:`~interp_norm.circuits.edge_post_norm`); with
+    ``norm="frozen"`` through the norm with its scale held at that run's value, the scale the freeze
+    hooks hold in the backward, so the whole estimate is the derivative of the frozen-scale model.
     """
     pairs = as_pairs(pairs)
     dev = device(model)
@@ -82,15 +84,13 @@ def edge_attribution(
         chunks = [list(range(i, min(b, i + per_pass))) for i in range(0, b, per_pass)]
     else:
         chunks = [list(range(b))]
-    if norm == "frozen" and runner.has_post_norms:
-        raise PatchingError("norm='frozen' edge attribution through post-norm heads (the norm after attention) is not "
-                            "implemented; use norm='live' on this model")
     fast = backend == "auto" and edge_grads.applies(model, runner, norm, pattern)
     if fast:  # one plain pass per chunk: the receivers' rows are the rows themselves
         per_pass = max(per_pass * cost, b)
         chunks = [list(range(b))]
     work = [(rows, s0) for rows in chunks for s0 in range(0, ig_steps, max(1, per_pass // len(rows)))]
-    scores = _score_passes(runner, (clean, corr), metric, (alphas, per_pass, len(chunks)), work, frozen, fast=fast, progress=progress)
+    scores = _score_passes(runner, (clean, corr), metric, (alphas, per_pass, len(chunks)), work, frozen, fast=fast,
+                           held=norm == "frozen", progress=progress)
     scores = scores / (b * ig_steps) * runner.valid
     if runner.scale is not None:  # the layer scalars on each edge's path
         scores = scores * runner.scale.to(scores.dtype)
@@ -99,9 +99,9 @@ def edge_attribution(
 
 
 def _score_passes(runner: EdgeRunner, tokens: tuple[Tensor, Tensor], metric: MetricFn, plan: tuple, work: list,
-                  frozen: list, *, fast: bool, progress: bool) -> Tensor:
+                  frozen: list, *, fast: bool, held: bool, progress: bool) -> Tensor:
     """[U, R] summed scores of the passes in ``work`` ((rows, first integration step) each; ``plan`` =
-    (alphas, rows per pass, number of row chunks)). On the one-pass route the corrupted senders are
+    (alphas, rows per pass, number of row chunks); ``held``: post-norms' scales frozen, as ``frozen`` holds them). On the one-pass route the corrupted senders are
     read off its first pass (integration point 0 is the corrupted input), the embedding alone run
     before it; else (or if that pass falls back to the copies) a corrupted sender run."""
     (clean, corr), (alphas, per_pass, n_chunks) = tokens, plan
@@ -131,7 +131,7 @@ def _score_passes(runner: EdgeRunner, tokens: tuple[Tensor, Tensor], metric: Met
         if g is None:  # the copies backend, or a block the one-pass path cannot read
             g = _copies_grads(runner, frozen, corr[idx], (e_corr[idx], e_clean[idx], al), sub, br)
         d = delta if br == b else delta[:, idx.to(delta.device)]
-        scores += _pass_scores(runner, d, g, len(al))
+        scores += _pass_scores(runner, d, g, len(al), held=held)
     return scores
 
 
@@ -147,19 +147,20 @@ def _copies_grads(runner: EdgeRunner, frozen: list, tokens: Tensor, embed_mix: t
     return runner.receiver_grads(leaf, filled)
 
 
-def _pass_scores(runner: EdgeRunner, d: Tensor, g: Union[Tensor, Iterable[Tensor]], m: int) -> Tensor:
+def _pass_scores(runner: EdgeRunner, d: Tensor, g: Union[Tensor, Iterable[Tensor]], m: int, held: bool = False) -> Tensor:
     """[U, R] sum over one pass's rows of ``d . g``: sender differences [U, br, n, d] against receiver
     gradients [R, m*br, n, d] (m integration points; or their blocks in receiver order, per layer its
     attention receivers and its MLP, then the logits: :func:`edge_grads.fast_receivers`); post-norm
-    heads' differences go through the norm's Jacobian at each row's point of the pass. Only valid
+    heads' differences go through the norm's Jacobian at each row's point of the pass (``held``: with
+    the norm's scale held there, :meth:`EdgeRunner.linearised`). Only valid
     edges (a receiver's block of senders before it) and positions where some sender differs
     (elsewhere ``d`` is exactly 0) are summed. The products run in float32 (float64 for a float64
     model), within :func:`product_bound` of exact."""
     graph = runner.graph
     if isinstance(g, Tensor):
         if runner.has_post_norms:
-            return torch.einsum("ubnd,rbnd->ur", runner.linearised(d.double().repeat(1, m, 1, 1), runner.last_sums),
-                                g.double()).cpu()
+            moved = runner.linearised(d.double().repeat(1, m, 1, 1), runner.last_sums, held=held)
+            return torch.einsum("ubnd,rbnd->ur", moved, g.double()).cpu()
         A = graph.n_attn_receivers
         g = [blk for r0 in range(0, g.shape[0] - 1, A + 1) for blk in (g[r0 : r0 + A], g[r0 + A : r0 + A + 1])] + [g[-1:]]
     blocks = iter(g)

@@ -43,7 +43,8 @@ from interp_norm.anatomy import capabilities
 from interp_norm.circuits._types import device, require_eval
 from interp_norm.circuits.edge_layer_input import Branch, check_hf_bridge, layer_scalars, scalar_paths
 from interp_norm.circuits.edge_senders import block_or_final, capture_hooks, run_until, sender_blocks, sender_names
-from interp_norm.circuits.edge_post_norm import linearised_head_deltas, post_attention_norms, single_head_changes
+from interp_norm.circuits.edge_post_norm import (held_scale_head_deltas, linearised_head_deltas, post_attention_norms,
+                                                 single_head_changes)
 from interp_norm.errors import PatchingError
 from interp_norm.core.hook_names import act_name
 from interp_norm.core.nodes import QKV, receiver_node
@@ -253,15 +254,18 @@ class EdgeRunner:
     def has_post_norms(self) -> bool:
         return any(p is not None for p in self.post_norms)
 
-    def linearised(self, delta: Tensor, sums: dict[int, Tensor]) -> Tensor:
+    def linearised(self, delta: Tensor, sums: dict[int, Tensor], held: bool = False) -> Tensor:
         """``delta`` [U, B, n, d] of sender differences with each post-norm layer's head rows replaced by
         the norm's Jacobian at ``sums[l]`` (that layer's pre-norm attention output [B, n, d] in the run
-        differentiated, :attr:`last_sums`) applied to them: their first-order change of the residual."""
+        differentiated, :attr:`last_sums`) applied to them: their first-order change of the residual.
+        ``held`` (``norm="frozen"``): the Jacobian with the norm's scale held at its value at ``sums[l]``,
+        the scale the freeze hooks hold in that run's backward (:func:`held_scale_head_deltas`)."""
+        through = held_scale_head_deltas if held else linearised_head_deltas
         out = delta.clone()
         for l, norm in enumerate(self.post_norms):
             if norm is not None:
                 hs = slice(self.graph.sender_index(l, "head"), self.graph.sender_index(l, "head") + self.H)
-                out[hs] = linearised_head_deltas(norm, delta[hs], sums[l])
+                out[hs] = through(norm, delta[hs], sums[l])
         return out
 
     def sender_cache(self, tokens: Tensor) -> tuple[Tensor, Tensor]:

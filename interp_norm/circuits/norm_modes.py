@@ -157,9 +157,18 @@ def _rms_freezers(model, tokens: Tensor) -> list[tuple[str, Callable]]:
         raise PatchingError("this bridge's norms have neither a hook_scale nor an RMSNorm component with hook_in and "
                             "hook_out to freeze them at; use norm='live'")
     seen: dict[str, Tensor] = {}
+    grabs: dict[str, Any] = {}
 
-    def keep(act: Tensor, hook: Any, nm: str) -> Tensor:
-        seen[nm] = act
+    def keep(act: Tensor, hook: Any, nm: str, hf: Any) -> Tensor:
+        """Read the input the norm module is called with, not ``act``: a hook added after this one at
+        ``hook_in`` (an edge receiver's shift at a bridge's ``hook_resid_mid``) may replace it."""
+        def grab(module: Any, args: tuple) -> None:
+            seen[nm] = args[0]
+            grabs.pop(nm).remove()
+
+        if nm in grabs:  # a pass that stopped between hook_in and the norm
+            grabs.pop(nm).remove()
+        grabs[nm] = hf.register_forward_pre_hook(grab)
         return act
 
     def freeze(act: Tensor, hook: Any, nm: str, hf: Any) -> Tensor:
@@ -170,7 +179,7 @@ def _rms_freezers(model, tokens: Tensor) -> list[tuple[str, Callable]]:
     check_once(model, ("rms norms freeze", tuple(n for n, _, _ in norms)), lambda: _check_rms(model, tokens, norms))
     hooks: list[tuple[str, Callable]] = []
     for hin, hout, hf in norms:
-        hooks += [(hin, partial(keep, nm=hin)), (hout, partial(freeze, nm=hin, hf=hf))]
+        hooks += [(hin, partial(keep, nm=hin, hf=hf)), (hout, partial(freeze, nm=hin, hf=hf))]
     return hooks
 
 
