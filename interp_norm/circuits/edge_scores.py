@@ -71,7 +71,7 @@ def edge_attribution(
     b, n = clean.shape
     # rows per pass: every example costs ~3*n_heads residual copies (split q/k/v inputs) or
     # 1 + 3*n_heads batch copies; chunk the examples too when the metric can be split
-    A = runner.graph.n_attn_receivers
+    A = runner.graph.max_attn_receivers  # the split backend's graphs have one count for every layer
     cost = A if runner.backend == "split" else 1 + A
     if batch_size is None:  # ~16 saved tensors of [n, d_model] per layer and residual copy
         per_example = cost * n * model.cfg.d_model * model.cfg.n_layers * 16 * 4
@@ -160,8 +160,8 @@ def _pass_scores(runner: EdgeRunner, d: Tensor, g: Union[Tensor, Iterable[Tensor
         if runner.has_post_norms:
             return torch.einsum("ubnd,rbnd->ur", runner.linearised(d.double().repeat(1, m, 1, 1), runner.last_sums),
                                 g.double()).cpu()
-        A = graph.n_attn_receivers
-        g = [blk for r0 in range(0, g.shape[0] - 1, A + 1) for blk in (g[r0 : r0 + A], g[r0 + A : r0 + A + 1])] + [g[-1:]]
+        spans = [graph.attn_receivers(l) for l in range(runner.L)]  # per layer its attention receivers, then its MLP
+        g = [blk for a in spans for blk in (g[a], g[a.stop : a.stop + 1])] + [g[-1:]]
     blocks = iter(g)
     first = next(blocks)
     dt = torch.promote_types(first.dtype, torch.float32)
