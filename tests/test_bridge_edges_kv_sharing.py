@@ -179,3 +179,56 @@ def test_an_edge_into_a_k_eq_v_layers_key_moves_its_keys_and_values_and_the_shar
     base, before = _run(shared, pairs.corrupted_tokens, [], watch)
     assert (ours - ref).abs().max() <= 1e-6 and (ref - base).abs().max() > 1e-3
     assert all((moved[nm] - before[nm]).abs().max() > 1e-3 for nm in watch)
+
+
+@torch.no_grad()
+def test_circuits_over_the_models_own_receivers(shared):
+    """Faithfulness on the KV-sharing model: ablating every edge (resample) is the corrupted run -- the
+    receivers are every reader of the residual, shared keys included --, and a node circuit without
+    head a0.h1 under resample ablation is the clean run with that head's z patched to its corrupted
+    value by a plain hook. Tolerance: the runner's single-head change through the post-attention norm
+    rounds in float32 differently from the model's own norm (~6e-8 relative, |M| < 1): 1e-6."""
+    from interp_norm.circuits import Circuit, faithfulness, run_with_circuit
+    from interp_norm.circuits.circuit import receiver_layout_of
+
+    pairs = bridge_pairs(shared, B, N)
+    L, H, layout = 4, 4, receiver_layout_of(shared)
+    assert layout == ((2, "qkv"), (1, "qk"), (2, "q"), (1, "q"))
+    f = faithfulness(shared, pairs, [Circuit.full(L, H, layout=layout)], plain).set_index("ablation")
+    corr_m = float(plain(shared(pairs.corrupted_tokens)).mean())
+    assert abs(f.loc["resample", "metric_empty"] - corr_m) <= 1e-6
+    assert abs(f.loc["resample", "metric_clean"] - corr_m) > 1e-2
+    assert all(abs(f.loc[a, "faithfulness"] - 1) <= 1e-6 for a in ("resample", "mean", "zero"))
+    with pytest.raises(PatchingError, match="receiver_layout_of"):
+        faithfulness(shared, pairs, [Circuit.full(L, H)], plain)
+
+    runner = EdgeRunner(shared)
+    _, s_corr = runner.sender_cache(pairs.corrupted_tokens)
+    keep = [f"a{l}.h{h}" for l in range(L) for h in range(H) if (l, h) != (0, 1)] + [f"m{l}" for l in range(L)]
+    circuit = Circuit.from_nodes(keep, L, H, layout=layout)
+    ours = plain(run_with_circuit(shared, pairs.clean_tokens, [circuit], s_corr, _runner=runner)[0])
+    _, cache = shared.run_with_cache(pairs.corrupted_tokens, names_filter=lambda nm: nm == act_name("z", 0))
+
+    def put(z, hook):
+        z = z.clone()
+        z[:, :, 1] = cache[act_name("z", 0)][:, :, 1]
+        return z
+
+    ref = plain(shared.run_with_hooks(pairs.clean_tokens, fwd_hooks=[(act_name("z", 0), put)]))
+    assert (ours - ref).abs().max() <= 1e-6 and (ref - plain(shared(pairs.clean_tokens))).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_circuits_over_grouped_receivers():
+    """Llama's grouped k/v heads: a circuit over its own receivers runs; ablating every edge is the corrupted run."""
+    from interp_norm.circuits import Circuit, faithfulness
+    from interp_norm.circuits.circuit import receiver_layout_of
+
+    llama = tiny_bridge("llama", seed=5, n_layers=2)
+    pairs = bridge_pairs(llama, B, N)
+    layout = receiver_layout_of(llama)
+    assert layout == ((2, "qkv"), (2, "qkv"))
+    f = faithfulness(llama, pairs, [Circuit.full(2, 4, layout=layout)], plain, ablations=("resample",)).iloc[0]
+    corr_m = float(plain(llama(pairs.corrupted_tokens)).mean())
+    assert abs(f["metric_empty"] - corr_m) <= 1e-5 and abs(f["faithfulness"] - 1) <= 1e-5
+    assert abs(f["metric_clean"] - corr_m) > 1e-2
