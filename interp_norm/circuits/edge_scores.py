@@ -55,7 +55,10 @@ def edge_attribution(
     bridges as there); edges into queries and keys then score 0 with frozen patterns.
     On a Pre-Norm bridge (``backend="auto"``) every receiver's gradient comes from one plain backward
     pass (:mod:`~interp_norm.circuits.edge_grads`); ``backend="copies"`` forces the receiver copies.
-    Grouped k/v heads: one k and one v receiver per k/v head. Post-norm heads (OLMo-2): the sender's
+    Grouped k/v heads: one k and one v receiver per k/v head. Gemma 4: each layer has the receivers its
+    projections read (:mod:`~interp_norm.circuits.edge_layer_input`) -- a ``k = v`` layer's ``k`` receiver
+    feeds its keys and values, a KV-sharing layer has q receivers only and its keys and values move with
+    the source layer's k/v receivers. Post-norm heads (OLMo-2): the sender's
     difference is taken through the norm's Jacobian at the run differentiated (each integration
     point for EAP-IG; :mod:`~interp_norm.circuits.edge_post_norm`); ``norm="frozen"`` is refused there.
     """
