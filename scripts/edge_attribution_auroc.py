@@ -5,11 +5,12 @@ single-edge patching effect (:func:`interp_norm.circuits.exact_edge_patch`), on 
 differing at one position and the logit difference of two fixed tokens at the last position.
 AUROC: |attribution| as a classifier of the top ``--top`` fraction of edges by |exact effect|
 (ties averaged, Mann-Whitney); Spearman: rank correlation of the signed scores. Random weights, so
-the numbers describe the estimator on the architecture, not a trained circuit. Gemma 4 without KV
-sharing is scored (its per-layer-input branch is part of each layer's MLP node); an architecture
-edge attribution refuses is reported as such.
+the numbers describe the estimator on the architecture, not a trained circuit. Gemma 4 is scored
+(its per-layer-input branch is part of each layer's MLP node); ``gemma4-shared`` adds KV-sharing layers,
+k = v global layers and per-layer k/v head counts, and has at least 4 layers (its last half shares
+keys and values), whatever ``--layers`` says. An architecture edge attribution refuses is reported as such.
 
-    PYTHONPATH=. python scripts/edge_attribution_auroc.py [--archs gpt2 llama qwen3 olmo2 gemma4]
+    PYTHONPATH=. python scripts/edge_attribution_auroc.py [--archs gpt2 llama qwen3 olmo2 gemma4 gemma4-shared]
         [--seeds 0 1 2] [--layers 2] [--ig-steps 8] [--top 0.1]
 """
 
@@ -39,7 +40,7 @@ def metric(logits: torch.Tensor) -> torch.Tensor:
 
 
 def one(arch: str, seed: int, args: argparse.Namespace) -> list[dict]:
-    bridge = tiny_bridge(arch, seed=seed, n_layers=args.layers)
+    bridge = tiny_bridge(arch, seed=seed, n_layers=max(args.layers, 4) if arch == "gemma4-shared" else args.layers)
     clean = random_tokens(bridge, args.pairs, args.n, seed=seed + 100, low=3)
     corr = clean.clone()
     at = torch.randint(1, args.n - 1, (args.pairs,), generator=torch.Generator().manual_seed(seed))
@@ -60,7 +61,7 @@ def one(arch: str, seed: int, args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--archs", nargs="+", default=["gpt2", "llama", "qwen3", "olmo2", "gemma4"])
+    p.add_argument("--archs", nargs="+", default=["gpt2", "llama", "qwen3", "olmo2", "gemma4", "gemma4-shared"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--pairs", type=int, default=8)

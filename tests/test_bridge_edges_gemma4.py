@@ -122,12 +122,6 @@ def test_edges_out_of_the_mlp_node_carry_the_mlp_and_the_branch(gemma4):
     assert cc[branch_out].abs().max() > 1e-3  # the branch writes something
 
 
-def test_gemma4_kv_sharing_is_refused_with_the_reason():
-    bridge = tiny_bridge("gemma4-shared", seed=2)
-    with pytest.raises(PatchingError, match="KV sharing"):
-        edge_attribution(bridge, bridge_pairs(bridge, B, N), plain)
-
-
 @torch.no_grad()
 def test_patching_every_edge_out_of_a_head_is_patching_its_z_under_layer_scalars(scaled):
     """Its edges reach m0 unscaled, layer 1 through s_0 and the logits through s_0 s_1: a plain hook

@@ -51,7 +51,7 @@ from interp_norm.circuits.attention_maps import attention_map, attention_map_spl
 from interp_norm.circuits.attribution import attribution_patch, compare_scores, node_attribution
 from interp_norm.circuits.edge_scores import edge_attribution, exact_edge_patch
 from interp_norm.circuits.edges import EdgeGraph, receiver_node
-from interp_norm.circuits.circuit import ABLATIONS, Circuit, faithfulness, run_with_circuit
+from interp_norm.circuits.circuit import ABLATIONS, Circuit, faithfulness, receiver_layout_of, run_with_circuit
 from interp_norm.circuits.metrics import (
     METRICS,
     CorrectProb,
@@ -130,7 +130,7 @@ def run_circuits(model, task=None, spec: Optional[CircuitsSpec] = None, *, progr
             tables["eap_vs_exact_heads"] = pd.concat(heads, ignore_index=True)
     edges = edge_attribution(model, pairs, met, ig_steps=sp.ig_steps, progress=progress)
     tables["edges"] = edges
-    circuit = Circuit.from_edge_scores(edges, cfg.n_layers, cfg.n_heads, top_n=sp.top_n)
+    circuit = Circuit.from_edge_scores(edges, cfg.n_layers, cfg.n_heads, top_n=sp.top_n, layout=receiver_layout_of(model))
     tables["circuit"] = circuit.to_dataframe()
     tables["faithfulness"] = faithfulness(model, pairs, circuit, met, ablations=sp.ablations)
     tables["attention_map"] = attention_map_split(
@@ -148,7 +148,7 @@ __all__ = [
     # attribution
     "attribution_patch", "node_attribution", "edge_attribution", "exact_edge_patch", "compare_scores", "EdgeGraph", "receiver_node",
     # circuits
-    "Circuit", "faithfulness", "run_with_circuit", "ABLATIONS",
+    "Circuit", "faithfulness", "run_with_circuit", "receiver_layout_of", "ABLATIONS",
     # the addition circuit at the cell grain, its roles
     "addition_circuit", "locate_circuit", "CircuitSpec", "LocatedCircuit", "attention_by_class", "assign_roles",
     "circuit_roles", "role_counts", "account", "RoleRule", "role_tests", "role_agreement",

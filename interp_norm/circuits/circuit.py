@@ -6,6 +6,11 @@ A :class:`Circuit` is a set of edges (sender -> receiver, named as in
 :mod:`interp_norm.circuits.edges`: ``embed``, ``a{l}.h{h}``, ``m{l}`` -> ``a{l}.h{h}.q|k|v``,
 ``m{l}``, ``logits``). Node circuits (a set of heads/MLPs) become every edge among the kept nodes,
 the embedding and the logits -- which is the same as ablating every other node's output.
+A model whose receivers are not each head's q, k and v (grouped k/v heads; Gemma 4's KV-sharing and
+``k = v`` layers) has circuits over its own receivers: give ``layout=`` (:func:`receiver_layout_of`).
+A node circuit keeps the edges from its nodes into a k/v receiver (``a{l}.kv{g}.k|v``, read by several
+heads, of several layers under KV sharing): the heads outside it have every output edge ablated, so
+what they read does not matter.
 
 Faithfulness runs the clean input with every edge *outside* the circuit ablated: the receiver
 sees the ablated value of that sender instead of its value in this run. Ablation choices give very
@@ -31,28 +36,45 @@ import torch
 from torch import Tensor
 
 from interp_norm.circuits._types import MetricFn, PatchResult, device, metric_values
+from interp_norm.circuits.edge_layer_input import check_hf_bridge
 from interp_norm.circuits.edges import EdgeGraph, EdgeRunner, prune_edges, receiver_node
 from interp_norm.circuits.metrics import LogitDiff
 from interp_norm.circuits.pairs import PatchingPairs
 from interp_norm.errors import PatchingError
-from interp_norm.core.nodes import EMBED, LOGITS
+from interp_norm.core.nodes import EMBED, LOGITS, parse
 from interp_norm.core.nodes import head as head_node
 from interp_norm.core.nodes import mlp as mlp_node
 
 ABLATIONS = ("resample", "mean", "zero")
 
+Layout = Optional[tuple[tuple[int, str], ...]]
+
+
+def receiver_layout_of(model) -> Layout:
+    """The per-layer (k/v heads, inputs) a circuit of ``model`` needs as ``layout=`` (None: each head's
+    q, k and v in every layer, the default), as :class:`EdgeRunner` builds its graph."""
+    layout = check_hf_bridge(model)[0]
+    if layout is None:
+        return None
+    g = EdgeGraph.of_layers(model.cfg.n_layers, model.cfg.n_heads, layout)
+    return None if not g.grouped else tuple(g.layer_layout(l) for l in range(g.n_layers))
+
 
 @dataclass
 class Circuit:
-    """A set of edges with optional scores, for a model with ``n_layers`` x ``n_heads``."""
+    """A set of edges with optional scores, for a model with ``n_layers`` x ``n_heads`` (and, where its
+    receivers are not each head's q, k and v, per layer (k/v heads, inputs): ``layout``)."""
 
     n_layers: int
     n_heads: int
     edges: frozenset = frozenset()
     scores: dict = field(default_factory=dict)
     node_scores: dict = field(default_factory=dict)
+    layout: Layout = None
 
     def __post_init__(self) -> None:
+        if self.layout is not None:
+            self.layout = tuple((int(kv), str(inputs)) for kv, inputs in self.layout)
         g = self.graph
         valid = set(g.edges())
         edges = frozenset(tuple(e) for e in self.edges)
@@ -60,13 +82,16 @@ class Circuit:
         if bad:
             raise PatchingError(
                 f"{len(bad)} edges do not exist in a {self.n_layers}-layer, {self.n_heads}-head model, e.g. {bad[:3]}; "
-                "senders are 'embed', 'a{l}.h{h}', 'm{l}' and receivers 'a{l}.h{h}.q|k|v', 'm{l}', 'logits' at a later point"
+                "senders are 'embed', 'a{l}.h{h}', 'm{l}' and receivers 'a{l}.h{h}.q|k|v' (or the model's own: "
+                "layout=receiver_layout_of(model)), 'm{l}', 'logits' at a later point"
             )
         self.edges = edges
 
     @property
     def graph(self) -> EdgeGraph:
-        return EdgeGraph(self.n_layers, self.n_heads)
+        if self.layout is None:
+            return EdgeGraph(self.n_layers, self.n_heads)
+        return EdgeGraph.of_layers(self.n_layers, self.n_heads, self.layout)
 
     @property
     def nodes(self) -> set[str]:
@@ -105,46 +130,50 @@ class Circuit:
         return df.sort_values(["sender", "receiver"]).reset_index(drop=True)
 
     def to_json(self) -> dict:
-        """A JSON-able dict: ``n_layers``, ``n_heads`` and the sorted ``edges`` (sender, receiver, score or None)."""
-        return dict(
+        """A JSON-able dict: ``n_layers``, ``n_heads``, the sorted ``edges`` (sender, receiver, score or None)
+        and, where it is not the default, the ``layout``."""
+        out = dict(
             n_layers=self.n_layers, n_heads=self.n_heads,
             edges=[dict(sender=u, receiver=r, score=self.scores.get((u, r))) for u, r in sorted(self.edges)],
         )
+        return out if self.layout is None else {**out, "layout": [list(x) for x in self.layout]}
 
     # -- constructors ------------------------------------------------------------------------
     @classmethod
-    def full(cls, n_layers: int, n_heads: int) -> "Circuit":
-        return cls(n_layers, n_heads, frozenset(EdgeGraph(n_layers, n_heads).edges()))
+    def full(cls, n_layers: int, n_heads: int, *, layout: Layout = None) -> "Circuit":
+        return cls(n_layers, n_heads, frozenset(cls.empty(n_layers, n_heads, layout=layout).graph.edges()), layout=layout)
 
     @classmethod
-    def empty(cls, n_layers: int, n_heads: int) -> "Circuit":
-        return cls(n_layers, n_heads, frozenset())
+    def empty(cls, n_layers: int, n_heads: int, *, layout: Layout = None) -> "Circuit":
+        return cls(n_layers, n_heads, frozenset(), layout=layout)
 
     @classmethod
-    def from_dataframe(cls, df: pd.DataFrame, n_layers: int, n_heads: int) -> "Circuit":
+    def from_dataframe(cls, df: pd.DataFrame, n_layers: int, n_heads: int, *, layout: Layout = None) -> "Circuit":
         """The circuit of an edge table (:meth:`to_dataframe`'s columns ``sender``, ``receiver``, ``score``)."""
         for col in ("sender", "receiver"):
             if col not in df.columns:
                 raise PatchingError(f"a circuit table needs columns sender and receiver; missing {col!r}")
         edges = list(zip(df["sender"].astype(str), df["receiver"].astype(str)))
         scores = df["score"] if "score" in df.columns else [math.nan] * len(df)
-        return cls(n_layers, n_heads, frozenset(edges), {e: float(v) for e, v in zip(edges, scores) if not pd.isna(v)})
+        return cls(n_layers, n_heads, frozenset(edges), {e: float(v) for e, v in zip(edges, scores) if not pd.isna(v)}, layout=layout)
 
     @classmethod
-    def from_nodes(cls, nodes: Iterable[str], n_layers: int, n_heads: int, node_scores: Optional[dict] = None) -> "Circuit":
-        """Every edge among ``nodes`` (heads ``a{l}.h{h}``, MLPs ``m{l}``), the embedding and the logits."""
+    def from_nodes(cls, nodes: Iterable[str], n_layers: int, n_heads: int, node_scores: Optional[dict] = None, *,
+                   layout: Layout = None) -> "Circuit":
+        """Every edge among ``nodes`` (heads ``a{l}.h{h}``, MLPs ``m{l}``), the embedding and the logits (and
+        from them into k/v receivers: see the module docstring)."""
         keep = set(nodes) | {EMBED, LOGITS}
-        g = EdgeGraph(n_layers, n_heads)
+        g = cls.empty(n_layers, n_heads, layout=layout).graph
         unknown = sorted(set(nodes) - set(g.senders))
         if unknown:
             raise PatchingError(f"unknown nodes {unknown[:5]}; use names like 'a0.h1' and 'm0'")
-        edges = frozenset((u, r) for u, r in g.edges() if u in keep and receiver_node(r) in keep)
-        return cls(n_layers, n_heads, edges, node_scores=dict(node_scores or {}))
+        edges = frozenset((u, r) for u, r in g.edges() if u in keep and (receiver_node(r) in keep or parse(r).kind == "kv"))
+        return cls(n_layers, n_heads, edges, node_scores=dict(node_scores or {}), layout=layout)
 
     @classmethod
     def from_edge_scores(
         cls, df: pd.DataFrame, n_layers: int, n_heads: int, *, threshold: Optional[float] = None,
-        top_n: Optional[int] = None, absolute: bool = True, prune: bool = True,
+        top_n: Optional[int] = None, absolute: bool = True, prune: bool = True, layout: Layout = None,
     ) -> "Circuit":
         """Edges whose score passes ``threshold`` (on |score| if ``absolute``) or the ``top_n`` best.
 
@@ -172,12 +201,12 @@ class Circuit:
                 if len(edges) >= top_n:
                     break
         scores = {(u, r): float(s) for u, r, s in zip(df["sender"], df["receiver"], df["score"]) if (u, r) in edges}
-        return cls(n_layers, n_heads, frozenset(edges), scores)
+        return cls(n_layers, n_heads, frozenset(edges), scores, layout=layout)
 
     @classmethod
     def from_node_scores(
         cls, scores: Union[PatchResult, pd.DataFrame], n_layers: int, n_heads: int, *,
-        threshold: Optional[float] = None, top_n: Optional[int] = None, absolute: bool = True,
+        threshold: Optional[float] = None, top_n: Optional[int] = None, absolute: bool = True, layout: Layout = None,
     ) -> "Circuit":
         """Heads (rows with ``layer`` and ``head``) and MLPs (``layer`` only, e.g. an ``mlp_out``
         sweep) whose score passes ``threshold`` or are the ``top_n`` best.
@@ -193,7 +222,7 @@ class Circuit:
         sel = df.loc[order]
         sel = sel.head(top_n) if top_n is not None else sel[key.loc[order] >= threshold]
         nodes = set(sel["node"])
-        return cls.from_nodes(nodes, n_layers, n_heads, node_scores=dict(zip(df["node"], df["score"])))
+        return cls.from_nodes(nodes, n_layers, n_heads, node_scores=dict(zip(df["node"], df["score"])), layout=layout)
 
 
 def _check_select(threshold: Optional[float], top_n: Optional[int]) -> None:
@@ -234,6 +263,22 @@ def _node_table(scores: Union[PatchResult, pd.DataFrame]) -> pd.DataFrame:
     return df.groupby("node", as_index=False)["score"].sum()
 
 
+def _check_graphs(circuits: Sequence[Circuit], graph: EdgeGraph) -> None:
+    """Each circuit's receivers are the model's (a circuit is a mask over the model's edges)."""
+    for c in circuits:
+        if c.graph != graph and c.layout is None and graph.grouped:
+            raise PatchingError(
+                "this model groups its k/v heads or has layers without k/v projections of their own (receivers "
+                "a{l}.kv{g}.k|v, or none): build the circuit over its receivers with layout=receiver_layout_of(model)"
+            )
+        if c.graph != graph:
+            raise PatchingError(
+                f"the circuit's receivers ({c.n_layers} x {c.n_heads}, layout {c.layout}) are not the model's "
+                f"({graph.n_layers} x {graph.n_heads}, per layer {[graph.layer_layout(l) for l in range(graph.n_layers)]}); "
+                "build it with layout=receiver_layout_of(model)"
+            )
+
+
 def _ablation_values(kind: str, s_clean: Tensor, s_corr: Tensor) -> Tensor:
     if kind == "resample":
         return s_corr
@@ -251,9 +296,7 @@ def run_with_circuit(
     """Logits ``[len(circuits), batch, pos, vocab]`` of ``tokens`` with every edge outside each
     circuit ablated to the sender values ``ablated`` ``[n_senders, batch, pos, d_model]``."""
     runner = _runner or EdgeRunner(model, backend)
-    if runner.graph.grouped:
-        raise PatchingError("circuits are edge sets of one receiver per head's k and v; this model groups its k/v heads "
-                            "(receivers a{l}.kv{g}.k|v): score its edges with edge_attribution / exact_edge_patch")
+    _check_graphs(circuits, runner.graph)
     dev = device(model)
     valid = runner.valid
     W = torch.stack([valid & ~c.mask() for c in circuits]).to(dev)
@@ -290,6 +333,7 @@ def faithfulness(
             )
     metric = metric if metric is not None else LogitDiff(pairs)
     runner = EdgeRunner(model, backend)
+    _check_graphs(circuits, runner.graph)
     dev = device(model)
     clean, corr = pairs.clean_tokens.to(dev), pairs.corrupted_tokens.to(dev)
     b = clean.shape[0]
@@ -297,7 +341,7 @@ def faithfulness(
     corr_logits, s_corr = runner.sender_cache(corr)
     m_clean = float(metric_values(metric, clean_logits, b).mean())
     m_corr = float(metric_values(metric, corr_logits, b).mean())
-    empty = Circuit.empty(cfg.n_layers, cfg.n_heads)
+    empty = Circuit.empty(cfg.n_layers, cfg.n_heads, layout=circuits[0].layout if circuits else None)
     rows = []
     for kind in ablations:
         abl = _ablation_values(kind, s_clean, s_corr)
@@ -315,4 +359,4 @@ def faithfulness(
     return pd.DataFrame(rows)
 
 
-__all__ = ["Circuit", "faithfulness", "run_with_circuit", "ABLATIONS"]
+__all__ = ["Circuit", "faithfulness", "run_with_circuit", "receiver_layout_of", "ABLATIONS"]

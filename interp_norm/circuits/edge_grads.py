@@ -59,6 +59,9 @@ def applies(model, runner, norm: str, pattern: str) -> bool:
         return False
     if not capabilities(model).hf_original or _has_hooks(model):
         return False
+    # every layer's q, k and v projections read its own residual (no KV sharing, no v = k): _head_vectors
+    if any(runner.graph.layer_layout(l)[1] != "qkv" for l in range(runner.L)):
+        return False
     return _parts(model) is not None
 
 
@@ -193,13 +196,13 @@ def _closed_form(norm: torch.nn.Module, x: Tensor, u: Tensor) -> Optional[Tensor
     return u.addcmul_(xh, proj, value=-1).mul_(r)
 
 
-def _head_vectors(model, runner, projs: list, grads: list[Tensor]) -> Tensor:
+def _head_vectors(runner, layer: int, projs: list, grads: list[Tensor]) -> Tensor:
     """[A, rows, n, d]: each attention receiver's ``W[h]^T dM/d(out_h)`` (its head's rows of its
-    projection's weight), in :meth:`EdgeGraph.attn_slots` order, as one batched product."""
-    dh = model.cfg.d_head
-    gs = [g.reshape(*g.shape[:2], -1, dh) for g in grads]  # [rows, n, heads, d_head] per input
+    projection's weight), in :meth:`EdgeGraph.attn_slots` order of ``layer``, as one batched product."""
     Ws = [p.original_component.weight.detach() for p in projs]  # [heads * d_head, d_model]
-    slots = runner.graph.attn_slots()
+    dh = Ws[0].shape[0] // runner.H  # this layer's d_head (Gemma 4's global layers have their own)
+    gs = [g.reshape(*g.shape[:2], -1, dh) for g in grads]  # [rows, n, heads, d_head] per input
+    slots = runner.graph.attn_slots(layer)
     G = torch.stack([gs[j][:, :, i] for j, i in slots])  # [A, rows, n, d_head]
     W = torch.stack([Ws[j][i * dh : (i + 1) * dh] for j, i in slots]).to(G.dtype)  # [A, d_head, d_model]
     return torch.bmm(G.flatten(1, 2), W).view(*G.shape[:3], -1)
@@ -210,7 +213,7 @@ def _assemble(model, runner, parts: list, seen: dict, grads: dict) -> Iterator[T
     block is scored while it is in cache): per layer its attention receivers
     (:meth:`EdgeGraph.attn_slots`) [A, rows, n, d], its MLP [1, ...]; then the logits [1, ...]."""
     for l, (ln1, projs, ln2) in enumerate(parts):
-        vecs = _head_vectors(model, runner, projs, [grads[f"{j}.{l}"] for j in QKV])
+        vecs = _head_vectors(runner, l, projs, [grads[f"{j}.{l}"] for j in QKV])
         yield _through_norm(ln1, seen[f"x1.{l}"], vecs, own=True)
         yield _through_norm(ln2, seen[f"x2.{l}"], grads[f"mlp.{l}"].unsqueeze(0))
     yield _through_norm(runner.model.ln_final, seen["xf"], grads["yf"].unsqueeze(0))

@@ -14,9 +14,17 @@ since the model projects the embedding into it: part of the integration path). T
 scalar (``hidden *= layer_scalar``, the whole residual after the layer) is folded into the paths:
 sender ``u`` of layer ``l`` reaches a receiver of layer ``l'`` as ``s_l ... s_{l'-1}`` times its
 output (the embedding from layer 0; the logits read after the last layer), so an edge's
-correction and its score carry that product (:func:`scalar_paths`). KV sharing and ``v = k``
-leave a layer without k/v inputs of its own, and the mixture-of-experts block reads the residual
-through a second norm outside the MLP's input, so those stay refused.
+correction and its score carry that product (:func:`scalar_paths`).
+
+KV sharing, ``v = k`` and per-layer k/v head counts give each layer its own receivers
+(:func:`receiver_layout`). Choice: receivers follow the computation -- a k/v receiver is where a k/v
+projection reads the residual -- because that is the only place an edge can act on keys and values.
+A ``v = k`` layer has q and k receivers, its k receiver feeding both its keys and its values (v is
+``v_norm`` of the raw k). A KV-sharing layer has q receivers only: its keys and values are the source
+layer's, made from the source layer's residual, so an edge into the source's k (or v) receiver moves
+the attention of the source layer *and* of every layer sharing its cache, and a sender after the
+source layer reaches the shared keys and values by no edge at all. The mixture-of-experts block reads
+the residual through a second norm outside the MLP's input: its MLP receiver is undefined, refused.
 """
 
 from __future__ import annotations
@@ -43,13 +51,14 @@ def branch_hooks(block: Any) -> Optional[tuple[str, str]]:
 Branch = Optional[tuple[str, str]]
 
 
-def check_hf_bridge(model) -> tuple[Optional[int], Any, list[Branch]]:
-    """(k/v head count, attention anatomy, per layer: its per-layer-input branch's hooks
-    (:func:`branch_hooks`) or None) of a Hugging Face bridge whose edges are defined; a typed error
+def check_hf_bridge(model) -> tuple[Optional[list[tuple[int, str]]], Any, list[Branch]]:
+    """(per layer (k/v heads, inputs) -- :func:`receiver_layout` --, attention anatomy, per layer: its
+    per-layer-input branch's hooks (:func:`branch_hooks`) or None) of a Hugging Face bridge whose edges
+    are defined (layout and anatomy None for a model the anatomy does not describe); a typed error
     where not (see the module docstring)."""
     from interp_norm.anatomy import ArchitectureError, anatomy, capabilities, original
 
-    none: tuple[Optional[int], Any, list[Branch]] = (None, None, [None] * model.cfg.n_layers)
+    none: tuple[Optional[list[tuple[int, str]]], Any, list[Branch]] = (None, None, [None] * model.cfg.n_layers)
     if getattr(model, "original_model", None) is None or capabilities(model).full_vocabulary:
         return none
     try:
@@ -72,17 +81,15 @@ def check_hf_bridge(model) -> tuple[Optional[int], Any, list[Branch]]:
             f"hooks on that branch (per_layer_input_gate.hook_in, post_per_layer_input_norm.hook_out), so edges into "
             f"it cannot be applied; {_NODE_LEVEL}"
         )
-    shared = [la.layer for la in anat.layers if la.shares_kv or la.v_from_k]
-    if shared:
-        raise PatchingError(
-            f"{anat.architecture} layers {shared} read keys/values that are not their own k and v inputs (KV sharing or "
-            f"v = k), so edges into them are undefined; {_NODE_LEVEL}"
-        )
-    kv = {la.n_kv_heads for la in anat.layers}
-    if len(kv) > 1:
-        raise PatchingError(f"edge receivers need one k/v head count for every layer, but {anat.architecture} has "
-                            f"{sorted(kv)}; {_NODE_LEVEL}")
-    return kv.pop(), anat, branch
+    return receiver_layout(anat), anat, branch
+
+
+def receiver_layout(anat: Any) -> list[tuple[int, str]]:
+    """Per layer (k/v head count, inputs its attention reads from the residual: ``"qkv"``; ``"qk"`` where v
+    is ``v_norm`` of the raw k; ``"q"`` where it reads an earlier layer's keys and values). Receivers follow
+    the computation: a k/v receiver is where a k/v projection reads the residual, so a KV-sharing layer
+    has none of its own -- its keys and values move with the source layer's k/v receivers."""
+    return [(la.n_kv_heads, "q" if la.shares_kv else "qk" if la.v_from_k else "qkv") for la in anat.layers]
 
 
 def layer_scalars(model) -> Optional[list[float]]:
@@ -100,12 +107,14 @@ def layer_scalars(model) -> Optional[list[float]]:
 
 def scalar_paths(graph: Any, scalars: list[float]) -> torch.Tensor:
     """[U, R] float64: the product of the layer scalars between sender ``u``'s write and receiver
-    ``r``'s read (``s_l ... s_{l'-1}``; 1 within a layer), the factor on edge ``u -> r``."""
-    L, A = graph.n_layers, graph.n_attn_receivers
+    ``r``'s read (``s_l ... s_{l'-1}``; 1 within a layer), the factor on edge ``u -> r``. A KV-sharing
+    layer has no k/v receivers: the source layer's are read in the source layer, whichever layers
+    use the keys and values they make."""
+    L = graph.n_layers
     start = [0] + [l for l in range(L) for _ in range(graph.n_heads + 1)]  # the layer each sender writes in
-    read = [l for l in range(L) for _ in range(A + 1)] + [L]  # the layer each receiver reads in
+    read = graph.receiver_layers()  # the layer each receiver reads in
     sc = torch.tensor(scalars, dtype=torch.float64)
     return torch.tensor([[float(sc[a:b].prod()) for b in read] for a in start], dtype=torch.float64)
 
 
-__all__ = ["Branch", "branch_hooks", "check_hf_bridge", "layer_scalars", "scalar_paths"]
+__all__ = ["Branch", "branch_hooks", "check_hf_bridge", "receiver_layout", "layer_scalars", "scalar_paths"]

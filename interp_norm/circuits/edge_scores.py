@@ -55,11 +55,14 @@ def edge_attribution(
     bridges as there); edges into queries and keys then score 0 with frozen patterns.
     On a Pre-Norm bridge (``backend="auto"``) every receiver's gradient comes from one plain backward
     pass (:mod:`~interp_norm.circuits.edge_grads`); ``backend="copies"`` forces the receiver copies.
-    Grouped k/v heads: one k and one v receiver per k/v head. Post-norm heads (OLMo-2, Gemma 4): the
-    sender's difference is taken through the norm's Jacobian at the run differentiated (each
-    integration point for EAP-IG; :mod:`~interp_norm.circuits.edge_post_norm`); with
-    ``norm="frozen"`` through the norm with its scale held at that run's value, the scale the freeze
-    hooks hold in the backward, so the whole estimate is the derivative of the frozen-scale model.
+    Grouped k/v heads: one k and one v receiver per k/v head. Gemma 4: each layer has the receivers its
+    projections read (:mod:`~interp_norm.circuits.edge_layer_input`) -- a ``k = v`` layer's ``k`` receiver
+    feeds its keys and values, a KV-sharing layer has q receivers only and its keys and values move with
+    the source layer's k/v receivers. Post-norm heads (OLMo-2, Gemma 4): the sender's difference is taken
+    through the norm's Jacobian at the run differentiated (each integration point for EAP-IG;
+    :mod:`~interp_norm.circuits.edge_post_norm`); with ``norm="frozen"`` through the norm with its scale
+    held at that run's value, the scale the freeze hooks hold in the backward, so the whole estimate is
+    the derivative of the frozen-scale model.
     """
     pairs = as_pairs(pairs)
     dev = device(model)
@@ -73,7 +76,7 @@ def edge_attribution(
     b, n = clean.shape
     # rows per pass: every example costs ~3*n_heads residual copies (split q/k/v inputs) or
     # 1 + 3*n_heads batch copies; chunk the examples too when the metric can be split
-    A = runner.graph.n_attn_receivers
+    A = runner.graph.max_attn_receivers  # the split backend's graphs have one count for every layer
     cost = A if runner.backend == "split" else 1 + A
     if batch_size is None:  # ~16 saved tensors of [n, d_model] per layer and residual copy
         per_example = cost * n * model.cfg.d_model * model.cfg.n_layers * 16 * 4
@@ -161,8 +164,8 @@ def _pass_scores(runner: EdgeRunner, d: Tensor, g: Union[Tensor, Iterable[Tensor
         if runner.has_post_norms:
             moved = runner.linearised(d.double().repeat(1, m, 1, 1), runner.last_sums, held=held)
             return torch.einsum("ubnd,rbnd->ur", moved, g.double()).cpu()
-        A = graph.n_attn_receivers
-        g = [blk for r0 in range(0, g.shape[0] - 1, A + 1) for blk in (g[r0 : r0 + A], g[r0 + A : r0 + A + 1])] + [g[-1:]]
+        spans = [graph.attn_receivers(l) for l in range(runner.L)]  # per layer its attention receivers, then its MLP
+        g = [blk for a in spans for blk in (g[a], g[a.stop : a.stop + 1])] + [g[-1:]]
     blocks = iter(g)
     first = next(blocks)
     dt = torch.promote_types(first.dtype, torch.float32)

@@ -18,7 +18,12 @@ Because the residual stream is a sum, a receiver's input is the sum of the sende
   ``hook_q/k/v`` take head ``h`` from it. Exact, at ``1 + 3*n_heads`` times the compute. With
   grouped k/v heads (Llama, Qwen3) the copies are one per query head and two per k/v head, and the
   main copy's ``hook_k/v`` (``[.., n_kv_heads, d_head]``) take k/v head ``g`` from its copy: the
-  grouped weights are used as they are.
+  grouped weights are used as they are. Per layer, the copies are that layer's receivers
+  (:class:`~interp_norm.circuits.edge_graph.EdgeGraph`'s layout; a pass carries as many as the
+  layer with the most): a Gemma 4 ``k = v`` layer has no v hook, its k copy feeds keys and values;
+  a KV-sharing layer has q copies alone, and reads the keys and values the source layer made from
+  its own (corrected) k/v copies -- the model's cache carries an edge into the source's k/v receiver
+  to every layer sharing it, and autograd carries their gradients back to it.
 
 Gemma 4's per-layer-input branch is part of its layer's MLP node (sender and receiver;
 :mod:`~interp_norm.circuits.edge_layer_input`, which also decides which bridges have edges).
@@ -30,17 +35,16 @@ sum to ``hook_attn_out`` minus the scaled bias.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from interp_norm.core import nodes
-from interp_norm.anatomy import capabilities
+from interp_norm.anatomy import capabilities, original
 from interp_norm.circuits._types import device, require_eval
+from interp_norm.circuits.edge_graph import EdgeGraph
 from interp_norm.circuits.edge_layer_input import Branch, check_hf_bridge, layer_scalars, scalar_paths
 from interp_norm.circuits.edge_senders import block_or_final, capture_hooks, run_until, sender_blocks, sender_names
 from interp_norm.circuits.edge_post_norm import (held_scale_head_deltas, linearised_head_deltas, post_attention_norms,
@@ -50,85 +54,6 @@ from interp_norm.core.hook_names import act_name
 from interp_norm.core.nodes import QKV, receiver_node
 from interp_norm.core.model import HookedNormTransformer
 
-
-
-@dataclass(frozen=True)
-class EdgeGraph:
-    """Sender and receiver names of a model shape, and which (sender, receiver) pairs are edges.
-
-    ``n_kv_heads`` (default ``n_heads``): with fewer, grouped, k/v heads the key and value receivers
-    are one per k/v head (``a{l}.kv{g}.k`` / ``.v``, :func:`interp_norm.core.nodes.kv_input`): the
-    query heads of a group read one shared input, so an edge into it is one edge, not one per head.
-    """
-
-    n_layers: int
-    n_heads: int
-    n_kv_heads: Optional[int] = None
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def grouped(self) -> bool:
-        return self.kv_heads != self.n_heads
-
-    @property
-    def n_attn_receivers(self) -> int:
-        """Receivers per attention layer: 3 per head, or one q per head plus k and v per k/v head."""
-        return self.n_heads + 2 * self.kv_heads
-
-    def attn_slots(self) -> list[tuple[int, int]]:
-        """(input j = 0/1/2 for q/k/v, index on that input's head axis) of each attention receiver, in order."""
-        if not self.grouped:
-            return [(j, h) for h in range(self.n_heads) for j in range(3)]
-        return [(0, h) for h in range(self.n_heads)] + [(j, g) for g in range(self.kv_heads) for j in (1, 2)]
-
-    @property
-    def senders(self) -> list[str]:
-        return nodes.senders(self.n_layers, self.n_heads)
-
-    @property
-    def receivers(self) -> list[str]:
-        return nodes.receivers(self.n_layers, self.n_heads, self.n_kv_heads)
-
-    def sender_index(self, layer: int, what: str, head: int = 0) -> int:
-        """Index of ``embed`` / head ``(layer, head)`` (what='head') / MLP ``layer`` (what='mlp')."""
-        if what == "embed":
-            return 0
-        base = 1 + layer * (self.n_heads + 1)
-        return base + head if what == "head" else base + self.n_heads
-
-    def receiver_index(self, layer: int, what: str, head: int = 0, j: int = 0) -> int:
-        """Index of head ``head``'s input ``j`` (what='head'; with grouped k/v heads, ``head`` of
-        k and v is the k/v head), MLP ``layer`` (what='mlp') or the logits."""
-        A = self.n_attn_receivers
-        if what == "logits":
-            return self.n_layers * (A + 1)
-        base = layer * (A + 1)
-        if what != "head":
-            return base + A
-        return base + self.attn_slots().index((j, head))
-
-    def n_senders_before(self, layer: int, what: str) -> int:
-        """How many senders are computed before the attention ('attn') or MLP ('mlp') of ``layer``."""
-        base = 1 + layer * (self.n_heads + 1)
-        return base if what == "attn" else base + self.n_heads
-
-    def valid(self) -> Tensor:
-        """[n_senders, n_receivers] bool: u writes into the residual stream before r reads it."""
-        U, R = len(self.senders), len(self.receivers)
-        v = torch.zeros(U, R, dtype=torch.bool)
-        for l in range(self.n_layers):
-            r0 = l * (self.n_attn_receivers + 1)
-            v[: self.n_senders_before(l, "attn"), r0 : r0 + self.n_attn_receivers] = True
-            v[: self.n_senders_before(l, "mlp"), self.receiver_index(l, "mlp")] = True
-        v[:, -1] = True
-        return v
-
-    def edges(self) -> list[tuple[str, str]]:
-        s, r, v = self.senders, self.receivers, self.valid()
-        return [(s[i], r[j]) for i, j in zip(*np.nonzero(v.numpy()))]
 
 
 # ----------------------------------------------------------------------------- edge runner
@@ -192,6 +117,17 @@ def _fires(model, name: str) -> bool:
     return name in seen
 
 
+def out_weight(model, layer: int, la: Any = None) -> Tensor:
+    """[H, d_head, d_model] output weight of attention ``layer``, detached. A bridge's ``W_O`` splits with the
+    config's d_head; a layer with its own (``la``, its anatomy: Gemma 4's global layers) has its wrapped
+    projection read instead."""
+    attn = model.blocks[layer].attn
+    if la is None or la.d_head == model.cfg.d_head:
+        return attn.W_O.detach()
+    w = original(attn).o_proj.weight.detach()  # [d_model, H * d_head]
+    return w.view(w.shape[0], la.n_heads, la.d_head).permute(1, 2, 0)
+
+
 class EdgeRunner:
     """Forward passes with per-receiver interventions (see module docstring for the backends)."""
 
@@ -200,9 +136,9 @@ class EdgeRunner:
         cfg = model.cfg
         self.model = model
         self.L, self.H = cfg.n_layers, cfg.n_heads
-        n_kv, anat, self.branch = check_hf_bridge(model)  # branch: Gemma 4's per-layer-input term, part of m{l}
+        layout, anat, self.branch = check_hf_bridge(model)  # branch: Gemma 4's per-layer-input term, part of m{l}
         self.post_norms = [None] * self.L if anat is None else post_attention_norms(model, anat)
-        self.graph = EdgeGraph(self.L, self.H, None if n_kv in (None, self.H) else n_kv)
+        self.graph = EdgeGraph(self.L, self.H) if layout is None else EdgeGraph.of_layers(self.L, self.H, layout)
         self.valid = self.graph.valid()
         scalars = layer_scalars(model)  # Gemma 4's layer_scalar: each edge's factor (None: all 1)
         self.scale = None if scalars is None else scalar_paths(self.graph, scalars)
@@ -213,7 +149,8 @@ class EdgeRunner:
             split = ours or getattr(cfg, "use_split_qkv_input", False)
             backend = "split" if split and not self.graph.grouped else "copies"
         if backend == "split" and self.graph.grouped:
-            raise PatchingError("backend='split' gives every head its own k/v input; with grouped k/v heads use backend='copies'")
+            raise PatchingError("backend='split' gives every head its own q, k and v input; with grouped k/v heads (or layers "
+                                "without k/v inputs of their own) use backend='copies'")
         if backend == "split" and not ours and not getattr(cfg, "use_split_qkv_input", False):
             raise PatchingError(
                 "backend='split' needs per-head q/k/v input hooks (use_split_qkv_input); this model has none -- use backend='copies'"
@@ -225,7 +162,7 @@ class EdgeRunner:
             twin = HookedNormTransformer(cfg.replace(use_split_qkv_input=True)).to(p0.device, p0.dtype)
             twin.load_state_dict(model.state_dict())
             self.run_model = twin.eval()
-        self.W_O = torch.stack([model.blocks[l].attn.W_O.detach() for l in range(self.L)])  # [L, H, dh, d]
+        self.W_O = [out_weight(model, l, None if anat is None else anat.layers[l]) for l in range(self.L)]  # per layer [H, dh, d] (dh may differ per layer)
         self.b_O = [getattr(model.blocks[l].attn, "b_O", None) for l in range(self.L)]
         self.last_sums: dict[int, Tensor] = {}  # post-norm layers' pre-norm attention outputs in the last run
         # what attention adds to the residual is attn.out(z) through the block's update calibration
@@ -330,11 +267,7 @@ class _EdgePass:
         self.L, self.H = runner.L, runner.H
         self.B, self.n = shape
         self.copies = runner.backend == "copies"
-        self.A = self.graph.n_attn_receivers
-        self.C = 1 + self.A if self.copies else 1
-        # copies backend: for input j (q/k/v), the copy that carries each index of that input's head axis
-        slots = self.graph.attn_slots()
-        self.copy_of = [[1 + slots.index((j, i)) for i in range(self.H if j == 0 else self.graph.kv_heads)] for j in range(3)]
+        self.C = 1 + self.graph.max_attn_receivers if self.copies else 1
         self.G = 1 if weights is None else weights.shape[0]
         if self.B % self.G:
             raise PatchingError("rows must split evenly into the weight groups")
@@ -356,11 +289,10 @@ class _EdgePass:
         if self.runner.has_pos:
             hooks.append((act_name("pos_embed"), self.hook_pos))
         for l in range(self.L):
-            r_attn = slice(g.receiver_index(l, "head"), g.receiver_index(l, "head") + self.A)
-            u_attn = g.n_senders_before(l, "attn")
+            r_attn, u_attn = g.attn_receivers(l), g.n_senders_before(l, "attn")
             if self.copies:
                 hooks.append((act_name("resid_pre", l), partial(self.h_resid_pre, l=l, r_attn=r_attn, u_attn=u_attn)))
-                hooks += [(act_name(nm, l), partial(self.h_qkv, j=j)) for j, nm in enumerate(QKV)]
+                hooks += [(act_name(QKV[j], l), partial(self.h_qkv, copies=c)) for j, c in self.copy_of(l).items()]
             else:
                 hooks += [(act_name(f"{nm}_input", l), partial(self.h_input, l=l, j=j, r_attn=r_attn, u_attn=u_attn))
                           for j, nm in enumerate(QKV)]
@@ -376,6 +308,14 @@ class _EdgePass:
         return hooks
 
     # -- bookkeeping -----------------------------------------------------------------------
+    def copy_of(self, layer: int) -> dict[int, list[int]]:
+        """Copies backend: for each input j (q/k/v) ``layer`` reads, the copy carrying each index of that
+        input's head axis (a layer without v -- or k and v -- projections of its own has no hook there)."""
+        slots = self.graph.attn_slots(layer)
+        kv, inputs = self.graph.layer_layout(layer)
+        js = ["qkv".index(c) for c in inputs]
+        return {j: [1 + slots.index((j, i)) for i in range(self.H if j == 0 else kv)] for j in js}
+
     def corr_for(self, r_slice: slice, u_avail: int) -> Optional[Tensor]:
         """[len(r), B, n, d] corrections for receivers r_slice from the first u_avail senders."""
         if self.weights is None:
@@ -437,21 +377,24 @@ class _EdgePass:
         return x
 
     def h_resid_pre(self, x: Tensor, hook: Any, *, l: int, r_attn: slice, u_attn: int) -> Tensor:
-        """Copies backend: copy ``1 + i`` carries the layer's attention receiver i's input, corrected."""
+        """Copies backend: copy ``1 + i`` carries the layer's attention receiver i's input, corrected (copies
+        past the layer's receivers, where another layer has more, carry the main copy's)."""
         B, n = self.B, self.n
         m0 = x.view(self.C, B, n, -1)[0]
         corr = self.corr_for(r_attn, u_attn)
-        rest = m0.unsqueeze(0).expand(self.A, B, n, m0.shape[-1])
+        A = r_attn.stop - r_attn.start
+        rest = m0.unsqueeze(0).expand(A, B, n, m0.shape[-1])
         if corr is not None:
             rest = rest - corr
         if self.leaves:
             rest = rest + self.new_leaf(f"attn{l}", rest)
-        return torch.cat([m0.unsqueeze(0), rest]).reshape(x.shape)
+        pad = [m0.unsqueeze(0).expand(self.C - 1 - A, B, n, m0.shape[-1])] if A < self.C - 1 else []
+        return torch.cat([m0.unsqueeze(0), rest, *pad]).reshape(x.shape)
 
-    def h_qkv(self, x: Tensor, hook: Any, *, j: int) -> Tensor:
-        """Copies backend: the main copy's q/k/v of (k/v) head i come from the copy of receiver (j, i)."""
+    def h_qkv(self, x: Tensor, hook: Any, *, copies: list[int]) -> Tensor:
+        """Copies backend: the main copy's q/k/v of (k/v) head i come from copy ``copies[i]``, receiver (j, i)'s."""
         xv = x.view(self.C, self.B, *x.shape[1:])  # [C, B, n, heads of input j, dh]
-        copies = torch.tensor(self.copy_of[j], device=x.device)
+        copies = torch.tensor(copies, device=x.device)  # type: ignore[assignment]  # the same indices, on x's device
         picked = xv[copies, :, :, torch.arange(len(copies), device=x.device)]  # [heads, B, n, dh]
         return torch.cat([picked.permute(1, 2, 0, 3).unsqueeze(0), xv[1:]]).reshape(x.shape)
 

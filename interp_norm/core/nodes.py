@@ -7,6 +7,11 @@ Senders write into the residual stream: ``embed``, head ``(l, h)``'s output ``a{
 are EAP-IG/MIB's (``input`` there is our ``embed``), so scores and circuits move between the two.
 With grouped key/value heads (several query heads sharing one key and value input) the key and
 value receivers are per k/v head instead: ``a{l}.kv{g}.k`` / ``.v`` (MIB has no name for these).
+A layer's attention reads the residual through up to three inputs (:data:`LAYER_INPUTS`): its own q, k and v
+(``"qkv"``); q and k only (``"qk"``: a Gemma 4 "k = v" layer has no v projection, its values are
+``v_norm`` of the raw keys, so its ``k`` receiver feeds its keys *and* its values); or q only (``"q"``: a
+KV-sharing layer reads an earlier layer's keys and values, so edges reach them through that layer's
+k/v receivers).
 No imports: the command line and the plots read it without loading torch.
 """
 
@@ -15,12 +20,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cache
-from typing import Optional
+from typing import Optional, Sequence
 
 EMBED = "embed"
 LOGITS = "logits"
 #: A head's inputs, each a receiver of its own.
 QKV: tuple[str, ...] = ("q", "k", "v")
+#: What an attention layer reads the residual with: own q/k/v, q and k (k feeds keys and values), q alone (KV sharing).
+LAYER_INPUTS: tuple[str, ...] = ("qkv", "qk", "q")
 
 _NAME = re.compile(r"^(?:a(?P<l>\d+)\.h(?P<h>\d+)(?:\.(?P<j>[qkv]))?|a(?P<gl>\d+)\.kv(?P<g>\d+)\.(?P<gj>[kv])"
                    r"|m(?P<m>\d+)|(?P<end>embed|logits))$")
@@ -102,19 +109,26 @@ def senders(n_layers: int, n_heads: int) -> list[str]:
     return out
 
 
-def attention_receivers(layer: int, n_heads: int, n_kv_heads: Optional[int] = None) -> list[str]:
-    """The receivers of one attention layer: each head's q, k, v; with grouped k/v heads
-    (``n_kv_heads`` < ``n_heads``) each head's q, then each k/v head's k and v."""
+def attention_receivers(layer: int, n_heads: int, n_kv_heads: Optional[int] = None, inputs: str = "qkv") -> list[str]:
+    """The receivers of one attention layer reading ``inputs`` (:data:`LAYER_INPUTS`): each head's
+    q, k, v in turn; with grouped k/v heads (``n_kv_heads`` < ``n_heads``) each head's q, then each k/v
+    head's k and v. An input the layer does not read has no receiver."""
+    if inputs not in LAYER_INPUTS:
+        raise ValueError(f"an attention layer reads one of {LAYER_INPUTS}, got {inputs!r}")
     if n_kv_heads is None or n_kv_heads == n_heads:
-        return [head_input(layer, h, j) for h in range(n_heads) for j in QKV]
-    return [head_input(layer, h, "q") for h in range(n_heads)] + [kv_input(layer, g, j) for g in range(n_kv_heads) for j in QKV[1:]]
+        return [head_input(layer, h, j) for h in range(n_heads) for j in inputs]
+    return [head_input(layer, h, "q") for h in range(n_heads)] + [kv_input(layer, g, j) for g in range(n_kv_heads) for j in inputs[1:]]
 
 
-def receivers(n_layers: int, n_heads: int, n_kv_heads: Optional[int] = None) -> list[str]:
-    """Every receiver in the order they read: per layer its attention receivers and the MLP, then logits."""
+def receivers(n_layers: int, n_heads: int, n_kv_heads: Optional[int] = None,
+              layout: Optional[Sequence[tuple[int, str]]] = None) -> list[str]:
+    """Every receiver in the order they read: per layer its attention receivers and the MLP, then logits.
+    ``layout``: per layer (k/v heads, inputs) where layers differ (Gemma 4); else every layer has
+    ``n_kv_heads`` (default ``n_heads``) and reads q, k and v."""
+    per_layer = [(n_kv_heads, "qkv")] * n_layers if layout is None else list(layout)
     out = []
-    for l in range(n_layers):
-        out += attention_receivers(l, n_heads, n_kv_heads) + [mlp(l)]
+    for l, (kv, inputs) in enumerate(per_layer):
+        out += attention_receivers(l, n_heads, kv, inputs) + [mlp(l)]
     return out + [LOGITS]
 
 
@@ -123,5 +137,5 @@ def components(n_layers: int, n_heads: int) -> list[str]:
     return [head(l, h) for l in range(n_layers) for h in range(n_heads)] + [mlp(l) for l in range(n_layers)]
 
 
-__all__ = ["EMBED", "LOGITS", "QKV", "Node", "head", "head_input", "kv_input", "mlp", "parse", "receiver_node", "receiver_input",
+__all__ = ["EMBED", "LOGITS", "QKV", "LAYER_INPUTS", "Node", "head", "head_input", "kv_input", "mlp", "parse", "receiver_node", "receiver_input",
            "senders", "attention_receivers", "receivers", "components"]
