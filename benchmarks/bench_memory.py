@@ -5,8 +5,8 @@ The folder: a random ``Qwen3ForCausalLM`` of Qwen3-0.6B's shape (28 layers, d_mo
 8 key-value heads of 128, gated MLP 3072, vocabulary 151 936, tied embeddings: 596M parameters,
 2.4 GB in float32), written once with ``save_pretrained`` into ``--cache`` in float32 and in
 bfloat16; each run loads one in its stored dtype, or ``float32:bfloat16`` loads the float32 folder
-with ``--dtype bfloat16`` (converted at load; the ratio is then over the bfloat16 weights). Nothing is
-downloaded.
+with ``--dtype bfloat16`` (converted at load, the embedding through a mapped temporary file in ``TMPDIR``;
+the ratio is then over the bfloat16 weights). Nothing is downloaded.
 
 Each command runs in its own child process (``python -m interp_norm.cli``, ``nice -n 5``, one torch
 thread), and its peak resident memory is the kernel's high-water mark of that child
@@ -20,6 +20,7 @@ several values, e.g. ``--window-batch 2 0``, are printed side by side, 0 = every
 
     nice -n 5 .venv/bin/python benchmarks/bench_memory.py                 # both sizes and dtypes, all three commands
     nice -n 5 .venv/bin/python benchmarks/bench_memory.py --sizes 2x128 --dtypes bfloat16
+    nice -n 5 .venv/bin/python benchmarks/bench_memory.py --dtypes float32:bfloat16 bfloat16 --load-probe
     nice -n 5 .venv/bin/python benchmarks/bench_memory.py --sizes 4x256 16x256 --window-batch 2 0 --dtypes float32 --commands collapse geometry
 """
 
@@ -91,6 +92,39 @@ print(code, time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDRE
 """
 
 
+LOAD_PROBE = """
+import re, sys
+import interp_norm
+import interp_norm.anatomy.build as build
+seen = {}
+real = build.bridge_from_hf
+build.bridge_from_hf = lambda m, **kw: seen.update(m.state_dict(keep_vars=True)) or real(m, **kw)
+bridge = interp_norm.load(sys.argv[1], dtype=sys.argv[2])
+emb = bridge.original_model.get_input_embeddings().weight
+tied = [n for n, t in seen.items() if t.data_ptr() == emb.data_ptr()]
+where = 'not found'
+for block in re.split(r"\\n(?=[0-9a-f]+-[0-9a-f]+ )", open('/proc/self/smaps').read()):
+    lo, hi = (int(x, 16) for x in block.split()[0].split('-'))
+    if lo <= emb.data_ptr() < hi:
+        kb = {k: int(v) for k, v in re.findall(r"^(Size|Rss|Anonymous):\\s+(\\d+) kB", block, re.M)}
+        name = block.splitlines()[0].split(maxsplit=5)[5:] or ['anonymous memory']
+        where = f"{name[0].strip()}: {kb['Size'] / 2**20:.2f} GiB mapped, {kb['Rss'] / 2**20:.2f} GiB resident"
+hwm = int(re.search(r"VmHWM:\\s+(\\d+) kB", open('/proc/self/status').read()).group(1))
+print(f"load peak {hwm * 1024 / 1e9:.2f} GB; embedding ({', '.join(tied)}) in {where}")
+"""
+
+
+def load_probe(folder: Path, dtype: str) -> str:
+    """Where the loaded model's input embedding lives (its /proc/self/smaps mapping: file or anonymous,
+    resident part) and the load's peak, in a fresh child process that only loads."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    res = subprocess.run([sys.executable, "-c", LOAD_PROBE, str(folder), dtype], env=env, capture_output=True,
+                         text=True, cwd=ROOT)
+    if res.returncode != 0:
+        raise SystemExit(f"load probe failed:\n{res.stderr[-3000:]}")
+    return res.stdout.strip().splitlines()[-1]
+
+
 def run(command: str, folder: Path, dtype: str, size: tuple[int, int], wb: int, args: argparse.Namespace,
         out: Path) -> dict:
     windows, n_ctx = size
@@ -129,12 +163,19 @@ def main() -> None:
                          "side by side")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--load-probe", action="store_true",
+                    help="only load each folder (no command) and print the load's peak and where the embedding lives "
+                         "(Linux /proc)")
     args = ap.parse_args()
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
     folders = {d: build_folder(cache / f"qwen3-0.6b-shaped-{d.split(':')[0]}", d.split(":")[0]) for d in args.dtypes}
     if args.build_only:
         print(json.dumps({d: str(f) for d, f in folders.items()}))
+        return
+    if args.load_probe:
+        for spec, folder in folders.items():
+            print(f"{spec.replace(':', '>')}: {load_probe(folder, spec.split(':')[-1])}", flush=True)
         return
     out = Path(tempfile.mkdtemp(prefix="bench_memory_"))
     print(f"Qwen3-0.6B-shaped random folder; noise --batch-size 1; {args.threads} thread(s); "

@@ -91,6 +91,12 @@ class NoTokenizerWarning(UserWarning):
     token ids, but ``to_tokens`` cannot work and text analyses fall back to random token ids."""
 
 
+class ConvertedInMemoryWarning(UserWarning):
+    """Large tensors converted to another dtype at load are held in memory, not mapped from a temporary
+    file (too little free disk, or a temporary folder kept in RAM): the process holds all of each, where a
+    folder stored in that dtype would bring only the rows an analysis reads."""
+
+
 class StatisticsError(InterpNormError, ValueError):
     """A statistic over seeds got unusable input (NaN values, an empty arm, a level outside (0, 1))."""
 
@@ -123,5 +129,6 @@ __all__ = [
     "ArchitectureError",
     "TaskMismatchWarning",
     "OutOfDistributionWarning",
+    "ConvertedInMemoryWarning",
     "StatisticsError",
 ]

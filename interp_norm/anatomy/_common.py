@@ -1,4 +1,5 @@
-"""Small helpers every adapter module needs: hook-tensor layouts and the HF module behind a component.
+"""Small helpers every adapter module needs: hook-tensor layouts, the HF module behind a component,
+and where a warning about the user's call should point.
 
 They sit below :mod:`describe`, :mod:`rebuild` and :mod:`bridge_anatomy` so that none of those
 has to import another only for a layout conversion (the import graph stays acyclic).
@@ -65,4 +66,18 @@ def original(component: Any) -> Optional[nn.Module]:
     return orig if orig is not None else component
 
 
-__all__ = ["canonical", "from_canonical", "is_bridge", "wrapped", "original"]
+def outside_stacklevel() -> int:
+    """The ``stacklevel`` (for a warning raised by the caller) of the first frame outside this package:
+    the user's ``interp_norm.load(...)`` line, however many loaders lie between."""
+    from pathlib import Path
+    from types import FrameType
+
+    package = str(Path(__file__).resolve().parents[1])
+    level = 1
+    frame_or_none: Optional[FrameType] = sys._getframe(1)  # the function that warns
+    while frame_or_none is not None and str(Path(frame_or_none.f_code.co_filename).resolve()).startswith(package):
+        level, frame_or_none = level + 1, frame_or_none.f_back
+    return level
+
+
+__all__ = ["canonical", "from_canonical", "is_bridge", "wrapped", "original", "outside_stacklevel"]

@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import torch
 
+from interp_norm.anatomy._common import outside_stacklevel as _outside_stacklevel
 from interp_norm.training.checkpoint_format import folder_kind
 from interp_norm.errors import ArchitectureError, CheckpointError, CheckpointNotFoundError, ConfigError, NoTokenizerWarning
 
@@ -118,20 +119,6 @@ def _converted_weights(folder: Path, dtype: Any, concrete: Any) -> Optional[dict
     if any(getattr(concrete, a, None) for a in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")):
         return None  # it keeps some weights in float32: they must be read as stored
     return read_converted(folder, dtype)
-
-
-def _outside_stacklevel() -> int:
-    """The ``stacklevel`` (for a warning raised by the caller) of the first frame outside this package:
-    the user's ``interp_norm.load(...)`` line, however many loaders lie between."""
-    import sys
-    from types import FrameType
-
-    package = str(Path(__file__).resolve().parents[1])
-    level = 1
-    frame_or_none: Optional[FrameType] = sys._getframe(1)  # the function that warns
-    while frame_or_none is not None and str(Path(frame_or_none.f_code.co_filename).resolve()).startswith(package):
-        level, frame_or_none = level + 1, frame_or_none.f_back
-    return level
 
 
 def _hf_snapshot(name: str, cache_dir: Optional[str]) -> Optional[Path]:

@@ -94,10 +94,12 @@ _PACKAGE = str(Path(__file__).resolve().parents[1])
 
 def _show_warning(prog: str, flags: dict, default: Callable) -> Callable:
     """``warnings.showwarning`` for the CLI: the package's own warnings become one line
-    ``interp-norm CMD: warning: ...`` naming flags (as errors do); other libraries' warnings are shown as usual."""
+    ``interp-norm CMD: warning: ...`` naming flags (as errors do); other libraries' warnings are shown as usual.
+    The package's own are those raised in it or of a category of ``interp_norm.errors`` (one that points at the
+    caller's line, outside the package)."""
 
     def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
-        if str(Path(filename).resolve()).startswith(_PACKAGE):
+        if str(Path(filename).resolve()).startswith(_PACKAGE) or category.__module__ == "interp_norm.errors":
             print(f"{prog}: warning: {with_flag_names(' '.join(str(message).split()), flags)}", file=sys.stderr)
         else:
             default(message, category, filename, lineno, file, line)

@@ -48,8 +48,9 @@ HELP = {
     "batch_size": "problems per forward pass",
     "levels": "noise levels: the RMS of κ in the factor (1+κ) on the q/k/v norms",
     "dtype": ("Hugging Face models: number format the weights are loaded and run in: float32, bfloat16, float16, "
-              "float64, or auto (as stored); converted while loading, never held twice (default: float32; our "
-              "models run in float32)"),
+              "float64, or auto (as stored); converted while loading, never held twice, the largest tensors (the "
+              "embedding) into a nameless file in TMPDIR that is mapped, so only the rows used are resident "
+              "(default: float32; our models run in float32)"),
     "window_batch": ("Hugging Face models: text windows per forward pass, the passes run layer by layer in "
                      "lockstep and each layer is analysed one block of windows at a time: bounds the peak memory "
                      "whatever --windows is, same tables as one pass (default: 8; --windows or more: one pass)"),
