@@ -29,6 +29,7 @@ falls back to full forward passes. Never used when a hook is on the model.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Optional
@@ -38,7 +39,7 @@ from torch import Tensor
 
 from interp_norm.circuits._types import metric_values
 from interp_norm.circuits.exact.block_steps import _has_hooks
-from interp_norm.circuits.exact.engine import check_once
+from interp_norm.circuits.exact.engine import check_once, weights_key
 from interp_norm.circuits.exact.fused_elementwise import Substitute, fused, substitutes
 from interp_norm.circuits.exact.kv_patching import KV_ACTIVATIONS, KVCacheEngine
 from interp_norm.errors import EngineRefusal
@@ -241,7 +242,8 @@ def _clean_pass(model, inputs: AttributionInputs, cols: Tensor) -> _Prefix:
     handles += [model.unembed.register_forward_pre_hook(unembed_pre, with_kwargs=True),
                 model.unembed.register_forward_hook(unembed_post)]
     cc: dict[str, Tensor] = {}
-    subs = substitutes(model)
+    key = weights_key(model)  # one read of the weights' versions for the probe's and the check's caches
+    subs = substitutes(model, key)
     try:
         with torch.inference_mode(), fused(subs), model.hooks(fwd_hooks=[(nm, partial(_store, cc=cc, nm=nm)) for nm in [embed, *names]]):
             ret = model(clean[:, :ne])  # inference mode: cheaper per op than no_grad
@@ -259,7 +261,7 @@ def _clean_pass(model, inputs: AttributionInputs, cols: Tensor) -> _Prefix:
     clean_acts = {nm: _to_positions(cc[nm], pos_all if cc[nm].shape[1] == ne else cols, ne) for nm in names}
     lin = _unembed_linear(model)
     check_once(model, ("attribution re-run", sliced, len(run.tail), tuple(s.kind for s in subs)),
-               lambda: _check(run, clean[:, :ne], clean_acts, held["x"], cols, sliced=sliced, lin=lin, subs=subs))
+               lambda: _check(run, clean[:, :ne], clean_acts, held["x"], cols, sliced=sliced, lin=lin, subs=subs), key=key)
     return _Prefix(run, ne, p0, cols, sc=cols[cols >= p0], suffix=torch.arange(p0, ne, device=dev), e_clean=cc[embed],
                    x_clean=held.pop("x"), clean_acts=clean_acts, lin=lin, subs=subs,
                    per_layer=per_layer)
@@ -299,7 +301,8 @@ def _integration_chunk(model, inputs: AttributionInputs, pre: _Prefix, sums: _Su
         a = act.view(m, *e_clean.shape)  # the corrupted embedding: alpha = 0 leaves it as it is
         return (a + al.view(m, 1, 1, 1) * (e_clean.unsqueeze(0) - a)).reshape(act.shape)
 
-    with torch.no_grad(), model.hooks(fwd_hooks=[(inputs.embed, embed_hook)] if bool(al.any()) else []):
+    moved = bool(al.any())  # no hook context at alpha = 0 (entering one costs ~1 ms on a bridge)
+    with torch.no_grad(), model.hooks(fwd_hooks=[(inputs.embed, embed_hook)]) if moved else nullcontext():
         h0 = model(corr[:, :ne].repeat(m, 1), stop_at_layer=0)[:, p0:]  # alpha = 0: the corrupted input
         # Gemma 4: the rows' own per-layer inputs (per position: of their tokens and moved embedding)
         ple = _per_layer_inputs(model, corr[:, p0:ne].repeat(m, 1), h0) if pre.per_layer else None

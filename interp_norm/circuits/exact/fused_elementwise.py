@@ -57,9 +57,10 @@ class Substitute:
 _PROBED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
-def substitutes(model) -> list[Substitute]:
-    """The substitutes the probe accepts for ``model``'s blocks and final norm (probed once per weights)."""
-    key = weights_key(model)
+def substitutes(model, key: Optional[tuple] = None) -> list[Substitute]:
+    """The substitutes the probe accepts for ``model``'s blocks and final norm (probed once per weights;
+    ``key``: their :func:`~interp_norm.circuits.exact.engine.weights_key`, when the caller has it)."""
+    key = weights_key(model) if key is None else key
     hit = _PROBED.get(model)
     if hit is not None and hit[0] == key:
         return hit[1]
