@@ -144,3 +144,18 @@ def test_fused_restores_every_module_and_skips_a_norm_hooked_inside(bridges):
         handle.remove()
     assert own == {id(s.module) for s in subs if s.module is not hooked}
     assert not any("forward" in vars(m) for m in bridge.modules())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_unembedding_as_weight_times_rows_equals_the_linear_map_in_float64(bias):
+    """The re-run's unembedding product ``(weight @ rows.T).T`` (+ bias) is the ``nn.Linear``'s map: within
+    float32 rounding of the float64 product, d eps sum|x w| per logit (a d-term dot product in any order)."""
+    from interp_norm.circuits.attribution_replay import linear_rows
+
+    g = torch.Generator().manual_seed(2)
+    lin = torch.nn.Linear(64, 1000, bias=bias)
+    rows = torch.randn(16, 64, generator=g)
+    got = linear_rows(rows, lin)
+    want = rows.double() @ lin.weight.detach().double().T + (lin.bias.detach().double() if bias else 0.0)
+    tol = 64 * EPS32 * (rows.double().abs() @ lin.weight.detach().double().abs().T + (lin.bias.detach().double().abs() if bias else 0.0))
+    assert got.shape == (16, 1000) and got.is_contiguous() and ((got.double() - want).abs() <= tol).all()

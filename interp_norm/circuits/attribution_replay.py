@@ -18,6 +18,10 @@ in that computation are exactly known without running them:
   corrupted run's (one read of the unembedding matrix), at the read positions only, and the logits
   the metric sees are written into one buffer in place.
 
+Both runs take the bridge's GELU and norms as one-kernel stand-ins
+(:mod:`~interp_norm.circuits.exact.fused_elementwise`: each probed equal to its module up to rounding,
+else the module runs); the rest of every block is the bridge's own code.
+
 The re-run is compared with the bridge's own forward (logits, hooked activations, block inputs) the
 first time per model and again whenever its weights change
 (:func:`~interp_norm.circuits.exact.engine.weights_key`); a bridge wired otherwise (an attention that
@@ -102,11 +106,13 @@ class _Unembed(torch.autograd.Function):
 
 
 def linear_rows(rows: Tensor, lin: torch.nn.Linear) -> Tensor:
-    """``lin(rows)`` for few rows [k, d] against a wide matrix, as ``(weight @ rows.T).T`` (contiguous)."""
-    out = torch.mm(lin.weight, rows.t()).t()
-    if lin.bias is None:
-        return out.contiguous()
-    return torch.add(out, lin.bias, out=out.new_empty(out.shape))  # the bias added in the copy to rows
+    """``lin(rows)`` for few rows [k, d] against a wide matrix, as ``(weight @ rows.T).T`` (contiguous); not
+    recorded for autograd (:class:`_Unembed` supplies the backward)."""
+    with torch.no_grad():
+        out = torch.mm(lin.weight, rows.t()).t()
+        if lin.bias is None:
+            return out.contiguous()
+        return torch.add(out, lin.bias, out=out.new_empty(out.shape))  # the bias added in the copy to rows
 
 
 def _unembed(model, x: Tensor, x_clean: Tensor, lin: Optional[torch.nn.Linear]) -> Tensor:
