@@ -159,3 +159,20 @@ def test_the_unembedding_as_weight_times_rows_equals_the_linear_map_in_float64(b
     want = rows.double() @ lin.weight.detach().double().T + (lin.bias.detach().double() if bias else 0.0)
     tol = 64 * EPS32 * (rows.double().abs() @ lin.weight.detach().double().abs().T + (lin.bias.detach().double().abs() if bias else 0.0))
     assert got.shape == (16, 1000) and got.is_contiguous() and ((got.double() - want).abs() <= tol).all()
+
+
+def test_the_rms_norm_stand_in_has_the_gradient_of_the_formula():
+    """Its hand-written backward against autograd through the formula, in float64 (``gradcheck``: finite
+    differences too), for the input and the weight; its float32 forward is ``F.rms_norm``'s, bit for bit."""
+    from interp_norm.circuits.exact.fused_elementwise import rms_norm
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(16, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: rms_norm(x, w, 1e-5), (x, w))
+    u = torch.randn(3, 4, 16, generator=g, dtype=torch.float64)
+    want = torch.autograd.grad((_norm64(x, w, None, 1e-5, False) * u).sum(), (x, w))
+    got = torch.autograd.grad((rms_norm(x, w, 1e-5) * u).sum(), (x, w))
+    assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(got, want))
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float()
+    assert torch.equal(rms_norm(x32, w32, 1e-5), torch.nn.functional.rms_norm(x32, (16,), w32, 1e-5))

@@ -166,9 +166,42 @@ def _norm_candidates(m: Any) -> list[tuple[str, Callable[[Tensor], Tensor]]]:
     b = b if isinstance(b, torch.Tensor) else None
     return [
         ("layer_norm", lambda x: F.layer_norm(x, shape, w, b, eps)),
-        ("rms_norm", lambda x: F.rms_norm(x, shape, w, eps)),
-        ("rms_norm_offset", lambda x: F.rms_norm(x, shape, 1.0 + w, eps)),
+        ("rms_norm", lambda x: rms_norm(x, w, eps)),
+        ("rms_norm_offset", lambda x: rms_norm(x, 1.0 + w, eps)),
     ]
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """``F.rms_norm(x, w.shape, w, eps)``; where autograd records it, through :class:`_RMSNorm` (the same
+    forward operations, a shorter backward)."""
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _RMSNorm.apply(x, w, eps)
+    return F.rms_norm(x, tuple(w.shape), w, eps)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """y = w x r with r = (mean(x^2) + eps)^-1/2, forward as ``F.rms_norm`` computes it on CPU (pow, mean,
+    rsqrt, two products: the same roundings), backward by hand: dx = r (t - x_hat mean(t x_hat)) with
+    t = w g, x_hat = x r; dw = sum of g x_hat. ``F.rms_norm`` is decomposed on CPU and autograd's backward
+    through its pieces took 0.90 ms against 0.29 ms for this one on [8, 14, 768] (fwd + bwd)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, eps: float) -> Tensor:
+        r = x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+        xh = x * r
+        ctx.save_for_backward(xh, r, w)
+        return xh * w
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        xh, r, w = ctx.saved_tensors
+        gx = gw = None
+        if ctx.needs_input_grad[1]:
+            gw = (g * xh).reshape(-1, xh.shape[-1]).sum(0)
+        if ctx.needs_input_grad[0]:
+            t = g * w
+            gx = t.sub_(xh * (t * xh).mean(-1, keepdim=True)).mul_(r)
+        return gx, gw, None
 
 
 def _norm_substitute(m: Any) -> Optional[Substitute]:
@@ -230,4 +263,4 @@ def _probe_input(width: Optional[int], like: Tensor) -> Tensor:
     return torch.cat(rows).to(like.device, like.dtype)
 
 
-__all__ = ["ACTIVATIONS", "Substitute", "fused", "probe", "substitutes"]
+__all__ = ["ACTIVATIONS", "Substitute", "fused", "probe", "rms_norm", "substitutes"]
