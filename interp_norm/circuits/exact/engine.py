@@ -58,11 +58,12 @@ _BEFORE_OUT = ("q", "k", "v", "pattern", "z")  # ... whose attention output is r
 _CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[Hashable, tuple]]" = weakref.WeakKeyDictionary()
 
 
-def check_once(model, wiring: Hashable, check: Callable[[], None]) -> None:
+def check_once(model, wiring: Hashable, check: Callable[[], None], key: Optional[tuple] = None) -> None:
     """Run ``check`` (it raises :class:`~interp_norm.errors.EngineRefusal` on a mismatch) unless it
-    already passed for ``model`` with this ``wiring`` and these weights (:func:`weights_key`): a
-    re-implementation of the model's forward is compared with the model once, not on every call."""
-    key = weights_key(model)
+    already passed for ``model`` with this ``wiring`` and these weights (:func:`weights_key`; ``key``: that
+    key, when the caller has it already): a re-implementation of the model's forward is compared with the
+    model once, not on every call."""
+    key = weights_key(model) if key is None else key
     if _CHECKED.get(model, {}).get(wiring) != key:
         check()
         _CHECKED.setdefault(model, {})[wiring] = key
