@@ -22,6 +22,7 @@ from interp_norm.circuits import edge_grads, edge_senders
 from interp_norm.circuits._types import MetricFn, device, ig_alphas, metric_values
 from interp_norm.core import nodes
 from interp_norm.circuits.edges import EdgeGraph, EdgeRunner
+from interp_norm.circuits.exact.fused_elementwise import substitutes
 from interp_norm.circuits.metrics import LogitDiff
 from interp_norm.circuits.norm_modes import freeze_hooks, mode_label, quiet
 from interp_norm.circuits.pairs import PatchingPairs, as_pairs
@@ -109,7 +110,8 @@ def _score_passes(runner: EdgeRunner, tokens: tuple[Tensor, Tensor], metric: Met
     before it; else (or if that pass falls back to the copies) a corrupted sender run."""
     (clean, corr), (alphas, per_pass, n_chunks) = tokens, plan
     model, dev, b = runner.model, corr.device, clean.shape[0]
-    s_clean, e_clean = edge_senders.sender_run(runner, clean)
+    subs = substitutes(model) if fast else []  # the one-pass route's stand-ins, in its sender runs too
+    s_clean, e_clean = edge_senders.sender_run(runner, clean, subs)
     if fast:
         e_corr, delta = edge_senders.embedding(runner, corr), None
     else:
@@ -124,13 +126,14 @@ def _score_passes(runner: EdgeRunner, tokens: tuple[Tensor, Tensor], metric: Met
         seen: Optional[dict] = {} if delta is None and s0 == 0 and br == b else None
         g: Union[Tensor, Iterator[Tensor], None] = None
         if fast:
-            g = edge_grads.fast_receivers(model, runner, corr[idx], (e_corr[idx], e_clean[idx], al), sub, br, capture=seen)
+            g = edge_grads.fast_receivers(model, runner, corr[idx], (e_corr[idx], e_clean[idx], al), sub, br, capture=seen,
+                                          subs=subs)
         if delta is None:  # the one-pass route's first pass: its senders, unless it fell back
             read = g is not None and seen is not None and all(nm in seen for nm in edge_senders.sender_names(runner))
             if read:
                 delta = edge_senders.subtract_senders(runner, s_clean, seen)  # type: ignore[arg-type]  # read: not None
             else:
-                delta = s_clean.sub_(edge_senders.sender_run(runner, corr)[0])
+                delta = s_clean.sub_(edge_senders.sender_run(runner, corr, subs)[0])
         if g is None:  # the copies backend, or a block the one-pass path cannot read
             g = _copies_grads(runner, frozen, corr[idx], (e_corr[idx], e_clean[idx], al), sub, br)
         d = delta if br == b else delta[:, idx.to(delta.device)]

@@ -7,15 +7,19 @@ per row, a sixth of the pass -- whose output nothing reads, so :func:`sender_run
 the final norm and :func:`embedding` at the first block. :func:`capture_hooks` reads the corrupted
 rows' senders off the gradient pass itself (its first integration point is the corrupted input), so
 the one-pass route of :mod:`~interp_norm.circuits.edge_grads` needs no corrupted sender run at all.
+That route runs its sender runs with the one-kernel stand-ins of its gradient pass (``subs``,
+:mod:`~interp_norm.circuits.exact.fused_elementwise`), so that clean and corrupted senders come from
+like arithmetic.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from interp_norm.circuits.exact.fused_elementwise import Substitute, fused
 from interp_norm.core.hook_names import act_name
 
 
@@ -101,10 +105,12 @@ def subtract_senders(runner, into: Tensor, cache: dict) -> Tensor:
     return into
 
 
-def sender_run(runner, tokens: Tensor) -> tuple[Tensor, Tensor]:
-    """(senders [U, b, n, d], token embedding [b, n, d]) of a pass of ``tokens`` stopped at the final norm."""
+def sender_run(runner, tokens: Tensor, subs: Sequence[Substitute] = ()) -> tuple[Tensor, Tensor]:
+    """(senders [U, b, n, d], token embedding [b, n, d]) of a pass of ``tokens`` stopped at the final norm
+    (``subs``: with these stand-ins for the modules they replace)."""
     model = runner.model
-    seen = _run_until(model, tokens, sender_names(runner), _module(model, "ln_final"))
+    with fused(list(subs)):
+        seen = _run_until(model, tokens, sender_names(runner), _module(model, "ln_final"))
     return runner.senders_from_cache(seen), seen[act_name("embed")]
 
 
