@@ -205,11 +205,22 @@ def _closed_form(norm: torch.nn.Module, x: Tensor, u: Tensor) -> Optional[Tensor
 
 def _head_vectors(runner, layer: int, projs: list, grads: list[Tensor]) -> Tensor:
     """[A, rows, n, d]: each attention receiver's ``W[h]^T dM/d(out_h)`` (its head's rows of its
-    projection's weight), in :meth:`EdgeGraph.attn_slots` order of ``layer``, as one batched product."""
+    projection's weight), in :meth:`EdgeGraph.attn_slots` order of ``layer``: one batched product per
+    projection, written into the receivers' interleaved slots (each head's product lands in a
+    contiguous [rows * n, d] block, so the weights are read as views, not stacked); other slot orders
+    stack the heads' rows."""
     Ws = [p.original_component.weight.detach() for p in projs]  # [heads * d_head, d_model]
     dh = Ws[0].shape[0] // runner.H  # this layer's d_head (Gemma 4's global layers have their own)
-    gs = [g.reshape(*g.shape[:2], -1, dh) for g in grads]  # [rows, n, heads, d_head] per input
     slots = runner.graph.attn_slots(layer)
+    rows, n = grads[0].shape[:2]
+    heads = [W.shape[0] // dh for W in Ws]
+    if heads[0] == heads[1] == heads[2] and slots == [(j, h) for h in range(heads[0]) for j in range(3)]:
+        out = grads[0].new_empty(heads[0], 3, rows * n, Ws[0].shape[1])
+        for j in range(3):
+            G = grads[j].reshape(rows * n, heads[0], dh).transpose(0, 1)  # [heads, rows * n, d_head]
+            torch.bmm(G, Ws[j].view(heads[0], dh, -1).to(G.dtype), out=out[:, j])
+        return out.view(3 * heads[0], rows, n, -1)
+    gs = [g.reshape(*g.shape[:2], -1, dh) for g in grads]  # [rows, n, heads, d_head] per input
     G = torch.stack([gs[j][:, :, i] for j, i in slots])  # [A, rows, n, d_head]
     W = torch.stack([Ws[j][i * dh : (i + 1) * dh] for j, i in slots]).to(G.dtype)  # [A, d_head, d_model]
     return torch.bmm(G.flatten(1, 2), W).view(*G.shape[:3], -1)

@@ -172,7 +172,7 @@ def _pass_scores(runner: EdgeRunner, d: Tensor, g: Union[Tensor, Iterable[Tensor
     blocks = iter(g)
     first = next(blocks)
     dt = torch.promote_types(first.dtype, torch.float32)
-    keep = d.ne(0).any(-1).any(1).any(0).nonzero().flatten().tolist()
+    keep = d.any(-1).any(1).any(0).nonzero().flatten().tolist()  # any() of floats: no bool copy of d
     out, r0 = torch.zeros(d.shape[0], len(graph.receivers), dtype=dt, device=d.device), 0
     if not keep:
         return out.double().cpu()
