@@ -55,7 +55,9 @@ def edge_attribution(
     the backward pass at their values in the run differentiated (:mod:`~interp_norm.circuits.norm_modes`;
     bridges as there); edges into queries and keys then score 0 with frozen patterns.
     On a Pre-Norm bridge (``backend="auto"``) every receiver's gradient comes from one plain backward
-    pass (:mod:`~interp_norm.circuits.edge_grads`); ``backend="copies"`` forces the receiver copies.
+    pass (:mod:`~interp_norm.circuits.edge_grads`, its GELU and norms through node EAP's one-kernel
+    stand-ins, :mod:`~interp_norm.circuits.exact.fused_elementwise`); ``backend="copies"`` forces the
+    receiver copies.
     Grouped k/v heads: one k and one v receiver per k/v head. Gemma 4: each layer has the receivers its
     projections read (:mod:`~interp_norm.circuits.edge_layer_input`) -- a ``k = v`` layer's ``k`` receiver
     feeds its keys and values, a KV-sharing layer has q receivers only and its keys and values move with
