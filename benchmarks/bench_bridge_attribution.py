@@ -224,7 +224,7 @@ def main() -> None:
             e = edge_row(bridge, clean, corr, metric, args.repeats)
             tl_ratio = f"{e['tl'] / e['ours']:.1f}x" if e["tl"] == e["tl"] else "TransformerLens refuses grouped k/v"
             print(f"   edge EAP ({e['edges']} edges): max|diff| {e['diff']:.1e}, TransformerLens {e['tl']:.2f} s, ours "
-                  f"{e['ours']:.2f} s ({tl_ratio}); ours node EAP {e['node']:.2f} s: edge / node {e['ours'] / e['node']:.1f}x "
+                  f"{e['ours']:.2f} s ({tl_ratio}); ours node EAP {e['node']:.2f} s: edge / node {e['ours'] / e['node']:.2f}x "
                   "(target <= 2x)", flush=True)
         del bridge
     if args.breakdown:

@@ -6,11 +6,15 @@ plain and grouped k/v heads, QK-Norm; post-norm heads (OLMo-2) and frozen modes 
 Tolerance: both are float32 sums of the same products in another order (the copies backend adds a
 zero leaf and backpropagates 1 + 3 x heads copies; here the projection's transpose and the norm's
 vector-Jacobian product run per receiver): a few float32 ulps of the largest gradient-times-difference
-terms, 1e-6 relative to the largest score.
+terms, 1e-6 relative to the largest score. That holds in like arithmetic: the one-pass route runs the
+bridge's GELU and norms through one-kernel stand-ins (fused_elementwise), other float32 groupings of
+the same formulas, so the tight comparison runs it with the modules (``modules_only``), and the
+stand-ins are checked separately against the exact (float64) scores within a float32 rounding bound.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -23,6 +27,8 @@ from _models import bridge_pairs
 from interp_norm.anatomy import tiny_bridge
 from interp_norm.circuits import edge_attribution
 import interp_norm.circuits.edge_grads as edge_grads
+import interp_norm.circuits.edge_scores as edge_scores
+from interp_norm.circuits.exact.fused_elementwise import ACTIVATIONS, Substitute, modules_only, substitutes
 
 
 def metric(logits: torch.Tensor) -> torch.Tensor:
@@ -38,7 +44,8 @@ def test_one_pass_equals_the_copies_backend(arch, monkeypatch):
     monkeypatch.setattr(edge_grads, "fast_receivers", lambda *a, **k: (lambda g: used.append(g is not None) or g)(real(*a, **k)))
     for ig in (1, 3):
         used.clear()
-        fast = edge_attribution(bridge, pairs, metric, ig_steps=ig).set_index(["sender", "receiver"])["score"]
+        with modules_only():  # like arithmetic: the modules, not their stand-ins (test below)
+            fast = edge_attribution(bridge, pairs, metric, ig_steps=ig).set_index(["sender", "receiver"])["score"]
         ref = edge_attribution(bridge, pairs, metric, ig_steps=ig, backend="copies").set_index(["sender", "receiver"])["score"]
         assert used == [True]  # the one-pass path ran (once: every pair and step in one pass)
         assert set(fast.index) == set(ref.index)
@@ -159,10 +166,73 @@ def test_a_metric_declaring_its_read_positions_unembeds_only_those_and_scores_th
     widths = []
     h = bridge.unembed.register_forward_hook(lambda mod, args, out: widths.append(args[0].shape[1]))
     try:
-        fast = edge_attribution(bridge, pairs, _LastDiff(3, 6)).set_index(["sender", "receiver"])["score"]
+        with modules_only():
+            fast = edge_attribution(bridge, pairs, _LastDiff(3, 6)).set_index(["sender", "receiver"])["score"]
     finally:
         h.remove()
     assert widths == [1]  # the gradient pass's unembedding read one position (the sender runs stop before it)
     ref = edge_attribution(bridge, pairs, metric, backend="copies").set_index(["sender", "receiver"])["score"]
     scale = float(ref.abs().max())
     assert scale > 1e-2 and float((fast - ref.reindex(fast.index)).abs().max()) <= 1e-6 * scale
+
+
+def _exact_scores_and_magnitudes(arch: str, pairs, ig: int, monkeypatch):
+    """The copies backend on a float64 build of the tiny ``arch`` bridge (the exact scores, to float64 rounding), and per
+    edge M = sum over rows, positions and coordinates of |d| |g| (sender difference times receiver
+    gradient), read off the same pass's products."""
+    mags: list = []
+    real = edge_scores._pass_scores
+
+    def spy(runner, d, g, m, held=False):
+        mags.append(real(runner, d.abs(), g.abs(), m, held))
+        return real(runner, d, g, m, held)
+
+    b64 = tiny_bridge(arch, seed=3, n_layers=3).double()
+    with monkeypatch.context() as mp:
+        mp.setattr(edge_scores, "_pass_scores", spy)
+        exact = edge_attribution(b64, pairs, metric, ig_steps=ig, backend="copies")
+    runner = edge_scores.EdgeRunner(b64)
+    size = edge_scores.edge_frame(runner.graph, sum(mags) / (len(pairs.clean_tokens) * ig), runner.valid, "m")
+    return exact.set_index(["sender", "receiver"])["score"], size.set_index(["sender", "receiver"])["score"]
+
+
+def _rounding_allowance(bridge) -> float:
+    """c unit roundoffs: how many float32 roundings a term d g of an edge score can carry. Forward to the
+    sender and backward to the receiver each cross at most the L blocks and the final norm; per block two
+    norms at (log2(d) + 8) roundings each (fused_elementwise._norm_tol), the activation at 8, and the
+    matrix products (q/k/v, scores, values, W_O, the MLP's two) summing at most 4d terms, counted as
+    log2(4d) each for six of them (blocked sums); c = 2 (L + 1) (2 (log2 d + 8) + 8 + 6 log2(4d))."""
+    L, d = bridge.cfg.n_layers, bridge.cfg.d_model
+    return 2 * (L + 1) * (2 * (math.log2(d) + 8) + 8 + 6 * math.log2(4 * d))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_stand_ins_keep_edge_scores_within_float32_rounding_of_the_exact_scores(arch, monkeypatch):
+    """The one-pass route with its stand-ins (the default), the same route with the modules and the copies
+    backend (float32) each within c u M of the exact score of every edge (the float64 copies backend): the
+    stand-ins agree with their modules within rounding (their probe), so they only regroup the float32
+    roundings a term d g carries, at most c (_rounding_allowance) of u relative to |d| |g| each; summed
+    over an edge's terms, c u M. An erf GELU standing in for GPT-2's tanh GELU (2e-4 apart at |x| ~ 2,
+    ~1e3 u relative) breaks the bound: it is not a stand-in."""
+    bridge = tiny_bridge(arch, seed=3, n_layers=3)
+    pairs = bridge_pairs(bridge, 3, 6)
+    u = torch.finfo(torch.float32).eps / 2
+    tol = _rounding_allowance(bridge) * u
+    for ig in (1, 3):
+        exact, size = _exact_scores_and_magnitudes(arch, pairs, ig, monkeypatch)
+        with modules_only():
+            plain = edge_attribution(bridge, pairs, metric, ig_steps=ig)
+        runs = {"stand-ins": edge_attribution(bridge, pairs, metric, ig_steps=ig), "modules": plain,
+                "copies": edge_attribution(bridge, pairs, metric, ig_steps=ig, backend="copies")}
+        for name, got in runs.items():
+            got = got.set_index(["sender", "receiver"])["score"].reindex(exact.index)
+            err = (got - exact).abs()
+            assert float((err - tol * size).max()) <= 0, (name, ig, float((err / size).max() / u))
+        assert float(exact.abs().max()) > 1e-2
+    if arch == "gpt2":  # a wrong stand-in is caught by the same bound
+        subs = substitutes(bridge)
+        wrong = [Substitute(s.module, "gelu_erf", ACTIVATIONS["gelu_erf"]) if s.kind == "gelu_tanh" else s for s in subs]
+        monkeypatch.setattr(edge_scores, "substitutes", lambda model, key=None: wrong)
+        exact, size = _exact_scores_and_magnitudes(arch, pairs, 1, monkeypatch)
+        got = edge_attribution(bridge, pairs, metric).set_index(["sender", "receiver"])["score"].reindex(exact.index)
+        assert float(((got - exact).abs() - tol * size).max()) > 0

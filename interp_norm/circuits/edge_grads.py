@@ -17,12 +17,15 @@ k/v head's k and v inputs, the MLP's (its norm, the gradient at the MLP's input)
 It applies where that identity is what the model computes; :func:`fast_receivers` checks each
 block on the pass itself (the projection input equals the norm of the residual, the projection
 is affine with the weight read here) and returns None otherwise -- post-norm heads (OLMo-2),
-frozen norms or patterns, a hook on the model -- and the copies backend runs.
+frozen norms or patterns, a hook on the model -- and the copies backend runs. The pass runs the
+bridge's GELU and norms through the one-kernel stand-ins node EAP's re-run uses (``subs``,
+:mod:`~interp_norm.circuits.exact.fused_elementwise`: each probed equal to its module within rounding);
+the receivers' norm Jacobians are still checked against the model's own norm modules.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -32,6 +35,7 @@ from interp_norm.circuits._types import metric_values
 from interp_norm.circuits.attribution import _logits_at, _read_columns
 from interp_norm.circuits.edge_senders import capture_hooks, sender_names
 from interp_norm.circuits.exact.block_steps import _has_hooks
+from interp_norm.circuits.exact.fused_elementwise import Substitute, fused
 from interp_norm.circuits.norm_modes import quiet
 from interp_norm.core.hook_names import act_name
 from interp_norm.core.nodes import QKV
@@ -66,12 +70,14 @@ def applies(model, runner, norm: str, pattern: str) -> bool:
 
 
 def fast_receivers(model, runner, tokens: Tensor, embed_mix: tuple[Tensor, Tensor, Tensor], metric: Any,
-                   br: int, *, capture: Optional[dict] = None) -> Optional[Iterator[Tensor]]:
+                   br: int, *, capture: Optional[dict] = None,
+                   subs: Sequence[Substitute] = ()) -> Optional[Iterator[Tensor]]:
     """Gradients of ``metric`` (summed over rows) at every receiver's input, in
     :attr:`EdgeGraph.receivers` order as blocks of ``[receivers, rows, n, d]`` (:func:`_assemble`), for the corrupted ``tokens`` [br, n] at the integration points
     of ``embed_mix``; None where a block is not what this module assumes. ``capture``: filled with the
     sender activations (:func:`~interp_norm.circuits.edge_senders.sender_names`) of the first
-    integration point's rows -- the corrupted run itself where that point is 0."""
+    integration point's rows -- the corrupted run itself where that point is 0. ``subs``: stand-ins the
+    pass runs for the modules they replace."""
     parts = _parts(model)
     assert parts is not None
     e_corr, e_clean, al = embed_mix
@@ -87,14 +93,15 @@ def fast_receivers(model, runner, tokens: Tensor, embed_mix: tuple[Tensor, Tenso
     hooks: list[tuple[str, Any]] = [(act_name("embed"), embed)]
     if capture is not None:
         hooks += capture_hooks(sender_names(runner)[1:], capture, rows=br)
-    handles = _capture(model, parts, seen)  # before _logits_at's hooks: "uin" is the whole unembedding input
     cols, n = _read_columns(model, metric, br, tokens.shape[1], full=True)
-    try:
-        with torch.enable_grad(), quiet(), _logits_at(model, cols, n, n):  # unembed the read positions only
-            logits = model.run_with_hooks(tokens.repeat(m, 1), fwd_hooks=hooks)
-    finally:
-        for h in handles:
-            h.remove()
+    with fused(list(subs)):  # entered before the capture hooks go on the norms (fused skips hooked modules)
+        handles = _capture(model, parts, seen)  # before _logits_at's hooks: "uin" is the whole unembedding input
+        try:
+            with torch.enable_grad(), quiet(), _logits_at(model, cols, n, n):  # unembed the read positions only
+                logits = model.run_with_hooks(tokens.repeat(m, 1), fwd_hooks=hooks)
+        finally:
+            for h in handles:
+                h.remove()
     if not _wired(model, parts, seen):
         return None
     keys = [f"{j}.{l}" for l in range(len(parts)) for j in QKV] + [f"mlp.{l}" for l in range(len(parts))] + ["yf"]
@@ -198,11 +205,22 @@ def _closed_form(norm: torch.nn.Module, x: Tensor, u: Tensor) -> Optional[Tensor
 
 def _head_vectors(runner, layer: int, projs: list, grads: list[Tensor]) -> Tensor:
     """[A, rows, n, d]: each attention receiver's ``W[h]^T dM/d(out_h)`` (its head's rows of its
-    projection's weight), in :meth:`EdgeGraph.attn_slots` order of ``layer``, as one batched product."""
+    projection's weight), in :meth:`EdgeGraph.attn_slots` order of ``layer``: one batched product per
+    projection, written into the receivers' interleaved slots (each head's product lands in a
+    contiguous [rows * n, d] block, so the weights are read as views, not stacked); other slot orders
+    stack the heads' rows."""
     Ws = [p.original_component.weight.detach() for p in projs]  # [heads * d_head, d_model]
     dh = Ws[0].shape[0] // runner.H  # this layer's d_head (Gemma 4's global layers have their own)
-    gs = [g.reshape(*g.shape[:2], -1, dh) for g in grads]  # [rows, n, heads, d_head] per input
     slots = runner.graph.attn_slots(layer)
+    rows, n = grads[0].shape[:2]
+    heads = [W.shape[0] // dh for W in Ws]
+    if heads[0] == heads[1] == heads[2] and slots == [(j, h) for h in range(heads[0]) for j in range(3)]:
+        out = grads[0].new_empty(heads[0], 3, rows * n, Ws[0].shape[1])
+        for j in range(3):
+            G = grads[j].reshape(rows * n, heads[0], dh).transpose(0, 1)  # [heads, rows * n, d_head]
+            torch.bmm(G, Ws[j].view(heads[0], dh, -1).to(G.dtype), out=out[:, j])
+        return out.view(3 * heads[0], rows, n, -1)
+    gs = [g.reshape(*g.shape[:2], -1, dh) for g in grads]  # [rows, n, heads, d_head] per input
     G = torch.stack([gs[j][:, :, i] for j, i in slots])  # [A, rows, n, d_head]
     W = torch.stack([Ws[j][i * dh : (i + 1) * dh] for j, i in slots]).to(G.dtype)  # [A, d_head, d_model]
     return torch.bmm(G.flatten(1, 2), W).view(*G.shape[:3], -1)

@@ -22,6 +22,7 @@ from interp_norm.circuits import edge_grads, edge_senders
 from interp_norm.circuits._types import MetricFn, device, ig_alphas, metric_values
 from interp_norm.core import nodes
 from interp_norm.circuits.edges import EdgeGraph, EdgeRunner
+from interp_norm.circuits.exact.fused_elementwise import substitutes
 from interp_norm.circuits.metrics import LogitDiff
 from interp_norm.circuits.norm_modes import freeze_hooks, mode_label, quiet
 from interp_norm.circuits.pairs import PatchingPairs, as_pairs
@@ -54,7 +55,9 @@ def edge_attribution(
     the backward pass at their values in the run differentiated (:mod:`~interp_norm.circuits.norm_modes`;
     bridges as there); edges into queries and keys then score 0 with frozen patterns.
     On a Pre-Norm bridge (``backend="auto"``) every receiver's gradient comes from one plain backward
-    pass (:mod:`~interp_norm.circuits.edge_grads`); ``backend="copies"`` forces the receiver copies.
+    pass (:mod:`~interp_norm.circuits.edge_grads`, its GELU and norms through node EAP's one-kernel
+    stand-ins, :mod:`~interp_norm.circuits.exact.fused_elementwise`); ``backend="copies"`` forces the
+    receiver copies.
     Grouped k/v heads: one k and one v receiver per k/v head. Gemma 4: each layer has the receivers its
     projections read (:mod:`~interp_norm.circuits.edge_layer_input`) -- a ``k = v`` layer's ``k`` receiver
     feeds its keys and values, a KV-sharing layer has q receivers only and its keys and values move with
@@ -109,7 +112,8 @@ def _score_passes(runner: EdgeRunner, tokens: tuple[Tensor, Tensor], metric: Met
     before it; else (or if that pass falls back to the copies) a corrupted sender run."""
     (clean, corr), (alphas, per_pass, n_chunks) = tokens, plan
     model, dev, b = runner.model, corr.device, clean.shape[0]
-    s_clean, e_clean = edge_senders.sender_run(runner, clean)
+    subs = substitutes(model) if fast else []  # the one-pass route's stand-ins, in its sender runs too
+    s_clean, e_clean = edge_senders.sender_run(runner, clean, subs)
     if fast:
         e_corr, delta = edge_senders.embedding(runner, corr), None
     else:
@@ -124,13 +128,14 @@ def _score_passes(runner: EdgeRunner, tokens: tuple[Tensor, Tensor], metric: Met
         seen: Optional[dict] = {} if delta is None and s0 == 0 and br == b else None
         g: Union[Tensor, Iterator[Tensor], None] = None
         if fast:
-            g = edge_grads.fast_receivers(model, runner, corr[idx], (e_corr[idx], e_clean[idx], al), sub, br, capture=seen)
+            g = edge_grads.fast_receivers(model, runner, corr[idx], (e_corr[idx], e_clean[idx], al), sub, br, capture=seen,
+                                          subs=subs)
         if delta is None:  # the one-pass route's first pass: its senders, unless it fell back
             read = g is not None and seen is not None and all(nm in seen for nm in edge_senders.sender_names(runner))
             if read:
                 delta = edge_senders.subtract_senders(runner, s_clean, seen)  # type: ignore[arg-type]  # read: not None
             else:
-                delta = s_clean.sub_(edge_senders.sender_run(runner, corr)[0])
+                delta = s_clean.sub_(edge_senders.sender_run(runner, corr, subs)[0])
         if g is None:  # the copies backend, or a block the one-pass path cannot read
             g = _copies_grads(runner, frozen, corr[idx], (e_corr[idx], e_clean[idx], al), sub, br)
         d = delta if br == b else delta[:, idx.to(delta.device)]
@@ -169,7 +174,7 @@ def _pass_scores(runner: EdgeRunner, d: Tensor, g: Union[Tensor, Iterable[Tensor
     blocks = iter(g)
     first = next(blocks)
     dt = torch.promote_types(first.dtype, torch.float32)
-    keep = d.ne(0).any(-1).any(1).any(0).nonzero().flatten().tolist()
+    keep = d.any(-1).any(1).any(0).nonzero().flatten().tolist()  # any() of floats: no bool copy of d
     out, r0 = torch.zeros(d.shape[0], len(graph.receivers), dtype=dt, device=d.device), 0
     if not keep:
         return out.double().cpu()

@@ -7,15 +7,19 @@ per row, a sixth of the pass -- whose output nothing reads, so :func:`sender_run
 the final norm and :func:`embedding` at the first block. :func:`capture_hooks` reads the corrupted
 rows' senders off the gradient pass itself (its first integration point is the corrupted input), so
 the one-pass route of :mod:`~interp_norm.circuits.edge_grads` needs no corrupted sender run at all.
+That route runs its sender runs with the one-kernel stand-ins of its gradient pass (``subs``,
+:mod:`~interp_norm.circuits.exact.fused_elementwise`), so that clean and corrupted senders come from
+like arithmetic.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from interp_norm.circuits.exact.fused_elementwise import Substitute, fused
 from interp_norm.core.hook_names import act_name
 
 
@@ -43,16 +47,18 @@ def capture_hooks(names: list[str], into: dict, rows: Optional[int] = None) -> l
     return [(nm, keep(nm)) for nm in names]
 
 
-def run_until(model, tokens: Tensor, fwd_hooks: list, stop_at: Optional[torch.nn.Module]) -> None:
+def run_until(model, tokens: Tensor, fwd_hooks: list, stop_at: Optional[torch.nn.Module],
+              inference: bool = False) -> None:
     """One no-grad pass of ``tokens`` with ``fwd_hooks``, ended before module ``stop_at`` runs (the
-    whole pass where it is None): for what the hooks see, not the output."""
+    whole pass where it is None): for what the hooks see, not the output. ``inference``: in inference
+    mode (cheaper per op; what the hooks keep are inference tensors: read them, do not write them)."""
 
     def stop(module, args):
         raise _Stop
 
     handle = stop_at.register_forward_pre_hook(stop) if stop_at is not None else None
     try:
-        with torch.no_grad():
+        with torch.inference_mode() if inference else torch.no_grad():
             model.run_with_hooks(tokens, fwd_hooks=fwd_hooks)
     except _Stop:
         pass
@@ -69,9 +75,10 @@ def block_or_final(model, layer: int) -> Optional[torch.nn.Module]:
     return _module(model, "ln_final")
 
 
-def _run_until(model, tokens: Tensor, names: list[str], stop_at: Optional[torch.nn.Module]) -> dict:
+def _run_until(model, tokens: Tensor, names: list[str], stop_at: Optional[torch.nn.Module],
+               inference: bool = False) -> dict:
     seen: dict[str, Tensor] = {}
-    run_until(model, tokens, capture_hooks(names, seen), stop_at)
+    run_until(model, tokens, capture_hooks(names, seen), stop_at, inference)
     return seen
 
 
@@ -101,11 +108,15 @@ def subtract_senders(runner, into: Tensor, cache: dict) -> Tensor:
     return into
 
 
-def sender_run(runner, tokens: Tensor) -> tuple[Tensor, Tensor]:
-    """(senders [U, b, n, d], token embedding [b, n, d]) of a pass of ``tokens`` stopped at the final norm."""
+def sender_run(runner, tokens: Tensor, subs: Sequence[Substitute] = ()) -> tuple[Tensor, Tensor]:
+    """(senders [U, b, n, d], token embedding [b, n, d]) of a pass of ``tokens`` stopped at the final norm
+    (``subs``: with these stand-ins for the modules they replace), in inference mode: both are made
+    outside it from what the pass kept (ordinary tensors, which the caller may write and differentiate
+    through)."""
     model = runner.model
-    seen = _run_until(model, tokens, sender_names(runner), _module(model, "ln_final"))
-    return runner.senders_from_cache(seen), seen[act_name("embed")]
+    with fused(list(subs)):
+        seen = _run_until(model, tokens, sender_names(runner), _module(model, "ln_final"), inference=True)
+    return runner.senders_from_cache(seen), seen[act_name("embed")].clone()
 
 
 def embedding(runner, tokens: Tensor) -> Tensor:

@@ -16,7 +16,9 @@ candidate lacks) differs by far more and keeps running. The probe runs once per 
 (:func:`~interp_norm.circuits.exact.engine.check_once`'s key). While :func:`fused` is entered each
 replaced module's ``forward`` is shadowed on the instance; its ``hook_in`` / ``hook_out`` points still
 fire, so hooks there (the residual ``hook_resid_mid`` is a norm's ``hook_in``) see the same tensors;
-a module with a hook on any other of its hook points is left alone.
+a module with a hook on any other of its hook points is left alone. Inside :func:`modules_only` every
+:func:`fused` runs the modules themselves: for comparing a route with one that never uses the stand-ins
+(the edge copies backend) in like arithmetic.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import math
 import weakref
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -54,6 +57,7 @@ class Substitute:
     forward: Callable
 
 
+_MODULES_ONLY: ContextVar[bool] = ContextVar("fused_elementwise_modules_only", default=False)
 _PROBED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
@@ -91,8 +95,9 @@ def probe(model) -> list[Substitute]:
 @contextmanager
 def fused(subs: list[Substitute]) -> Iterator[None]:
     """Run the substitutes' modules through their one-kernel forwards (those with no hook inside but
-    on ``hook_in`` / ``hook_out``); the modules' own forwards again on exit."""
-    on = [s for s in subs if not _hooked_inside(s.module)]
+    on ``hook_in`` / ``hook_out``); the modules' own forwards again on exit. Nothing is replaced inside
+    :func:`modules_only`."""
+    on = [] if _MODULES_ONLY.get() else [s for s in subs if not _hooked_inside(s.module)]
     for s in on:  # the instance's dict: a bridge component forwards attribute writes to the module it wraps
         s.module.__dict__["forward"] = s.forward
     try:
@@ -100,6 +105,18 @@ def fused(subs: list[Substitute]) -> Iterator[None]:
     finally:
         for s in on:
             s.module.__dict__.pop("forward", None)
+
+
+@contextmanager
+def modules_only() -> Iterator[None]:
+    """While entered, :func:`fused` replaces nothing: the attribution passes run the modules' own forwards
+    (their arithmetic, rounding for rounding), e.g. to compare the edge one-pass route with the copies
+    backend in like arithmetic."""
+    token = _MODULES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _MODULES_ONLY.reset(token)
 
 
 def _hooked_inside(module: torch.nn.Module) -> bool:
@@ -263,4 +280,4 @@ def _probe_input(width: Optional[int], like: Tensor) -> Tensor:
     return torch.cat(rows).to(like.device, like.dtype)
 
 
-__all__ = ["ACTIVATIONS", "Substitute", "fused", "probe", "rms_norm", "substitutes"]
+__all__ = ["ACTIVATIONS", "Substitute", "fused", "modules_only", "probe", "rms_norm", "substitutes"]
