@@ -53,7 +53,7 @@ _EXPORTS = {
     "tiny_bridge": "build", "tiny_gemma4_conditional": "build", "sharpen": "build",
     "load": "loading", "load_with_info": "loading", "spec_kind": "loading", "BridgeInfo": "loading",
     "folder_kind": "loading",
-    "wrapped": "_common", "original": "_common", "from_canonical": "_common",
+    "wrapped": "_common", "original": "_common", "from_canonical": "_common", "norm_eps": "_common",
     "sample_text": "text", "random_tokens": "text", "text_tokens": "text",
 }
 

@@ -1,5 +1,5 @@
 """Small helpers every adapter module needs: hook-tensor layouts, the HF module behind a component,
-and where a warning about the user's call should point.
+a norm module's epsilon, and where a warning about the user's call should point.
 
 They sit below :mod:`describe`, :mod:`rebuild` and :mod:`bridge_anatomy` so that none of those
 has to import another only for a layout conversion (the import graph stays acyclic).
@@ -66,6 +66,16 @@ def original(component: Any) -> Optional[nn.Module]:
     return orig if orig is not None else component
 
 
+def norm_eps(module: Any) -> Optional[float]:
+    """A norm module's epsilon under any of the names libraries give it (``eps``: torch and most Hugging
+    Face norms, ``variance_epsilon``: Llama-style RMSNorms, ``epsilon``), or None if it has none."""
+    for name in ("eps", "variance_epsilon", "epsilon"):
+        v = getattr(module, name, None)
+        if isinstance(v, (int, float)):
+            return float(v)
+    return None
+
+
 def outside_stacklevel() -> int:
     """The ``stacklevel`` (for a warning raised by the caller) of the first frame outside this package:
     the user's ``interp_norm.load(...)`` line, however many loaders lie between."""
@@ -80,4 +90,4 @@ def outside_stacklevel() -> int:
     return level
 
 
-__all__ = ["canonical", "from_canonical", "is_bridge", "wrapped", "original", "outside_stacklevel"]
+__all__ = ["canonical", "from_canonical", "is_bridge", "wrapped", "original", "norm_eps", "outside_stacklevel"]

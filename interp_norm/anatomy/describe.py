@@ -31,6 +31,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from interp_norm.anatomy._common import norm_eps
 from interp_norm.core import hook_names as H
 from interp_norm.errors import ArchitectureError
 
@@ -163,7 +164,7 @@ def identify_norm(module: nn.Module, dim: int, path: str, axis: str, seed: int =
     ``(1 + w)`` gains and parameter-free norms are recognised alike). Raises
     :class:`ArchitectureError` if neither fits.
     """
-    eps = _eps_of(module)
+    eps = norm_eps(module) or 0.0
     p = next(iter(module.parameters()), None)
     dtype = p.dtype if p is not None and p.is_floating_point() else torch.float32
     device = p.device if p is not None else "cpu"
@@ -206,14 +207,6 @@ def _computes_a_norm(module: nn.Module) -> bool:
     except Exception:
         return False
     return True
-
-
-def _eps_of(module: nn.Module) -> float:
-    for name in ("eps", "variance_epsilon", "epsilon"):
-        v = getattr(module, name, None)
-        if isinstance(v, (int, float)):
-            return float(v)
-    return 0.0
 
 
 def _module_path(model: nn.Module, module: nn.Module) -> str:

@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from interp_norm.anatomy import capabilities
+from interp_norm.anatomy import capabilities, norm_eps
 from interp_norm.circuits._types import metric_values
 from interp_norm.circuits.attribution import _logits_at, _read_columns
 from interp_norm.circuits.edge_senders import capture_hooks, sender_names
@@ -188,8 +188,8 @@ def _closed_form(norm: torch.nn.Module, x: Tensor, u: Tensor) -> Optional[Tensor
     neither."""
     mod = getattr(norm, "original_component", norm)
     w = getattr(mod, "weight", None)
-    eps = getattr(mod, "eps", getattr(mod, "variance_epsilon", None))
-    if not isinstance(w, Tensor) or not isinstance(eps, float):
+    eps = norm_eps(mod)
+    if not isinstance(w, Tensor) or eps is None:
         return None
     xf = x.float()
     layer = isinstance(mod, torch.nn.LayerNorm) or getattr(mod, "bias", None) is not None

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from interp_norm.anatomy import norm_eps
 from interp_norm.errors import PatchingError
 
 
@@ -65,8 +66,7 @@ def _held_gain(norm: Callable[[Tensor], Tensor], S: Tensor) -> tuple[Tensor, boo
     """(``w / s(S)`` [..., d] in float32 or wider, whether the norm centres), read from the module's
     weight and epsilon and checked against the module's own output on ``S`` to float32 rounding."""
     mod = getattr(norm, "original_component", norm)
-    eps = next((float(v) for k in ("eps", "variance_epsilon", "epsilon")
-                if isinstance(v := getattr(mod, k, None), (int, float))), None)
+    eps = norm_eps(mod)
     w = getattr(mod, "weight", None) if getattr(mod, "with_scale", True) else None
     b = getattr(mod, "bias", None)
     if eps is None or (w is not None and not isinstance(w, Tensor)) or (b is not None and not isinstance(b, Tensor)):

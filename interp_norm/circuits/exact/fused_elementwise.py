@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from interp_norm.anatomy import norm_eps
 from interp_norm.circuits.exact.engine import weights_key
 
 #: candidate one-kernel functions for a parameterless activation module, tried in this order
@@ -175,9 +176,8 @@ def _norm_candidates(m: Any) -> list[tuple[str, Callable[[Tensor], Tensor]]]:
     w, b = getattr(oc, "weight", None), getattr(oc, "bias", None)
     if not isinstance(w, torch.Tensor) or w.ndim != 1:
         return []
-    eps = getattr(oc, "eps", None)
-    eps = getattr(oc, "variance_epsilon", None) if eps is None else eps
-    if not isinstance(eps, float):
+    eps = norm_eps(oc)
+    if eps is None:
         return []
     shape = tuple(w.shape)
     b = b if isinstance(b, torch.Tensor) else None
