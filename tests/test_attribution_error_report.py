@@ -11,23 +11,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
 import pytest
+from _scripts import load_script
 
 from interp_norm.errors import ConfigError
 from interp_norm.report.dashboard import attribution_error as section
 from interp_norm.report.plots import plot_error_budget
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "scripts"
 PARTS = ("removed_by_norm", "removed_by_pattern", "rest")
 
 
@@ -49,15 +47,7 @@ def _table() -> pd.DataFrame:
 
 
 def _load_script():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        spec = importlib.util.spec_from_file_location("attribution_error_budget", SCRIPTS / "attribution_error_budget.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        import _docs
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return mod, _docs
+    return load_script("attribution_error_budget"), load_script("_docs")
 
 
 def test_bars_are_the_mean_parts_and_dots_every_seed():

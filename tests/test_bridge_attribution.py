@@ -195,6 +195,15 @@ def _tl_scores(bridge, pairs: PatchingPairs, fn, i: int) -> tuple[torch.Tensor, 
     return tz, tm
 
 
+def _assert_tl_per_pair(bridge, pairs: PatchingPairs, z: torch.Tensor, mlp: torch.Tensor) -> None:
+    """Each pair's z and mlp_out scores (metric: the logit difference at the last position) equal
+    TransformerLens's within 1e-5, and its head scores carry signal (the check compares something)."""
+    for i in range(B):
+        tz, tm = _tl_scores(bridge, pairs, _tl_metric(read_at(N - 1)), i)
+        assert (z[..., i] - tz).abs().max() <= 1e-5 and (mlp[..., i] - tm).abs().max() <= 1e-5
+        assert tz.abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "olmo2"])
 def test_rerun_from_the_shared_prefix_equals_transformer_lens_per_pair(bridges, arch, replays):
     """Pairs corrupted at positions 3, 5, 4 (shared prefix 0..2); metrics reading the last position,
@@ -284,10 +293,7 @@ def test_gemma4_takes_the_re_run_and_equals_transformer_lens(shared, replays):
     res = node_attribution(bridge, pairs, read_at(N - 1), ("z", "mlp_out"))
     assert replays == [True]
     z, mlp = _ours_per_pair(res, L, H)
-    for i in range(B):
-        tz, tm = _tl_scores(bridge, pairs, _tl_metric(read_at(N - 1)), i)
-        assert (z[..., i] - tz).abs().max() <= 1e-5 and (mlp[..., i] - tm).abs().max() <= 1e-5
-        assert tz.abs().max() > 1e-3
+    _assert_tl_per_pair(bridge, pairs, z, mlp)
 
 
 @pytest.mark.parametrize("arch", ["gemma4", "gemma4-shared"])
@@ -302,10 +308,7 @@ def test_gemma4_with_per_layer_inputs_takes_the_re_run(arch, ig_steps, replays):
     assert replays == [True]
     z, mlp = _ours_per_pair(res, L, H)
     if ig_steps == 1:
-        for i in range(B):
-            tz, tm = _tl_scores(bridge, pairs, _tl_metric(read_at(N - 1)), i)
-            assert (z[..., i] - tz).abs().max() <= 1e-5 and (mlp[..., i] - tm).abs().max() <= 1e-5
-            assert tz.abs().max() > 1e-3
+        _assert_tl_per_pair(bridge, pairs, z, mlp)
         return
     with bridge.hooks(fwd_hooks=[(act_name("resid_pre", 0), lambda act, hook: act)]):  # a hook: full passes
         full = node_attribution(bridge, pairs, read_at(N - 1), ("z", "mlp_out"), ig_steps=ig_steps)
@@ -326,10 +329,7 @@ def test_a_bridge_whose_blocks_ignore_the_cache_falls_back(replays, monkeypatch)
     res = node_attribution(bridge, pairs, read_at(N - 1), ("z", "mlp_out"))
     assert replays == [False]
     z, mlp = _ours_per_pair(res, L, H)
-    for i in range(B):
-        tz, tm = _tl_scores(bridge, pairs, _tl_metric(read_at(N - 1)), i)
-        assert (z[..., i] - tz).abs().max() <= 1e-5 and (mlp[..., i] - tm).abs().max() <= 1e-5
-        assert tz.abs().max() > 1e-3
+    _assert_tl_per_pair(bridge, pairs, z, mlp)
 
 
 def test_the_wiring_check_runs_once_per_weights_and_a_failed_check_falls_back(monkeypatch, replays):

@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_circuit_section_is_current():
-    scripts = ROOT / "scripts"
     if not (ROOT / "data" / "seed_tables" / "circuit_seed_comparisons.csv").exists():
         pytest.skip("no circuit seed tables in data/seed_tables")
-    sys.path.insert(0, str(scripts))
-    try:
-        spec = importlib.util.spec_from_file_location("circuit_seeds", scripts / "circuit_seeds.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        import _docs
-    finally:
-        sys.path.remove(str(scripts))
+    mod, _docs = load_script("circuit_seeds"), load_script("_docs")
     assert _docs.block("CIRCUIT-TABLES", mod.PAGE) == mod.markdown_from_data(mod.DATA), \
         "run scripts/circuit_seeds.py summarise --write"
 
@@ -32,12 +23,7 @@ def test_circuit_findings_cite_only_numbers_the_tables_hold():
     docs/findings-tables.md: the prose cannot drift from the tables."""
     import re
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import _docs
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
-    prose = _docs.block("CIRCUIT-FINDINGS")
+    prose = load_script("_docs").block("CIRCUIT-FINDINGS")
     page = (ROOT / "docs" / "findings-tables.md").read_text(encoding="utf-8")
     intervals = re.findall(r"-?\d+\.\d \[-?\d+\.\d, -?\d+\.\d\]", prose)
     assert len(intervals) >= 20

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from _scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("compare_reports", ROOT / "scripts" / "compare_reports.py")
-C = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(C)
+C = load_script("compare_reports")
 
 
 def write(folder: Path, **tables: pd.DataFrame) -> Path:

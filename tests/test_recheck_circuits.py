@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,18 +10,14 @@ import torch
 from interp_norm.core import task as T
 
 from _models import make_model
+from _scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "recheck_circuits.py"
 
 
 @pytest.fixture(scope="module")
 def rc():
-    spec = importlib.util.spec_from_file_location("recheck_circuits", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+    yield load_script("recheck_circuits")
+    sys.modules.pop("recheck_circuits", None)
 
 
 def test_answer_positions_and_key_classes_by_hand(rc):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import csv
-import importlib.util
 import math
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "recheck_verdicts.py"
@@ -22,12 +22,8 @@ DECLARATION = {"ABOVE_MARGIN", "ALPHA", "CLAIMS", "MIN_SEEDS", "NEAR_MARGIN", "P
 
 @pytest.fixture(scope="module")
 def rv():
-    spec = importlib.util.spec_from_file_location("recheck_verdicts", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+    yield load_script("recheck_verdicts")
+    sys.modules.pop("recheck_verdicts", None)
 
 
 def test_it_reads_only_the_declaration_from_the_package():

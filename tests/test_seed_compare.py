@@ -184,18 +184,9 @@ def test_cli_reproduce_takes_all_seeds():
 
 
 def test_findings_tables_script_renders_every_seed_and_the_statistics(tmp_path):
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from _scripts import load_script
 
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
-    sys.path.insert(0, str(scripts))
-    try:
-        spec = importlib.util.spec_from_file_location("findings_tables", scripts / "findings_tables.py")
-        F = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(F)
-    finally:
-        sys.path.remove(str(scripts))
+    F = load_script("findings_tables")
     per = pd.DataFrame(_rows("pre", "none", "extrapolation accuracy", [70.0, 72.0, 71.0])
                        + _rows("qkv", "none", "extrapolation accuracy", [80.0, 84.0, 79.0]))
     summary, _ = compare_seeds(per)
